@@ -1,0 +1,19 @@
+"""commpress: gradient compression and compressed collectives for PyTorch.
+
+>>> import commpress
+>>> c = commpress.get("topk", ratio=0.01)
+>>> payload = c.compress(grad)          # payload.tensors go on the wire
+>>> approx = c.decompress(payload)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .compressors import Compressor, Payload, available, get, register
+
+logging.getLogger("commpress").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = ["Compressor", "Payload", "available", "get", "register", "__version__"]

@@ -1,0 +1,183 @@
+"""The compressor contract: :class:`Payload`, :class:`Compressor` and the registry.
+
+A compressor turns one gradient tensor into a :class:`Payload` (the tensors that go
+on the wire plus the few facts needed to decode them) and back.  How payloads of
+several ranks are combined is given by :attr:`Compressor.aggregation`:
+
+``"sum"``
+    payload tensors add elementwise (identity, fp16, bf16, shared-seed random-k):
+    an ``all_reduce`` of the wire tensors, then ``decompress``.
+``"sparse"``
+    ``payload.tensors == (indices, values)``: unique, in-range indices (int32 when
+    ``numel < 2**31``) and their values; summed by a sparse allreduce.
+``"gather"``
+    codes that must be decoded before they can be added (quantizers): the
+    two-phase quantized allreduce decodes, sums in fp32 and re-encodes.
+``"lowrank"``
+    PowerSGD factors P, Q: the PowerSGD protocol (two ``all_reduce`` calls).
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+AGGREGATIONS = ("sum", "sparse", "gather", "lowrank")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one rank sends for one tensor.
+
+    ``tensors`` is exactly what goes on the wire; ``nbytes`` is its true size in
+    bytes after bit packing.  ``shape``, ``dtype`` and ``numel`` describe the
+    original tensor; ``meta`` holds small decode facts (never sent per element,
+    derivable by every rank from the configuration and ``numel``).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    numel: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the sum of the wire tensors' sizes."""
+        return int(sum(t.numel() * t.element_size() for t in self.tensors))
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes the uncompressed tensor would take in its own dtype."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+
+class Compressor(ABC):
+    """Base class of all compressors.
+
+    Subclasses set :attr:`name` (through :func:`register`), :attr:`aggregation`
+    and :attr:`unbiased`, and implement :meth:`compress` / :meth:`decompress`.
+    ``compress`` accepts fp32, fp16 and bf16 tensors of any shape (contiguous or
+    not, empty included); ``decompress`` returns the input's shape and dtype.
+    """
+
+    name: ClassVar[str] = ""
+    aggregation: ClassVar[str] = "sum"
+    #: True when ``E[decompress(compress(x))] == x`` (no error feedback needed).
+    unbiased: ClassVar[bool] = True
+    #: True when compress is a deterministic function of (tensor, step, key).
+    deterministic: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+
+    @abstractmethod
+    def compress(
+        self,
+        tensor: torch.Tensor,
+        *,
+        step: int = 0,
+        key: Any = 0,
+        generator: torch.Generator | None = None,
+    ) -> Payload:
+        """Encode ``tensor``. ``step``/``key`` seed shared random choices;
+        ``generator`` supplies per-rank noise (stochastic rounding)."""
+
+    @abstractmethod
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        """Decode a payload to a tensor of the original shape and dtype."""
+
+    # -- configuration -------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """The parameters this compressor was built with (for fingerprints)."""
+        return dict(getattr(self, "_config", {}))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+    # -- helpers for subclasses ----------------------------------------
+    def check_input(self, tensor: torch.Tensor) -> None:
+        """Raise ``TypeError`` for a non-tensor or an unsupported dtype."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in self.supported_dtypes:
+            allowed = ", ".join(str(d) for d in self.supported_dtypes)
+            raise TypeError(
+                f"{self.name}: unsupported dtype {tensor.dtype}; supported: {allowed}"
+            )
+
+    def make_payload(
+        self, tensor: torch.Tensor, tensors: tuple[torch.Tensor, ...], **meta: Any
+    ) -> Payload:
+        return Payload(tuple(tensors), tensor.shape, tensor.dtype, tensor.numel(), meta)
+
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
+    """Class decorator: make a compressor available as ``commpress.get(name)``."""
+
+    def deco(cls: type[Compressor]) -> type[Compressor]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"compressor name {name!r} is already registered")
+        if cls.aggregation not in AGGREGATIONS:
+            raise ValueError(f"{cls.__name__}.aggregation must be one of {AGGREGATIONS}")
+        cls.name = name
+        original_init = cls.__init__
+
+        def __init__(self, *args, **kwargs):  # records the bound config for fingerprints
+            bound = inspect.signature(original_init).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            self._config = {k: v for k, v in list(bound.arguments.items())[1:]}
+            original_init(self, *args, **kwargs)
+
+        __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+        __init__.__doc__ = original_init.__doc__
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available() -> list[str]:
+    """Names of all registered compressors, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **params: Any) -> Compressor:
+    """Build the compressor registered as ``name`` with ``params``.
+
+    Raises ``ValueError`` for an unknown name (listing the known ones) or for
+    parameters the compressor does not take (listing the ones it does).
+    """
+    if isinstance(name, Compressor):
+        if params:
+            raise ValueError("params can only be given with a compressor name")
+        return name
+    try:
+        cls = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown compressor {name!r}; available: {', '.join(available())}"
+        ) from None
+    sig = inspect.signature(cls.__init__.__wrapped__)  # type: ignore[attr-defined]
+    allowed = [p for p in sig.parameters if p != "self"]
+    try:
+        sig.bind(None, **params)
+    except TypeError as exc:
+        raise ValueError(
+            f"bad parameters for compressor {name!r}: {exc}; allowed parameters: "
+            f"{', '.join(allowed) or '(none)'}"
+        ) from None
+    return cls(**params)

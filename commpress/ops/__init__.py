@@ -1,0 +1,83 @@
+"""Hot primitives with one dispatch point per op.
+
+Each op has a pure-torch reference (:mod:`commpress.ops.reference`, the
+definition of correct) and may have faster backends: ``"numba"`` for CPU
+tensors and ``"cuda"`` (CuPy kernels from ``kernels/*.cu``) for CUDA tensors.
+``backend=None`` picks the fastest installed backend for the tensors' device;
+``backend="torch" | "numba" | "cuda"`` forces one (tests, benchmarks), and the
+environment variable ``COMMPRESS_BACKEND`` forces one globally.
+
+Compressors and collectives call these functions, never a backend directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import torch
+
+from . import reference
+
+BACKENDS = ("torch", "numba", "cuda")
+
+# backend name -> {op name -> implementation}; filled by backend modules.
+_IMPLS: dict[str, dict[str, Callable]] = {"torch": {}}
+for _name in reference.__all__:
+    _IMPLS["torch"][_name] = getattr(reference, _name)
+
+
+def register_backend(backend: str, impls: dict[str, Callable]) -> None:
+    """Add (or replace) a backend's implementations of some ops."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _IMPLS.setdefault(backend, {}).update(impls)
+
+
+def _load_optional_backends() -> None:
+    for module in ("numba_backend", "cuda_backend"):
+        try:
+            __import__(f"{__name__}.{module}")
+        except ImportError:
+            pass
+
+
+def available_backends() -> list[str]:
+    """Backends with at least one op registered."""
+    return [b for b in BACKENDS if _IMPLS.get(b)]
+
+
+def resolve(op: str, device: torch.device, backend: str | None = None) -> Callable:
+    """The implementation of ``op`` for tensors on ``device``."""
+    backend = backend or os.environ.get("COMMPRESS_BACKEND") or None
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        impls = _IMPLS.get(backend, {})
+        if op in impls:
+            return impls[op]
+        if backend != "torch":
+            raise NotImplementedError(f"op {op!r} has no {backend!r} backend (installed?)")
+    preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
+    return _IMPLS.get(preferred, {}).get(op) or _IMPLS["torch"][op]
+
+
+def _dispatching(op: str) -> Callable:
+    ref = getattr(reference, op)
+
+    @functools.wraps(ref)
+    def call(*args, backend: str | None = None, **kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        return resolve(op, device, backend)(*args, **kwargs)
+
+    return call
+
+
+_load_optional_backends()
+
+# Re-export every op as a dispatching function: commpress.ops.topk_compact(...).
+for _name in reference.__all__:
+    globals()[_name] = _dispatching(_name)
+
+__all__ = list(reference.__all__) + ["BACKENDS", "available_backends", "register_backend", "resolve"]
