@@ -95,6 +95,20 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> torch.Tensor:
         """Decode a payload to a tensor of the original shape and dtype."""
 
+    # -- state (warm starts, counters) ----------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """State that must survive a restart (e.g. PowerSGD warm starts).
+
+        Only tensors, numbers, strings and containers of them, so it loads with
+        ``torch.load(weights_only=True)``.  Stateless compressors return ``{}``.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{self.name} is stateless but got state keys {sorted(state)}")
+
     # -- configuration -------------------------------------------------
     def config(self) -> dict[str, Any]:
         """The parameters this compressor was built with (for fingerprints)."""

@@ -1,0 +1,1 @@
+"""commpress benchmark suites: ``python -m benchmarks --help``."""

@@ -1,0 +1,79 @@
+"""Shared benchmark plumbing: result folders, JSON/CSV writing, timing."""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+def results_dir(suite: str, root: str | Path = "results") -> Path:
+    """A fresh ``results/<suite>-<timestamp>/`` folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"{suite}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"{suite}-{stamp}-{n}"
+    path.mkdir(parents=True)
+    return path
+
+
+def environment() -> dict[str, Any]:
+    """Facts that make a result reproducible (printed into every results.json)."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_results(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> None:
+    """Write ``results.json`` (meta + rows) and ``results.csv`` (rows) into ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": {**environment(), **(meta or {})}, "rows": rows}
+    (path / "results.json").write_text(json.dumps(doc, indent=2, default=str))
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    with open(path / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def time_call(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeat`` runs (after ``warmup``)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_seconds(tensor: torch.Tensor, repeat: int = 5) -> float:
+    """Median time of ``dst.copy_(tensor)``: the baseline every kernel ratio uses."""
+    dst = torch.empty_like(tensor)
+    return time_call(lambda: dst.copy_(tensor), repeat=repeat)
+
+
+def markdown_table(rows: Iterable[dict[str, Any]], columns: list[str], floatfmt: str = ".3g") -> str:
+    """A GitHub markdown table of ``columns`` from ``rows``."""
+    def fmt(v: Any) -> str:
+        return format(v, floatfmt) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
