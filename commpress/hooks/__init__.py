@@ -1,0 +1,10 @@
+"""Integrations with PyTorch data-parallel training: :mod:`.ddp` (DDP comm hook) and FSDP2.
+
+``common`` holds what both share (state base class, stats, config fingerprint).
+"""
+
+from __future__ import annotations
+
+from . import common
+
+__all__ = ["common"]

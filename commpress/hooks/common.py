@@ -1,0 +1,422 @@
+"""Pieces shared by the DDP and FSDP2 integrations.
+
+* :func:`resolve_compressor` / :func:`wrap_error_feedback`: turn the user's
+  ``compressor`` argument (a :class:`~commpress.Compressor` or a registry name plus
+  parameters) into the codec a hook runs, with error feedback switched on for
+  biased compressors when ``error_feedback="auto"``.
+* :class:`Stats`: bytes handed to ``torch.distributed`` per step and in total,
+  against the bytes the dense collective would have moved, the algorithm chosen
+  per bucket / unit, time spent, memory overhead.
+* :func:`check_same_config`: the registration-time fingerprint exchange.  Every
+  rank hashes a canonical JSON of its configuration; one ``all_gather`` of an
+  ``int64`` per rank compares them; on a mismatch the configurations themselves
+  are gathered and every rank raises the same :class:`ValueError` naming the
+  fields that differ (no rank is left waiting in a later collective).
+* :class:`HookState`: the state object both hooks hand to PyTorch: codec, step
+  counter, stats and ``state_dict()`` / ``load_state_dict()`` plumbing (loads
+  with ``torch.load(weights_only=True)``; a checkpoint of another world size or
+  another model/compressor configuration is refused with a ``ValueError``).
+
+Byte accounting follows :mod:`commpress.collectives.accounting`: an
+``all_reduce`` of ``n`` bytes is charged ``2·n·(P−1)/P`` bytes sent (ring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..compressors import Compressor, get
+
+log = logging.getLogger("commpress")
+
+STATE_FORMAT = "commpress.hook_state/1"
+
+
+
+# ---------------------------------------------------------------- compressor
+def resolve_compressor(compressor: Compressor | str, params: dict[str, Any] | None = None) -> Compressor:
+    """Return ``compressor`` itself, or ``commpress.get(compressor, **params)`` for a name.
+
+    Raises ``TypeError`` for anything else and ``ValueError`` for params given
+    together with a Compressor instance (or unknown names / bad params).
+    """
+    params = dict(params or {})
+    if isinstance(compressor, Compressor):
+        if params:
+            raise ValueError(
+                f"compressor parameters {sorted(params)} can only be given with a compressor "
+                f"name, not with the instance {compressor!r}"
+            )
+        return compressor
+    if isinstance(compressor, str):
+        return get(compressor, **params)
+    raise TypeError(
+        "compressor must be a commpress.Compressor or a registry name "
+        f"(one of {', '.join(_available())}), got {type(compressor).__name__}"
+    )
+
+
+def _available() -> list[str]:
+    from ..compressors import available
+
+    return available()
+
+
+def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> bool:
+    """Decide whether error feedback is used: ``"auto"`` means ``not compressor.unbiased``."""
+    if error_feedback == "auto":
+        return not compressor.unbiased
+    if isinstance(error_feedback, bool):
+        return error_feedback
+    raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
+
+
+def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto") -> tuple[Compressor, bool]:
+    """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when wanted."""
+    use = wants_error_feedback(compressor, error_feedback)
+    if not use:
+        return compressor, False
+    try:
+        from ..feedback import ErrorFeedback
+    except ImportError as exc:  # pragma: no cover - only while the package is incomplete
+        raise RuntimeError("error feedback needs commpress.feedback.ErrorFeedback") from exc
+    if isinstance(compressor, ErrorFeedback):
+        return compressor, True
+    return ErrorFeedback(compressor), True
+
+
+def inner_compressor(codec: Compressor) -> Compressor:
+    """The compressor inside an ErrorFeedback wrapper (or ``codec`` itself)."""
+    for attr in ("compressor", "inner"):
+        inner = getattr(codec, attr, None)
+        if isinstance(inner, Compressor):
+            return inner
+    return codec
+
+
+# --------------------------------------------------------------------- stats
+def all_reduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring ``all_reduce`` of ``nbytes`` (the accounting convention)."""
+    if world <= 1:
+        return 0
+    return (2 * int(nbytes) * (world - 1)) // world
+
+
+@dataclass
+class Stats:
+    """Traffic and cost of a hook, per step and cumulative.
+
+    ``bytes_sent``: bytes this rank handed to ``torch.distributed`` (payloads,
+    metadata and dense parts, by the convention of
+    :mod:`commpress.collectives.accounting`).  ``dense_bytes``: what the plain
+    dense collective on the same buckets would have sent.  ``algorithms`` maps
+    a bucket / unit to the algorithm used for it last (``"dense"`` for warm-up
+    and skipped parts).  ``compress_seconds``: time inside the compressed path
+    (compress + collectives + decompress); ``hook_seconds``: time in the hook
+    in total.  ``memory_overhead_bytes``: residuals, scratch buffers and
+    compressor state the hook keeps alive.
+    """
+
+    steps: int = 0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    compress_seconds: float = 0.0
+    hook_seconds: float = 0.0
+    memory_overhead_bytes: int = 0
+    algorithms: dict[str, str] = field(default_factory=dict)
+    last_step: dict[str, Any] = field(default_factory=dict)
+    _cur_sent: int = 0
+    _cur_dense: int = 0
+    _cur_compress: float = 0.0
+    _cur_hook: float = 0.0
+    _cur_units: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
+               compress_seconds: float = 0.0, hook_seconds: float = 0.0) -> None:
+        """Add what one bucket / unit sent in the current step."""
+        u = str(unit)
+        self._cur_sent += int(bytes_sent)
+        self._cur_dense += int(dense_bytes)
+        self._cur_compress += compress_seconds
+        self._cur_hook += hook_seconds
+        entry = self._cur_units.setdefault(u, {"bytes_sent": 0, "dense_bytes": 0, "algorithm": algorithm})
+        entry["bytes_sent"] += int(bytes_sent)
+        entry["dense_bytes"] += int(dense_bytes)
+        if algorithm != entry["algorithm"]:
+            entry["algorithm"] = f"{entry['algorithm']}+{algorithm}"
+        self.algorithms[u] = entry["algorithm"]
+
+    def end_step(self) -> None:
+        """Close the current step: fold it into the totals and ``last_step``."""
+        self.steps += 1
+        self.bytes_sent += self._cur_sent
+        self.dense_bytes += self._cur_dense
+        self.compress_seconds += self._cur_compress
+        self.hook_seconds += self._cur_hook
+        self.last_step = {
+            "bytes_sent": self._cur_sent,
+            "dense_bytes": self._cur_dense,
+            "compression_ratio": _ratio(self._cur_dense, self._cur_sent),
+            "compress_seconds": self._cur_compress,
+            "hook_seconds": self._cur_hook,
+            "units": self._cur_units,
+        }
+        self._cur_sent = self._cur_dense = 0
+        self._cur_compress = self._cur_hook = 0.0
+        self._cur_units = {}
+
+    @property
+    def compression_ratio(self) -> float:
+        """Cumulative dense bytes / bytes sent (``inf`` when nothing was sent, 1.0 before any step)."""
+        return _ratio(self.dense_bytes, self.bytes_sent)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON-friendly) of the cumulative and last-step figures."""
+        return {
+            "steps": self.steps,
+            "bytes_sent": self.bytes_sent,
+            "dense_bytes": self.dense_bytes,
+            "compression_ratio": self.compression_ratio,
+            "compress_seconds": self.compress_seconds,
+            "hook_seconds": self.hook_seconds,
+            "memory_overhead_bytes": self.memory_overhead_bytes,
+            "algorithms": dict(self.algorithms),
+            "last_step": dict(self.last_step),
+        }
+
+
+def _ratio(dense: int, sent: int) -> float:
+    if sent == 0:
+        return 1.0 if dense == 0 else float("inf")
+    return dense / sent
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds``."""
+
+    def __enter__(self) -> "Timer":
+        self._t0 = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+
+# --------------------------------------------------------------- fingerprint
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if isinstance(obj, torch.Size):
+        return list(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    return repr(obj)
+
+
+def canonical_json(config: dict[str, Any]) -> str:
+    """Deterministic JSON of ``config`` (sorted keys, no whitespace, dtypes/sizes as text)."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), default=_jsonable)
+
+
+def config_fingerprint(config: dict[str, Any]) -> int:
+    """A signed 64-bit hash (sha256 prefix) of :func:`canonical_json` of ``config``."""
+    digest = hashlib.sha256(canonical_json(config).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k in obj:
+            out.update(_flatten(obj[k], f"{prefix}.{k}" if prefix else str(k)))
+        if not obj:
+            out[prefix] = {}
+        return out
+    return {prefix: obj}
+
+
+def describe_differences(a: dict[str, Any], b: dict[str, Any], limit: int = 8) -> list[str]:
+    """Human-readable ``path: a_value != b_value`` lines for the fields that differ."""
+    fa = _flatten(json.loads(canonical_json(a)))
+    fb = _flatten(json.loads(canonical_json(b)))
+    lines = []
+    for key in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(key, "<missing>"), fb.get(key, "<missing>")
+        if va != vb:
+            lines.append(f"{key}: {va!r} != {vb!r}")
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
+    return lines
+
+
+def check_same_config(config: dict[str, Any], group: dist.ProcessGroup | None = None) -> int:
+    """Verify every rank of ``group`` registered the same configuration.
+
+    Wire: one ``all_gather`` of an ``int64`` fingerprint per rank; only on a
+    mismatch, an ``all_gather_object`` of the configurations (so every rank can
+    name the differences).  Returns the fingerprint.  Raises ``ValueError`` on
+    every rank, listing the fields in which some rank differs from rank 0.
+    Without an initialized process group (or with one rank) nothing is sent.
+    """
+    fp = config_fingerprint(config)
+    if not dist.is_available() or not dist.is_initialized():
+        return fp
+    world = dist.get_world_size(group)
+    if world <= 1:
+        return fp
+    device = _collective_device(group)
+    mine = torch.tensor([fp], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    fps = [int(t.item()) for t in gathered]
+    if all(f == fps[0] for f in fps):
+        return fp
+    configs: list[Any] = [None] * world
+    dist.all_gather_object(configs, config, group=group)
+    parts = []
+    for r in range(1, world):
+        if fps[r] != fps[0]:
+            diffs = describe_differences(configs[0], configs[r])
+            parts.append(f"rank {r} vs rank 0: " + "; ".join(diffs or ["(fingerprints differ)"]))
+    raise ValueError(
+        "commpress configuration differs across ranks (every rank must register the same "
+        "compressor, parameters, options, world size and model): " + " | ".join(parts)
+    )
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------- hook state
+class HookState:
+    """Base of the DDP and FSDP2 hook states.
+
+    Holds the resolved ``compressor`` (the user's), the ``codec`` actually run
+    (``compressor`` wrapped in ``ErrorFeedback`` when ``uses_error_feedback``),
+    the process group, the step counter and :class:`Stats`.  Subclasses extend
+    :meth:`config` (the fingerprinted configuration) and
+    :meth:`_extra_state_dict` / :meth:`_load_extra_state_dict`.
+    """
+
+    kind: str = "hook"
+
+    def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
+                 process_group: dist.ProcessGroup | None = None, **compressor_params: Any) -> None:
+        self.compressor = resolve_compressor(compressor, compressor_params)
+        self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback)
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.step = 0
+        self.stats = Stats()
+        self.fingerprint: int | None = None
+
+    # -- configuration ---------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """What must agree across ranks and between a checkpoint and its loader."""
+        return {
+            "kind": self.kind,
+            "compressor": self.compressor.name or type(self.compressor).__name__,
+            "compressor_params": self.compressor.config(),
+            "error_feedback": self.uses_error_feedback,
+            "world_size": self.world_size,
+        }
+
+    def check_config(self) -> int:
+        """Run :func:`check_same_config` on :meth:`config` (collective) and remember the fingerprint."""
+        self.fingerprint = check_same_config(self.config(), self.process_group)
+        return self.fingerprint
+
+    # -- checkpoints -------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, codec state (residuals, PowerSGD factors) and layout facts.
+
+        Only tensors, numbers, strings, lists and dicts: loads with
+        ``torch.load(path, weights_only=True)``.  Residuals are per rank: save
+        one file per rank.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "kind": self.kind,
+            "step": int(self.step),
+            "world_size": int(self.world_size),
+            "rank": int(self.rank),
+            "config": canonical_json(self.config()),
+            "codec": self.codec.state_dict(),
+            "extra": self._extra_state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises ``ValueError`` when the checkpoint is not a commpress hook state,
+        comes from another world size, or another configuration (compressor,
+        parameters, options, model parameter shapes) — naming what differs.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"state is not a commpress hook state (expected format {STATE_FORMAT!r})")
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state is a {state.get('kind')!r} hook state, this is a {self.kind!r} hook")
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(
+                f"checkpoint was saved with world size {state['world_size']}, this run has "
+                f"{self.world_size}: error-feedback residuals are per rank and cannot be "
+                "re-split; start the new world size without loading the hook state"
+            )
+        saved = json.loads(state["config"])
+        mine = json.loads(canonical_json(self.config()))
+        if saved != mine:
+            diffs = describe_differences(saved, mine)
+            raise ValueError("checkpoint configuration differs from this hook's: " + "; ".join(diffs))
+        self._load_extra_state_dict(state.get("extra", {}), state)
+        self.codec.load_state_dict(state["codec"])
+        self.step = int(state["step"])
+
+    def _extra_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
+        pass
+
+    # -- misc ----------------------------------------------------------------
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor in the codec state (for the memory-overhead figure)."""
+        yield from _tensors_in(self.codec.state_dict())
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Total bytes of the tensors found in a (nested) container."""
+    seen: set[int] = set()
+    total = 0
+    for t in _tensors_in(tensors):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
