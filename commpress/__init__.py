@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 from .compressors import Compressor, Payload, available, get, register
+from .feedback import ErrorFeedback
 
 logging.getLogger("commpress").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-__all__ = ["Compressor", "Payload", "available", "get", "register", "__version__"]
+__all__ = ["Compressor", "ErrorFeedback", "Payload", "available", "get", "register", "__version__"]

@@ -1,0 +1,50 @@
+"""``blockquant``: absmax block-wise quantization to 2/4/8-bit codes (ZeRO++ / 8-bit optimizers style)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ._util import check_int, seed_from_generator
+from .base import Compressor, Payload, register
+
+ALLOWED_BITS = (2, 4, 8)
+
+
+@register("blockquant")
+class BlockQuant(Compressor):
+    """Per block of ``block`` entries: scale ``s = max|x|`` (fp32), codes
+    ``round(x * qmax / s)`` in ``[-qmax, qmax]`` (``qmax = 2**(bits-1) - 1``).
+
+    Rounding is to nearest (deterministic, error <= half a step ``s/qmax/2``) or,
+    with ``stochastic=True``, unbiased stochastic rounding with noise derived
+    from ``generator``.  Wire (:func:`commpress.ops.block_quantize`): the codes
+    bit-packed, ``ceil(numel*bits/8)`` bytes, plus ``4*ceil(numel/block)`` bytes
+    of scales.  A NaN/inf entry makes its block's scale non-finite and the
+    decoded block NaN.
+    """
+
+    aggregation = "gather"
+
+    def __init__(self, bits: int = 8, block: int = 256, stochastic: bool = False) -> None:
+        if isinstance(bits, bool) or bits not in ALLOWED_BITS:
+            raise ValueError(f"bits must be one of {ALLOWED_BITS}, got {bits!r}")
+        self.bits = int(bits)
+        self.block = check_int("block", block, 1)
+        if not isinstance(stochastic, bool):
+            raise ValueError(f"stochastic must be True or False, got {stochastic!r}")
+        self.stochastic = stochastic
+        self.unbiased = stochastic
+        self.deterministic = not stochastic
+
+    def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+        self.check_input(tensor)
+        seed = seed_from_generator(generator) if self.stochastic else 0
+        packed, scales = ops.block_quantize(tensor.reshape(-1), self.bits, self.block,
+                                            self.stochastic, seed)
+        return self.make_payload(tensor, (packed, scales))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        packed, scales = payload.tensors
+        vals = ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel)
+        return vals.to(payload.dtype).reshape(payload.shape)

@@ -1,0 +1,66 @@
+"""``dgc``: Deep-Gradient-Compression-style top-k with a sampled threshold (Lin et al., 2018)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ._sparse import SparseCompressor
+from ._util import check_ratio, mix_seed, num_keep, stable_hash
+from .base import register
+from .threshold import has_nan
+
+#: The sample is made big enough that about this many sampled entries pass the
+#: threshold, so the estimate's relative error is ~1/sqrt(64) = 12.5% or less.
+MIN_SAMPLE_HITS = 64
+
+
+@register("dgc")
+class DGC(SparseCompressor):
+    """Approximate top-k: keeps ``c`` entries with ``ceil(0.8k) <= c <= floor(1.25k)``.
+
+    ``k = max(1, round(ratio*numel))``.  The threshold is the k-th largest
+    ``|x|`` of a strided sample of ``m = max(sample_ratio*numel, 64*numel/k)``
+    entries (start offset a pure function of ``(step, key)``), scaled to the
+    sample size; entries ``>= threshold`` are selected with
+    :func:`commpress.ops.threshold_compact`.  Refinement keeps the count in range:
+
+    * too many candidates: exact top-k among the candidates (exactly ``k`` kept);
+    * too few: retry with the sample's ``2x``-quantile threshold (then top-k among
+      its candidates if needed); if still too few, exact top-k.
+
+    So the kept count is always within ±20% of ``k`` (for ``k < 5`` that means
+    exactly ``k``).  When the sample would be at least half the tensor, or the
+    tensor holds a NaN (which never passes a threshold), exact top-k is used.
+    Wire: ``(indices int32, values)``.  Deterministic, biased.
+    """
+
+    def __init__(self, ratio: float, sample_ratio: float = 0.01) -> None:
+        self.ratio = check_ratio(ratio)
+        self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
+
+    def select(self, flat, *, step, key):
+        n = flat.numel()
+        k = num_keep(self.ratio, n)
+        if k == 0:
+            return ops.topk_compact(flat, 0)
+        m = min(n, max(math.ceil(self.sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k)))
+        if 2 * m >= n or has_nan(flat):
+            return ops.topk_compact(flat, k)
+        lo, hi = math.ceil(0.8 * k), math.floor(1.25 * k)
+        stride = n // m
+        offset = mix_seed(step, stable_hash(key)) % stride
+        sample = flat[offset::stride][:m].float().abs()
+        hits = max(1, round(k * m / n))
+        top = torch.topk(sample, min(m, 2 * hits + 8)).values
+        for t in (top[hits - 1], top[-1]):
+            idx, values = ops.threshold_compact(flat, float(t))
+            count = idx.numel()
+            if count > hi:
+                keep, values = ops.topk_compact(values, k)
+                return idx[keep.long()], values
+            if count >= lo:
+                return idx, values
+        return ops.topk_compact(flat, k)

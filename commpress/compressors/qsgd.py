@@ -1,0 +1,68 @@
+"""``qsgd``: stochastic quantization of |x|/||x||_2 to ``levels`` levels (Alistarh et al., 2017)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ._util import check_int, seed_from_generator, uniform
+from .base import Compressor, Payload, register
+
+
+def code_bits(levels: int) -> int:
+    """Bits per entry for signed codes in ``[-levels, levels]``: ``ceil(log2(2*levels+1))``."""
+    return max(1, math.ceil(math.log2(2 * levels + 1)))
+
+
+def stochastic_codes(x: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+    """Unsigned codes ``sign(x)*floor(|x|/scale*levels + u) + levels`` (uint8).
+
+    ``u`` from :func:`commpress.ops.counter_uniform`; ``E[code - levels] =
+    x/scale*levels``.  A zero scale gives zero codes; a non-finite scale gives
+    codes that decode (``code * scale``) to NaN, so non-finite input propagates.
+    """
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x.abs().div_(safe).mul_(float(levels))
+    q = torch.floor(y.add_(uniform(seed, x.numel(), x.device))).clamp_(0, levels).nan_to_num_(0.0)
+    q = torch.where(x < 0, -q, q).add_(levels)
+    return q.to(torch.uint8)
+
+
+def decode_codes(codes: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """fp32 values ``(code - levels) * scale / levels``."""
+    return (codes.float() - levels) * (scale.float() / levels)
+
+
+@register("qsgd")
+class QSGD(Compressor):
+    """QSGD with ``levels`` quantization levels (1..127, default 7 → 4 bits per entry).
+
+    Wire: the fp32 L2 norm (4 bytes) and one signed code per entry in
+    ``[-levels, levels]`` bit-packed with ``ceil(log2(2*levels+1))`` bits
+    (:func:`commpress.ops.pack_bits`).  Stochastic rounding with noise derived
+    from ``generator`` makes it unbiased; per-entry variance is at most
+    ``(norm/levels)**2 / 4``.  A non-finite entry makes the norm non-finite and
+    the whole decoded tensor NaN.
+    """
+
+    aggregation = "gather"
+    unbiased = True
+    deterministic = False
+
+    def __init__(self, levels: int = 7) -> None:
+        self.levels = check_int("levels", levels, 1, 127)
+        self.bits = code_bits(self.levels)
+
+    def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+        self.check_input(tensor)
+        x = tensor.reshape(-1).float()
+        norm = torch.linalg.vector_norm(x).reshape(1)
+        codes = stochastic_codes(x, norm, self.levels, seed_from_generator(generator))
+        return self.make_payload(tensor, (ops.pack_bits(codes, self.bits), norm))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        packed, norm = payload.tensors
+        codes = ops.unpack_bits(packed, self.bits, payload.numel)
+        return decode_codes(codes, norm, self.levels).to(payload.dtype).reshape(payload.shape)

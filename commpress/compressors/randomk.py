@@ -1,0 +1,110 @@
+"""``randomk``: k shared-random entries, scaled by numel/k (unbiased)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .. import ops
+from ..ops.reference import index_dtype
+from ._util import check_int, check_ratio, mix_seed, num_keep, propagate_nonfinite, stable_hash
+from .base import Compressor, Payload, register
+
+_CACHE_SIZE = 32
+
+
+def random_indices(seed64: int, numel: int, k: int, device: torch.device) -> torch.Tensor:
+    """``k`` distinct indices in ``[0, numel)``, ascending, uniform over k-subsets.
+
+    A pure function of ``(seed64, numel, k)``: draws come from
+    :func:`commpress.ops.counter_bits` (48 bits per draw), duplicates are dropped
+    keeping the first occurrence, more draws are made until ``k`` are distinct.
+    For ``k > numel/2`` the ``numel - k`` excluded indices are drawn instead.
+    """
+    if 2 * k > numel:
+        drop = random_indices(seed64, numel, numel - k, device)
+        keep = torch.ones(numel, dtype=torch.bool, device=device)
+        keep[drop.long()] = False
+        return keep.nonzero().reshape(-1).to(index_dtype(numel))
+    if k == 0:
+        return torch.zeros(0, dtype=index_dtype(numel), device=device)
+    drawn = torch.zeros(0, dtype=torch.int64)
+    start = 0
+    while True:
+        m = k - _distinct_count(drawn) + k // 8 + 16
+        bits = ops.counter_bits(seed64, 2 * start, 2 * m).reshape(m, 2)
+        draws = ((bits[:, 0] << 24) | bits[:, 1]) % numel
+        drawn = torch.cat([drawn, draws])
+        start += m
+        firsts = _first_occurrences(drawn)
+        if firsts.numel() >= k:
+            chosen = drawn[firsts[:k]]
+            return torch.sort(chosen).values.to(index_dtype(numel)).to(device)
+
+
+def _first_occurrences(x: torch.Tensor) -> torch.Tensor:
+    """Positions (ascending) of the first occurrence of each distinct value of ``x``."""
+    s, perm = torch.sort(x, stable=True)
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[1:] = s[1:] != s[:-1]
+    return torch.sort(perm[first]).values
+
+
+def _distinct_count(x: torch.Tensor) -> int:
+    return int(torch.unique(x).numel()) if x.numel() else 0
+
+
+@register("randomk")
+class RandomK(Compressor):
+    """Random-k with shared indices: ``k = max(1, round(ratio*numel))`` (0 when empty).
+
+    The indices are a pure function of ``(seed, step, key, numel)`` (``key`` hashed
+    with ``zlib.crc32(repr(key))``), identical on every rank, so they are not
+    sent: wire = the ``k`` values ``x[indices]`` in the input dtype, ``k*itemsize``
+    bytes, and payloads add elementwise (aggregation ``"sum"``).  The receiver
+    recomputes the indices from ``payload.meta`` (``seed``, ``step``, ``key``, ``k``)
+    and scales by ``numel/k``, so ``E[decompress] = x``.  If the tensor holds a
+    NaN/inf, every sent value becomes NaN (one extra reduction pass), so
+    non-finite gradients are never hidden.
+    """
+
+    aggregation = "sum"
+    unbiased = True
+    deterministic = True
+
+    def __init__(self, ratio: float, seed: int = 0) -> None:
+        self.ratio = check_ratio(ratio)
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def indices(self, numel: int, *, step: int, key, device=torch.device("cpu")) -> torch.Tensor:
+        """The shared indices for a ``numel``-element tensor at ``(step, key)``."""
+        k = num_keep(self.ratio, numel)
+        seed64 = mix_seed(self.seed, step, stable_hash(key))
+        cache_key = (seed64, numel, k, str(device))
+        idx = self._cache.get(cache_key)
+        if idx is None:
+            idx = random_indices(seed64, numel, k, torch.device(device))
+            self._cache[cache_key] = idx
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return idx
+
+    def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+        self.check_input(tensor)
+        flat = tensor.reshape(-1)
+        idx = self.indices(flat.numel(), step=step, key=key, device=flat.device)
+        values = propagate_nonfinite(flat[idx.long()], flat) if idx.numel() else flat[:0].clone()
+        return self.make_payload(tensor, (values,), seed=self.seed, step=step, key=key,
+                                 k=idx.numel())
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        (values,) = payload.tensors
+        n = payload.numel
+        out = torch.zeros(n, dtype=torch.float32, device=values.device)
+        if n:
+            idx = self.indices(n, step=payload.meta["step"], key=payload.meta["key"],
+                               device=values.device)
+            ops.scatter_add_(out, idx, values.float() * (n / idx.numel()))
+        return out.to(payload.dtype).reshape(payload.shape)

@@ -1,0 +1,37 @@
+"""``signsgd``: 1 bit per entry plus one scale (mean |x|) per chunk (1-bit Adam style)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ._util import check_int
+from .base import Compressor, Payload, register
+
+
+@register("signsgd")
+class SignSGD(Compressor):
+    """Scaled sign: entry ``i`` of chunk ``c`` decodes to ``±mean(|x|)`` over chunk ``c``.
+
+    Wire (:func:`commpress.ops.sign_pack`): ``ceil(numel/8)`` bytes of sign bits
+    (bit set when ``not x < 0``) and ``ceil(numel/chunk)`` fp32 scales.  Biased:
+    meant for :class:`commpress.ErrorFeedback`.  A NaN/inf entry makes its
+    chunk's scale non-finite, so it shows in the decoded chunk.
+    """
+
+    aggregation = "gather"
+    unbiased = False
+    deterministic = True
+
+    def __init__(self, chunk: int = 1024) -> None:
+        self.chunk = check_int("chunk", chunk, 1)
+
+    def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+        self.check_input(tensor)
+        bits, scales = ops.sign_pack(tensor.reshape(-1), self.chunk)
+        return self.make_payload(tensor, (bits, scales))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        bits, scales = payload.tensors
+        vals = ops.sign_unpack(bits, scales, self.chunk, payload.numel)
+        return vals.to(payload.dtype).reshape(payload.shape)
