@@ -13,6 +13,7 @@ Compressors and collectives call these functions, never a backend directly.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Callable
 
@@ -39,8 +40,10 @@ def _load_optional_backends() -> None:
     for module in ("numba_backend", "cuda_backend"):
         try:
             __import__(f"{__name__}.{module}")
-        except ImportError:
-            pass
+        except ImportError as exc:  # numba / cupy not installed: backend not registered
+            logging.getLogger("commpress").debug("ops backend %s not loaded: %s", module, exc)
+        except Exception as exc:  # a broken install must not break `import commpress`
+            logging.getLogger("commpress").warning("ops backend %s failed to load: %r", module, exc)
 
 
 def available_backends() -> list[str]:

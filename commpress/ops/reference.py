@@ -236,12 +236,32 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
 
 
 # ---------------------------------------------------------------- 1-bit sign + scale
+def pairwise_sum_rows(m: torch.Tensor) -> torch.Tensor:
+    """Row sums of a 2-D fp32 tensor in a fixed, backend-independent order.
+
+    Each row is zero-padded to a power-of-two width, then adjacent pairs are
+    added level by level (``m[:, 0::2] + m[:, 1::2]``) until one column is left:
+    a perfect binary tree over the entries in index order.
+    """
+    rows, width = m.shape
+    p = 1
+    while p < width:
+        p *= 2
+    if p != width:
+        m = torch.cat([m, m.new_zeros(rows, p - width)], 1)
+    while m.shape[1] > 1:
+        m = m[:, 0::2] + m[:, 1::2]
+    return m.reshape(rows)
+
+
 def sign_pack(x: torch.Tensor, chunk: int):
     """1 bit per entry plus one scale (mean ``|x|``) per chunk.
 
     Bit ``i`` is 1 when ``not (x_i < 0)`` (so 0, -0.0 and NaN read as
     positive).  ``scales[c] = sum(|x|)/len`` over chunk ``c`` in fp32 (NaN/inf
-    propagate).  Returns ``(bits uint8 ceil(n/8), scales fp32 ceil(n/chunk))``.
+    propagate); the sum is :func:`pairwise_sum_rows` (a fixed order, so every
+    backend gets the same bits).  Returns ``(bits uint8 ceil(n/8), scales fp32
+    ceil(n/chunk))``.
     """
     xf = x.reshape(-1).float()
     n = xf.numel()
@@ -249,7 +269,7 @@ def sign_pack(x: torch.Tensor, chunk: int):
     positive = (~(xf < 0)).to(torch.uint8)
     padded = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)
     padded[:n] = xf.abs()
-    sums = padded.reshape(nchunks, chunk).sum(1)
+    sums = pairwise_sum_rows(padded.reshape(nchunks, chunk))
     lengths = torch.full((nchunks,), float(chunk), dtype=torch.float32, device=x.device)
     if nchunks and n % chunk:
         lengths[-1] = float(n % chunk)

@@ -1,0 +1,531 @@
+"""Numba CPU kernels behind :mod:`commpress.ops.numba_backend` (numpy in, numpy out).
+
+Every kernel reproduces :mod:`commpress.ops.reference` bit for bit:
+
+* fp32 arithmetic stays fp32 (constants are ``np.float32``; numba would widen a
+  Python float to fp64), no ``fastmath``;
+* the 32-bit hash runs on ``uint64`` with explicit ``& 0xFFFFFFFF`` masks;
+* magnitude comparisons run on the int32 bit pattern of fp32 values
+  (``bits & 0x7fffffff``), which orders NaN > inf > finite like the reference.
+
+Parallel kernels split the input into chunks of ``clen`` elements (a multiple of
+64, chosen by the caller) so that results never depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_M32 = np.uint64(0xFFFFFFFF)
+_C1 = np.uint64(0x7FEB352D)
+_C2 = np.uint64(0x846CA68B)
+_S8 = np.uint64(8)
+_S15 = np.uint64(15)
+_S16 = np.uint64(16)
+_INF_KEY = np.int32(0x7F800000)
+_ABS = np.int32(0x7FFFFFFF)
+_F0 = np.float32(0.0)
+_HALF = np.float32(0.5)
+_U24 = np.float32(1.0 / 16777216.0)
+_NAN32 = np.float32(np.nan)
+
+_OPTS = dict(parallel=True, cache=True, nogil=True)
+_SOPTS = dict(cache=True, nogil=True)
+
+
+# ---------------------------------------------------------------- hashing
+@njit(inline="always", **_SOPTS)
+def _mix32(x):
+    x = x ^ (x >> _S16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> _S15)
+    x = (x * _C2) & _M32
+    x = x ^ (x >> _S16)
+    return x
+
+
+@njit(inline="always", **_SOPTS)
+def _bits24(i, k0, k1):
+    """``counter_bits`` for element ``i`` (uint64 counter, keys as uint64)."""
+    h = _mix32((np.uint64(i) & _M32) ^ k0)
+    h = _mix32((h + k1) & _M32)
+    return h >> _S8
+
+
+@njit(**_OPTS)
+def counter_bits(start, n, k0, k1, out):
+    """out[j] = 24-bit hash of element ``start + j`` (int64 ``out``)."""
+    s = np.uint64(start)
+    for j in prange(n):
+        out[j] = np.int64(_bits24((s + np.uint64(j)) & _M32, k0, k1))
+
+
+@njit(**_OPTS)
+def counter_uniform(start, n, k0, k1, out):
+    """out[j] = counter_bits / 2**24 as fp32."""
+    s = np.uint64(start)
+    for j in prange(n):
+        out[j] = np.float32(_bits24((s + np.uint64(j)) & _M32, k0, k1)) * _U24
+
+
+@njit(**_OPTS)
+def hash_owner(idx, world, out):
+    """out[j] = mix32(idx[j] mod 2**32) mod world (int64 ``out``)."""
+    w = np.uint64(world)
+    for j in prange(idx.size):
+        out[j] = np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)
+
+
+@njit(**_OPTS)
+def hash_partition(idx, world, clen, counts, order):
+    """Stable grouping of ``idx`` by owner: fills ``counts`` (world) and ``order``."""
+    n = idx.size
+    nch = (n + clen - 1) // clen
+    w = np.uint64(world)
+    local = np.zeros((nch, world), np.int64)
+    for c in prange(nch):
+        lo = c * clen
+        hi = min(lo + clen, n)
+        for j in range(lo, hi):
+            local[c, np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)] += 1
+    run = 0
+    for r in range(world):
+        counts[r] = 0
+        for c in range(nch):
+            cnt = local[c, r]
+            local[c, r] = run
+            run += cnt
+            counts[r] += cnt
+    for c in prange(nch):
+        lo = c * clen
+        hi = min(lo + clen, n)
+        pos = local[c].copy()
+        for j in range(lo, hi):
+            r = np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)
+            order[pos[r]] = j
+            pos[r] += 1
+
+
+# ---------------------------------------------------------------- selection
+@njit(**_OPTS)
+def magnitude_key(xi, out):
+    """out[j] = xi[j] & 0x7fffffff as int64 (``xi``: fp32 bits as int32)."""
+    for j in prange(xi.size):
+        out[j] = np.int64(xi[j] & _ABS)
+
+
+@njit(**_OPTS)
+def select_count(xi, lo_key, hi_key, clen):
+    """Per chunk, how many entries have ``lo_key <= key <= hi_key``."""
+    n = xi.size
+    nch = (n + clen - 1) // clen
+    counts = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        cnt = 0
+        for j in range(a, b):
+            k = xi[j] & _ABS
+            cnt += np.int64((k >= lo_key) & (k <= hi_key))
+        counts[c] = cnt
+    return counts
+
+
+@njit(**_OPTS)
+def select_write(xi, lo_key, hi_key, clen, counts, idx_out, val_out, res, mode):
+    """Compact the selected entries (index order) and update the residual.
+
+    ``counts`` from :func:`select_count` (same arguments).  ``val_out`` gets the
+    bit patterns of the selected values.  ``mode``: 0 no residual; 1 ``res`` is
+    ``xi`` (zero the selected in place); 2 ``res[j] = 0 if selected else xi[j]``;
+    3 ``res[j] = xi[j]`` (plain copy, selection finished later).
+    """
+    n = xi.size
+    nch = counts.size
+    offsets = np.empty(nch, np.int64)
+    run = 0
+    for c in range(nch):
+        offsets[c] = run
+        run += counts[c]
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        pos = offsets[c]
+        if mode == 2:
+            for j in range(a, b):
+                v = xi[j]
+                k = v & _ABS
+                if (k >= lo_key) & (k <= hi_key):
+                    idx_out[pos] = j
+                    val_out[pos] = v
+                    pos += 1
+                    res[j] = 0
+                else:
+                    res[j] = v
+        else:
+            for j in range(a, b):
+                v = xi[j]
+                k = v & _ABS
+                if (k >= lo_key) & (k <= hi_key):
+                    idx_out[pos] = j
+                    val_out[pos] = v
+                    pos += 1
+                    if mode == 1:
+                        res[j] = 0
+                if mode == 3:
+                    res[j] = v
+
+
+@njit(**_SOPTS)
+def topk_finish(cidx, cval, k, res, zero_res):
+    """Exact top-``k`` among candidates (index order): largest keys, ties to lower index.
+
+    Returns ``(idx, val)`` in index order; zeroes ``res`` at the selected indices
+    when ``zero_res``.
+    """
+    c = cidx.size
+    keys = cval & _ABS
+    if k < c:
+        kth = np.partition(keys, c - k)[c - k]
+    else:
+        kth = np.int32(0)
+    above = 0
+    for j in range(c):
+        if keys[j] > kth:
+            above += 1
+    ties = k - above
+    idx = np.empty(k, cidx.dtype)
+    val = np.empty(k, cval.dtype)
+    p = 0
+    for j in range(c):
+        kj = keys[j]
+        take = kj > kth
+        if not take and kj == kth and ties > 0:
+            take = True
+            ties -= 1
+        if take:
+            idx[p] = cidx[j]
+            val[p] = cval[j]
+            p += 1
+            if zero_res:
+                res[cidx[j]] = 0
+    return idx, val
+
+
+@njit(**_OPTS)
+def scatter_add(out, idx, val, nparts):
+    """out[idx[j]] += val[j] in ``j`` order, parallel over ranges of ``out`` (duplicates safe).
+
+    Returns -1, or the position of the first index out of ``[0, out.size)``
+    (then nothing was written).
+    """
+    n = out.size
+    m = idx.size
+    for j in range(m):
+        if idx[j] < 0 or idx[j] >= n:
+            return j
+    step = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        a = p * step
+        b = a + step
+        for j in range(m):
+            t = idx[j]
+            if t >= a and t < b:
+                out[t] += val[j]
+    return -1
+
+
+# ---------------------------------------------------------------- bit packing
+@njit(inline="always", **_SOPTS)
+def _pack_range(codes, cbase, a, b, bits, packed):
+    """Pack elements ``[a, b)`` (``a`` a multiple of 8) whose codes are ``codes[a - cbase ...]``."""
+    nbytes = packed.size
+    mask = np.uint64((1 << bits) - 1)
+    if bits == 8:
+        for j in range(a, b):
+            packed[j] = codes[j - cbase]
+    elif bits == 4:
+        full = a + ((b - a) // 2) * 2
+        for j in range(a, full, 2):
+            lo = np.uint8(codes[j - cbase] & np.uint8(15))
+            hi = np.uint8(codes[j + 1 - cbase] & np.uint8(15))
+            packed[j >> 1] = lo | np.uint8(hi << np.uint8(4))
+        if full < b:
+            packed[full >> 1] = np.uint8(codes[full - cbase] & np.uint8(15))
+    else:
+        ub = np.uint64(bits)
+        for g in range(a, b, 8):
+            acc = np.uint64(0)
+            sh = np.uint64(0)
+            for j in range(g, min(g + 8, b)):
+                acc |= (np.uint64(codes[j - cbase]) & mask) << sh
+                sh += ub
+            byte0 = (g >> 3) * bits
+            for t in range(bits):
+                if byte0 + t < nbytes:
+                    packed[byte0 + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(0xFF))
+
+
+@njit(inline="always", **_SOPTS)
+def _unpack_range(packed, a, b, bits, codes, cbase):
+    """Inverse of :func:`_pack_range`: codes of elements ``[a, b)`` into ``codes[j - cbase]``."""
+    nbytes = packed.size
+    mask = np.uint64((1 << bits) - 1)
+    if bits == 8:
+        for j in range(a, b):
+            codes[j - cbase] = packed[j]
+    elif bits == 4:
+        for j in range(a, b):
+            v = packed[j >> 1]
+            codes[j - cbase] = (v >> np.uint8(4 * (j & 1))) & np.uint8(15)
+    else:
+        ub = np.uint64(bits)
+        for g in range(a, b, 8):
+            byte0 = (g >> 3) * bits
+            acc = np.uint64(0)
+            for t in range(bits):
+                if byte0 + t < nbytes:
+                    acc |= np.uint64(packed[byte0 + t]) << np.uint64(8 * t)
+            sh = np.uint64(0)
+            for j in range(g, min(g + 8, b)):
+                codes[j - cbase] = np.uint8((acc >> sh) & mask)
+                sh += ub
+
+
+@njit(**_OPTS)
+def pack_bits(codes, bits, clen, packed):
+    """Little-endian bit packing of uint8 ``codes`` (``clen`` a multiple of 8)."""
+    n = codes.size
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        _pack_range(codes, 0, a, min(a + clen, n), bits, packed)
+
+
+@njit(**_OPTS)
+def unpack_bits(packed, bits, n, clen, codes):
+    """Inverse of :func:`pack_bits` into uint8 ``codes`` (``n`` entries)."""
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        _unpack_range(packed, a, min(a + clen, n), bits, codes, 0)
+
+
+@njit(**_SOPTS)
+def bitmap_encode(idx, n, bitmap):
+    """Set bit ``idx[j]`` (negative indices count from the end); returns the bad position or -1."""
+    for j in range(idx.size):
+        t = np.int64(idx[j])
+        if t < 0:
+            t += n
+        if t < 0 or t >= n:
+            return j
+        bitmap[t >> 3] |= np.uint8(1 << (t & 7))
+    return -1
+
+
+@njit(**_OPTS)
+def bitmap_count(bitmap, n, clen):
+    """Per chunk of ``clen`` entries (multiple of 8), the number of set bits below ``n``."""
+    nch = (n + clen - 1) // clen
+    counts = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        cnt = 0
+        for j in range(a, b):
+            cnt += (bitmap[j >> 3] >> (j & 7)) & 1
+        counts[c] = cnt
+    return counts
+
+
+@njit(**_OPTS)
+def bitmap_write(bitmap, n, clen, counts, idx_out):
+    """Write the set-bit indices (ascending) using the chunk counts of :func:`bitmap_count`."""
+    nch = counts.size
+    offsets = np.empty(nch, np.int64)
+    run = 0
+    for c in range(nch):
+        offsets[c] = run
+        run += counts[c]
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        pos = offsets[c]
+        for j in range(a, b):
+            if (bitmap[j >> 3] >> (j & 7)) & 1:
+                idx_out[pos] = j
+                pos += 1
+
+
+# ---------------------------------------------------------------- block quantization
+@njit(inline="always", **_SOPTS)
+def _absmax_key(xi, a, b):
+    m = np.int32(0)
+    for j in range(a, b):
+        m = max(m, xi[j] & _ABS)
+    return m
+
+
+@njit(**_OPTS)
+def block_absmax(xi, block, scales):
+    """scales[b] = max |x| over block ``b`` as fp32 bits (int32 view), NaN if any NaN."""
+    n = xi.size
+    for b in prange(scales.size):
+        a = b * block
+        m = _absmax_key(xi, a, min(a + block, n))
+        scales[b] = m if m <= _INF_KEY else np.int32(0x7FC00000)
+
+
+@njit(**_OPTS)
+def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales):
+    """Absmax block quantization + packing in one pass per chunk.
+
+    ``clen`` is a multiple of ``block`` and of 8, so chunks hold whole blocks and
+    whole bytes.  ``scales`` is fp32; ``packed`` uint8 of ``ceil(n*bits/8)``.
+    """
+    n = x.size
+    qmax = (1 << (bits - 1)) - 1
+    fq = np.float32(qmax)
+    lim = np.float32(qmax)
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        codes = np.empty(b - a, np.uint8)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            m = _absmax_key(xi, s0, s1)
+            if m > _INF_KEY:
+                s = _NAN32
+            else:
+                kbuf[0] = m
+                s = fbuf[0]
+            scales[s0 // block] = s
+            if s > _F0:
+                inv = fq / s
+            else:
+                inv = _F0
+            if stochastic:
+                for j in range(s0, s1):
+                    u = np.float32(_bits24(j, k0, k1)) * _U24
+                    q = np.floor(x[j] * inv + u)
+                    if q != q:
+                        q = _F0
+                    q = min(max(q, -lim), lim)
+                    codes[j - a] = np.uint8(np.int32(q) + qmax)
+            else:
+                for j in range(s0, s1):
+                    q = np.floor(x[j] * inv + _HALF)
+                    if q != q:
+                        q = _F0
+                    q = min(max(q, -lim), lim)
+                    codes[j - a] = np.uint8(np.int32(q) + qmax)
+        _pack_range(codes, a, a, b, bits, packed)
+
+
+@njit(**_OPTS)
+def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
+    """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk."""
+    qmax = (1 << (bits - 1)) - 1
+    fq = np.float32(qmax)
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        codes = np.empty(b - a, np.uint8)
+        _unpack_range(packed, a, b, bits, codes, a)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            step = scales[s0 // block] / fq
+            if accumulate:
+                for j in range(s0, s1):
+                    out[j] = out[j] + (np.float32(codes[j - a]) - fq) * step
+            else:
+                for j in range(s0, s1):
+                    out[j] = (np.float32(codes[j - a]) - fq) * step
+
+
+# ---------------------------------------------------------------- sign + scale
+@njit(inline="always", **_SOPTS)
+def _tree_sum_abs(x, a, b):
+    """Sum of |x[a:b]| in the reference's fixed order: adjacent pairs, level by level,
+    over ``[a, b)`` zero-padded to a power of two (a streaming binary counter)."""
+    stack = np.empty(64, np.float32)
+    level = np.empty(64, np.int64)
+    top = 0
+    j = a
+    while j + 8 <= b:
+        v0 = abs(x[j]) + abs(x[j + 1])
+        v1 = abs(x[j + 2]) + abs(x[j + 3])
+        v2 = abs(x[j + 4]) + abs(x[j + 5])
+        v3 = abs(x[j + 6]) + abs(x[j + 7])
+        v = (v0 + v1) + (v2 + v3)
+        lv = 3
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 8
+    while j < b:
+        v = abs(x[j])
+        lv = 0
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 1
+    if top == 0:
+        return _F0
+    acc = stack[top - 1]
+    for t in range(top - 2, -1, -1):
+        acc = stack[t] + acc
+    return acc
+
+
+@njit(**_OPTS)
+def sign_scales(x, chunk, scales):
+    """scales[c] = tree-sum |x| over chunk ``c`` / its length (fp32)."""
+    n = x.size
+    for c in prange(scales.size):
+        a = c * chunk
+        b = min(a + chunk, n)
+        scales[c] = _tree_sum_abs(x, a, b) / np.float32(b - a)
+
+
+@njit(**_OPTS)
+def sign_bits(x, packed):
+    """Bit j = not (x[j] < 0), little-endian, 8 entries per byte."""
+    n = x.size
+    for byte in prange(packed.size):
+        a = byte * 8
+        v = 0
+        for t in range(min(8, n - a)):
+            if not (x[a + t] < _F0):
+                v |= 1 << t
+        packed[byte] = np.uint8(v)
+
+
+@njit(**_OPTS)
+def sign_unpack(packed, scales, chunk, n, out, accumulate):
+    """out[j] (+)= +scale or -scale of ``j``'s chunk by bit ``j``."""
+    nch = scales.size
+    for c in prange(nch):
+        a = c * chunk
+        b = min(a + chunk, n)
+        s = scales[c]
+        for j in range(a, b):
+            v = s if (packed[j >> 3] >> (j & 7)) & 1 else -s
+            if accumulate:
+                out[j] = out[j] + v
+            else:
+                out[j] = v

@@ -1,0 +1,431 @@
+"""The ``"numba"`` backend: fused CPU kernels, bitwise equal to :mod:`.reference`.
+
+Tensors go in and out zero-copy through ``Tensor.numpy()`` (CPU, contiguous;
+other layouts are made contiguous first, and fp16/bf16/fp64 inputs are
+converted to fp32 once, as the reference does).  Inputs the kernels do not
+cover (non-CPU tensors, unusual dtypes or shapes, invalid arguments) are handed
+to the reference, which defines the result or the error.
+
+Importing this module raises ``ImportError`` when numba is missing, and
+:mod:`commpress.ops` then simply does not register the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numba
+import numpy as np
+import torch
+
+from . import _numba_kernels as K
+from . import reference as ref
+
+log = logging.getLogger("commpress")
+
+#: Smallest parallel chunk (elements).  Results never depend on it; tests lower it
+#: to exercise the multi-chunk paths on small inputs.
+MIN_CHUNK = 1 << 15
+#: Elements per block-quantization chunk (whole blocks, kept cache-resident).
+QUANT_CHUNK = 1 << 14
+#: Strided sample size used by top-k to estimate its candidate threshold.
+TOPK_SAMPLE = 1 << 16
+
+_INF_KEY = 0x7F800000
+_MAX_KEY = 0x7FFFFFFF
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INTS = (torch.int32, torch.int64)
+
+
+def _cpu(*tensors) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Flat, contiguous fp32 version of ``x`` (no copy when it already is)."""
+    flat = x.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return flat.contiguous()
+
+
+def _bits_view(t: torch.Tensor) -> np.ndarray:
+    """The int32 bit patterns of a contiguous fp32 tensor (shares memory)."""
+    return t.detach().numpy().view(np.int32)
+
+
+def _chunk(n: int, multiple: int = 64) -> int:
+    """Parallel chunk length: several chunks per thread, at least ``MIN_CHUNK``."""
+    c = max(MIN_CHUNK, -(-n // (4 * numba.get_num_threads())))
+    return -(-c // multiple) * multiple
+
+
+def _quant_chunk(block: int) -> int:
+    """Chunk of whole blocks and whole bytes (a multiple of ``lcm(block, 8)``)."""
+    unit = block * 8 // math.gcd(block, 8)
+    return unit * max(1, QUANT_CHUNK // unit)
+
+
+def _index_np(n: int):
+    return np.int32 if ref.index_dtype(n) == torch.int32 else np.int64
+
+
+def _fused_residual(flat: torch.Tensor, residual: torch.Tensor | None):
+    """(mode, int32 view) when the residual can be written by the kernel, else None."""
+    if residual is None:
+        return None
+    if (flat.dtype != torch.float32 or residual.dtype != torch.float32
+            or residual.device.type != "cpu" or not residual.is_contiguous()
+            or residual.numel() != flat.numel() or residual.requires_grad):
+        return None
+    r = residual.view(-1)
+    return (1 if r.data_ptr() == flat.data_ptr() else 2), _bits_view(r)
+
+
+def _residual_torch(flat: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor) -> None:
+    r = residual.view(-1)
+    if r.data_ptr() != flat.data_ptr():
+        r.copy_(flat)
+    r[idx.to(torch.int64)] = 0
+
+
+def _finish_selection(x, flat, xf, idx_np, val_np, residual, fused):
+    idx = torch.from_numpy(idx_np)
+    if x.dtype == torch.float32:
+        values = torch.from_numpy(val_np.view(np.float32))
+    else:
+        values = flat[idx.to(torch.int64)].clone()
+    if residual is not None and fused is None:
+        _residual_torch(flat, residual, idx)
+    return idx, values
+
+
+# ---------------------------------------------------------------- selection
+def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor | None = None):
+    """See :func:`commpress.ops.reference.threshold_compact`."""
+    if not _cpu(x, residual) or x.dtype not in _FLOATS:
+        return ref.threshold_compact(x, threshold, residual)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    xf = _f32(flat)
+    xi = _bits_view(xf)
+    thr = torch.tensor(float(threshold), dtype=torch.float32).item()  # the reference compares in fp32
+    if math.isnan(thr):
+        lo, hi = 1, 0
+    elif thr <= 0:
+        lo, hi = 0, _INF_KEY
+    else:
+        lo, hi = int(np.array([thr], np.float32).view(np.int32)[0]), _INF_KEY
+    fused = _fused_residual(flat, residual)
+    mode, res = (fused if fused is not None else (0, xi))
+    clen = _chunk(n)
+    counts = K.select_count(xi, np.int32(lo), np.int32(hi), clen)
+    total = int(counts.sum())
+    idx_np = np.empty(total, _index_np(n))
+    val_np = np.empty(total, np.int32)
+    K.select_write(xi, np.int32(lo), np.int32(hi), clen, counts, idx_np, val_np, res, mode)
+    return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
+
+
+def _candidate_thresholds(xi: np.ndarray, k: int) -> list[int]:
+    """Decreasing magnitude keys to try as candidate thresholds for top-``k``; ends with 0 (all)."""
+    n = xi.size
+    m = TOPK_SAMPLE
+    if n < 4 * m:
+        return [0]
+    stride = n // m
+    sample = xi[: stride * m: stride] & _MAX_KEY
+    expected = k * m / n
+    out = []
+    r = int(expected + 4.0 * math.sqrt(expected) + 8)
+    while r < m // 2:
+        out.append(int(np.partition(sample, m - r)[m - r]))
+        r *= 4
+    out.append(0)
+    return out
+
+
+def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
+    """See :func:`commpress.ops.reference.topk_compact`.
+
+    A threshold key estimated from a strided sample picks candidates (one count
+    pass and one compaction pass, which also copies the residual); an exact
+    selection on the candidates finishes, lowering the threshold if fewer than
+    ``k`` entries passed it.
+    """
+    if not _cpu(x, residual) or x.dtype not in _FLOATS:
+        return ref.topk_compact(x, k, residual)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    k = max(0, min(int(k), n))
+    xf = _f32(flat)
+    xi = _bits_view(xf)
+    fused = _fused_residual(flat, residual)
+    res = fused[1] if fused is not None else xi
+    clen = _chunk(n)
+    if k == 0:
+        idx = torch.empty(0, dtype=ref.index_dtype(n))
+        if residual is not None:
+            _residual_torch(flat, residual, idx)
+        return idx, flat[:0].clone()
+    hi = np.int32(_MAX_KEY)
+    for lo in _candidate_thresholds(xi, k):
+        counts = K.select_count(xi, np.int32(lo), hi, clen)
+        if int(counts.sum()) >= k:
+            break
+    total = int(counts.sum())
+    cidx = np.empty(total, _index_np(n))
+    cval = np.empty(total, np.int32)
+    mode = 3 if fused is not None and fused[0] == 2 else 0
+    K.select_write(xi, np.int32(lo), hi, clen, counts, cidx, cval, res, mode)
+    idx_np, val_np = K.topk_finish(cidx, cval, k, res, fused is not None)
+    return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
+
+
+def magnitude_key(x: torch.Tensor) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.magnitude_key`."""
+    if not _cpu(x) or x.dtype not in _FLOATS:
+        return ref.magnitude_key(x)
+    xf = _f32(x)
+    out = np.empty(xf.numel(), np.int64)
+    K.magnitude_key(_bits_view(xf), out)
+    return torch.from_numpy(out).reshape(x.shape)
+
+
+def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.scatter_add_` (duplicates add in order)."""
+    if (not _cpu(out, indices, values) or out.dtype not in (torch.float32, torch.float64)
+            or out.dim() != 1 or not out.is_contiguous() or indices.dtype not in _INTS
+            or indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel()
+            or out.requires_grad):
+        return ref.scatter_add_(out, indices, values)
+    idx = indices.contiguous().numpy()
+    val = values.detach().to(out.dtype).contiguous().numpy()
+    m = idx.size
+    nparts = 1 if m < 4096 else numba.get_num_threads()
+    bad = K.scatter_add(out.numpy(), idx, val, nparts)
+    if bad >= 0:
+        raise IndexError(f"scatter_add_: indices[{bad}] = {int(idx[bad])} is out of range "
+                         f"for out of size {out.numel()}")
+    return out
+
+
+# ---------------------------------------------------------------- random numbers and hashing
+def counter_bits(seed: int, start: int, n: int, device="cpu") -> torch.Tensor:
+    """See :func:`commpress.ops.reference.counter_bits`."""
+    if torch.device(device).type != "cpu":
+        return ref.counter_bits(seed, start, n, device)
+    k0, k1 = ref.seed_words(seed)
+    out = np.empty(int(n), np.int64)
+    K.counter_bits(np.uint64(int(start) & ref.MASK32), int(n), np.uint64(k0), np.uint64(k1), out)
+    return torch.from_numpy(out)
+
+
+def counter_uniform(seed: int, start: int, n: int, device="cpu") -> torch.Tensor:
+    """See :func:`commpress.ops.reference.counter_uniform`."""
+    if torch.device(device).type != "cpu":
+        return ref.counter_uniform(seed, start, n, device)
+    k0, k1 = ref.seed_words(seed)
+    out = np.empty(int(n), np.float32)
+    K.counter_uniform(np.uint64(int(start) & ref.MASK32), int(n), np.uint64(k0), np.uint64(k1), out)
+    return torch.from_numpy(out)
+
+
+def _int64_np(indices: torch.Tensor) -> np.ndarray:
+    return indices.reshape(-1).to(torch.int64).contiguous().numpy()
+
+
+def hash_owner(indices: torch.Tensor, world_size: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.hash_owner`."""
+    if not _cpu(indices) or indices.is_floating_point() or int(world_size) < 1:
+        return ref.hash_owner(indices, world_size)
+    out = np.empty(indices.numel(), np.int64)
+    K.hash_owner(_int64_np(indices), int(world_size), out)
+    return torch.from_numpy(out).reshape(indices.shape)
+
+
+def hash_partition(indices: torch.Tensor, world_size: int):
+    """See :func:`commpress.ops.reference.hash_partition`."""
+    if (not _cpu(indices) or indices.is_floating_point() or indices.dim() != 1
+            or int(world_size) < 1):
+        return ref.hash_partition(indices, world_size)
+    idx = _int64_np(indices)
+    counts = np.empty(int(world_size), np.int64)
+    order = np.empty(idx.size, np.int64)
+    K.hash_partition(idx, int(world_size), _chunk(idx.size), counts, order)
+    return torch.from_numpy(counts), torch.from_numpy(order)
+
+
+# ---------------------------------------------------------------- bit packing
+def _valid_bits(bits) -> bool:
+    return isinstance(bits, (int, np.integer)) and 1 <= int(bits) <= 8
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.pack_bits`."""
+    if not _cpu(codes) or not _valid_bits(bits) or codes.is_complex():
+        return ref.pack_bits(codes, bits)
+    bits = int(bits)
+    c = codes.reshape(-1)
+    if c.dtype != torch.uint8:
+        c = (c.to(torch.int64) & ((1 << bits) - 1)).to(torch.uint8)
+    c = c.contiguous().numpy()
+    packed = np.empty((c.size * bits + 7) // 8, np.uint8)
+    K.pack_bits(c, bits, _chunk(c.size), packed)
+    return torch.from_numpy(packed)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.unpack_bits`."""
+    numel = int(numel)
+    if (not _cpu(packed) or not _valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
+            or packed.numel() < (numel * int(bits) + 7) // 8):
+        return ref.unpack_bits(packed, bits, numel)
+    codes = np.empty(numel, np.uint8)
+    K.unpack_bits(packed.reshape(-1).contiguous().numpy(), int(bits), numel, _chunk(numel), codes)
+    return torch.from_numpy(codes)
+
+
+def bitmap_encode(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.bitmap_encode`."""
+    numel = int(numel)
+    if not _cpu(indices) or indices.dtype not in _INTS or numel < 0:
+        return ref.bitmap_encode(indices, numel)
+    idx = indices.reshape(-1).contiguous().numpy()
+    bitmap = np.zeros((numel + 7) // 8, np.uint8)
+    bad = K.bitmap_encode(idx, numel, bitmap)
+    if bad >= 0:
+        raise IndexError(f"bitmap_encode: indices[{bad}] = {int(idx[bad])} is out of range "
+                         f"for numel {numel}")
+    return torch.from_numpy(bitmap)
+
+
+def bitmap_decode(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.bitmap_decode`."""
+    numel = int(numel)
+    if (not _cpu(bitmap) or bitmap.dtype != torch.uint8 or numel < 0
+            or bitmap.numel() < (numel + 7) // 8):
+        return ref.bitmap_decode(bitmap, numel)
+    bm = bitmap.reshape(-1).contiguous().numpy()
+    clen = _chunk(numel)
+    counts = K.bitmap_count(bm, numel, clen)
+    out = np.empty(int(counts.sum()), _index_np(numel))
+    K.bitmap_write(bm, numel, clen, counts, out)
+    return torch.from_numpy(out)
+
+
+# ---------------------------------------------------------------- block quantization
+def _valid_block(block) -> bool:
+    return isinstance(block, (int, np.integer)) and int(block) >= 1
+
+
+def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.block_absmax`."""
+    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_block(block):
+        return ref.block_absmax(x, block)
+    xf = _f32(x)
+    n = xf.numel()
+    scales = np.empty((n + block - 1) // block, np.float32)
+    K.block_absmax(_bits_view(xf), int(block), scales.view(np.int32))
+    return torch.from_numpy(scales)
+
+
+def block_quantize(x: torch.Tensor, bits: int, block: int, stochastic: bool = False, seed: int = 0):
+    """See :func:`commpress.ops.reference.block_quantize` (one pass per chunk of blocks)."""
+    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_bits(bits) or not _valid_block(block):
+        return ref.block_quantize(x, bits, block, stochastic, seed)
+    bits, block = int(bits), int(block)
+    xf = _f32(x)
+    n = xf.numel()
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    scales = np.empty((n + block - 1) // block, np.float32)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.block_quantize(xn, xn.view(np.int32), bits, block, bool(stochastic), np.uint64(k0),
+                     np.uint64(k1), _quant_chunk(block), packed, scales)
+    return torch.from_numpy(packed), torch.from_numpy(scales)
+
+
+def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int,
+                     out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.block_dequantize` (unpack + scale + accumulate fused)."""
+    numel = int(numel)
+    if (not _cpu(packed, scales, out) or not _valid_bits(bits) or not _valid_block(block)
+            or packed.dtype != torch.uint8 or numel < 0
+            or packed.numel() < (numel * int(bits) + 7) // 8
+            or scales.numel() < (numel + int(block) - 1) // int(block)
+            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
+                                     or out.numel() != numel or not out.is_contiguous()
+                                     or out.requires_grad))):
+        return ref.block_dequantize(packed, scales, bits, block, numel, out, accumulate)
+    bits, block = int(bits), int(block)
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    K.block_dequantize(packed.reshape(-1).contiguous().numpy(),
+                       scales.reshape(-1).float().contiguous().numpy(), bits, block, numel,
+                       _quant_chunk(block), dst.numpy(), bool(accumulate and out is not None))
+    return dst
+
+
+# ---------------------------------------------------------------- sign + scale
+def sign_pack(x: torch.Tensor, chunk: int):
+    """See :func:`commpress.ops.reference.sign_pack`."""
+    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_block(chunk):
+        return ref.sign_pack(x, chunk)
+    chunk = int(chunk)
+    xf = _f32(x).numpy()
+    n = xf.size
+    packed = np.empty((n + 7) // 8, np.uint8)
+    scales = np.empty((n + chunk - 1) // chunk, np.float32)
+    K.sign_bits(xf, packed)
+    K.sign_scales(xf, chunk, scales)
+    return torch.from_numpy(packed), torch.from_numpy(scales)
+
+
+def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int,
+                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.sign_unpack`."""
+    numel = int(numel)
+    if (not _cpu(bits, scales, out) or not _valid_block(chunk) or bits.dtype != torch.uint8
+            or numel < 0 or bits.numel() < (numel + 7) // 8
+            or scales.numel() < (numel + int(chunk) - 1) // int(chunk)
+            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
+                                     or out.numel() != numel or not out.is_contiguous()
+                                     or out.requires_grad))):
+        return ref.sign_unpack(bits, scales, chunk, numel, out, accumulate)
+    chunk = int(chunk)
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    sc = scales.reshape(-1).float().contiguous().numpy()[: (numel + chunk - 1) // chunk]
+    K.sign_unpack(bits.reshape(-1).contiguous().numpy(), np.ascontiguousarray(sc), chunk, numel,
+                  dst.numpy(), bool(accumulate and out is not None))
+    return dst
+
+
+OPS = {
+    "threshold_compact": threshold_compact,
+    "topk_compact": topk_compact,
+    "magnitude_key": magnitude_key,
+    "scatter_add_": scatter_add_,
+    "counter_bits": counter_bits,
+    "counter_uniform": counter_uniform,
+    "hash_owner": hash_owner,
+    "hash_partition": hash_partition,
+    "pack_bits": pack_bits,
+    "unpack_bits": unpack_bits,
+    "bitmap_encode": bitmap_encode,
+    "bitmap_decode": bitmap_decode,
+    "block_absmax": block_absmax,
+    "block_quantize": block_quantize,
+    "block_dequantize": block_dequantize,
+    "sign_pack": sign_pack,
+    "sign_unpack": sign_unpack,
+}
+
+
+def _register() -> None:
+    from . import register_backend
+
+    register_backend("numba", OPS)
+
+
+_register()
