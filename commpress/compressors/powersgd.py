@@ -38,9 +38,10 @@ class PowerSGD(Compressor):
 
     ``Q_warm`` is kept per ``key`` (the last ``Q``; initialised from a generator
     seeded with ``zlib.crc32(repr(key))``, the same on every rank) and is part of
-    :meth:`state_dict`.  Tensors with fewer than 2 dims, or with
-    ``rank*(rows+cols) >= numel``, are sent uncompressed in their own dtype
-    (``payload.meta["uncompressed"] = True``).  Biased: use error feedback.
+    :meth:`state_dict`.  Tensors with fewer than 2 dims, or whose factors would
+    not be smaller than the tensor (``4*r*(rows+cols) >= numel*itemsize``, i.e.
+    ``r*(rows+cols) >= numel`` for fp32), are sent uncompressed in their own
+    dtype (``payload.meta["uncompressed"] = True``).  Biased: use error feedback.
 
     Distributed protocol (``"lowrank"`` aggregation), per tensor with
     :meth:`is_compressed`: ``p = begin(M, key)``; all_reduce ``p``;
@@ -63,7 +64,7 @@ class PowerSGD(Compressor):
             return None
         rows = tensor.shape[0]
         cols = tensor.numel() // rows
-        if self.rank * (rows + cols) >= tensor.numel():
+        if 4 * self.rank * (rows + cols) >= tensor.numel() * tensor.element_size():
             return None
         return rows, cols
 

@@ -1,0 +1,94 @@
+"""Shared test cases for the compressor tests: every compressor with test parameters,
+a tensor builder and each compressor's wire-size bound."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+import commpress
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# (registry name, params) for every compressor; several settings of some.
+CASES = [
+    ("identity", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("topk", {"ratio": 0.3}),
+    ("randomk", {"ratio": 0.3, "seed": 3}),
+    ("threshold", {"threshold": 0.5}),
+    ("dgc", {"ratio": 0.3}),
+    ("qsgd", {"levels": 5}),
+    ("terngrad", {}),
+    ("signsgd", {"chunk": 5}),
+    ("blockquant", {}),
+    ("blockquant", {"bits": 4, "block": 7, "stochastic": True}),
+    ("blockquant", {"bits": 2, "block": 3}),
+    ("powersgd", {"rank": 1}),
+    ("powersgd", {"rank": 2}),
+]
+IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in p.items())}".rstrip("-") for n, p in CASES]
+
+SPARSIFIERS = [c for c in CASES if c[0] in ("topk", "threshold", "dgc")]
+
+
+def make(name: str, params: dict) -> commpress.Compressor:
+    return commpress.get(name, **params)
+
+
+def build(shape, dtype, layout: str, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype``: contiguous, transposed or strided (every 2nd row)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+    if layout == "transposed" and len(shape) >= 2:
+        base = torch.randn(shape[::-1], generator=g) * scale
+        return base.to(dtype).permute(*reversed(range(len(shape))))
+    if layout == "strided" and len(shape) >= 1:
+        base = torch.randn((2 * shape[0],) + shape[1:], generator=g) * scale
+        return base.to(dtype)[::2]
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+shapes = st.one_of(
+    st.just(()),
+    st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    st.tuples(st.integers(8, 40), st.integers(8, 40)),
+)
+layouts = st.sampled_from(["contiguous", "transposed", "strided"])
+dtypes = st.sampled_from(DTYPES)
+
+
+def nbytes_bound(c: commpress.Compressor, x: torch.Tensor, payload) -> tuple[int, bool]:
+    """``(bound, exact)``: the wire size the compressor promises for ``x``."""
+    n, it = x.numel(), x.element_size()
+    name = c.name
+    k = 0 if n == 0 else min(n, max(1, round(getattr(c, "ratio", 0) * n)))
+    if name == "identity":
+        return n * it, True
+    if name in ("fp16", "bf16"):
+        return 2 * n, True
+    if name == "topk":
+        return k * (4 + it), True
+    if name == "dgc":
+        return math.floor(1.25 * k) * (4 + it), False
+    if name == "threshold":
+        return n * (4 + it), False
+    if name == "randomk":
+        return k * it, True
+    if name == "qsgd":
+        return math.ceil(n * c.bits / 8) + 4, True
+    if name == "terngrad":
+        return math.ceil(n / 4) + 4, True
+    if name == "signsgd":
+        return math.ceil(n / 8) + 4 * math.ceil(n / c.chunk), True
+    if name == "blockquant":
+        return math.ceil(n * c.bits / 8) + 4 * math.ceil(n / c.block), True
+    if name == "powersgd":
+        if payload.meta["uncompressed"]:
+            return n * it, True
+        rows, cols = payload.meta["rows"], payload.meta["cols"]
+        return 4 * c.rank * (rows + cols), True
+    raise AssertionError(f"no bound for {name}")

@@ -1,0 +1,157 @@
+"""Contract of every compressor: round trip, wire size, payload layout, errors, non-finite input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from compressor_cases import CASES, DTYPES, IDS, build, dtypes, layouts, make, nbytes_bound, shapes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import commpress
+
+ALL_NAMES = {"identity", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd",
+             "terngrad", "signsgd", "blockquant", "powersgd"}
+AGGREGATION = {"identity": "sum", "fp16": "sum", "bf16": "sum", "randomk": "sum",
+               "topk": "sparse", "threshold": "sparse", "dgc": "sparse", "qsgd": "gather",
+               "terngrad": "gather", "signsgd": "gather", "blockquant": "gather",
+               "powersgd": "lowrank"}
+
+
+def test_registry_lists_every_compressor():
+    assert ALL_NAMES <= set(commpress.available())
+    for name in ALL_NAMES:
+        params = next(p for n, p in CASES if n == name)
+        assert make(name, params).aggregation == AGGREGATION[name]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@settings(max_examples=25)
+@given(shape=shapes, layout=layouts, dtype=dtypes, seed=st.integers(0, 2**16))
+def test_round_trip_shape_dtype_and_wire_size(case, shape, layout, dtype, seed):
+    c = make(*case)
+    x = build(shape, dtype, layout, seed)
+    g = torch.Generator().manual_seed(seed)
+    payload = c.compress(x, step=seed % 5, key=("layer", seed % 3), generator=g)
+    y = c.decompress(payload)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert payload.shape == x.shape and payload.dtype == x.dtype and payload.numel == x.numel()
+    assert isinstance(payload.tensors, tuple)
+    assert payload.nbytes == sum(t.numel() * t.element_size() for t in payload.tensors)
+    bound, exact = nbytes_bound(c, x, payload)
+    assert payload.nbytes == bound if exact else payload.nbytes <= bound
+    assert torch.isfinite(y.float()).all()
+    if c.aggregation == "sparse":
+        idx, values = payload.tensors
+        assert idx.dtype == torch.int32 and values.dtype == x.dtype
+        assert idx.numel() == values.numel()
+        if idx.numel():
+            assert idx.min() >= 0 and idx.max() < x.numel()
+            assert (idx[1:] > idx[:-1]).all()  # unique and ascending
+            assert torch.equal(values, x.reshape(-1)[idx.long()])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_input_is_not_modified(case):
+    c = make(*case)
+    x = build((30, 20), torch.float32, "transposed", 1)
+    before = x.clone()
+    c.decompress(c.compress(x, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.uint8])
+def test_unsupported_dtype_raises_type_error(case, dtype):
+    c = make(*case)
+    with pytest.raises(TypeError, match=str(dtype)):
+        c.compress(torch.zeros(10, dtype=dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_non_tensor_raises_type_error(case):
+    with pytest.raises(TypeError):
+        make(*case).compress([1.0, 2.0])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_input_propagates(case, bad, dtype):
+    c = make(*case)
+    x = build((40, 50), torch.float32, "contiguous", 7)
+    x[13, 17] = float(bad)
+    y = c.decompress(c.compress(x.to(dtype), generator=torch.Generator().manual_seed(1)))
+    assert not torch.isfinite(y.float()).all()
+
+
+@pytest.mark.parametrize("name,params,arg", [
+    ("topk", {"ratio": 0.0}, "ratio"),
+    ("topk", {"ratio": 1.5}, "ratio"),
+    ("topk", {"ratio": -0.1}, "ratio"),
+    ("topk", {"ratio": float("nan")}, "ratio"),
+    ("topk", {"ratio": "0.1"}, "ratio"),
+    ("randomk", {"ratio": 0.0}, "ratio"),
+    ("randomk", {"ratio": 0.1, "seed": -1}, "seed"),
+    ("dgc", {"ratio": 2.0}, "ratio"),
+    ("dgc", {"ratio": 0.1, "sample_ratio": 0.0}, "sample_ratio"),
+    ("threshold", {"threshold": -1.0}, "threshold"),
+    ("threshold", {"threshold": float("nan")}, "threshold"),
+    ("qsgd", {"levels": 0}, "levels"),
+    ("qsgd", {"levels": 128}, "levels"),
+    ("qsgd", {"levels": 2.5}, "levels"),
+    ("signsgd", {"chunk": 0}, "chunk"),
+    ("blockquant", {"bits": 3}, "bits"),
+    ("blockquant", {"bits": 16}, "bits"),
+    ("blockquant", {"block": 0}, "block"),
+    ("blockquant", {"stochastic": "yes"}, "stochastic"),
+    ("powersgd", {"rank": 0}, "rank"),
+    ("powersgd", {"rank": True}, "rank"),
+])
+def test_bad_parameters_raise_value_error_naming_the_argument(name, params, arg):
+    with pytest.raises(ValueError, match=arg):
+        commpress.get(name, **params)
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="topk"):  # lists the available names
+        commpress.get("nope")
+    with pytest.raises(ValueError, match="ratio"):  # lists the allowed parameters
+        commpress.get("topk", ratio=0.1, level=3)
+    with pytest.raises(ValueError, match="ratio"):
+        commpress.get("topk")
+
+
+def test_defaults_and_config():
+    assert commpress.get("blockquant").config() == {"bits": 8, "block": 256, "stochastic": False}
+    assert commpress.get("dgc", ratio=0.1).config() == {"ratio": 0.1, "sample_ratio": 0.01}
+    for name in ("qsgd", "terngrad", "signsgd", "powersgd"):
+        commpress.get(name)  # every parameter has a default
+    assert commpress.get("randomk", ratio=0.5).config()["seed"] == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_same_generator_seed_gives_same_payload(case):
+    c = make(*case)
+    x = build((33, 17), torch.float32, "contiguous", 3)
+    a = c.compress(x, step=2, key="k", generator=torch.Generator().manual_seed(5))
+    b = make(*case).compress(x, step=2, key="k", generator=torch.Generator().manual_seed(5))
+    assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {}), ("terngrad", {}),
+                                         ("blockquant", {"stochastic": True, "bits": 2})])
+def test_stochastic_rounding_depends_on_generator(name, params):
+    c = commpress.get(name, **params)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    a = c.compress(x, generator=torch.Generator().manual_seed(1))
+    b = c.compress(x, generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(a.tensors[0], b.tensors[0])
+
+
+def test_four_bit_blockquant_bound():
+    x = torch.randn(1001)
+    p = commpress.get("blockquant", bits=4, block=64).compress(x)
+    assert p.nbytes <= math.ceil(1001 / 2) + 4 * math.ceil(1001 / 64)
