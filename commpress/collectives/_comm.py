@@ -1,0 +1,152 @@
+"""Thin, accounted wrappers around the torch.distributed primitives we use.
+
+Every wrapper charges :class:`~commpress.collectives.accounting.CommStats` by the
+convention documented in :mod:`commpress.collectives.accounting`, and does
+nothing (and charges nothing) in a one-rank group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .accounting import CommStats, all_gather_cost, all_reduce_cost
+
+
+def world(group=None) -> int:
+    """Size of ``group`` (1 when torch.distributed is not initialized)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank(group=None) -> int:
+    """This process's rank in ``group`` (0 when not initialized)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def group_key(group=None) -> tuple:
+    """A hashable identity of ``group`` for caches."""
+    g = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    return (id(g), world(group))
+
+
+def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:
+    """Device for small bookkeeping tensors: ``like``'s device, else CUDA for NCCL, else CPU."""
+    if like is not None and isinstance(like, torch.Tensor):
+        return like.device
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _charge(stats: CommStats | None, cost: tuple[int, int, int]) -> None:
+    if stats is not None:
+        stats.add(*cost)
+
+
+def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-gather a same-shape tensor from every rank: returns ``[P, *t.shape]``."""
+    p = world(group)
+    t = t.contiguous()
+    if p == 1:
+        return t.unsqueeze(0).clone()
+    out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
+    _ALL_GATHER(out, t.reshape(-1), group=group)
+    _charge(stats, all_gather_cost(t.numel() * t.element_size(), p))
+    return out.reshape((p,) + tuple(t.shape))
+
+
+def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=None) -> torch.Tensor:
+    """In-place sum (or ``op``) all-reduce of a contiguous tensor; returns it."""
+    p = world(group)
+    if p == 1:
+        return t
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+    _charge(stats, all_reduce_cost(t.numel() * t.element_size(), p))
+    return t
+
+
+def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                     group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-to-all of a uint8 buffer cut into ``send_sizes`` pieces (one per rank, in rank order).
+
+    Returns the received buffer: ``recv_sizes[r]`` bytes from each rank ``r``, in rank order.
+    """
+    p = world(group)
+    me = rank(group)
+    out = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=buf.device)
+    if p == 1:
+        out.copy_(buf)
+        return out
+    dist.all_to_all_single(out, buf.contiguous(), output_split_sizes=list(recv_sizes),
+                           input_split_sizes=list(send_sizes), group=group)
+    if stats is not None:
+        sent = sum(s for r, s in enumerate(send_sizes) if r != me)
+        recv = sum(s for r, s in enumerate(recv_sizes) if r != me)
+        stats.add(sent, recv, p - 1)
+    return out
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None,
+             stats: CommStats | None = None, do_send: bool = True, do_recv: bool = True) -> None:
+    """Point-to-point: send ``send`` to ``peer`` and/or receive ``recv`` from it (group ranks)."""
+    gpeer = peer if group is None else dist.get_global_rank(group, peer)
+    ops = []
+    if do_send:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), gpeer, group))
+    if do_recv:
+        ops.append(dist.P2POp(dist.irecv, recv, gpeer, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if stats is not None:
+        s = send.numel() * send.element_size() if do_send else 0
+        r = recv.numel() * recv.element_size() if do_recv else 0
+        stats.add(s, r, int(do_send))
+
+
+def to_bytes(*tensors: torch.Tensor) -> torch.Tensor:
+    """Concatenate the raw bytes of ``tensors`` (flattened) into one uint8 tensor."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    if not parts:
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        return torch.empty(0, dtype=torch.uint8, device=dev)
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
+def from_bytes(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Inverse of :func:`to_bytes`: cut ``buf`` into tensors of the given (dtype, shape)."""
+    out = []
+    off = 0
+    for dtype, shape in specs:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nb = n * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off:off + nb].clone().view(dtype).reshape(shape))
+        off += nb
+    return out
+
+
+def rows_to_bytes(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """COO entries as rows ``[index bytes | value bytes]``: a ``(k, ib+vb)`` uint8 tensor."""
+    k = indices.numel()
+    ib = indices.reshape(-1).contiguous().view(torch.uint8).reshape(k, indices.element_size())
+    vb = values.reshape(-1).contiguous().view(torch.uint8).reshape(k, values.element_size())
+    return torch.cat([ib, vb], dim=1)
+
+
+def bytes_to_rows(buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype):
+    """Inverse of :func:`rows_to_bytes` (``buf`` flat or ``(k, w)``): ``(indices, values)``."""
+    isz = torch.empty((), dtype=index_dtype).element_size()
+    vsz = torch.empty((), dtype=value_dtype).element_size()
+    rows = buf.reshape(-1, isz + vsz)
+    idx = rows[:, :isz].contiguous().view(index_dtype).reshape(-1)
+    val = rows[:, isz:].contiguous().view(value_dtype).reshape(-1)
+    return idx, val

@@ -1,0 +1,267 @@
+"""Alpha-beta(-gamma) cost model that picks a collective algorithm.
+
+Model
+-----
+The predicted time of an algorithm on the slowest rank is
+
+    T = alpha * messages + beta * bytes + gamma * entries + delta * elements
+
+* ``alpha`` seconds per message (latency), ``beta`` seconds per byte on the
+  wire, both *measured once per process group* by :func:`calibrate`: a few
+  ``all_reduce`` and ``all_gather`` calls of 256 B .. 256 KiB, each rank's
+  best-of-3 time, the max over ranks (one small ``all_reduce``), then a
+  least-squares fit of ``t = alpha*m + beta*b`` with ``m`` and ``b`` from the
+  accounting model (ring all_reduce: ``m = 2(P-1)``, ``b = 2n(P-1)/P``;
+  all_gather: ``m = P-1``, ``b = n(P-1)``);
+* ``gamma`` seconds per sparse entry handled locally (sort / scatter-add / pack)
+  and ``delta`` seconds per dense element (zero-fill, copy), timed locally in
+  the same calibration (max over ranks).
+
+Because the fitted numbers are reduced across ranks before use and the
+choice is computed from the all-gathered header only, every rank picks the
+same algorithm.  :func:`set_cost_model` fixes the numbers instead (tests,
+benchmarks, users who know their network).
+
+Sparse costs (``k_r`` counts, ``K = sum k_r``, ``n`` numel, ``w`` bytes per entry,
+``v`` bytes per value, ``C[s][o]`` the entries rank ``s`` sends to owner ``o``):
+
+* dense: ``2(P-1)`` messages, ``2n v (P-1)/P`` bytes, ``max k`` entries, ``n`` elements;
+* allgather: ``P-1`` messages, ``(P-1) w max k`` bytes, ``K`` entries, ``n`` elements;
+* recursive doubling: per round 2 messages and ``w s_t`` bytes with the merged set
+  ``s_t = min(u, 2^t max k)``; two more steps when P is not a power of two;
+* split / hashed: all-to-all (``P-1`` messages, max over ranks of the entries
+  sent or received times ``w``), a size all-gather, and an all-gather of the
+  largest encoded partition ``min(L v, L/8 + u_o v, u_o w)``, with
+  ``u_o = u * sum_s C[s][o] / K`` clamped to its bounds.
+
+The union size ``u`` is estimated from a k-minimum-values sketch (the 16
+smallest hashes of each rank's indices, carried in the header): with ``v16``
+the 16th smallest distinct hash of the union, ``u ~ 15 * 2^31 / v16``; exact
+when the union has fewer than 16 entries; always clamped to
+``max k <= u <= min(n, K)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import _comm
+
+log = logging.getLogger("commpress")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per message, per byte, per sparse entry and per dense element."""
+
+    alpha: float
+    beta: float
+    gamma: float = 1e-8
+    delta: float = 5e-10
+
+    def time(self, messages: float = 0, nbytes: float = 0, entries: float = 0, elements: float = 0) -> float:
+        return self.alpha * messages + self.beta * nbytes + self.gamma * entries + self.delta * elements
+
+
+_CACHE: dict[tuple, CostModel] = {}
+_OVERRIDE: CostModel | None = None
+
+
+def set_cost_model(alpha: float | None, beta: float | None = None, gamma: float = 1e-8,
+                   delta: float = 5e-10) -> None:
+    """Use fixed numbers for every group (``set_cost_model(None)`` goes back to calibration)."""
+    global _OVERRIDE
+    if alpha is None:
+        _OVERRIDE = None
+        return
+    for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma), ("delta", delta)):
+        if v is None or not (v >= 0) or math.isinf(v):
+            raise ValueError(f"set_cost_model: {name} must be a finite number >= 0, got {v!r}")
+    _OVERRIDE = CostModel(float(alpha), float(beta), float(gamma), float(delta))
+
+
+def get_cost_model(group=None) -> CostModel:
+    """The model for ``group``: the override, the cached calibration, or a new calibration.
+
+    A new calibration is a collective: every rank of ``group`` must call this together
+    (the collectives only do so from ``"auto"``, after the header exchange).
+    """
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    key = _comm.group_key(group)
+    if key not in _CACHE:
+        _CACHE[key] = calibrate(group)
+    return _CACHE[key]
+
+
+def _best_of(fn, reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144)) -> CostModel:
+    """Measure alpha, beta, gamma, delta on ``group`` (a collective; identical result on all ranks)."""
+    world = _comm.world(group)
+    dev = _comm.comm_device(group)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    import torch.distributed as dist
+
+    times = []
+    rows = []
+    if world > 1:
+        for nbytes in sizes:
+            t = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
+            out = torch.empty(world * t.numel(), dtype=torch.float32, device=dev)
+
+            def ar():
+                dist.all_reduce(t, group=group)
+                sync()
+
+            def ag():
+                _comm._ALL_GATHER(out, t, group=group)
+                sync()
+
+            times.append(_best_of(ar))
+            rows.append([2.0 * (world - 1), 2.0 * nbytes * (world - 1) / world])
+            times.append(_best_of(ag))
+            rows.append([float(world - 1), float(nbytes * (world - 1))])
+    # local compute: sparse entries (sort + scatter-add) and dense elements (fill + add)
+    m, n = 1 << 14, 1 << 18
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randint(0, n, (m,), generator=g).to(dev)
+    val = torch.ones(m, device=dev)
+    acc = torch.zeros(n, device=dev)
+
+    def sparse_op():
+        s = torch.sort(idx)[0]
+        acc.index_add_(0, s, val)
+        sync()
+
+    def dense_op():
+        z = torch.zeros(n, device=dev)
+        z.add_(acc)
+        sync()
+
+    times.append(_best_of(sparse_op) / m)
+    times.append(_best_of(dense_op) / n)
+    tv = torch.tensor(times, dtype=torch.float64, device=dev)
+    if world > 1:
+        dist.all_reduce(tv, op=dist.ReduceOp.MAX, group=group)
+    tv = tv.cpu()
+    gamma = max(float(tv[-2]), 1e-9)
+    delta = max(float(tv[-1]), 1e-11)
+    if world > 1:
+        a = torch.tensor(rows, dtype=torch.float64)
+        b = tv[:-2].reshape(-1, 1)
+        sol = torch.linalg.lstsq(a, b).solution.reshape(-1).tolist()
+        alpha, beta = max(sol[0], 1e-6), max(sol[1], 1e-11)
+    else:
+        alpha, beta = 1e-6, 1e-11
+    model = CostModel(alpha, beta, gamma, delta)
+    log.debug("commpress cost model for group of %d ranks: %s", world, model)
+    return model
+
+
+# ---------------------------------------------------------------- sparse
+def estimate_union(table: torch.Tensor, numel: int) -> float:
+    """Estimated size of the union of the ranks' supports (see module doc)."""
+    from .sparse import HASH_RANGE
+    from .validate import HEADER_FIXED, SKETCH
+
+    world = table.shape[0]
+    counts = table[:, 6].tolist()
+    lo, hi = max(counts), min(numel, sum(counts))
+    if hi <= lo:
+        return float(lo)
+    s = HEADER_FIXED + 4 * world
+    h = table[:, s:s + SKETCH].reshape(-1)
+    h = torch.unique(h[h < HASH_RANGE])
+    if h.numel() < SKETCH:
+        u = float(h.numel())
+    else:
+        u = (SKETCH - 1) * HASH_RANGE / (float(h[SKETCH - 1]) + 1.0)
+    return float(min(max(u, lo), hi))
+
+
+def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, index_bytes: int,
+                 model: CostModel) -> dict[str, float]:
+    """Predicted seconds of every sparse algorithm for the gathered header ``table``."""
+    from .validate import HEADER_FIXED
+
+    P = world
+    counts = table[:, 6].tolist()
+    K = sum(counts)
+    kmax = max(counts)
+    n = numel
+    v, w = value_bytes, value_bytes + index_bytes
+    u = estimate_union(table, numel)
+    c = {}
+    c["dense"] = model.time(2 * (P - 1), 2 * n * v * (P - 1) / P, kmax, n)
+    c["allgather"] = model.time(P - 1, (P - 1) * w * kmax, K + kmax, n)
+    p2 = 1 << (P.bit_length() - 1)
+    msgs, nbytes, entries = 0.0, 0.0, float(kmax)
+    s = float(kmax)
+    if p2 != P:
+        msgs, nbytes, s = msgs + 2, nbytes + w * kmax, min(u, 2.0 * kmax)
+    t = 1
+    while t < p2:
+        msgs += 4
+        nbytes += 2 * w * s
+        entries += 2 * s
+        s = min(u, 2.0 * s)
+        t <<= 1
+    if p2 != P:
+        msgs, nbytes = msgs + 2, nbytes + w * u
+    c["recursive_doubling"] = model.time(msgs, nbytes, entries + u, n)
+    for name, base, dom in (("split", HEADER_FIXED, None), ("hashed", HEADER_FIXED + P, n / P)):
+        cm = table[:, base:base + P].double()
+        sent = (cm.sum(1) - cm.diagonal()).max().item()
+        recv_from_others = (cm.sum(0) - cm.diagonal()).max().item()
+        owner_load = cm.sum(0)
+        enc = 0.0
+        for o in range(P):
+            L = dom if dom is not None else ((o + 1) * n) // P - (o * n) // P
+            lo_o, hi_o = cm[:, o].max().item(), min(L, owner_load[o].item())
+            u_o = min(max(u * owner_load[o].item() / K, lo_o), hi_o) if K else 0.0
+            enc = max(enc, min(L * v, L / 8 + u_o * v, u_o * w))
+        c[name] = model.time(3 * (P - 1), w * max(sent, recv_from_others) + 24 * (P - 1) + enc * (P - 1),
+                             kmax + owner_load.max().item() + u, n)
+    return c
+
+
+def choose_sparse(table: torch.Tensor, numel: int, world: int, value_bytes: int, index_bytes: int,
+                  group=None) -> str:
+    """The cheapest sparse algorithm (identical on every rank: depends only on gathered data)."""
+    costs = sparse_costs(table, numel, world, value_bytes, index_bytes, get_cost_model(group))
+    order = ("dense", "allgather", "split", "hashed", "recursive_doubling")  # tie-break
+    return min(order, key=lambda a: (costs[a], order.index(a)))
+
+
+# ---------------------------------------------------------------- quantized
+def gather_costs(payload_bytes: int, numel: int, world: int, model: CostModel) -> dict[str, float]:
+    """Predicted seconds of the two quantized allreduce variants.
+
+    ``payload_bytes`` is one rank's compressed size of the whole tensor.
+    ``two_phase``: all-to-all + all-gather of ``B/P`` pieces, decode ``2n`` + encode ``n/P``;
+    ``gather_all``: one all-gather of ``B`` per rank, decode ``P n``.
+    """
+    P, B, n = world, payload_bytes, numel
+    return {
+        "two_phase": model.time(2 * (P - 1), 2 * B * (P - 1) / P, 2 * n + n / P, n),
+        "gather_all": model.time(P - 1, B * (P - 1), P * n, n),
+    }
+
+
+def choose_gather(payload_bytes: int, numel: int, world: int, group=None) -> str:
+    costs = gather_costs(payload_bytes, numel, world, get_cost_model(group))
+    return min(("two_phase", "gather_all"), key=lambda a: (costs[a], a))

@@ -1,0 +1,377 @@
+"""Sparse allreduce: every rank brings ``(indices, values)``, every rank gets the same dense sum.
+
+``sparse_allreduce(indices, values, numel)`` returns ``out`` of length ``numel``
+with ``out[i] = sum over ranks of that rank's value at i``, **bitwise identical
+on all ranks**.  Each algorithm guarantees this either by having every rank add
+the contributions in the same fixed order (rank order), or by letting one owner
+reduce a part and sending the owner's result to everyone.
+
+What goes on the wire (``P`` ranks, ``k_r`` entries on rank ``r``, ``u`` the size
+of the union of supports, an *entry* is one index (int32, or int64 when
+``numel >= 2**31``) plus one value in the values' dtype):
+
+``"allgather"``
+    all-gather of every rank's entries padded to ``max k_r``; every rank
+    scatter-adds the P contributions in rank order.
+``"recursive_doubling"`` (SparCML SSAR)
+    ``log2 P`` rounds; in round ``t`` rank ``r`` swaps its current (merged) set
+    with ``r XOR 2**t`` (a size message, then the entries) and merges, the
+    lower-rank block's set first, so partners compute identical sets.  With P
+    not a power of two the ``P - 2**m`` extra ranks first fold their entries
+    into rank ``r - 2**m`` and get the final set back from it at the end.
+``"split"`` (SparCML split all-gather)
+    the index space is cut into P contiguous ranges; an all-to-all sends every
+    entry to its range's owner, which sums them (rank order) and all-gathers
+    its reduced range, encoded as COO, as a bitmap over the range plus values,
+    or densely, whichever is smallest (a size message first).
+``"hashed"`` (Zen)
+    as ``"split"``, but the owner of index ``i`` is ``commpress.ops.hash_owner(i, P)``,
+    so clustered supports still spread evenly; a partition's bitmap is over the
+    indices that hash to it (in ascending order).
+``"dense"``
+    scatter into a dense tensor, ``all_reduce``.
+
+Every call first all-gathers one small header per rank
+(:mod:`commpress.collectives.validate`) carrying the counts and, for
+``"split"``/``"hashed"``/``"auto"``, each rank's per-owner counts (and a union
+sketch for ``"auto"``): that is the only host synchronisation besides the
+size messages of the variable-size steps.  Sums are taken in fp32 for fp16 /
+bf16 values (in the values' dtype otherwise) and returned in the values' dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import ops
+from . import _comm, costmodel
+from .accounting import CommStats
+from .validate import (HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
+                       exchange_header, make_header)
+
+log = logging.getLogger("commpress")
+
+SPARSE_ALGORITHMS = ("allgather", "recursive_doubling", "split", "hashed", "dense")
+
+#: sentinel of the union sketch (larger than every sketch hash)
+HASH_RANGE = 2**31 - 1
+
+FMT_DENSE, FMT_BITMAP, FMT_COO = 0, 1, 2
+FORMATS = ("dense", "bitmap", "coo")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are taken in: fp32 for half types, else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def wire_index_dtype(numel: int) -> torch.dtype:
+    return ops.reference.index_dtype(numel)
+
+
+def range_bounds(numel: int, world: int) -> list[int]:
+    """Boundaries of the P contiguous ranges of ``"split"``: range r is ``[b[r], b[r+1])``."""
+    return [(r * numel) // world for r in range(world + 1)]
+
+
+def range_owner(indices: torch.Tensor, numel: int, world: int) -> torch.Tensor:
+    inner = torch.tensor(range_bounds(numel, world)[1:world], dtype=indices.dtype, device=indices.device)
+    return torch.bucketize(indices, inner, right=True)
+
+
+_DOMAINS: dict[tuple, tuple[torch.Tensor, list[int]]] = {}
+
+
+def hash_domain(numel: int, world: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Indices of ``[0, numel)`` grouped by hash owner (ascending within a group) and group offsets.
+
+    Computed once per ``(numel, world, device)`` (O(numel)) and cached (last 4).
+    """
+    key = (numel, world, str(device))
+    if key not in _DOMAINS:
+        if len(_DOMAINS) >= 4:
+            _DOMAINS.pop(next(iter(_DOMAINS)))
+        counts, order = ops.hash_partition(torch.arange(numel, device=device, dtype=torch.int64), world)
+        offs = [0]
+        for c in counts.tolist():
+            offs.append(offs[-1] + int(c))
+        _DOMAINS[key] = (order.to(torch.int64), offs)
+    return _DOMAINS[key]
+
+
+def union_sketch(indices: torch.Tensor) -> torch.Tensor:
+    """The ``SKETCH`` smallest hashes of ``indices`` (k-minimum-values sketch), padded with HASH_RANGE."""
+    h = ops.hash_owner(indices, HASH_RANGE).to(torch.int64)
+    m = min(SKETCH, h.numel())
+    small = torch.topk(h, m, largest=False).values if m else h[:0]
+    small = torch.sort(small).values
+    pad = torch.full((SKETCH - m,), HASH_RANGE, dtype=torch.int64, device=h.device)
+    return torch.cat([small, pad])
+
+
+# ---------------------------------------------------------------- entry point
+def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *, group=None,
+                     algorithm: str = "auto", stats: CommStats | None = None, validate: bool = True,
+                     config: int = 0, _error: tuple[int, str] = (0, "")) -> torch.Tensor:
+    """Sum sparse tensors across the ranks of ``group``; every rank gets the same dense sum.
+
+    ``indices`` (int32/int64, unique, in ``[0, numel)``) and ``values`` (float,
+    same length) may have a different length on every rank, 0 included.
+    ``algorithm`` is one of :data:`SPARSE_ALGORITHMS` or ``"auto"`` (the cost
+    model of :mod:`commpress.collectives.costmodel`).  ``validate=False`` skips
+    the O(k) range/uniqueness checks (the cross-rank header exchange still
+    happens).  ``config`` is an int fingerprint compared across ranks.
+    Returns a 1-D tensor of ``numel`` elements in ``values.dtype``.
+
+    Raises :class:`~commpress.collectives.validate.CollectiveInputError` (a
+    ``ValueError``) on every rank when any rank's input is bad or the ranks
+    disagree on ``numel``, dtype or ``algorithm``.
+    """
+    world = _comm.world(group)
+    code, msg = _error if _error[0] else check_sparse_local(indices, values, numel, check_contents=validate)
+    if code == 0 and algorithm not in SPARSE_ALGORITHMS + ("auto",):
+        code, msg = 6, f"algorithm must be one of {SPARSE_ALGORITHMS + ('auto',)}, got {algorithm!r}"
+    if world == 1:
+        if code:
+            raise CollectiveInputError(f"sparse_allreduce: {msg}")
+        out = torch.zeros(numel, dtype=acc_dtype(values.dtype), device=values.device)
+        ops.scatter_add_(out, indices, values)
+        if stats is not None:
+            stats.add(calls=1, algorithm="local")
+        return out.to(values.dtype)
+
+    ok = code == 0
+    device = _comm.comm_device(group, values if isinstance(values, torch.Tensor) else None)
+    vdtype = values.dtype if isinstance(values, torch.Tensor) else None
+    k = int(indices.numel()) if ok else 0
+    header = make_header(world, device, error=code, numel=numel if isinstance(numel, int) else -1,
+                         dtype=vdtype, algorithm=algorithm, kind="sparse", config=config, count=k)
+    idx = vals = None
+    if ok:
+        idx = indices.to(wire_index_dtype(numel)).contiguous()
+        vals = values.contiguous()
+        if algorithm in ("split", "auto"):
+            header[HEADER_FIXED:HEADER_FIXED + world] = torch.bincount(
+                range_owner(idx, numel, world), minlength=world)
+        if algorithm in ("hashed", "auto"):
+            header[HEADER_FIXED + world:HEADER_FIXED + 2 * world] = ops.hash_partition(idx, world)[0]
+        if algorithm == "auto":
+            s = HEADER_FIXED + 4 * world
+            header[s:s + SKETCH] = union_sketch(idx)
+    table = exchange_header(header, group=group, stats=stats, local_message=msg, what="sparse_allreduce")
+
+    counts = table[:, 6].tolist()
+    if algorithm == "auto":
+        algorithm = costmodel.choose_sparse(table, numel, world, vals.element_size(),
+                                            idx.element_size(), group=group)
+    out = _ALGOS[algorithm](idx, vals, numel, table, counts, group, stats)
+    if stats is not None:
+        stats.add(calls=1, algorithm=algorithm)
+    return out
+
+
+# ---------------------------------------------------------------- algorithms
+def _allgather(idx, vals, numel, table, counts, group, stats):
+    world = len(counts)
+    kmax = max(counts)
+    acc = torch.zeros(numel, dtype=acc_dtype(vals.dtype), device=vals.device)
+    if kmax == 0:
+        return acc.to(vals.dtype)
+    w = idx.element_size() + vals.element_size()
+    rows = torch.zeros(kmax, w, dtype=torch.uint8, device=vals.device)
+    rows[: idx.numel()] = _comm.rows_to_bytes(idx, vals)
+    gathered = _comm.all_gather(rows.reshape(-1), group=group, stats=stats)
+    for r in range(world):  # fixed rank order on every rank
+        if counts[r]:
+            i, v = _comm.bytes_to_rows(gathered[r, : counts[r] * w], idx.dtype, vals.dtype)
+            ops.scatter_add_(acc, i, v.to(acc.dtype))
+    return acc.to(vals.dtype)
+
+
+def _dense(idx, vals, numel, table, counts, group, stats):
+    out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
+    ops.scatter_add_(out, idx, vals)
+    return _comm.all_reduce_(out, group=group, stats=stats)
+
+
+def merge_sorted(idx_a, val_a, idx_b, val_b):
+    """Union of two sparse sets with unique indices; a shared index gets ``a + b``.
+
+    Deterministic on every device (no atomics): the result depends only on the
+    ordered pair ``(a, b)``.  Returns ascending indices.
+    """
+    cat_i = torch.cat([idx_a, idx_b])
+    cat_v = torch.cat([val_a, val_b])
+    s_i, order = torch.sort(cat_i, stable=True)
+    s_v = cat_v[order]
+    if s_i.numel() < 2:
+        return s_i, s_v
+    dup = s_i[1:] == s_i[:-1]  # entry j+1 repeats entry j (a's comes first: stable sort)
+    summed = s_v.clone()
+    summed[:-1][dup] = s_v[:-1][dup] + s_v[1:][dup]
+    keep = torch.ones_like(s_i, dtype=torch.bool)
+    keep[1:][dup] = False
+    return s_i[keep], summed[keep]
+
+
+def _swap(idx, vals, peer, group, stats, send=True, recv=True):
+    """Send my set to ``peer`` and/or receive its set (a size message, then the entries)."""
+    dev = vals.device
+    n_out = torch.tensor([idx.numel()], dtype=torch.int64, device=dev)
+    n_in = torch.zeros(1, dtype=torch.int64, device=dev)
+    _comm.exchange(n_out, n_in, peer, group, stats, do_send=send, do_recv=recv)
+    w = idx.element_size() + vals.element_size()
+    out_buf = _comm.rows_to_bytes(idx, vals).reshape(-1) if send else torch.empty(0, dtype=torch.uint8, device=dev)
+    m = int(n_in.item()) if recv else 0
+    in_buf = torch.empty(m * w, dtype=torch.uint8, device=dev)
+    if (send and out_buf.numel()) or (recv and m):
+        _comm.exchange(out_buf, in_buf, peer, group, stats,
+                       do_send=send and out_buf.numel() > 0, do_recv=recv and m > 0)
+    if not recv:
+        return None
+    return _comm.bytes_to_rows(in_buf, idx.dtype, vals.dtype)
+
+
+def _recursive_doubling(idx, vals, numel, table, counts, group, stats):
+    world = len(counts)
+    me = _comm.rank(group)
+    vdtype = vals.dtype
+    adt = acc_dtype(vdtype)
+    cur_i, cur_v = torch.sort(idx)[0], vals[torch.sort(idx)[1]].to(adt)
+    p2 = 1 << (world.bit_length() - 1)
+    extra = world - p2
+    # fold: ranks >= p2 hand their entries to rank - p2
+    if me >= p2:
+        _swap(cur_i, cur_v.to(vdtype), me - p2, group, stats, send=True, recv=False)
+    else:
+        if me < extra:
+            oi, ov = _swap(cur_i, cur_v.to(vdtype), me + p2, group, stats, send=False, recv=True)
+            cur_i, cur_v = merge_sorted(cur_i, cur_v, oi, ov.to(adt))  # lower rank first
+        dist_ = 1
+        while dist_ < p2:
+            peer = me ^ dist_
+            oi, ov = _swap(cur_i, cur_v.to(vdtype), peer, group, stats)
+            ov = ov.to(adt)
+            if me < peer:
+                cur_i, cur_v = merge_sorted(cur_i, cur_v, oi, ov)
+            else:
+                cur_i, cur_v = merge_sorted(oi, ov, cur_i, cur_v)
+            cur_v = cur_v.to(vdtype).to(adt)  # what goes on the wire next round
+            dist_ <<= 1
+    # unfold: the extra ranks get the final set back
+    if me >= p2:
+        cur_i, cur_v = _swap(cur_i[:0], cur_v[:0].to(vdtype), me - p2, group, stats, send=False, recv=True)
+    elif me < extra:
+        _swap(cur_i, cur_v.to(vdtype), me + p2, group, stats, send=True, recv=False)
+    out = torch.zeros(numel, dtype=vdtype, device=vals.device)
+    ops.scatter_add_(out, cur_i, cur_v.to(vdtype))
+    return out
+
+
+def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool):
+    world = len(counts)
+    me = _comm.rank(group)
+    dev = vals.device
+    vdtype = vals.dtype
+    ib, vb = idx.element_size(), vals.element_size()
+    w = ib + vb
+    base = HEADER_FIXED + (world if hashed else 0)
+    cmat = table[:, base:base + world].tolist()  # cmat[src][owner]
+    # 1. all-to-all: each entry to its owner
+    if hashed:
+        _, order = ops.hash_partition(idx, world)
+    else:
+        order = torch.sort(range_owner(idx, numel, world), stable=True)[1]
+    send = _comm.rows_to_bytes(idx[order], vals[order]).reshape(-1)
+    recv = _comm.all_to_all_bytes(send, [c * w for c in cmat[me]], [cmat[r][me] * w for r in range(world)],
+                                  group=group, stats=stats)
+    r_idx, r_val = _comm.bytes_to_rows(recv, idx.dtype, vdtype)
+    # 2. owner reduces (contributions in rank order)
+    uniq, inv = torch.unique(r_idx.to(torch.int64), sorted=True, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), dtype=acc_dtype(vdtype), device=dev)
+    sums.index_add_(0, inv, r_val.to(sums.dtype))
+    sums = sums.to(vdtype)
+    u = uniq.numel()
+    # 3. encode my partition: dense / bitmap / COO, whichever is smallest
+    bounds = range_bounds(numel, world)
+    dom_len = (bounds[me + 1] - bounds[me]) if not hashed else None
+    coo_bytes = u * w
+    domain = None
+    if hashed and coo_bytes * 8 * world * 10 >= 9 * numel:  # a bitmap might win: need the domain
+        domain = hash_domain(numel, world, dev)
+    if hashed and domain is not None:
+        dom_len = domain[1][me + 1] - domain[1][me]
+    if dom_len is None:
+        fmt = FMT_COO
+    else:
+        sizes = {FMT_DENSE: dom_len * vb, FMT_BITMAP: (dom_len + 7) // 8 + u * vb, FMT_COO: coo_bytes}
+        fmt = min(sizes, key=lambda f: (sizes[f], f))
+    if fmt == FMT_COO:
+        payload = _comm.rows_to_bytes(uniq.to(idx.dtype), sums).reshape(-1)
+    else:
+        if hashed:
+            members = domain[0][domain[1][me]:domain[1][me + 1]]
+            pos = torch.searchsorted(members, uniq)
+        else:
+            pos = uniq - bounds[me]
+        if fmt == FMT_DENSE:
+            d = torch.zeros(dom_len, dtype=vdtype, device=dev)
+            d[pos] = sums
+            payload = _comm.to_bytes(d)
+        else:
+            payload = _comm.to_bytes(ops.bitmap_encode(pos, dom_len), sums)
+    # 4. all-gather: sizes + formats first, then the padded payloads
+    info = _comm.all_gather(torch.tensor([payload.numel(), fmt, u], dtype=torch.int64, device=dev),
+                            group=group, stats=stats).tolist()
+    maxb = max(i[0] for i in info)
+    out = torch.zeros(numel, dtype=vdtype, device=dev)
+    if maxb == 0:
+        return out
+    buf = torch.zeros(maxb, dtype=torch.uint8, device=dev)
+    buf[: payload.numel()] = payload
+    gathered = _comm.all_gather(buf, group=group, stats=stats)
+    if hashed and any(i[1] != FMT_COO for i in info) and domain is None:
+        domain = hash_domain(numel, world, dev)
+    for r in range(world):
+        nbytes, f, ur = info[r]
+        if nbytes == 0:
+            continue
+        piece = gathered[r, :nbytes]
+        if f == FMT_COO:
+            gi, gv = _comm.bytes_to_rows(piece, idx.dtype, vdtype)
+            out[gi.to(torch.int64)] = gv
+            continue
+        if hashed:
+            members = domain[0][domain[1][r]:domain[1][r + 1]]
+        else:
+            members = None
+        lo, L = (bounds[r], bounds[r + 1] - bounds[r]) if not hashed else (0, members.numel())
+        if f == FMT_DENSE:
+            d = piece.clone().view(vdtype)
+            if hashed:
+                out[members] = d
+            else:
+                out[lo:lo + L] = d
+        else:
+            nb = (L + 7) // 8
+            pos = ops.bitmap_decode(piece[:nb].contiguous(), L).to(torch.int64)
+            v = piece[nb:nb + ur * vb].clone().view(vdtype)
+            if hashed:
+                out[members[pos]] = v
+            else:
+                out[lo + pos] = v
+    return out
+
+
+def _split(idx, vals, numel, table, counts, group, stats):
+    return _partitioned(idx, vals, numel, table, counts, group, stats, hashed=False)
+
+
+def _hashed(idx, vals, numel, table, counts, group, stats):
+    return _partitioned(idx, vals, numel, table, counts, group, stats, hashed=True)
+
+
+_ALGOS = {"allgather": _allgather, "recursive_doubling": _recursive_doubling, "split": _split,
+          "hashed": _hashed, "dense": _dense}
