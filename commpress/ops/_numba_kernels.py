@@ -30,6 +30,7 @@ _HALF = np.float32(0.5)
 _U24 = np.float32(1.0 / 16777216.0)
 _NAN32 = np.float32(np.nan)
 
+_SUB = 32  # compaction sub-block (elements)
 _OPTS = dict(parallel=True, cache=True, nogil=True)
 _SOPTS = dict(cache=True, nogil=True)
 
@@ -124,12 +125,18 @@ def select_count(xi, lo_key, hi_key, clen):
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
-        cnt = 0
-        for j in range(a, b):
-            k = xi[j] & _ABS
-            cnt += np.int64((k >= lo_key) & (k <= hi_key))
-        counts[c] = cnt
+        counts[c] = _count_range(xi[a:b], lo_key, hi_key)
     return counts
+
+
+@njit(inline="always", **_SOPTS)
+def _count_range(seg, lo_key, hi_key):
+    # Indexing a slice from 0 lets LLVM drop the negative-index checks and vectorize.
+    cnt = 0
+    for j in range(seg.size):
+        k = seg[j] & _ABS
+        cnt += (k >= lo_key) & (k <= hi_key)
+    return cnt
 
 
 @njit(**_OPTS)
@@ -152,29 +159,24 @@ def select_write(xi, lo_key, hi_key, clen, counts, idx_out, val_out, res, mode):
         a = c * clen
         b = min(a + clen, n)
         pos = offsets[c]
-        if mode == 2:
-            for j in range(a, b):
-                v = xi[j]
+        seg = xi[a:b]
+        rseg = res[a:b]
+        if mode >= 2:
+            rseg[:] = seg
+        # Sub-blocks with no selected entry (most of them) cost one vectorized test.
+        for s0 in range(0, b - a, _SUB):
+            s1 = min(s0 + _SUB, b - a)
+            if _count_range(seg[s0:s1], lo_key, hi_key) == 0:
+                continue
+            for j in range(s0, s1):
+                v = seg[j]
                 k = v & _ABS
                 if (k >= lo_key) & (k <= hi_key):
-                    idx_out[pos] = j
+                    idx_out[pos] = a + j
                     val_out[pos] = v
                     pos += 1
-                    res[j] = 0
-                else:
-                    res[j] = v
-        else:
-            for j in range(a, b):
-                v = xi[j]
-                k = v & _ABS
-                if (k >= lo_key) & (k <= hi_key):
-                    idx_out[pos] = j
-                    val_out[pos] = v
-                    pos += 1
-                    if mode == 1:
-                        res[j] = 0
-                if mode == 3:
-                    res[j] = v
+                    if mode == 1 or mode == 2:
+                        rseg[j] = 0
 
 
 @njit(**_SOPTS)
@@ -362,9 +364,10 @@ def bitmap_write(bitmap, n, clen, counts, idx_out):
 # ---------------------------------------------------------------- block quantization
 @njit(inline="always", **_SOPTS)
 def _absmax_key(xi, a, b):
+    seg = xi[a:b]
     m = np.int32(0)
-    for j in range(a, b):
-        m = max(m, xi[j] & _ABS)
+    for j in range(seg.size):
+        m = max(m, seg[j] & _ABS)
     return m
 
 
@@ -376,6 +379,15 @@ def block_absmax(xi, block, scales):
         a = b * block
         m = _absmax_key(xi, a, min(a + block, n))
         scales[b] = m if m <= _INF_KEY else np.int32(0x7FC00000)
+
+
+@njit(inline="always", **_SOPTS)
+def _code(y, lim, qmax):
+    """floor(y), NaN -> 0, clamped to [-lim, lim], offset by qmax, as uint8."""
+    q = np.floor(y)
+    q = _F0 if q != q else q
+    q = min(max(q, -lim), lim)
+    return np.uint8(np.int32(q) + qmax)
 
 
 @njit(**_OPTS)
@@ -393,7 +405,10 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
-        codes = np.empty(b - a, np.uint8)
+        if bits == 8:
+            codes = packed[a:b]  # 8-bit codes are the packed bytes: write them in place
+        else:
+            codes = np.empty(b - a, np.uint8)
         kbuf = np.empty(1, np.int32)
         fbuf = kbuf.view(np.float32)
         for s0 in range(a, b, block):
@@ -409,22 +424,17 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
                 inv = fq / s
             else:
                 inv = _F0
+            xs = x[s0:s1]
+            cs = codes[s0 - a:s1 - a]
             if stochastic:
-                for j in range(s0, s1):
-                    u = np.float32(_bits24(j, k0, k1)) * _U24
-                    q = np.floor(x[j] * inv + u)
-                    if q != q:
-                        q = _F0
-                    q = min(max(q, -lim), lim)
-                    codes[j - a] = np.uint8(np.int32(q) + qmax)
+                for j in range(xs.size):
+                    u = np.float32(_bits24(s0 + j, k0, k1)) * _U24
+                    cs[j] = _code(xs[j] * inv + u, lim, qmax)
             else:
-                for j in range(s0, s1):
-                    q = np.floor(x[j] * inv + _HALF)
-                    if q != q:
-                        q = _F0
-                    q = min(max(q, -lim), lim)
-                    codes[j - a] = np.uint8(np.int32(q) + qmax)
-        _pack_range(codes, a, a, b, bits, packed)
+                for j in range(xs.size):
+                    cs[j] = _code(xs[j] * inv + _HALF, lim, qmax)
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
 
 
 @njit(**_OPTS)
@@ -436,17 +446,22 @@ def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
-        codes = np.empty(b - a, np.uint8)
-        _unpack_range(packed, a, b, bits, codes, a)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+            _unpack_range(packed, a, b, bits, codes, a)
         for s0 in range(a, b, block):
             s1 = min(s0 + block, b)
             step = scales[s0 // block] / fq
+            cs = codes[s0 - a:s1 - a]
+            os = out[s0:s1]
             if accumulate:
-                for j in range(s0, s1):
-                    out[j] = out[j] + (np.float32(codes[j - a]) - fq) * step
+                for j in range(cs.size):
+                    os[j] = os[j] + (np.float32(cs[j]) - fq) * step
             else:
-                for j in range(s0, s1):
-                    out[j] = (np.float32(codes[j - a]) - fq) * step
+                for j in range(cs.size):
+                    os[j] = (np.float32(cs[j]) - fq) * step
 
 
 # ---------------------------------------------------------------- sign + scale

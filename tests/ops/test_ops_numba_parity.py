@@ -1,0 +1,215 @@
+"""The numba backend matches the torch reference bit for bit, op by op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commpress.ops import reference as R
+
+nb = pytest.importorskip("commpress.ops.numba_backend")
+
+from opcheck import assert_bitwise, f32_arrays, messy_large, tensor  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_chunks():
+    """Tiny chunks and top-k samples so small inputs exercise the multi-chunk paths."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nb, "MIN_CHUNK", 64)
+        mp.setattr(nb, "QUANT_CHUNK", 16)
+        mp.setattr(nb, "TOPK_SAMPLE", 8)
+        yield
+
+
+def _residual_cases(x: torch.Tensor):
+    """(name, residual for reference, residual for numba) for each residual mode."""
+    yield "none", None, None
+    yield "separate", torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    yield "inplace", "x", "x"
+
+
+def _run_selection(op, x, arg, dtype=torch.float32):
+    for name, r_ref, r_nb in _residual_cases(x):
+        xr, xn = x.to(dtype).clone(), x.to(dtype).clone()
+        rr = xr if r_ref == "x" else (None if r_ref is None else r_ref.to(dtype))
+        rn = xn if r_nb == "x" else (None if r_nb is None else r_nb.to(dtype))
+        want = getattr(R, op)(xr, arg, rr)
+        got = getattr(nb, op)(xn, arg, rn)
+        assert_bitwise(got, want, f"{op}/{name}")
+        if rr is not None:
+            assert_bitwise(rn, rr, f"{op}/{name} residual")
+            assert_bitwise(xn, xr, f"{op}/{name} input")
+
+
+# ---------------------------------------------------------------- selection
+@given(a=f32_arrays(), thr=st.one_of(st.floats(width=32), st.floats(), st.sampled_from([0.0, -0.0, 1.0])))
+def test_threshold_compact(a, thr):
+    _run_selection("threshold_compact", tensor(a), thr)
+
+
+@given(a=f32_arrays(), frac=st.floats(0, 1.2), extra=st.integers(-2, 2))
+def test_topk_compact(a, frac, extra):
+    k = max(0, int(frac * a.size) + extra)
+    _run_selection("topk_compact", tensor(a), k)
+
+
+@settings(max_examples=10)
+@given(a=f32_arrays(max_size=100), k=st.integers(0, 110),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float64]))
+def test_selection_other_dtypes(a, k, dtype):
+    with np.errstate(over="ignore"):
+        _run_selection("topk_compact", tensor(a), k, dtype)
+        _run_selection("threshold_compact", tensor(a), 0.75, dtype)
+
+
+def test_topk_many_ties_and_fallback():
+    # Few distinct magnitudes: the sampled threshold admits too few or far too many.
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0, -2.0] * 53 + [3.0])
+    for k in (1, 2, 50, 107, 200, 266):
+        _run_selection("topk_compact", x, k)
+    # Sorted data defeats a strided sample of one region.
+    _run_selection("topk_compact", torch.linspace(-1, 1, 999), 10)
+
+
+@given(a=f32_arrays())
+def test_magnitude_key(a):
+    x = tensor(a)
+    assert_bitwise(nb.magnitude_key(x), R.magnitude_key(x))
+
+
+@given(n=st.integers(0, 200), data=st.data())
+def test_scatter_add(n, data):
+    m = data.draw(st.integers(0, 3 * n)) if n else 0
+    idx = torch.tensor(data.draw(st.lists(st.integers(0, max(n - 1, 0)), min_size=m, max_size=m)),
+                       dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
+    vals = tensor(data.draw(f32_arrays(m, m)))
+    for dtype in (torch.float32, torch.float64):
+        base = tensor(data.draw(f32_arrays(n, n))).to(dtype)
+        want = R.scatter_add_(base.clone(), idx, vals)
+        got = nb.scatter_add_(base.clone(), idx, vals)
+        assert_bitwise(got, want, f"scatter_add_ {dtype}")
+
+
+def test_scatter_add_out_of_range():
+    out = torch.zeros(5)
+    for bad in ([5], [-1], [0, 7]):
+        with pytest.raises(IndexError):
+            R.scatter_add_(out.clone(), torch.tensor(bad), torch.ones(len(bad)))
+        with pytest.raises(IndexError):
+            nb.scatter_add_(out.clone(), torch.tensor(bad), torch.ones(len(bad)))
+
+
+# ---------------------------------------------------------------- random numbers and hashing
+@given(seed=st.integers(0, 2**64 - 1), start=st.integers(0, 2**34), n=st.integers(0, 300))
+def test_counter_rng_same_seed_same_bits(seed, start, n):
+    assert_bitwise(nb.counter_bits(seed, start, n), R.counter_bits(seed, start, n))
+    assert_bitwise(nb.counter_uniform(seed, start, n), R.counter_uniform(seed, start, n))
+
+
+@given(idx=st.lists(st.integers(-2**40, 2**40)), world=st.integers(1, 9),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_hash_owner_and_partition(idx, world, dtype):
+    t = torch.tensor(idx, dtype=torch.int64)
+    if dtype == torch.int32:
+        t = t.clamp(-2**31, 2**31 - 1).to(torch.int32)
+    assert_bitwise(nb.hash_owner(t, world), R.hash_owner(t, world))
+    assert_bitwise(nb.hash_partition(t, world), R.hash_partition(t, world))
+
+
+# ---------------------------------------------------------------- bit packing
+@given(bits=st.integers(1, 8), data=st.data())
+def test_pack_unpack_bits(bits, data):
+    n = data.draw(st.integers(0, 300))
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int64, torch.int32]))
+    hi = (1 << bits) - 1 if dtype == torch.uint8 else 1000
+    lo = 0 if dtype == torch.uint8 else -1000
+    codes = torch.tensor(data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), dtype=dtype)
+    packed = R.pack_bits(codes, bits)
+    assert_bitwise(nb.pack_bits(codes, bits), packed, "pack_bits")
+    assert_bitwise(nb.unpack_bits(packed, bits, n), R.unpack_bits(packed, bits, n), "unpack_bits")
+    noise = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=packed.numel(),
+                                            max_size=packed.numel())), dtype=torch.uint8)
+    assert_bitwise(nb.unpack_bits(noise, bits, n), R.unpack_bits(noise, bits, n), "unpack noise")
+
+
+@given(numel=st.integers(0, 300), data=st.data())
+def test_bitmap(numel, data):
+    idx = torch.tensor(data.draw(st.lists(st.integers(0, max(numel - 1, 0)), max_size=numel if numel else 0)),
+                       dtype=torch.int64)
+    bm = R.bitmap_encode(idx, numel)
+    assert_bitwise(nb.bitmap_encode(idx, numel), bm, "encode")
+    assert_bitwise(nb.bitmap_decode(bm, numel), R.bitmap_decode(bm, numel), "decode")
+    noise = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=bm.numel(),
+                                            max_size=bm.numel())), dtype=torch.uint8)
+    assert_bitwise(nb.bitmap_decode(noise, numel), R.bitmap_decode(noise, numel), "decode noise")
+
+
+def test_bitmap_out_of_range():
+    with pytest.raises(IndexError):
+        R.bitmap_encode(torch.tensor([9]), 9)
+    with pytest.raises(IndexError):
+        nb.bitmap_encode(torch.tensor([9]), 9)
+
+
+# ---------------------------------------------------------------- quantization
+@given(a=f32_arrays(), bits=st.integers(1, 8), block=st.integers(1, 70), stochastic=st.booleans(),
+       seed=st.integers(0, 2**64 - 1))
+def test_block_quantize(a, bits, block, stochastic, seed):
+    x = tensor(a)
+    assert_bitwise(nb.block_absmax(x, block), R.block_absmax(x, block), "absmax")
+    want = R.block_quantize(x, bits, block, stochastic, seed)
+    assert_bitwise(nb.block_quantize(x, bits, block, stochastic, seed), want, "quantize")
+
+
+@settings(max_examples=10)
+@given(a=f32_arrays(max_size=100), bits=st.sampled_from([4, 8]), block=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float64]))
+def test_block_quantize_other_dtypes(a, bits, block, dtype):
+    with np.errstate(over="ignore"):
+        x = tensor(a).to(dtype)
+    assert_bitwise(nb.block_quantize(x, bits, block), R.block_quantize(x, bits, block))
+
+
+@given(bits=st.integers(1, 8), block=st.integers(1, 70), data=st.data())
+def test_block_dequantize(bits, block, data):
+    n = data.draw(st.integers(0, 300))
+    nbytes = (n * bits + 7) // 8
+    packed = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=nbytes, max_size=nbytes)),
+                          dtype=torch.uint8)
+    scales = tensor(data.draw(f32_arrays((n + block - 1) // block, (n + block - 1) // block)))
+    assert_bitwise(nb.block_dequantize(packed, scales, bits, block, n),
+                   R.block_dequantize(packed, scales, bits, block, n), "fresh")
+    base = tensor(data.draw(f32_arrays(n, n)))
+    for acc in (False, True):
+        o_ref, o_nb = base.clone(), base.clone()
+        r1 = R.block_dequantize(packed, scales, bits, block, n, o_ref, acc)
+        r2 = nb.block_dequantize(packed, scales, bits, block, n, o_nb, acc)
+        assert r2 is o_nb
+        assert_bitwise(r2, r1, f"out accumulate={acc}")
+
+
+@given(a=f32_arrays(), chunk=st.integers(1, 100), data=st.data())
+def test_sign_pack_unpack(a, chunk, data):
+    x = tensor(a)
+    want = R.sign_pack(x, chunk)
+    assert_bitwise(nb.sign_pack(x, chunk), want, "sign_pack")
+    bits, scales = want
+    n = x.numel()
+    assert_bitwise(nb.sign_unpack(bits, scales, chunk, n), R.sign_unpack(bits, scales, chunk, n))
+    base = tensor(data.draw(f32_arrays(n, n)))
+    for acc in (False, True):
+        o_ref, o_nb = base.clone(), base.clone()
+        assert_bitwise(nb.sign_unpack(bits, scales, chunk, n, o_nb, acc),
+                       R.sign_unpack(bits, scales, chunk, n, o_ref, acc), f"accumulate={acc}")
+
+
+def test_sign_pack_sum_order_is_fixed():
+    # 2**24 + 0 + 1 + 1: a left-to-right fp32 sum loses both ones, the pairwise tree keeps them.
+    x = torch.tensor([2.0**24, 0.0, 1.0, 1.0])
+    _, scales = R.sign_pack(x, 4)
+    assert scales.item() == (2.0**24 + 2) / 4
+    assert_bitwise(nb.sign_pack(x, 4), R.sign_pack(x, 4))
