@@ -1,0 +1,130 @@
+"""ErrorFeedback: mass conservation, fast path = generic path, non-finite input, state."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from compressor_cases import CASES, DTYPES, IDS, build, make
+
+import commpress
+from commpress.compressors._sparse import SparseCompressor
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mass_is_conserved(case, dtype):
+    ef = commpress.ErrorFeedback(make(*case))
+    key = ("bucket", 0)
+    for step in range(3):
+        x = build((24, 18), dtype, "transposed" if step == 1 else "contiguous", step)
+        before = ef.residual(key)
+        before = torch.zeros(x.shape) if before is None else before.clone()
+        payload = ef.compress(x, step=step, key=key, generator=torch.Generator().manual_seed(step))
+        out = ef.decompress(payload)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        after = ef.residual(key)
+        assert after.dtype == torch.float32 and after.shape == x.shape
+        lhs = out.float() + after
+        rhs = x.float() + before
+        if isinstance(ef.compressor, SparseCompressor):
+            assert torch.equal(lhs, rhs)
+        else:
+            torch.testing.assert_close(lhs, rhs, rtol=1e-6, atol=1e-6 * rhs.abs().max().item())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("topk", "threshold", "dgc")])
+def test_sparse_fast_path_equals_generic_path(case):
+    fast = commpress.ErrorFeedback(make(*case))
+    for step in range(4):
+        x = build((50, 40), torch.float32, "contiguous", step)
+        before = fast.residual("k")
+        c = x if before is None else x + before
+        expected_payload = make(*case).compress(c, step=step, key="k")
+        expected_residual = c - make(*case).decompress(expected_payload)
+        p = fast.compress(x, step=step, key="k")
+        assert all(torch.equal(a, b) for a, b in zip(p.tensors, expected_payload.tensors))
+        assert torch.equal(fast.residual("k"), expected_residual)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_non_finite_input_reaches_the_payload_and_leaves_the_residual(case):
+    ef = commpress.ErrorFeedback(make(*case))
+    x = build((30, 20), torch.float32, "contiguous", 0)
+    ef.compress(x, key=1, generator=torch.Generator().manual_seed(0))
+    before = ef.residual(1).clone()
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[2, 3] = bad
+        out = ef.decompress(ef.compress(y, key=1, generator=torch.Generator().manual_seed(1)))
+        assert not torch.isfinite(out).all()
+        assert torch.equal(ef.residual(1), before)
+
+
+def test_residual_buffer_is_allocated_once_and_beta_scales_it():
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), beta=0.5)
+    ef.compress(torch.randn(100), key="a")
+    buf = ef.residual("a")
+    ptr = buf.data_ptr()
+    r0 = buf.clone()
+    x = torch.randn(100)
+    torch.testing.assert_close(ef.compensate(x, "a"), x + 0.5 * r0, rtol=0, atol=0)
+    for _ in range(3):
+        ef.compress(torch.randn(100), key="a")
+        assert ef.residual("a").data_ptr() == ptr
+    assert ef.compensate(torch.randn(100, dtype=torch.float16), "a").dtype == torch.float32
+    assert ef.residual("other") is None
+
+
+def test_update_skips_non_finite():
+    ef = commpress.ErrorFeedback(commpress.get("identity"))
+    c = torch.ones(5)
+    ef.update(0, c, torch.zeros(5))
+    ef.update(0, c * float("inf"), torch.zeros(5))
+    ef.update(0, c, torch.full((5,), float("nan")))
+    assert torch.equal(ef.residual(0), torch.ones(5))
+
+
+def test_wraps_attributes_and_rejects_bad_arguments():
+    ef = commpress.ErrorFeedback(commpress.get("qsgd"))
+    assert ef.aggregation == "gather" and ef.unbiased is False
+    assert isinstance(ef, commpress.Compressor)
+    with pytest.raises(ValueError, match="beta"):
+        commpress.ErrorFeedback(commpress.get("qsgd"), beta=1.5)
+    with pytest.raises(TypeError, match="compressor"):
+        commpress.ErrorFeedback("topk")
+    with pytest.raises(TypeError, match="float64"):
+        ef.compress(torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.2}), ("powersgd", {"rank": 1}),
+                                         ("signsgd", {})])
+def test_state_dict_round_trip_is_bitwise(name, params):
+    ef = commpress.ErrorFeedback(commpress.get(name, **params))
+    keys = [0, "layer", ("bucket", 3), (2, ("x", 1.5))]
+    for step in range(2):
+        for i, k in enumerate(keys):
+            ef.compress(torch.randn(12 + i, 10), step=step, key=k)
+    buf = io.BytesIO()
+    torch.save(ef.state_dict(), buf)
+    buf.seek(0)
+    restored = commpress.ErrorFeedback(commpress.get(name, **params))
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    for k in keys:
+        assert torch.equal(restored.residual(k), ef.residual(k))
+    # a restart loses nothing: both continue identically
+    for k in keys:
+        x = torch.randn(12 + keys.index(k), 10)
+        a, b = ef.compress(x, key=k), restored.compress(x, key=k)
+        assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+        assert torch.equal(restored.residual(k), ef.residual(k))
+    ef.reset()
+    assert ef.residual(0) is None
+
+
+def test_unsaveable_key_is_a_type_error():
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.5))
+    ef.compress(torch.randn(4), key=object())
+    with pytest.raises(TypeError, match="weights_only"):
+        ef.state_dict()
