@@ -179,6 +179,83 @@ def select_write(xi, lo_key, hi_key, clen, counts, idx_out, val_out, res, mode):
                         rseg[j] = 0
 
 
+@njit(inline="always", **_SOPTS)
+def _compact_range(seg, a, lo_key, hi_key, idx_out, val_out, pos, rseg, zero):
+    """Append the selected entries of ``seg`` (global offset ``a``) at ``pos``; returns the new pos.
+
+    Stops writing at the end of ``idx_out`` but keeps counting.  Zeroes ``rseg``
+    at the selected entries when ``zero``.
+    """
+    cap = idx_out.size
+    for s0 in range(0, seg.size, _SUB):
+        s1 = min(s0 + _SUB, seg.size)
+        if _count_range(seg[s0:s1], lo_key, hi_key) == 0:
+            continue  # most sub-blocks: one vectorized test
+        for j in range(s0, s1):
+            v = seg[j]
+            k = v & _ABS
+            if (k >= lo_key) & (k <= hi_key):
+                if pos < cap:
+                    idx_out[pos] = a + j
+                    val_out[pos] = v
+                pos += 1
+                if zero:
+                    rseg[j] = 0
+    return pos
+
+
+@njit(**_OPTS)
+def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
+    """One pass: compact each chunk's selected entries into its slot of ``cap`` entries.
+
+    ``ibuf``/``vbuf`` hold ``nchunks * cap`` entries.  Returns the per-chunk
+    counts; a chunk whose count exceeds ``cap`` overflowed: its residual is left
+    as it was (mode 1) or a plain copy (mode 2) and :func:`select_gather`
+    rescans it.  ``mode`` as in :func:`select_write`.
+    """
+    n = xi.size
+    nch = (n + clen - 1) // clen
+    counts = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        seg = xi[a:b]
+        rseg = res[a:b]
+        if mode >= 2:
+            rseg[:] = seg
+        io = ibuf[c * cap:(c + 1) * cap]
+        vo = vbuf[c * cap:(c + 1) * cap]
+        cnt = _compact_range(seg, a, lo_key, hi_key, io, vo, 0, rseg, False)
+        counts[c] = cnt
+        if cnt <= cap and (mode == 1 or mode == 2):
+            for t in range(cnt):
+                res[io[t]] = 0
+    return counts
+
+
+@njit(**_OPTS)
+def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode):
+    """Concatenate the chunk slots of :func:`select_chunks`; rescan overflowed chunks."""
+    n = xi.size
+    nch = counts.size
+    offsets = np.empty(nch, np.int64)
+    run = 0
+    for c in range(nch):
+        offsets[c] = run
+        run += counts[c]
+    for c in prange(nch):
+        o = offsets[c]
+        cnt = counts[c]
+        if cnt <= cap:
+            idx_out[o:o + cnt] = ibuf[c * cap:c * cap + cnt]
+            val_out[o:o + cnt] = vbuf[c * cap:c * cap + cnt]
+        else:
+            a = c * clen
+            b = min(a + clen, n)
+            _compact_range(xi[a:b], a, lo_key, hi_key, idx_out[o:o + cnt], val_out[o:o + cnt], 0,
+                           res[a:b], mode == 1 or mode == 2)
+
+
 @njit(**_SOPTS)
 def topk_finish(cidx, cval, k, res, zero_res):
     """Exact top-``k`` among candidates (index order): largest keys, ties to lower index.

@@ -119,30 +119,61 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
         lo, hi = int(np.array([thr], np.float32).view(np.int32)[0]), _INF_KEY
     fused = _fused_residual(flat, residual)
     mode, res = (fused if fused is not None else (0, xi))
-    clen = _chunk(n)
-    counts = K.select_count(xi, np.int32(lo), np.int32(hi), clen)
-    total = int(counts.sum())
-    idx_np = np.empty(total, _index_np(n))
-    val_np = np.empty(total, np.int32)
-    K.select_write(xi, np.int32(lo), np.int32(hi), clen, counts, idx_np, val_np, res, mode)
+    idx_np, val_np = _select(xi, lo, hi, res, mode, _sample_fraction(xi, lo, hi))
     return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
 
 
-def _candidate_thresholds(xi: np.ndarray, k: int) -> list[int]:
-    """Decreasing magnitude keys to try as candidate thresholds for top-``k``; ends with 0 (all)."""
+def _sample_fraction(xi: np.ndarray, lo: int, hi: int) -> float:
+    """Fraction of a strided sample whose key lies in ``[lo, hi]`` (1.0 for small inputs)."""
+    n = xi.size
+    m = 4096
+    if n < 16 * m:
+        return 1.0
+    stride = n // m
+    keys = xi[: stride * m: stride] & _MAX_KEY
+    return float(np.count_nonzero((keys >= lo) & (keys <= hi))) / m
+
+
+def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: float):
+    """Indices and value bits of the entries with key in ``[lo, hi]``, in index order.
+
+    One pass into per-chunk slots sized from the expected fraction ``frac``;
+    chunks that overflow their slot are rescanned (correct for any ``frac``).
+    """
+    n = xi.size
+    clen = _chunk(n)
+    nch = (n + clen - 1) // clen
+    cap = min(clen, int(clen * frac * 1.25 + 8.0 * math.sqrt(clen * frac) + 64))
+    ibuf = np.empty(nch * cap, _index_np(n))
+    vbuf = np.empty(nch * cap, np.int32)
+    lo32, hi32 = np.int32(lo), np.int32(hi)
+    counts = K.select_chunks(xi, lo32, hi32, clen, cap, ibuf, vbuf, res, mode)
+    total = int(counts.sum())
+    idx = np.empty(total, _index_np(n))
+    val = np.empty(total, np.int32)
+    K.select_gather(xi, lo32, hi32, clen, cap, ibuf, vbuf, counts, idx, val, res, mode)
+    return idx, val
+
+
+def _candidate_thresholds(xi: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """Decreasing (key, expected fraction passing) to try as top-``k`` candidate thresholds.
+
+    From a strided sample: the key ranked a few standard deviations beyond the
+    expected rank of the ``k``-th largest, then lower ones; ends with 0 (all).
+    """
     n = xi.size
     m = TOPK_SAMPLE
     if n < 4 * m:
-        return [0]
+        return [(0, 1.0)]
     stride = n // m
     sample = xi[: stride * m: stride] & _MAX_KEY
     expected = k * m / n
     out = []
     r = int(expected + 4.0 * math.sqrt(expected) + 8)
     while r < m // 2:
-        out.append(int(np.partition(sample, m - r)[m - r]))
+        out.append((int(np.partition(sample, m - r)[m - r]), r / m))
         r *= 4
-    out.append(0)
+    out.append((0, 1.0))
     return out
 
 
@@ -163,22 +194,16 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     xi = _bits_view(xf)
     fused = _fused_residual(flat, residual)
     res = fused[1] if fused is not None else xi
-    clen = _chunk(n)
     if k == 0:
         idx = torch.empty(0, dtype=ref.index_dtype(n))
         if residual is not None:
             _residual_torch(flat, residual, idx)
         return idx, flat[:0].clone()
-    hi = np.int32(_MAX_KEY)
-    for lo in _candidate_thresholds(xi, k):
-        counts = K.select_count(xi, np.int32(lo), hi, clen)
-        if int(counts.sum()) >= k:
-            break
-    total = int(counts.sum())
-    cidx = np.empty(total, _index_np(n))
-    cval = np.empty(total, np.int32)
     mode = 3 if fused is not None and fused[0] == 2 else 0
-    K.select_write(xi, np.int32(lo), hi, clen, counts, cidx, cval, res, mode)
+    for lo, frac in _candidate_thresholds(xi, k):
+        cidx, cval = _select(xi, lo, _MAX_KEY, res, mode, frac)
+        if cidx.size >= k:
+            break
     idx_np, val_np = K.topk_finish(cidx, cval, k, res, fused is not None)
     return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
 
