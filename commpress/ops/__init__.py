@@ -71,7 +71,10 @@ def _dispatching(op: str) -> Callable:
 
     @functools.wraps(ref)
     def call(*args, backend: str | None = None, **kwargs):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None:  # ops without tensor arguments (counter_bits, ...) take a device
+            device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), "cpu"))
+            device = torch.device(device)
         return resolve(op, device, backend)(*args, **kwargs)
 
     return call
