@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import Payload
+from ..feedback import ErrorFeedback
 from . import _comm, costmodel
 from .accounting import CommStats
 from .core import ALLREDUCE_ALGORITHMS, fingerprint, unwrap
@@ -67,43 +68,19 @@ def chunk_bounds(numel: int, world: int, align: int = 1) -> list[int]:
 
 
 # ---------------------------------------------------------------- owner-side error feedback
-class OwnerFeedback:
-    """Residual memory of the owner's re-compression (one residual per ``(key, chunk)``).
+_OWNER_FB: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
 
-    ``compress(x, key)`` sends ``C(x + e)`` and keeps ``e <- (x + e) - D(C(x + e))``
-    (kept unchanged when that is not finite, so a NaN/inf step never poisons it).
+
+def owner_feedback(compressor: Any) -> ErrorFeedback:
+    """The owner-side :class:`commpress.ErrorFeedback` of ``compressor`` (created on first use).
+
+    It holds one residual per ``(key, chunk)`` this rank owns: the part of the
+    summed chunk its re-compression did not send.  Save and restore it with its
+    ``state_dict()`` / ``load_state_dict()`` next to the worker-side feedback.
     """
-
-    def __init__(self, compressor: Any) -> None:
-        self.compressor = compressor
-        self.residuals: dict[Any, torch.Tensor] = {}
-
-    def compress(self, tensor: torch.Tensor, *, step: int = 0, key: Any = 0,
-                 generator: torch.Generator | None = None) -> Payload:
-        e = self.residuals.get(key)
-        comp = tensor.float() if e is None or e.numel() != tensor.numel() else tensor.float() + e
-        payload = self.compressor.compress(comp.to(tensor.dtype), step=step, key=key, generator=generator)
-        new = comp - self.compressor.decompress(payload).float().reshape(comp.shape)
-        if bool(torch.isfinite(new).all()):
-            self.residuals[key] = new
-        return payload
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"keys": [repr(k) for k in self.residuals], "residuals": list(self.residuals.values())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        import ast
-        self.residuals = {ast.literal_eval(k): v for k, v in zip(state.get("keys", []), state.get("residuals", []))}
-
-
-_OWNER_FB: "weakref.WeakKeyDictionary[Any, OwnerFeedback]" = weakref.WeakKeyDictionary()
-
-
-def owner_feedback(compressor: Any) -> OwnerFeedback:
-    """The owner-side feedback used for ``compressor`` (created on first use; save its state_dict)."""
     inner = unwrap(compressor)
     if inner not in _OWNER_FB:
-        _OWNER_FB[inner] = OwnerFeedback(inner)
+        _OWNER_FB[inner] = ErrorFeedback(inner)
     return _OWNER_FB[inner]
 
 
