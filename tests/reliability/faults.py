@@ -1,0 +1,67 @@
+"""Fault injection for the reliability suite.
+
+Everything here runs inside one rank (a worker of ``distributed.run``) and
+changes only that process: a function of a module is replaced by a wrapper that,
+at its ``nth`` call, kills the process (``os._exit`` or ``SIGKILL`` of itself),
+raises :class:`InjectedFault`, or perturbs the function's result.
+
+>>> inject(commpress.collectives._comm, "all_to_all_bytes", "sigkill", nth=1)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable
+
+#: exit code of a rank killed with ``os._exit`` by :func:`inject`
+EXIT_CODE = 71
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a function :func:`inject` armed with ``"raise"``."""
+
+
+def die(how: str) -> None:
+    """End this process now: ``"exit"`` → ``os._exit(EXIT_CODE)``, ``"sigkill"`` → SIGKILL itself."""
+    if how == "exit":
+        os._exit(EXIT_CODE)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # never reached: SIGKILL cannot be caught
+    raise ValueError(f"how must be 'exit' or 'sigkill', got {how!r}")
+
+
+def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int = 1) -> dict[str, int]:
+    """Replace ``obj.attr`` so that its ``nth`` call (1-based) misbehaves.
+
+    ``action``: ``"exit"`` / ``"sigkill"`` (die *before* the call: the peers are
+    left waiting inside the collective), ``"raise"`` (raise
+    :class:`InjectedFault` before the call), or a callable applied to the
+    call's result (a perturbation).  Other calls go through unchanged.
+    Returns a dict whose ``"calls"`` counts the calls seen so far.
+    """
+    original = getattr(obj, attr)
+    seen = {"calls": 0}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen["calls"] += 1
+        if seen["calls"] != nth:
+            return original(*args, **kwargs)
+        if action in ("exit", "sigkill"):
+            die(action)
+        if action == "raise":
+            raise InjectedFault(f"injected fault in {attr} (call {nth})")
+        return action(original(*args, **kwargs))
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(obj, attr, wrapper)
+    return seen
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process in bytes (``/proc/self/statm``, field 2)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
