@@ -1,0 +1,51 @@
+"""``python -m benchmarks SUITE [options]``: run one benchmark suite.
+
+Each suite is ``benchmarks/<suite>.py`` exposing ``main(argv) -> int``; it is
+imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES = {
+    "compressors": "compress/decompress speed and payload size of every compressor",
+    "collectives": "sparse / quantized allreduce algorithms vs dense (supports --net RATE[,DELAY])",
+    "kernels": "ops backends (torch reference, numba, CUDA) vs memcpy of the same bytes",
+    "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
+             "(--quick, --net 1gbit)",
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m benchmarks SUITE [options]   (python -m benchmarks SUITE --help)", "", "suites:"]
+    lines += [f"  {name:<12} {desc}" for name, desc in SUITES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    suite, rest = argv[0], argv[1:]
+    if suite not in SUITES:
+        print(f"unknown suite {suite!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(f"benchmarks.{suite}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"benchmarks.{suite}":
+            print(f"suite {suite!r} is not available in this checkout (benchmarks/{suite}.py is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    if not hasattr(module, "main"):
+        print(f"benchmarks/{suite}.py has no main(argv)", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

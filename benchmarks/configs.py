@@ -1,0 +1,201 @@
+"""The configurations the training sweep compares, and how each is attached to a DDP model.
+
+A configuration is one of
+
+* ``ddp`` — DDP's own dense all_reduce (no hook);
+* ``torch-fp16`` — PyTorch's ``fp16_compress_hook``;
+* ``torch-powersgd-rN`` — PyTorch's ``powerSGD_hook`` at rank N.  That hook waits
+  on new collectives inside future callbacks and deadlocks on gloo when DDP has
+  several buckets, so these configurations run with ONE bucket
+  (``bucket_cap_mb=10000``); every other configuration keeps DDP's default buckets;
+* ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``.
+
+Bytes are counted per rank per step with commpress's convention
+(:mod:`commpress.collectives.accounting`): an ``all_reduce`` of ``n`` bytes
+sends ``2·n·(P−1)/P``.  For the PyTorch hooks they are computed from the hook's
+known payload (fp16: 2 bytes per element; PowerSGD: the P and Q factors plus the
+tensors it leaves uncompressed, three all_reduces), for commpress from the
+hook's ``state.stats``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ONE_BUCKET_MB = 10_000
+
+
+@dataclass(frozen=True)
+class Config:
+    """One sweep configuration."""
+
+    name: str
+    kind: str                      # "ddp" | "torch_fp16" | "torch_powersgd" | "commpress"
+    compressor: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bucket_cap_mb(self) -> float | None:
+        return ONE_BUCKET_MB if self.kind == "torch_powersgd" else None
+
+    def describe(self) -> str:
+        if self.kind == "commpress":
+            args = ", ".join(f"{k}={v}" for k, v in self.params.items())
+            return f"commpress {self.compressor}({args})"
+        if self.kind == "torch_powersgd":
+            return f"torch powerSGD_hook rank {self.params['rank']} (one DDP bucket)"
+        return {"ddp": "DDP dense all_reduce", "torch_fp16": "torch fp16_compress_hook"}[self.kind]
+
+
+def _cp(name: str, compressor: str, **params: Any) -> Config:
+    return Config(name, "commpress", compressor, params)
+
+
+ALL: list[Config] = [
+    Config("ddp", "ddp"),
+    Config("torch-fp16", "torch_fp16"),
+    Config("torch-powersgd-r1", "torch_powersgd", params={"rank": 1}),
+    Config("torch-powersgd-r2", "torch_powersgd", params={"rank": 2}),
+    Config("torch-powersgd-r4", "torch_powersgd", params={"rank": 4}),
+    _cp("identity", "identity"),
+    _cp("topk-10%", "topk", ratio=0.1),
+    _cp("topk-1%", "topk", ratio=0.01),
+    _cp("topk-0.1%", "topk", ratio=0.001),
+    _cp("dgc-10%", "dgc", ratio=0.1),
+    _cp("dgc-1%", "dgc", ratio=0.01),
+    _cp("dgc-0.1%", "dgc", ratio=0.001),
+    _cp("randomk-1%", "randomk", ratio=0.01),
+    _cp("blockquant-8bit", "blockquant", bits=8),
+    _cp("blockquant-4bit", "blockquant", bits=4),
+    _cp("blockquant-2bit", "blockquant", bits=2),
+    _cp("signsgd", "signsgd"),
+    _cp("qsgd", "qsgd"),
+    _cp("powersgd-r2", "powersgd", rank=2),
+    _cp("powersgd-r4", "powersgd", rank=4),
+]
+BY_NAME = {c.name: c for c in ALL}
+QUICK = ["ddp", "torch-fp16", "torch-powersgd-r2", "identity", "topk-1%", "blockquant-8bit"]
+GROUPS = {
+    "all": [c.name for c in ALL],
+    "quick": QUICK,
+    "torch": [c.name for c in ALL if c.kind != "commpress"],
+    "commpress": [c.name for c in ALL if c.kind == "commpress"],
+}
+
+
+def resolve(spec: str | None, quick: bool) -> list[Config]:
+    """Config names / groups (comma-separated) to configs, in order, without duplicates."""
+    names: list[str] = []
+    for item in (spec or ("quick" if quick else "all")).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        group = GROUPS.get(item)
+        if group is None and item not in BY_NAME:
+            raise ValueError(f"unknown config {item!r}; choose from groups {sorted(GROUPS)} "
+                             f"or configs {[c.name for c in ALL]}")
+        for n in group or [item]:
+            if n not in names:
+                names.append(n)
+    return [BY_NAME[n] for n in names]
+
+
+def ddp_module():
+    """commpress's DDP hook module, or ``None`` while it does not exist yet."""
+    for name in ("commpress.ddp", "commpress.hooks.ddp"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "register"):
+            return mod
+    return None
+
+
+def unavailable_reason(cfg: Config) -> str | None:
+    """Why ``cfg`` cannot run in this checkout (``None`` when it can)."""
+    if cfg.kind != "commpress":
+        return None
+    import commpress
+
+    if ddp_module() is None:
+        return "commpress.ddp.register is not available in this checkout"
+    if cfg.compressor not in commpress.available():
+        return f"compressor {cfg.compressor!r} is not registered"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# attaching to a DDP model (runs inside a rank)
+# ---------------------------------------------------------------------------
+
+def attach(ddp: nn.parallel.DistributedDataParallel, cfg: Config, seed: int) -> Any:
+    """Register ``cfg``'s communication hook on ``ddp``; returns the hook state (or None)."""
+    if cfg.kind == "ddp":
+        return None
+    if cfg.kind == "torch_fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if cfg.kind == "torch_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.params["rank"],
+                                   start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                                   random_seed=seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return state
+    if cfg.kind == "commpress":
+        mod = ddp_module()
+        if mod is None:
+            raise RuntimeError("commpress.ddp.register is not available")
+        return mod.register(ddp, cfg.compressor, **cfg.params)
+    raise ValueError(f"unknown config kind {cfg.kind!r}")
+
+
+def ring_all_reduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all_reduce of ``nbytes`` (commpress's accounting convention)."""
+    return 0 if world <= 1 else (2 * int(nbytes) * (world - 1)) // world
+
+
+def torch_powersgd_payload(params: list[torch.Tensor], rank: int, min_compression_rate: float = 2.0
+                           ) -> tuple[int, int, int]:
+    """Elements PyTorch's powerSGD_hook sends: ``(uncompressed, sum P, sum Q)``.
+
+    Mirrors the hook: each gradient is viewed as ``shape[0] x rest``; it is
+    compressed when ``(n + m)·r·min_compression_rate < n·m`` with
+    ``r = min(n, m, rank)``, else all-reduced as it is (1-D tensors included).
+    """
+    unc = ps = qs = 0
+    for p in params:
+        n = p.shape[0] if p.dim() > 0 else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            ps += n * r
+            qs += m * r
+        else:
+            unc += p.numel()
+    return unc, ps, qs
+
+
+def hook_bytes(cfg: Config, params: list[torch.Tensor], world: int) -> dict[str, int]:
+    """Per-rank, per-step ``payload_bytes`` / ``bytes_sent`` / ``dense_bytes`` of the non-commpress configs."""
+    numel = sum(p.numel() for p in params)
+    dense = ring_all_reduce_bytes(4 * numel, world)
+    if cfg.kind == "ddp":
+        return {"payload_bytes": 4 * numel, "bytes_sent": dense, "dense_bytes": dense}
+    if cfg.kind == "torch_fp16":
+        return {"payload_bytes": 2 * numel, "bytes_sent": ring_all_reduce_bytes(2 * numel, world),
+                "dense_bytes": dense}
+    if cfg.kind == "torch_powersgd":
+        unc, ps, qs = torch_powersgd_payload(params, cfg.params["rank"])
+        sent = sum(ring_all_reduce_bytes(4 * n, world) for n in (unc, ps, qs) if n)
+        return {"payload_bytes": 4 * (unc + ps + qs), "bytes_sent": sent, "dense_bytes": dense}
+    raise ValueError(f"hook_bytes is for torch configs, not {cfg.kind!r}")

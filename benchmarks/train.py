@@ -1,0 +1,275 @@
+"""What one rank does in the training sweep: build a task, attach a configuration, train, measure.
+
+Runs inside rank processes started by :func:`benchmarks.netem.launch`
+(``rank_main``).  Every configuration starts from the same seed: same initial
+weights, same per-rank batches.  Timing: ``train_time`` is the sum of the
+training-step wall times on rank 0 (evaluation is excluded); ``compute`` is the
+median time of a forward+backward without synchronisation (``ddp.no_sync()``)
+plus the measured optimizer step; ``compression`` is the compress+decompress
+time of the configuration's codec on this model's gradient buckets measured in
+the same process; communication is what remains of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import configs as C
+from .data import digits, lm_batch, stdlib_text
+from .models import CharLM, DigitsMLP, n_params
+
+LM_SIZES = {
+    "full": dict(d_model=256, n_layers=4, n_heads=4, context=64),
+    "quick": dict(d_model=64, n_layers=2, n_heads=2, context=32),
+}
+
+
+@dataclass
+class Task:
+    """A model, its optimizer, batches and evaluation."""
+
+    name: str
+    metric: str            # "accuracy" (higher is better) or "val_loss" (lower is better)
+    model: nn.Module
+    make_opt: Callable[[Any], torch.optim.Optimizer]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module, int, int], float]
+    info: dict[str, Any]
+
+
+def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def make_task(name: str, size: str, seed: int) -> Task:
+    """``digits`` (MLP, SGD+momentum) or ``lm`` (char transformer, AdamW); ``size`` is 'full'/'quick'."""
+    torch.manual_seed(seed)
+    if name == "digits":
+        xtr, ytr, xte, yte = digits(seed)
+        model = DigitsMLP(hidden=1024 if size == "full" else 256)
+        bs = 32
+
+        def batch(gen):
+            idx = torch.randint(0, len(xtr), (bs,), generator=gen)
+            return xtr[idx], ytr[idx]
+
+        @torch.no_grad()
+        def evaluate(m, rank, world):
+            shard = slice(rank, None, world)
+            correct = (m(xte[shard]).argmax(1) == yte[shard]).sum().float()
+            tot = torch.stack([correct, torch.tensor(float(len(yte[shard])))])
+            dist.all_reduce(tot)
+            return float(tot[0] / tot[1])
+
+        return Task("digits", "accuracy", model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                    batch, _ce, evaluate,
+                    {"model": f"MLP 64-{model.net[0].out_features}-{model.net[0].out_features}-10",
+                     "params": n_params(model), "batch_per_rank": bs, "optimizer": "SGD lr 0.05 momentum 0.9",
+                     "train": len(xtr), "test": len(xte)})
+    if name == "lm":
+        arch = LM_SIZES[size]
+        train, val = stdlib_text(4_000_000 if size == "full" else 1_000_000)
+        model = CharLM(**arch)
+        # small per-rank batch: 4 ranks share 2 cores, so compute per step must stay small
+        bs, ctx = (4, arch["context"])
+        n_eval = 8
+        eval_gen = torch.Generator().manual_seed(seed + 12345)
+        ex, ey = lm_batch(val, 8 * n_eval, ctx, eval_gen)
+
+        def batch(gen):
+            return lm_batch(train, bs, ctx, gen)
+
+        @torch.no_grad()
+        def evaluate(m, rank, world):
+            xs, ys = ex[rank::world], ey[rank::world]
+            out = m(xs)
+            s = nn.functional.cross_entropy(out.reshape(-1, 256), ys.reshape(-1), reduction="sum")
+            tot = torch.stack([s, torch.tensor(float(ys.numel()))])
+            dist.all_reduce(tot)
+            return float(tot[0] / tot[1])
+
+        return Task("lm", "val_loss", model, lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.0),
+                    batch, _ce, evaluate,
+                    {"model": "char transformer d{d_model} L{n_layers} H{n_heads} ctx{context}".format(**arch),
+                     "params": n_params(model), "batch_per_rank": bs, "optimizer": "AdamW lr 2e-3",
+                     "train_bytes": len(train), "val_tokens": ey.numel()})
+    raise ValueError(f"task must be 'digits' or 'lm', got {name!r}")
+
+
+def _bucket_numels(ddp: DDP) -> list[int]:
+    """Element counts of DDP's gradient buckets (from DDP's logging data; fp32)."""
+    try:
+        sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+        out = [int(s) // 4 for s in str(sizes).split(",") if s.strip()]
+        if out and sum(out) == sum(p.numel() for p in ddp.parameters()):
+            return out
+    except Exception:  # noqa: BLE001 - private API; fall back to one bucket
+        pass
+    return [sum(p.numel() for p in ddp.parameters())]
+
+
+def _median_time(fn: Callable[[], Any], repeat: int = 3) -> float:
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> dict[str, float]:
+    """Compress+decompress seconds of ``cfg``'s codec on these gradients, and the payload bytes.
+
+    Local, single rank, no error feedback: the cost of the encode/decode arithmetic.
+    Element-wise / sparse codecs run per DDP bucket; low-rank ones per tensor.
+    """
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if cfg.kind == "ddp":
+        return {"compression_s": 0.0}
+    if cfg.kind == "torch_fp16":
+        return {"compression_s": _median_time(lambda: flat.half().float())}
+    if cfg.kind == "torch_powersgd":
+        r = cfg.params["rank"]
+
+        def psgd():
+            for g in grads:
+                if g.dim() < 2:
+                    continue
+                m = g.reshape(g.shape[0], -1)
+                n_, k_ = m.shape
+                rr = min(n_, k_, r)
+                if (n_ + k_) * rr * 2 >= n_ * k_:
+                    continue
+                q = torch.randn(k_, rr)
+                p, _ = torch.linalg.qr(m @ q)
+                q = m.t() @ p
+                _ = p @ q.t()
+        return {"compression_s": _median_time(psgd)}
+    import commpress
+
+    comp = commpress.get(cfg.compressor, **cfg.params)
+    if comp.aggregation == "lowrank":
+        pieces = list(grads)
+    else:
+        pieces = list(torch.split(flat, buckets))
+    payload_bytes = 0
+
+    def run():
+        nonlocal payload_bytes
+        payload_bytes = 0
+        for i, t in enumerate(pieces):
+            pl = comp.compress(t, step=0, key=i, generator=torch.Generator().manual_seed(i))
+            payload_bytes += pl.nbytes
+            comp.decompress(pl)
+    return {"compression_s": _median_time(run), "payload_bytes": payload_bytes}
+
+
+def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: int, seed: int,
+              rank: int, world: int, report: Callable[[dict], None]) -> dict[str, Any]:
+    """Train ``task_name`` under ``cfg`` for ``steps`` steps; returns rank-0 measurements."""
+    task = make_task(task_name, size, seed)
+    kw = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+    ddp = DDP(task.model, **kw)
+    state = C.attach(ddp, cfg, seed)
+    opt = task.make_opt(ddp.parameters())
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    calib_gen = torch.Generator().manual_seed(seed * 1000 + 500 + rank)
+    rank0 = rank == 0
+
+    # compute time: forward+backward without gradient synchronisation (no hook runs)
+    def local_fb():
+        x, y = task.batch(calib_gen)
+        with ddp.no_sync():
+            task.loss(ddp, x, y).backward()
+        opt.zero_grad(set_to_none=True)
+
+    def curve_point(step: int, t: float) -> dict[str, float]:
+        ddp.eval()
+        v = task.evaluate(task.model, rank, world)
+        ddp.train()
+        dist.barrier()
+        return {"step": step, "time": t, task.metric: v}
+
+    if rank0:
+        report({"event": "start", "task": task_name, "config": cfg.name, "total": steps})
+    curve = [curve_point(0, 0.0)]
+    step_times, opt_times, train_time, last_loss = [], [], 0.0, float("nan")
+    for step in range(1, steps + 1):
+        x, y = task.batch(gen)
+        t0 = time.perf_counter()
+        loss = task.loss(ddp, x, y)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        step_times.append(t2 - t0)
+        opt_times.append(t2 - t1)
+        train_time += t2 - t0
+        last_loss = float(loss.detach())
+        if step % eval_every == 0 or step == steps:
+            curve.append(curve_point(step, train_time))
+        if rank0:
+            report({"event": "step", "config": cfg.name, "step": step, "loss": last_loss,
+                    task.metric: curve[-1][task.metric]})
+
+    fb_s = _median_time(local_fb, repeat=3)
+    # gradients of one more (local) step, to measure the codec and its payload on real data
+    x, y = task.batch(calib_gen)
+    with ddp.no_sync():
+        task.loss(ddp, x, y).backward()
+    params = [p for p in ddp.parameters() if p.grad is not None]
+    grads = [p.grad.detach().clone() for p in params]
+    opt.zero_grad(set_to_none=True)
+    buckets = _bucket_numels(ddp)
+    codec = codec_cost(cfg, grads, buckets)
+
+    skip = min(3, max(0, steps - 3))             # first steps: DDP bucket rebuild, hook warm-up
+    steady = step_times[skip:] or step_times
+    step_s = statistics.median(steady)
+    opt_s = statistics.median(opt_times[skip:] or opt_times)
+    out: dict[str, Any] = {
+        "task": task_name, "config": cfg.name, "kind": cfg.kind, "describe": cfg.describe(),
+        "compressor": cfg.compressor or "", "params": dict(cfg.params),
+        "bucket_cap_mb": cfg.bucket_cap_mb or "default", "n_buckets": len(buckets),
+        "steps": steps, "metric": task.metric, "final": curve[-1][task.metric],
+        "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s,
+        "compute_s": fb_s + opt_s, "compression_s": codec["compression_s"],
+        "task_info": task.info, "curve": curve,
+    }
+    if cfg.kind == "commpress":
+        st = state.stats.as_dict()
+        last = st.get("last_step") or {}
+        out.update(bytes_sent=int(last.get("bytes_sent", 0)), dense_bytes=int(last.get("dense_bytes", 0)),
+                   payload_bytes=codec.get("payload_bytes", 0),
+                   hook_s_per_step=float(last.get("hook_seconds", 0.0)),
+                   algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0))
+    else:
+        out.update(C.hook_bytes(cfg, grads, world))
+    out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else float("inf")
+    out["comm_s"] = max(0.0, step_s - out["compute_s"] - out["compression_s"])
+    if rank0:
+        report({"event": "done", "config": cfg.name, "result": out})
+    return out
+
+
+def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], task: str, size: str,
+              configs: list[dict], steps: int, eval_every: int, seed: int) -> list[dict]:
+    """Entry point of a rank (``benchmarks.train:rank_main``): every config in turn."""
+    results = []
+    for spec in configs:
+        cfg = C.BY_NAME[spec["name"]]
+        res = train_one(task, size, cfg, steps, eval_every, seed, rank, world_size, report)
+        results.append(res if rank == 0 else {"config": cfg.name})
+    return results
