@@ -5,6 +5,6 @@
 
 from __future__ import annotations
 
-from . import common
+from . import common, fsdp
 
-__all__ = ["common"]
+__all__ = ["common", "fsdp"]

@@ -1,0 +1,358 @@
+"""commpress.fsdp on FSDP2 (gloo, CPU, ``init_device_mesh("cpu", (P,))``).
+
+Workers are module-level functions run by ``distributed.run`` on P gloo ranks.
+Models are tiny MLPs with each Linear as its own FSDP unit plus the root.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import commpress
+from commpress.hooks import fsdp as cfsdp
+from distributed import RankError, run
+
+# ----------------------------------------------------------------------------- helpers
+SIZES = (64, 33, 10)   # 33: shards need padding for P = 2 and 3
+
+
+def make_model(seed: int = 0, sizes=SIZES) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    # The torch reference ops: a fresh worker would otherwise JIT-compile the numba
+    # kernels (seconds per process); their parity with the reference is tested in tests/ops.
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(rank: int, step: int, n: int = 8, d: int = SIZES[0], classes: int = SIZES[-1]):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, d, generator=g) * 3, torch.randint(0, classes, (n,), generator=g)
+
+
+def full_grads(model) -> list[torch.Tensor]:
+    return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+
+def local_params(model) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def train_steps(model, steps: int, rank: int, lr: float = 0.1, start: int = 0):
+    """SGD (stateless) on random batches; returns the full gradients of every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads = []
+    for s in range(start, start + steps):
+        x, y = batch(rank, s)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads.append(full_grads(model))
+        opt.step()
+    return grads
+
+
+# ------------------------------------------------------------------ identity == default
+def _identity_matches_default(rank, world_size):
+    ref = shard(make_model(), world_size)
+    cmp = shard(make_model(), world_size)
+    state = commpress.fsdp.register(cmp, "identity")
+    g_ref = train_steps(ref, 3, rank)
+    g_cmp = train_steps(cmp, 3, rank)
+    same_grads = all(torch.equal(a, b) for ga, gb in zip(g_ref, g_cmp) for a, b in zip(ga, gb))
+    same_params = all(torch.equal(a, b) for a, b in zip(local_params(ref), local_params(cmp)))
+    return same_grads, same_params, state.stats.steps, sorted(state.units)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_identity_bitwise_equals_default_fsdp2(world_size):
+    # Bitwise: the "sum" path hands the same buffer and op (AVG) to the same
+    # reduce_scatter call FSDP2 makes, so nothing may differ.
+    for same_grads, same_params, steps, units in run(_identity_matches_default, world_size):
+        assert same_grads and same_params
+        assert steps == 3
+        assert units == ["0", "2"]   # both Linear units; the parameterless root is skipped
+
+
+# --------------------------------------------------- lossless owner path == default
+def _owner_path_close(rank, world_size, name, params):
+    ref = shard(make_model(), world_size)
+    cmp = shard(make_model(), world_size)
+    commpress.fsdp.register(cmp, name, error_feedback=False, **params)
+    x, y = batch(rank, 0)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    torch.nn.functional.cross_entropy(cmp(x), y).backward()
+    # largest |gradient| any rank held before averaging (bounds the quantization step)
+    diffs, bounds = [], []
+    for a, b in zip(full_grads(ref), full_grads(cmp)):
+        diffs.append((a - b).abs().max().item())
+        bounds.append(a.abs().max().item())
+    return diffs, bounds
+
+
+@pytest.mark.timeout(90)
+def test_lossless_sparse_reduce_scatter_matches_default():
+    # topk with ratio 1 sends every entry through the sparse reduce-scatter: the only
+    # difference to default FSDP2 is the fp32 summation order (tolerance 1e-6 relative).
+    for diffs, bounds in run(_owner_path_close, 3, "topk", {"ratio": 1.0}):
+        for d, b in zip(diffs, bounds):
+            assert d <= 1e-6 * max(b, 1e-3)
+
+
+# ---------------------------------------------------------------- digits training
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+
+
+def _train_digits(rank, world_size, configs, steps, batch_size, lr=0.2, momentum=0.9):
+    (xtr, ytr), (xte, yte) = _digits()
+    out = {}
+    for label, name, params in configs:
+        model = shard(make_model(seed=1, sizes=(64, 64, 10)), world_size)
+        state = None
+        if name is not None:
+            state = commpress.fsdp.register(model, name, **params)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        g = torch.Generator().manual_seed(7)
+        for _ in range(steps):
+            idx = torch.randint(0, len(ytr), (batch_size * world_size,), generator=g)
+            idx = idx[rank * batch_size:(rank + 1) * batch_size]
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+        with torch.no_grad():
+            acc = (model(xte).argmax(1) == yte).float().mean().item()
+        ratio = state.stats.compression_ratio if state is not None else 1.0
+        out[label] = (acc, ratio)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_compressed_reduce_scatter_trains_digits_like_default():
+    # 2 ranks x 32 samples, 150 steps of plain SGD (lr 0.5), 397 held-out digits (one
+    # sample = 0.25 points).  Runs are deterministic (fixed seeds, CPU), so the bounds are
+    # margins, not probabilities: blockquant 8-bit within 0.5 point of dense FSDP2,
+    # topk 1% + error feedback (auto) within 1.5 points.  (Measured when written:
+    # dense 95.97%, blockquant8 95.97%, topk1%+EF 95.47%.)  With momentum 0.9 and lr 0.2
+    # topk 5% + EF fell to 64% in the same steps (EF's delayed bursts compound with
+    # heavy momentum); that regime is not claimed.
+    configs = [("dense", None, {}),
+               ("blockquant8", "blockquant", {"bits": 8}),
+               ("topk1%+ef", "topk", {"ratio": 0.01})]
+    results = run(_train_digits, 2, configs, 150, 32, 0.5, 0.0, timeout=140)
+    assert results[0] == results[1]          # every rank evaluates the same replicated model
+    res = results[0]
+    dense = res["dense"][0]
+    assert dense > 0.9
+    assert res["blockquant8"][0] >= dense - 0.005
+    assert res["topk1%+ef"][0] >= dense - 0.015
+    assert res["blockquant8"][1] > 3.5       # 8-bit codes + an fp32 scale per 256 fp32 entries
+    assert res["topk1%+ef"][1] > 25.0        # 8 bytes per kept entry of 1% (+ headers)
+
+
+# ------------------------------------------------------------------ stats
+def _stats_bytes(rank, world_size, name, params):
+    model = shard(make_model(), world_size)
+    state = commpress.fsdp.register(model, name, **params)
+    train_steps(model, 2, rank)
+    return state.stats.as_dict()
+
+
+def _padded(n: int, p: int) -> int:
+    return math.ceil(n / p) * p
+
+
+def _expected_rs_bytes(world_size, per_chunk_payload):
+    """Reduce-scatter bytes per step of the two units, by the module docstring's wire."""
+    total = dense = 0
+    for fan_in, fan_out in zip(SIZES[:-1], SIZES[1:]):
+        rows = _padded(fan_out, world_size) // world_size       # dim-0 shard rows
+        m = rows * fan_in + rows                                # weight + bias shard
+        tensors = 2
+        header = world_size * (1 + tensors) * 8 * (world_size - 1)
+        total += header + per_chunk_payload(m) * (world_size - 1)
+        dense += 4 * m * (world_size - 1)
+    return total, dense
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [3])
+def test_stats_bytes_match_payloads(world_size):
+    bq = lambda m: m + 4 * math.ceil(m / 256)                   # 8-bit codes + fp32 scales
+    tk = lambda m: max(1, round(0.1 * m)) * (4 + 4)             # int32 index + fp32 value
+    for name, params, per_chunk in (("blockquant", {"bits": 8}, bq), ("topk", {"ratio": 0.1}, tk)):
+        sent, dense = _expected_rs_bytes(world_size, per_chunk)
+        for st in run(_stats_bytes, world_size, name, params):
+            assert st["steps"] == 2
+            assert st["last_step"]["bytes_sent"] == sent
+            assert st["bytes_sent"] == 2 * sent
+            assert st["dense_bytes"] == 2 * dense
+            assert st["compression_ratio"] == pytest.approx(dense / sent)
+
+
+# ------------------------------------------------------------------ checkpoint / resume
+def _resume(rank, world_size):
+    # uninterrupted: 4 steps
+    a = shard(make_model(), world_size)
+    commpress.fsdp.register(a, "topk", ratio=0.1)
+    train_steps(a, 4, rank)
+    # interrupted: 2 steps, save (weights_only round trip), new model + state, 2 more steps
+    b = shard(make_model(), world_size)
+    sb = commpress.fsdp.register(b, "topk", ratio=0.1)
+    train_steps(b, 2, rank)
+    buf = io.BytesIO()
+    torch.save({"hook": sb.state_dict(), "params": local_params(b)}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    c = shard(make_model(seed=5), world_size)
+    with torch.no_grad():
+        for p, saved in zip(c.parameters(), ckpt["params"]):
+            p.to_local().copy_(saved)
+    sc = commpress.fsdp.register(c, "topk", ratio=0.1)
+    sc.load_state_dict(ckpt["hook"])
+    residual_keys = sorted(map(str, sc.codec._residuals))
+    train_steps(c, 2, rank, start=2)
+    same = all(torch.equal(x, y) for x, y in zip(local_params(a), local_params(c)))
+    return same, sc.step, residual_keys
+
+
+@pytest.mark.timeout(90)
+def test_state_dict_round_trip_resumes_bitwise():
+    for same, step, keys in run(_resume, 2):
+        assert same
+        assert step == 4
+        assert len(keys) == 4       # two units x two chunks
+
+
+# ------------------------------------------------------------------ non-finite
+def _nonfinite(rank, world_size):
+    ref = shard(make_model(), world_size)
+    cmp = shard(make_model(), world_size)
+    state = commpress.fsdp.register(cmp, "topk", ratio=0.1)
+    train_steps(cmp, 1, rank)                                   # residuals exist
+    before = {k: v.clone() for k, v in state.codec._residuals.items()}
+    for model in (ref, cmp):
+        x, y = batch(rank, 5)
+        if rank == 1:
+            x[0, 0] = float("inf")
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    ref_bad = [~torch.isfinite(p.grad.full_tensor()) for p in ref.parameters()]
+    cmp_bad = [~torch.isfinite(p.grad.full_tensor()) for p in cmp.parameters()]
+    same_pattern = all(torch.equal(a, b) for a, b in zip(ref_bad, cmp_bad))
+    any_bad = any(bool(b.any()) for b in cmp_bad)
+    # on rank 1 the first unit's gradient holds inf: its residuals must be exactly as before
+    untouched = all(torch.equal(before[k], state.codec._residuals[k]) for k in before
+                    if k[0] == "0") if rank == 1 else True
+    finite_res = all(bool(torch.isfinite(r).all()) for r in state.codec._residuals.values())
+    return same_pattern, any_bad, untouched, finite_res
+
+
+@pytest.mark.timeout(90)
+def test_nonfinite_gradients_propagate_and_spare_residuals():
+    for same_pattern, any_bad, untouched, finite_res in run(_nonfinite, 2):
+        assert any_bad and same_pattern and untouched and finite_res
+
+
+# ------------------------------------------------------------------ quantized all-gather
+def _quantized_all_gather(rank, world_size):
+    ref = shard(make_model(), world_size)
+    cmp = shard(make_model(), world_size)
+    state = commpress.fsdp.register(cmp, "identity", all_gather="blockquant")
+    x, y = batch(rank, 0)
+    with torch.no_grad():
+        out_ref, out_cmp = ref(x), cmp(x)
+    # every rank decodes the same codes: losses of the same input agree across ranks
+    probe = torch.ones(1, SIZES[0])
+    with torch.no_grad():
+        val = cmp(probe).sum().reshape(1)
+    vals = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(vals, val)
+    err = (out_ref - out_cmp).abs().max().item()
+    train_steps(cmp, 3, rank)
+    st = state.stats.as_dict()
+    return err, out_ref.abs().max().item(), len({v.item() for v in vals}), st["algorithms"]
+
+
+@pytest.mark.timeout(90)
+def test_quantized_all_gather_close_and_replicated():
+    for err, scale, distinct, algorithms in run(_quantized_all_gather, 3):
+        assert err <= 0.05 * scale
+        assert err > 0                                          # parameters really were quantized
+        assert distinct == 1
+        assert algorithms["0/all_gather"] == "blockquant:all_gather"
+
+
+# ------------------------------------------------------------------ bad input
+def _bad_input(rank, world_size, case):
+    if case == "not_fsdp":
+        model = make_model()
+        try:
+            commpress.fsdp.register(model, "topk", ratio=0.1)
+        except TypeError as exc:
+            return "TypeError", str(exc)
+        return "none", ""
+    model = shard(make_model(), world_size)
+    if case == "differs":
+        ratio = 0.1 if rank == 0 else 0.2
+        try:
+            commpress.fsdp.register(model, "topk", ratio=ratio)
+        except ValueError as exc:
+            return "ValueError", str(exc)
+        return "none", ""
+    if case == "twice":
+        commpress.fsdp.register(model, "identity")
+        try:
+            commpress.fsdp.register(model[0], "identity")
+        except RuntimeError as exc:
+            return "RuntimeError", str(exc)
+        return "none", ""
+    if case == "lowrank":
+        try:
+            commpress.fsdp.register(model, "powersgd")
+        except ValueError as exc:
+            return "ValueError", str(exc)
+        return "none", ""
+    raise AssertionError(case)
+
+
+BAD_CASES = [("not_fsdp", "TypeError", "FSDP2"),
+             ("differs", "ValueError", "ratio"),
+             ("twice", "RuntimeError", "already registered"),
+             ("lowrank", "ValueError", "lowrank")]
+
+
+def _all_bad_inputs(rank, world_size):
+    return [_bad_input(rank, world_size, case) for case, _, _ in BAD_CASES]
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_raises_on_every_rank():
+    for per_rank in run(_all_bad_inputs, 3, timeout=45, pg_timeout=20):
+        for (kind, msg), (case, exc, words) in zip(per_rank, BAD_CASES):
+            assert kind == exc and words in msg, (case, kind, msg)
