@@ -48,7 +48,7 @@ import torch
 from .. import ops
 from . import _comm, costmodel
 from .accounting import CommStats
-from .validate import (HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
+from .validate import (ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
                        exchange_header, make_header)
 
 log = logging.getLogger("commpress")
@@ -135,7 +135,7 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
         code, msg = 6, f"algorithm must be one of {SPARSE_ALGORITHMS + ('auto',)}, got {algorithm!r}"
     if world == 1:
         if code:
-            raise CollectiveInputError(f"sparse_allreduce: {msg}")
+            raise CollectiveInputError(f"sparse_allreduce: {ERRORS[code]}: {msg}")
         out = torch.zeros(numel, dtype=acc_dtype(values.dtype), device=values.device)
         ops.scatter_add_(out, indices, values)
         if stats is not None:

@@ -107,8 +107,8 @@ def check(world, cases, algos=ALGOS):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_named_patterns_every_algorithm(world):
-    cases = [(numel, sup, "float32", "int64") for numel in (37, 64)
-             for _, sup in named_patterns(world, numel, seed=world * 100 + numel)]
+    numel = 37 if world % 2 else 64
+    cases = [(numel, sup, "float32", "int64") for _, sup in named_patterns(world, numel, seed=world * 100 + numel)]
     cases += [(40, named_patterns(world, 40, 7)[2][1], d, i)
               for d, i in (("float16", "int32"), ("bfloat16", "int64"), ("float64", "int32"))]
     check(world, cases)
