@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -177,7 +177,6 @@ class _Unit:
     module: FSDPModule
     calls: int = 0
     input_numel: int = 0
-    ag_template: Payload | None = field(default=None, repr=False)
 
 
 class FSDPState(HookState):
@@ -248,7 +247,8 @@ class FSDPState(HookState):
             return
         self._step_open = False
         self.step += 1
-        self.stats.memory_overhead_bytes = tensor_bytes(self.codec.state_dict())
+        # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
+        self.stats.memory_overhead_bytes = tensor_bytes(list(getattr(self.codec, "_residuals", {}).values()))
         self.stats.end_step()
 
     # -- checkpoints --------------------------------------------------------

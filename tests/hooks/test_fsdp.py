@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import commpress
-from commpress.hooks import fsdp as cfsdp
-from distributed import RankError, run
+from distributed import run
 
 # ----------------------------------------------------------------------------- helpers
 SIZES = (64, 33, 10)   # 33: shards need padding for P = 2 and 3
@@ -93,29 +92,50 @@ def test_identity_bitwise_equals_default_fsdp2(world_size):
         assert units == ["0", "2"]   # both Linear units; the parameterless root is skipped
 
 
-# --------------------------------------------------- lossless owner path == default
-def _owner_path_close(rank, world_size, name, params):
-    ref = shard(make_model(), world_size)
-    cmp = shard(make_model(), world_size)
-    commpress.fsdp.register(cmp, name, error_feedback=False, **params)
-    x, y = batch(rank, 0)
-    torch.nn.functional.cross_entropy(ref(x), y).backward()
-    torch.nn.functional.cross_entropy(cmp(x), y).backward()
-    # largest |gradient| any rank held before averaging (bounds the quantization step)
-    diffs, bounds = [], []
-    for a, b in zip(full_grads(ref), full_grads(cmp)):
-        diffs.append((a - b).abs().max().item())
-        bounds.append(a.abs().max().item())
-    return diffs, bounds
+# ------------------------------------- mixed precision and the lossless owner path
+def shard_mp(model, world_size, reduce_dtype):
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    mp = MixedPrecisionPolicy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _lossless_paths(rank, world_size):
+    out = {}
+    for reduce_dtype in (None, torch.float16, torch.bfloat16):
+        grads = {}
+        for name, params in ((None, {}), ("identity", {}), ("topk", {"ratio": 1.0})):
+            model = shard_mp(make_model(), world_size, reduce_dtype)
+            if name is not None:
+                commpress.fsdp.register(model, name, error_feedback=False, **params)
+            x, y = batch(rank, 0)
+            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+            grads[name] = full_grads(model)
+        ref = grads[None]
+        out[str(reduce_dtype)] = {
+            "identity_equal": all(torch.equal(a, b) for a, b in zip(ref, grads["identity"])),
+            "topk_rel": max(((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+                            for a, b in zip(ref, grads["topk"])),
+        }
+    return out
 
 
 @pytest.mark.timeout(90)
-def test_lossless_sparse_reduce_scatter_matches_default():
-    # topk with ratio 1 sends every entry through the sparse reduce-scatter: the only
-    # difference to default FSDP2 is the fp32 summation order (tolerance 1e-6 relative).
-    for diffs, bounds in run(_owner_path_close, 3, "topk", {"ratio": 1.0}):
-        for d, b in zip(diffs, bounds):
-            assert d <= 1e-6 * max(b, 1e-3)
+def test_lossless_paths_match_default_with_mixed_precision():
+    # reduce dtype fp32 (FSDP passes ReduceOp.AVG), fp16 (FSDP pre/post-divides and
+    # passes SUM) and bf16 (AVG).  identity goes through the "sum" path: bitwise equal.
+    # topk with ratio 1 sends every entry through the sparse owner path, which sums in
+    # fp32 in rank order: equal up to rounding of the reduce dtype (2 ulps of its eps,
+    # relative to the largest entry; 1e-6 for fp32).
+    tol = {"None": 1e-6, "torch.float16": 2 * 2.0 ** -10, "torch.bfloat16": 2 * 2.0 ** -7}
+    for per_rank in run(_lossless_paths, 3):
+        for dtype, res in per_rank.items():
+            assert res["identity_equal"], dtype
+            assert res["topk_rel"] <= tol[dtype], (dtype, res)
 
 
 # ---------------------------------------------------------------- digits training
@@ -177,26 +197,29 @@ def test_compressed_reduce_scatter_trains_digits_like_default():
 
 
 # ------------------------------------------------------------------ stats
-def _stats_bytes(rank, world_size, name, params):
-    model = shard(make_model(), world_size)
-    state = commpress.fsdp.register(model, name, **params)
-    train_steps(model, 2, rank)
-    return state.stats.as_dict()
+def _stats_bytes(rank, world_size, configs):
+    out = []
+    for name, params in configs:
+        model = shard(make_model(), world_size)
+        state = commpress.fsdp.register(model, name, **params)
+        train_steps(model, 2, rank)
+        out.append(state.stats.as_dict())
+    return out
 
 
 def _padded(n: int, p: int) -> int:
     return math.ceil(n / p) * p
 
 
-def _expected_rs_bytes(world_size, per_chunk_payload):
+def _expected_rs_bytes(world_size, per_chunk_payload, header=True):
     """Reduce-scatter bytes per step of the two units, by the module docstring's wire."""
     total = dense = 0
     for fan_in, fan_out in zip(SIZES[:-1], SIZES[1:]):
         rows = _padded(fan_out, world_size) // world_size       # dim-0 shard rows
         m = rows * fan_in + rows                                # weight + bias shard
-        tensors = 2
-        header = world_size * (1 + tensors) * 8 * (world_size - 1)
-        total += header + per_chunk_payload(m) * (world_size - 1)
+        if header:                                              # mode + 2 tensor sizes per rank
+            total += world_size * (1 + 2) * 8 * (world_size - 1)
+        total += per_chunk_payload(m) * (world_size - 1)
         dense += 4 * m * (world_size - 1)
     return total, dense
 
@@ -204,11 +227,13 @@ def _expected_rs_bytes(world_size, per_chunk_payload):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [3])
 def test_stats_bytes_match_payloads(world_size):
-    bq = lambda m: m + 4 * math.ceil(m / 256)                   # 8-bit codes + fp32 scales
-    tk = lambda m: max(1, round(0.1 * m)) * (4 + 4)             # int32 index + fp32 value
-    for name, params, per_chunk in (("blockquant", {"bits": 8}, bq), ("topk", {"ratio": 0.1}, tk)):
-        sent, dense = _expected_rs_bytes(world_size, per_chunk)
-        for st in run(_stats_bytes, world_size, name, params):
+    cases = (("blockquant", {"bits": 8}, lambda m: m + 4 * math.ceil(m / 256), True),  # codes + fp32 scales
+             ("topk", {"ratio": 0.1}, lambda m: max(1, round(0.1 * m)) * (4 + 4), True),  # int32 idx + fp32
+             ("fp16", {}, lambda m: 2 * m, False))                  # "sum" path: one reduce_scatter
+    per_rank = run(_stats_bytes, world_size, [(name, params) for name, params, _, _ in cases])
+    for i, (name, params, per_chunk, header) in enumerate(cases):
+        sent, dense = _expected_rs_bytes(world_size, per_chunk, header)
+        for st in (r[i] for r in per_rank):
             assert st["steps"] == 2
             assert st["last_step"]["bytes_sent"] == sent
             assert st["bytes_sent"] == 2 * sent
