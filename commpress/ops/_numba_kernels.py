@@ -30,7 +30,7 @@ _HALF = np.float32(0.5)
 _U24 = np.float32(1.0 / 16777216.0)
 _NAN32 = np.float32(np.nan)
 
-_SUB = 32  # compaction sub-block (elements)
+_PIECE = 8192  # cache-resident piece of a chunk (elements)
 _OPTS = dict(parallel=True, cache=True, nogil=True)
 _SOPTS = dict(cache=True, nogil=True)
 
@@ -116,91 +116,43 @@ def magnitude_key(xi, out):
         out[j] = np.int64(xi[j] & _ABS)
 
 
-@njit(**_OPTS)
-def select_count(xi, lo_key, hi_key, clen):
-    """Per chunk, how many entries have ``lo_key <= key <= hi_key``."""
-    n = xi.size
-    nch = (n + clen - 1) // clen
-    counts = np.zeros(nch, np.int64)
-    for c in prange(nch):
-        a = c * clen
-        b = min(a + clen, n)
-        counts[c] = _count_range(xi[a:b], lo_key, hi_key)
-    return counts
-
-
 @njit(inline="always", **_SOPTS)
-def _count_range(seg, lo_key, hi_key):
-    # Indexing a slice from 0 lets LLVM drop the negative-index checks and vectorize.
-    cnt = 0
-    for j in range(seg.size):
-        k = seg[j] & _ABS
-        cnt += (k >= lo_key) & (k <= hi_key)
-    return cnt
+def _compact_piece(seg, base, lo_key, hi_key, idx_out, val_out, pos, flags):
+    """Append the selected entries of ``seg`` (at most ``_PIECE``; global offset ``base``).
 
-
-@njit(**_OPTS)
-def select_write(xi, lo_key, hi_key, clen, counts, idx_out, val_out, res, mode):
-    """Compact the selected entries (index order) and update the residual.
-
-    ``counts`` from :func:`select_count` (same arguments).  ``val_out`` gets the
-    bit patterns of the selected values.  ``mode``: 0 no residual; 1 ``res`` is
-    ``xi`` (zero the selected in place); 2 ``res[j] = 0 if selected else xi[j]``;
-    3 ``res[j] = xi[j]`` (plain copy, selection finished later).
-    """
-    n = xi.size
-    nch = counts.size
-    offsets = np.empty(nch, np.int64)
-    run = 0
-    for c in range(nch):
-        offsets[c] = run
-        run += counts[c]
-    for c in prange(nch):
-        a = c * clen
-        b = min(a + clen, n)
-        pos = offsets[c]
-        seg = xi[a:b]
-        rseg = res[a:b]
-        if mode >= 2:
-            rseg[:] = seg
-        # Sub-blocks with no selected entry (most of them) cost one vectorized test.
-        for s0 in range(0, b - a, _SUB):
-            s1 = min(s0 + _SUB, b - a)
-            if _count_range(seg[s0:s1], lo_key, hi_key) == 0:
-                continue
-            for j in range(s0, s1):
-                v = seg[j]
-                k = v & _ABS
-                if (k >= lo_key) & (k <= hi_key):
-                    idx_out[pos] = a + j
-                    val_out[pos] = v
-                    pos += 1
-                    if mode == 1 or mode == 2:
-                        rseg[j] = 0
-
-
-@njit(inline="always", **_SOPTS)
-def _compact_range(seg, a, lo_key, hi_key, idx_out, val_out, pos, rseg, zero):
-    """Append the selected entries of ``seg`` (global offset ``a``) at ``pos``; returns the new pos.
-
-    Stops writing at the end of ``idx_out`` but keeps counting.  Zeroes ``rseg``
-    at the selected entries when ``zero``.
+    A vectorized pass writes one flag byte per entry; the scan then skips
+    8 entries at a time by testing the flags as one uint64.  Stops writing at
+    the end of ``idx_out`` but keeps counting; returns the new ``pos``.
     """
     cap = idx_out.size
-    for s0 in range(0, seg.size, _SUB):
-        s1 = min(s0 + _SUB, seg.size)
-        if _count_range(seg[s0:s1], lo_key, hi_key) == 0:
-            continue  # most sub-blocks: one vectorized test
-        for j in range(s0, s1):
-            v = seg[j]
-            k = v & _ABS
-            if (k >= lo_key) & (k <= hi_key):
-                if pos < cap:
-                    idx_out[pos] = a + j
-                    val_out[pos] = v
-                pos += 1
-                if zero:
-                    rseg[j] = 0
+    m = seg.size
+    for j in range(m):
+        k = seg[j] & _ABS
+        flags[j] = (k >= lo_key) & (k <= hi_key)
+    groups = (m + 7) >> 3
+    for j in range(m, groups << 3):
+        flags[j] = 0
+    words = flags.view(np.uint64)
+    for g in range(groups):
+        if words[g] != 0:
+            for t in range(g << 3, (g << 3) + 8):
+                if flags[t]:
+                    if pos < cap:
+                        idx_out[pos] = base + t
+                        val_out[pos] = seg[t]
+                    pos += 1
+    return pos
+
+
+@njit(inline="always", **_SOPTS)
+def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, flags):
+    """:func:`_compact_piece` over ``[a, b)`` piece by piece; ``copy``: also res[a:b] = xi[a:b]."""
+    for p0 in range(a, b, _PIECE):
+        p1 = min(p0 + _PIECE, b)
+        seg = xi[p0:p1]
+        if copy:
+            res[p0:p1] = seg  # while the piece is in cache
+        pos = _compact_piece(seg, p0, lo_key, hi_key, idx_out, val_out, pos, flags)
     return pos
 
 
@@ -211,7 +163,8 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
     ``ibuf``/``vbuf`` hold ``nchunks * cap`` entries.  Returns the per-chunk
     counts; a chunk whose count exceeds ``cap`` overflowed: its residual is left
     as it was (mode 1) or a plain copy (mode 2) and :func:`select_gather`
-    rescans it.  ``mode`` as in :func:`select_write`.
+    rescans it.  ``mode``: 0 no residual; 1 ``res`` is ``xi`` (zero the
+    selected in place); 2 ``res = xi`` with the selected zeroed; 3 ``res = xi``.
     """
     n = xi.size
     nch = (n + clen - 1) // clen
@@ -219,13 +172,10 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
-        seg = xi[a:b]
-        rseg = res[a:b]
-        if mode >= 2:
-            rseg[:] = seg
+        flags = np.empty(_PIECE, np.uint8)
         io = ibuf[c * cap:(c + 1) * cap]
         vo = vbuf[c * cap:(c + 1) * cap]
-        cnt = _compact_range(seg, a, lo_key, hi_key, io, vo, 0, rseg, False)
+        cnt = _compact_range(xi, a, b, lo_key, hi_key, io, vo, 0, res, mode >= 2, flags)
         counts[c] = cnt
         if cnt <= cap and (mode == 1 or mode == 2):
             for t in range(cnt):
@@ -252,8 +202,12 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
         else:
             a = c * clen
             b = min(a + clen, n)
-            _compact_range(xi[a:b], a, lo_key, hi_key, idx_out[o:o + cnt], val_out[o:o + cnt], 0,
-                           res[a:b], mode == 1 or mode == 2)
+            flags = np.empty(_PIECE, np.uint8)
+            io = idx_out[o:o + cnt]
+            _compact_range(xi, a, b, lo_key, hi_key, io, val_out[o:o + cnt], 0, res, False, flags)
+            if mode == 1 or mode == 2:
+                for t in range(cnt):
+                    res[io[t]] = 0
 
 
 @njit(**_SOPTS)
@@ -325,13 +279,13 @@ def _pack_range(codes, cbase, a, b, bits, packed):
         for j in range(a, b):
             packed[j] = codes[j - cbase]
     elif bits == 4:
-        full = a + ((b - a) // 2) * 2
-        for j in range(a, full, 2):
-            lo = np.uint8(codes[j - cbase] & np.uint8(15))
-            hi = np.uint8(codes[j + 1 - cbase] & np.uint8(15))
-            packed[j >> 1] = lo | np.uint8(hi << np.uint8(4))
-        if full < b:
-            packed[full >> 1] = np.uint8(codes[full - cbase] & np.uint8(15))
+        half = (b - a) >> 1
+        src = codes[a - cbase:a - cbase + 2 * half]
+        dst = packed[a >> 1:(a >> 1) + half]
+        for t in range(half):
+            dst[t] = (src[2 * t] & np.uint8(15)) | np.uint8((src[2 * t + 1] & np.uint8(15)) << np.uint8(4))
+        if (b - a) & 1:
+            packed[(b - 1) >> 1] = np.uint8(codes[b - 1 - cbase] & np.uint8(15))
     else:
         ub = np.uint64(bits)
         for g in range(a, b, 8):
@@ -355,9 +309,15 @@ def _unpack_range(packed, a, b, bits, codes, cbase):
         for j in range(a, b):
             codes[j - cbase] = packed[j]
     elif bits == 4:
-        for j in range(a, b):
-            v = packed[j >> 1]
-            codes[j - cbase] = (v >> np.uint8(4 * (j & 1))) & np.uint8(15)
+        half = (b - a) >> 1
+        src = packed[a >> 1:(a >> 1) + half]
+        dst = codes[a - cbase:a - cbase + 2 * half]
+        for t in range(half):
+            v = src[t]
+            dst[2 * t] = v & np.uint8(15)
+            dst[2 * t + 1] = v >> np.uint8(4)
+        if (b - a) & 1:
+            codes[b - 1 - cbase] = packed[(b - 1) >> 1] & np.uint8(15)
     else:
         ub = np.uint64(bits)
         for g in range(a, b, 8):
@@ -482,8 +442,11 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
+        direct4 = bits == 4 and block % 2 == 0 and not stochastic
         if bits == 8:
             codes = packed[a:b]  # 8-bit codes are the packed bytes: write them in place
+        elif direct4:
+            codes = packed[0:0]  # 4-bit codes go straight into their bytes (blocks start on a byte)
         else:
             codes = np.empty(b - a, np.uint8)
         kbuf = np.empty(1, np.int32)
@@ -502,6 +465,16 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
             else:
                 inv = _F0
             xs = x[s0:s1]
+            if direct4:
+                half = (s1 - s0) >> 1
+                pk = packed[s0 >> 1:(s0 >> 1) + half]
+                for t in range(half):
+                    c0 = _code(xs[2 * t] * inv + _HALF, lim, qmax)
+                    c1 = _code(xs[2 * t + 1] * inv + _HALF, lim, qmax)
+                    pk[t] = c0 | np.uint8(c1 << np.uint8(4))
+                if (s1 - s0) & 1:
+                    packed[(s1 - 1) >> 1] = _code(xs[s1 - s0 - 1] * inv + _HALF, lim, qmax)
+                continue
             cs = codes[s0 - a:s1 - a]
             if stochastic:
                 for j in range(xs.size):
@@ -510,7 +483,7 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
             else:
                 for j in range(xs.size):
                     cs[j] = _code(xs[j] * inv + _HALF, lim, qmax)
-        if bits != 8:
+        if bits != 8 and not direct4:
             _pack_range(codes, a, a, b, bits, packed)
 
 
@@ -523,16 +496,36 @@ def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
+        direct4 = bits == 4 and block % 2 == 0
         if bits == 8:
             codes = packed[a:b]
+        elif direct4:
+            codes = packed[0:0]
         else:
             codes = np.empty(b - a, np.uint8)
             _unpack_range(packed, a, b, bits, codes, a)
         for s0 in range(a, b, block):
             s1 = min(s0 + block, b)
             step = scales[s0 // block] / fq
-            cs = codes[s0 - a:s1 - a]
             os = out[s0:s1]
+            if direct4:
+                half = (s1 - s0) >> 1
+                pk = packed[s0 >> 1:(s0 >> 1) + half]
+                for t in range(half):
+                    v = pk[t]
+                    d0 = (np.float32(v & np.uint8(15)) - fq) * step
+                    d1 = (np.float32(v >> np.uint8(4)) - fq) * step
+                    if accumulate:
+                        os[2 * t] = os[2 * t] + d0
+                        os[2 * t + 1] = os[2 * t + 1] + d1
+                    else:
+                        os[2 * t] = d0
+                        os[2 * t + 1] = d1
+                if (s1 - s0) & 1:
+                    d = (np.float32(packed[(s1 - 1) >> 1] & np.uint8(15)) - fq) * step
+                    os[s1 - s0 - 1] = os[s1 - s0 - 1] + d if accumulate else d
+                continue
+            cs = codes[s0 - a:s1 - a]
             if accumulate:
                 for j in range(cs.size):
                     os[j] = os[j] + (np.float32(cs[j]) - fq) * step

@@ -126,7 +126,7 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
 def _sample_fraction(xi: np.ndarray, lo: int, hi: int) -> float:
     """Fraction of a strided sample whose key lies in ``[lo, hi]`` (1.0 for small inputs)."""
     n = xi.size
-    m = 4096
+    m = 16384
     if n < 16 * m:
         return 1.0
     stride = n // m
@@ -143,7 +143,8 @@ def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: 
     n = xi.size
     clen = _chunk(n)
     nch = (n + clen - 1) // clen
-    cap = min(clen, int(clen * frac * 1.25 + 8.0 * math.sqrt(clen * frac) + 64))
+    # slack for sampling error (~5 sigma of a 4096-entry sample) and uneven chunks
+    cap = min(clen, int(clen * (1.2 * frac + 5.0 * math.sqrt(frac / 4096)) + 64))
     ibuf = np.empty(nch * cap, _index_np(n))
     vbuf = np.empty(nch * cap, np.int32)
     lo32, hi32 = np.int32(lo), np.int32(hi)
