@@ -36,7 +36,7 @@ log = logging.getLogger("commpress.benchmarks")
 ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 
-DEFAULT_STEPS = {"full": {"digits": 150, "lm": 60}, "quick": {"digits": 60, "lm": 30}}
+DEFAULT_STEPS = {"full": {"digits": 150, "lm": 50}, "quick": {"digits": 60, "lm": 30}}
 
 
 def _parse_steps(text: str | None, quick: bool) -> dict[str, int]:
@@ -70,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs root + iproute2; loopback otherwise)")
     p.add_argument("--configs", default=None, help="comma-separated config names or groups (default: all; quick: quick)")
     p.add_argument("--tasks", default="digits,lm", help="comma-separated tasks: digits, lm")
-    p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=60; "
+    p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=50; "
                    "quick: digits=60,lm=30)")
+    p.add_argument("--equal-steps", action="store_true",
+                   help="every config runs --steps steps (default: ddp runs --steps steps and every other config "
+                   "trains for the same wall time, at most 4x the steps)")
     p.add_argument("--evals", type=int, default=12, help="evaluations per run (time-to-target resolution)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="parent folder of results/sweep-<timestamp>/")
@@ -120,8 +123,11 @@ def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, clust
     rows: list[dict] = []
     while remaining:
         prog = Progress(not args.no_progress)
+        ddp_row = next((r for r in rows if r["config"] == "ddp" and "train_time_s" in r), None)
         kwargs = {"task": task, "size": size, "configs": [{"name": c.name} for c in remaining],
-                  "steps": steps, "eval_every": max(1, steps // args.evals), "seed": args.seed}
+                  "steps": steps, "eval_every": max(1, steps // args.evals), "seed": args.seed,
+                  "equal_time": not args.equal_steps and any(c.name == "ddp" for c in cfgs),
+                  "time_budget": ddp_row["train_time_s"] if ddp_row else None}
         error = None
         try:
             launch("benchmarks.train:rank_main", args.world_size, cluster=cluster, kwargs=kwargs,
@@ -198,7 +204,9 @@ def table_rows(rows: list[dict]) -> list[dict]:
         out.append({
             "config": r["config"],
             "bytes/step": _fmt_bytes(r["bytes_sent"]),
+            "payload": _fmt_bytes(r.get("payload_bytes")),
             "ratio": f"{r['ratio']:.1f}x",
+            "steps": r["steps"],
             "step ms": f"{1000 * r['step_s']:.0f}",
             "compute ms": f"{1000 * r['compute_s']:.0f}",
             "codec ms": f"{1000 * r['compression_s']:.1f}",
@@ -210,7 +218,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-COLUMNS = ["config", "bytes/step", "ratio", "step ms", "compute ms", "codec ms", "comm ms", "final",
+COLUMNS = ["config", "bytes/step", "payload", "ratio", "steps", "step ms", "compute ms", "codec ms", "comm ms", "final",
            "time to target s", "speedup vs ddp"]
 
 
@@ -271,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         (skipped if reason else runnable).append((c, reason))
     for c, reason in skipped:
         print(f"skipping {c.name}: {reason}", file=sys.stderr)
-    runnable_cfgs = [c for c, _ in runnable]
+    # ddp first: its final metric is the target and, by default, its training time every other config's budget
+    runnable_cfgs = sorted((c for c, _ in runnable), key=lambda c: c.name != "ddp")
 
     out = results_dir("sweep", args.out)
     command = "python -m benchmarks sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
     rows_by_task: dict[str, list[dict]] = {}
     meta: dict[str, Any] = {"command": command.strip(), "world_size": args.world_size, "net": args.net,
+                            "equal_time": not args.equal_steps,
                             "cpu_cores": cores, "steps": steps, "size": size, "seed": args.seed}
     with make_cluster(args.world_size, args.net) as cluster:
         meta["network"] = cluster.describe()
@@ -293,19 +303,25 @@ def main(argv: list[str] | None = None) -> int:
             info = next((r["task_info"] for r in rows if "task_info" in r), {})
             meta.setdefault("tasks", {})[task] = info
             rows_by_task[task] = rows
+            meta["bars"] = check_bars(rows_by_task)
+            summary = finalize(out, rows_by_task, meta)      # after every task: partial results survive
+    print(summary)
+    print(f"\nresults in {out}/", file=sys.stderr)
+    return 0 if not any("error" in r for rows in rows_by_task.values() for r in rows) else 1
+
+
+def finalize(out: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> str:
+    """Write results.json / results.csv / plots / summary.md into ``out``; returns the summary."""
     all_rows = [r for rows in rows_by_task.values() for r in rows]
-    meta["bars"] = check_bars(rows_by_task)
-    flat = [{k: v for k, v in r.items() if k not in ("curve", "task_info")} for r in all_rows]
     write_results(out, all_rows, meta)
-    _write_csv(out / "results.csv", flat)
+    _write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("curve", "task_info")}
+                                     for r in all_rows])
     from . import plots
 
     pngs = plots.make_all(out, rows_by_task, meta)
     summary = render_summary(rows_by_task, meta, pngs)
     (out / "summary.md").write_text(summary)
-    print(summary)
-    print(f"\nresults in {out}/", file=sys.stderr)
-    return 0 if not any("error" in r for r in all_rows) else 1
+    return summary
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -327,10 +343,13 @@ def render_summary(rows_by_task: dict[str, list[dict]], meta: dict[str, Any], pn
              + (" — oversubscribed, so compute per step is inflated and noisy" if (meta["cpu_cores"] or 0)
                 < meta["world_size"] else "") + f"; network: {meta['network']}.",
              "Bytes are per rank per step, counted with commpress's convention (ring all_reduce of n bytes "
-             "sends 2n(P-1)/P); ratio = dense bytes / bytes sent. Step time is the median training step; "
+             "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); ratio = dense bytes / bytes sent; payload = what one rank's compressed gradient is by the compressor's contract (Payload.nbytes, dense parts at 4 bytes/element). Step time is the median training step; "
              "compute = forward+backward without sync + optimizer step; codec = local compress+decompress "
              "of the gradient buckets; comm = the rest. Time to target = training seconds until the metric "
-             "reaches the DDP run's final value (accuracy -0.5 points, loss +2%).",
+             "reaches the DDP run's final value (accuracy -0.5 points, loss +2%)."
+             + (" Equal-time rule: DDP runs the given steps; every other config trains for the same training "
+                "wall time as DDP (at most 4x the steps), so 'final' is the metric reached in DDP's time."
+                if meta.get("equal_time") else " Every config runs the same number of steps."),
              "PyTorch powerSGD_hook configs run with one DDP bucket (bucket_cap_mb=10000): the hook "
              "deadlocks on gloo with several buckets. Other configs use DDP's default buckets.", ""]
     for task, rows in rows_by_task.items():

@@ -131,8 +131,8 @@ def _median_time(fn: Callable[[], Any], repeat: int = 3) -> float:
 def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> dict[str, float]:
     """Compress+decompress seconds of ``cfg``'s codec on these gradients, and the payload bytes.
 
-    Local, single rank, no error feedback: the cost of the encode/decode arithmetic.
-    Element-wise / sparse codecs run per DDP bucket; low-rank ones per tensor.
+    Local, single rank, no error feedback: the cost of the encode/decode arithmetic, and the
+    payload size the compressor's contract gives for this model (``Payload.nbytes``).
     """
     flat = torch.cat([g.reshape(-1) for g in grads])
     if cfg.kind == "ddp":
@@ -159,15 +159,22 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
     import commpress
 
     comp = commpress.get(cfg.compressor, **cfg.params)
+    # Mirror the hook's split: 1-D and small (< min_numel) gradients go dense (4 bytes/element); the
+    # rest is one compressed unit (the whole model here; the hook does one per bucket), or one per
+    # matrix for low-rank.
+    min_numel = getattr(C.ddp_module(), "DEFAULT_MIN_NUMEL", 1024)
+    big = [g for g in grads if g.dim() > 1 and g.numel() >= min_numel]
+    dense_bytes = 4 * sum(g.numel() for g in grads if not (g.dim() > 1 and g.numel() >= min_numel))
     if comp.aggregation == "lowrank":
-        pieces = list(grads)
+        pieces = [g for g in big if getattr(comp, "is_compressed", lambda t: True)(g)]
+        dense_bytes += 4 * sum(g.numel() for g in big if not any(g is q for q in pieces))
     else:
-        pieces = list(torch.split(flat, buckets))
+        pieces = [torch.cat([g.reshape(-1) for g in big])] if big else []
     payload_bytes = 0
 
     def run():
         nonlocal payload_bytes
-        payload_bytes = 0
+        payload_bytes = dense_bytes
         for i, t in enumerate(pieces):
             pl = comp.compress(t, step=0, key=i, generator=torch.Generator().manual_seed(i))
             payload_bytes += pl.nbytes
@@ -176,8 +183,14 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
 
 
 def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: int, seed: int,
-              rank: int, world: int, report: Callable[[dict], None]) -> dict[str, Any]:
-    """Train ``task_name`` under ``cfg`` for ``steps`` steps; returns rank-0 measurements."""
+              rank: int, world: int, report: Callable[[dict], None], time_budget: float | None = None,
+              max_steps: int | None = None) -> dict[str, Any]:
+    """Train ``task_name`` under ``cfg``; returns rank-0 measurements.
+
+    Without ``time_budget``: exactly ``steps`` steps.  With it: until rank 0's
+    training time reaches ``time_budget`` seconds (checked at evaluation points,
+    the decision broadcast so all ranks stop together) or ``max_steps`` steps.
+    """
     task = make_task(task_name, size, seed)
     kw = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
     ddp = DDP(task.model, **kw)
@@ -201,11 +214,21 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         dist.barrier()
         return {"step": step, "time": t, task.metric: v}
 
+    def should_stop(step: int, t: float) -> bool:
+        if time_budget is None:
+            return step >= steps
+        flag = torch.tensor([1.0 if (t >= time_budget or step >= (max_steps or steps)) else 0.0])
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
     if rank0:
-        report({"event": "start", "task": task_name, "config": cfg.name, "total": steps})
+        report({"event": "start", "task": task_name, "config": cfg.name,
+                "total": steps if time_budget is None else None})
     curve = [curve_point(0, 0.0)]
     step_times, opt_times, train_time, last_loss = [], [], 0.0, float("nan")
-    for step in range(1, steps + 1):
+    step, stop = 0, False
+    while not stop:
+        step += 1
         x, y = task.batch(gen)
         t0 = time.perf_counter()
         loss = task.loss(ddp, x, y)
@@ -218,13 +241,14 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         opt_times.append(t2 - t1)
         train_time += t2 - t0
         last_loss = float(loss.detach())
-        if step % eval_every == 0 or step == steps:
+        if step % eval_every == 0 or (time_budget is None and step == steps):
             curve.append(curve_point(step, train_time))
+            stop = should_stop(step, train_time)
         if rank0:
             report({"event": "step", "config": cfg.name, "step": step, "loss": last_loss,
                     task.metric: curve[-1][task.metric]})
 
-    fb_s = _median_time(local_fb, repeat=3)
+    fb_s = _median_time(local_fb, repeat=5)
     # gradients of one more (local) step, to measure the codec and its payload on real data
     x, y = task.batch(calib_gen)
     with ddp.no_sync():
@@ -243,7 +267,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         "task": task_name, "config": cfg.name, "kind": cfg.kind, "describe": cfg.describe(),
         "compressor": cfg.compressor or "", "params": dict(cfg.params),
         "bucket_cap_mb": cfg.bucket_cap_mb or "default", "n_buckets": len(buckets),
-        "steps": steps, "metric": task.metric, "final": curve[-1][task.metric],
+        "steps": step, "time_budget_s": time_budget, "metric": task.metric, "final": curve[-1][task.metric],
         "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s,
         "compute_s": fb_s + opt_s, "compression_s": codec["compression_s"],
         "task_info": task.info, "curve": curve,
@@ -265,11 +289,24 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
 
 
 def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], task: str, size: str,
-              configs: list[dict], steps: int, eval_every: int, seed: int) -> list[dict]:
-    """Entry point of a rank (``benchmarks.train:rank_main``): every config in turn."""
+              configs: list[dict], steps: int, eval_every: int, seed: int, equal_time: bool = True,
+              time_budget: float | None = None, max_steps_factor: int = 4) -> list[dict]:
+    """Entry point of a rank (``benchmarks.train:rank_main``): every config in turn.
+
+    With ``equal_time``, ``ddp`` (first in the list) runs ``steps`` steps and its
+    training time becomes every later config's time budget (``time_budget``
+    passes one in when ``ddp`` ran in an earlier launch), capped at
+    ``max_steps_factor * steps`` steps.
+    """
     results = []
     for spec in configs:
         cfg = C.BY_NAME[spec["name"]]
-        res = train_one(task, size, cfg, steps, eval_every, seed, rank, world_size, report)
+        budget = time_budget if (equal_time and cfg.name != "ddp") else None
+        res = train_one(task, size, cfg, steps, eval_every, seed, rank, world_size, report,
+                        time_budget=budget, max_steps=max_steps_factor * steps)
+        if cfg.name == "ddp" and equal_time:
+            t = torch.tensor([res["train_time_s"]], dtype=torch.float64)
+            dist.broadcast(t, 0)                 # rank 0's clock is the budget on every rank
+            time_budget = float(t.item())
         results.append(res if rank == 0 else {"config": cfg.name})
     return results
