@@ -137,6 +137,9 @@ def from_bytes(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]
 def rows_to_bytes(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """COO entries as rows ``[index bytes | value bytes]``: a ``(k, ib+vb)`` uint8 tensor."""
     k = indices.numel()
+    if k == 0:  # empty tensors may have stride 0 (e.g. from numpy), which .view(uint8) rejects
+        return torch.empty((0, indices.element_size() + values.element_size()), dtype=torch.uint8,
+                           device=values.device)
     ib = indices.reshape(-1).contiguous().view(torch.uint8).reshape(k, indices.element_size())
     vb = values.reshape(-1).contiguous().view(torch.uint8).reshape(k, values.element_size())
     return torch.cat([ib, vb], dim=1)

@@ -8,7 +8,7 @@ The predicted time of an algorithm on the slowest rank is
 
 * ``alpha`` seconds per message (latency), ``beta`` seconds per byte on the
   wire, both *measured once per process group* by :func:`calibrate`: a few
-  ``all_reduce`` and ``all_gather`` calls of 256 B .. 256 KiB, each rank's
+  ``all_reduce`` and ``all_gather`` calls of 256 B .. 1 MiB, each rank's
   best-of-3 time, the max over ranks (one small ``all_reduce``), then a
   least-squares fit of ``t = alpha*m + beta*b`` with ``m`` and ``b`` from the
   accounting model (ring all_reduce: ``m = 2(P-1)``, ``b = 2n(P-1)/P``;
@@ -109,7 +109,7 @@ def _best_of(fn, reps: int = 3) -> float:
     return best
 
 
-def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144)) -> CostModel:
+def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)) -> CostModel:
     """Measure alpha, beta, gamma, delta on ``group`` (a collective; identical result on all ranks)."""
     world = _comm.world(group)
     dev = _comm.comm_device(group)

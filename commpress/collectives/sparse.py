@@ -149,14 +149,17 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
     header = make_header(world, device, error=code, numel=numel if isinstance(numel, int) else -1,
                          dtype=vdtype, algorithm=algorithm, kind="sparse", config=config, count=k)
     idx = vals = None
+    owners: dict[str, torch.Tensor] = {}  # per-entry owner rank, computed once for the header
     if ok:
         idx = indices.to(wire_index_dtype(numel)).contiguous()
         vals = values.contiguous()
         if algorithm in ("split", "auto"):
-            header[HEADER_FIXED:HEADER_FIXED + world] = torch.bincount(
-                range_owner(idx, numel, world), minlength=world)
+            owners["split"] = range_owner(idx, numel, world)
+            header[HEADER_FIXED:HEADER_FIXED + world] = torch.bincount(owners["split"], minlength=world)
         if algorithm in ("hashed", "auto"):
-            header[HEADER_FIXED + world:HEADER_FIXED + 2 * world] = ops.hash_partition(idx, world)[0]
+            owners["hashed"] = ops.hash_owner(idx, world)
+            header[HEADER_FIXED + world:HEADER_FIXED + 2 * world] = torch.bincount(owners["hashed"],
+                                                                                   minlength=world)
         if algorithm == "auto":
             s = HEADER_FIXED + 4 * world
             header[s:s + SKETCH] = union_sketch(idx)
@@ -166,7 +169,11 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
     if algorithm == "auto":
         algorithm = costmodel.choose_sparse(table, numel, world, vals.element_size(),
                                             idx.element_size(), group=group)
-    out = _ALGOS[algorithm](idx, vals, numel, table, counts, group, stats)
+    if algorithm in ("split", "hashed"):
+        out = _partitioned(idx, vals, numel, table, counts, group, stats, hashed=algorithm == "hashed",
+                           owner=owners.get(algorithm))
+    else:
+        out = _ALGOS[algorithm](idx, vals, numel, table, counts, group, stats)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
     return out
@@ -214,6 +221,23 @@ def merge_sorted(idx_a, val_a, idx_b, val_b):
     keep = torch.ones_like(s_i, dtype=torch.bool)
     keep[1:][dup] = False
     return s_i[keep], summed[keep]
+
+
+def reduce_by_index(indices: torch.Tensor, values: torch.Tensor):
+    """Sum ``values`` of equal ``indices`` (ascending unique indices, sums in :func:`acc_dtype`).
+
+    Entries of one index are added in their input order (a stable sort keeps it).
+    """
+    s_i, order = torch.sort(indices, stable=True)
+    s_v = values[order].to(acc_dtype(values.dtype))
+    if s_i.numel() == 0:
+        return s_i, s_v
+    first = torch.ones_like(s_i, dtype=torch.bool)
+    first[1:] = s_i[1:] != s_i[:-1]
+    seg = torch.cumsum(first, 0) - 1
+    sums = torch.zeros(int(seg[-1]) + 1, dtype=s_v.dtype, device=s_v.device)
+    sums.index_add_(0, seg, s_v)
+    return s_i[first], sums
 
 
 def _swap(idx, vals, peer, group, stats, send=True, recv=True):
@@ -270,7 +294,7 @@ def _recursive_doubling(idx, vals, numel, table, counts, group, stats):
     return out
 
 
-def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool):
+def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, owner=None):
     world = len(counts)
     me = _comm.rank(group)
     dev = vals.device
@@ -280,18 +304,15 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool):
     base = HEADER_FIXED + (world if hashed else 0)
     cmat = table[:, base:base + world].tolist()  # cmat[src][owner]
     # 1. all-to-all: each entry to its owner
-    if hashed:
-        _, order = ops.hash_partition(idx, world)
-    else:
-        order = torch.sort(range_owner(idx, numel, world), stable=True)[1]
+    if owner is None:
+        owner = ops.hash_owner(idx, world) if hashed else range_owner(idx, numel, world)
+    order = torch.sort(owner, stable=True)[1]
     send = _comm.rows_to_bytes(idx[order], vals[order]).reshape(-1)
     recv = _comm.all_to_all_bytes(send, [c * w for c in cmat[me]], [cmat[r][me] * w for r in range(world)],
                                   group=group, stats=stats)
     r_idx, r_val = _comm.bytes_to_rows(recv, idx.dtype, vdtype)
     # 2. owner reduces (contributions in rank order)
-    uniq, inv = torch.unique(r_idx.to(torch.int64), sorted=True, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), dtype=acc_dtype(vdtype), device=dev)
-    sums.index_add_(0, inv, r_val.to(sums.dtype))
+    uniq, sums = reduce_by_index(r_idx.to(torch.int64), r_val)
     sums = sums.to(vdtype)
     u = uniq.numel()
     # 3. encode my partition: dense / bitmap / COO, whichever is smallest
