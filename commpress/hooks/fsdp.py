@@ -219,6 +219,7 @@ class FSDPState(HookState):
         self.units: dict[str, _Unit] = {name: _Unit(name, m) for name, m in units}
         self.generator = torch.Generator().manual_seed(0x5EED + 7919 * self.rank)
         self._step_open = False
+        self._reduced: set[str] = set()
 
     # -- configuration ------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -229,23 +230,31 @@ class FSDPState(HookState):
         return cfg
 
     # -- step accounting ----------------------------------------------------
-    def _touch_step(self) -> None:
-        """Open a step at the first collective of a backward pass; close it when backward ends."""
+    def _touch_step(self, unit: str) -> None:
+        """Open a step at the first reduce-scatter of a backward pass; close it when backward ends.
+
+        A unit reducing twice within one open step means the previous step was never
+        closed (no backward callback ran): it is closed then.
+        """
+        if self._step_open and unit in self._reduced:
+            self.end_step()
+        self._reduced.add(unit)
         if self._step_open:
             return
         self._step_open = True
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
         except RuntimeError:
-            # Not inside a backward pass (a collective called by hand): the step
-            # is closed by the next call to end_step().
-            log.debug("commpress.fsdp: collective outside backward; call state.end_step() yourself")
+            # Not inside a backward pass (a collective called by hand): the step is
+            # closed by the next reduce-scatter of the same unit or by end_step().
+            log.debug("commpress.fsdp: reduce-scatter outside backward; step closes lazily")
 
     def end_step(self) -> None:
         """Close the current step (called automatically at the end of each backward pass)."""
         if not self._step_open:
             return
         self._step_open = False
+        self._reduced.clear()
         self.step += 1
         # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
         self.stats.memory_overhead_bytes = tensor_bytes(list(getattr(self.codec, "_residuals", {}).values()))
@@ -286,7 +295,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         scale = _op_scale(op, world)
         m = output_tensor.numel()
         dense_bytes = m * input_tensor.element_size() * (world - 1)
-        st._touch_step()
+        st._touch_step(self.unit)
         with Timer() as t:
             if scale is None or world == 1:
                 log.warning("commpress.fsdp: reduce op %s not supported, unit %r goes dense", op, self.unit)
