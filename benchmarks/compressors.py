@@ -28,7 +28,7 @@ SUITE: list[tuple[str, str, dict[str, Any], bool]] = [
     ("threshold", "threshold", {"threshold": 2.576}, False),  # ~1% of a unit normal
     ("dgc 1%", "dgc", {"ratio": 0.01}, False),
     ("dgc 1% + EF", "dgc", {"ratio": 0.01}, True),
-    ("qsgd 7 levels", "qsgd", {"levels": 7}, False),
+    ("qsgd 7 levels, bucket 512", "qsgd", {"levels": 7, "bucket": 512}, False),
     ("terngrad", "terngrad", {}, False),
     ("signsgd", "signsgd", {"chunk": 1024}, False),
     ("signsgd + EF", "signsgd", {"chunk": 1024}, True),

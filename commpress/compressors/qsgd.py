@@ -35,34 +35,56 @@ def decode_codes(codes: torch.Tensor, scale: torch.Tensor, levels: int) -> torch
     return (codes.float() - levels) * (scale.float() / levels)
 
 
+def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """fp32 L2 norm of each ``bucket``-entry slice of the 1-D fp32 ``x`` (last one shorter)."""
+    n = x.numel()
+    full, rest = divmod(n, bucket)
+    norms = x.new_empty(full + (1 if rest else 0))
+    if full:
+        torch.linalg.vector_norm(x[: full * bucket].view(full, bucket), dim=1, out=norms[:full])
+    if rest:
+        norms[full] = torch.linalg.vector_norm(x[full * bucket:])
+    return norms
+
+
+def per_entry(values: torch.Tensor, bucket: int, n: int) -> torch.Tensor:
+    """Each bucket's value repeated for its entries (``n`` of them)."""
+    return values.repeat_interleave(bucket)[:n] if values.numel() > 1 else values
+
+
 @register("qsgd")
 class QSGD(Compressor):
-    """QSGD with ``levels`` quantization levels (1..127, default 7 → 4 bits per entry).
+    """QSGD with ``levels`` levels (1..127, default 7 → 4 bits per entry) and one L2
+    norm per ``bucket`` entries (default 512, as in the paper's experiments; a
+    bucket >= numel gives a single norm for the whole tensor).
 
-    Wire: the fp32 L2 norm (4 bytes) and one signed code per entry in
+    Wire: ``ceil(numel/bucket)`` fp32 norms and one signed code per entry in
     ``[-levels, levels]`` bit-packed with ``ceil(log2(2*levels+1))`` bits
     (:func:`commpress.ops.pack_bits`).  Stochastic rounding with noise derived
     from ``generator`` makes it unbiased; per-entry variance is at most
-    ``(norm/levels)**2 / 4``.  A non-finite entry makes the norm non-finite and
-    the whole decoded tensor NaN.
+    ``(norm/levels)**2 / 4``.  A non-finite entry makes its bucket's norm
+    non-finite and the decoded bucket NaN.
     """
 
     aggregation = "gather"
     unbiased = True
     deterministic = False
 
-    def __init__(self, levels: int = 7) -> None:
+    def __init__(self, levels: int = 7, bucket: int = 512) -> None:
         self.levels = check_int("levels", levels, 1, 127)
+        self.bucket = check_int("bucket", bucket, 1)
         self.bits = code_bits(self.levels)
 
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
         x = tensor.reshape(-1).float()
-        norm = torch.linalg.vector_norm(x).reshape(1)
-        codes = stochastic_codes(x, norm, self.levels, seed_from_generator(generator))
-        return self.make_payload(tensor, (ops.pack_bits(codes, self.bits), norm))
+        norms = bucket_norms(x, self.bucket)
+        scale = per_entry(norms, self.bucket, x.numel())
+        codes = stochastic_codes(x, scale, self.levels, seed_from_generator(generator))
+        return self.make_payload(tensor, (ops.pack_bits(codes, self.bits), norms))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        packed, norm = payload.tensors
+        packed, norms = payload.tensors
         codes = ops.unpack_bits(packed, self.bits, payload.numel)
-        return decode_codes(codes, norm, self.levels).to(payload.dtype).reshape(payload.shape)
+        scale = per_entry(norms, self.bucket, payload.numel)
+        return decode_codes(codes, scale, self.levels).to(payload.dtype).reshape(payload.shape)

@@ -21,7 +21,8 @@ CASES = [
     ("randomk", {"ratio": 0.3, "seed": 3}),
     ("threshold", {"threshold": 0.5}),
     ("dgc", {"ratio": 0.3}),
-    ("qsgd", {"levels": 5}),
+    ("qsgd", {"levels": 5, "bucket": 16}),
+    ("qsgd", {"levels": 2, "bucket": 10**9}),
     ("terngrad", {}),
     ("signsgd", {"chunk": 5}),
     ("blockquant", {}),
@@ -79,7 +80,7 @@ def nbytes_bound(c: commpress.Compressor, x: torch.Tensor, payload) -> tuple[int
     if name == "randomk":
         return k * it, True
     if name == "qsgd":
-        return math.ceil(n * c.bits / 8) + 4, True
+        return math.ceil(n * c.bits / 8) + 4 * math.ceil(n / c.bucket), True
     if name == "terngrad":
         return math.ceil(n / 4) + 4, True
     if name == "signsgd":

@@ -102,6 +102,7 @@ def test_non_finite_input_propagates(case, bad, dtype):
     ("qsgd", {"levels": 0}, "levels"),
     ("qsgd", {"levels": 128}, "levels"),
     ("qsgd", {"levels": 2.5}, "levels"),
+    ("qsgd", {"bucket": 0}, "bucket"),
     ("signsgd", {"chunk": 0}, "chunk"),
     ("blockquant", {"bits": 3}, "bits"),
     ("blockquant", {"bits": 16}, "bits"),
