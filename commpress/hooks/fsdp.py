@@ -130,9 +130,9 @@ def _all_to_all(buf: torch.Tensor, send: list[int], recv: list[int], group: dist
     return out, sum(n for r, n in enumerate(send) if r != me)
 
 
-def _to_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _to_bytes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def _from_bytes(buf: torch.Tensor, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
@@ -334,7 +334,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             reduced.append(recv.reshape(mine.shape))
         p = payloads[me]
         summed = Payload(tuple(reduced), p.shape, p.dtype, p.numel, dict(p.meta))
-        out.copy_(_decompress(st.codec, summed).reshape(-1))
+        out.copy_(st.codec.decompress(summed).reshape(-1))
         return sent, f"{st.compressor.name}:reduce_scatter"
 
     # -- "gather" / "sparse": compressed chunks to their owners, decoded there ---
@@ -354,14 +354,14 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         # decode structure (wire dtypes, fixed shapes, meta) of a chunk of m elements
         template = _template(st, chunks[me]) if dense else payloads[me]
         ntensors = len(template.tensors)
-        header = torch.zeros(world, 1 + ntensors, dtype=torch.int64)
-        for j, p in enumerate(payloads):
-            header[j, 0] = _MODE_DENSE if dense else _MODE_COMPRESSED
-            for i, t in enumerate(p.tensors):
-                header[j, 1 + i] = t.numel()
+        # per destination: mode, then the element count of each wire tensor (dense: one)
+        mode = _MODE_DENSE if dense else _MODE_COMPRESSED
+        rows = [[mode] + [t.numel() for t in p.tensors] + [0] * (ntensors - len(p.tensors))
+                for p in payloads]
+        header = torch.tensor(rows, dtype=torch.int64, device=inp.device)  # NCCL: device tensors
         headers, sent = _gather_rows(header, group)
-        headers = headers.view(world, world, -1)          # [source, destination, field]
-        blobs = [_to_bytes(p.tensors) for p in payloads]
+        headers = headers.cpu().view(world, world, -1)    # [source, destination, field]
+        blobs = [_to_bytes(p.tensors, inp.device) for p in payloads]
         send_sizes = [b.numel() for b in blobs]
         specs_from = []
         for src in range(world):
@@ -384,17 +384,13 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 acc += tensors[0].float()
             else:
                 payload = Payload(tuple(tensors), torch.Size([m]), inp.dtype, m, dict(template.meta))
-                acc += _decompress(st.codec, payload).reshape(-1).float()
+                acc += st.codec.decompress(payload).reshape(-1).float()
         acc.mul_(scale)
         out.copy_(acc)
         algorithm = f"{st.compressor.name}:{st.compressor.aggregation}_reduce_scatter"
         if any_dense:
             algorithm += "+nonfinite_dense"
         return sent + sent_a2a, algorithm
-
-
-def _decompress(codec: Compressor, payload: Payload) -> torch.Tensor:
-    return codec.decompress(payload)
 
 
 def _template(st: FSDPState, like: torch.Tensor) -> Payload:
@@ -441,7 +437,7 @@ class QuantizedAllGather(_CommBase, AllGather):
             else:
                 payload = comp.compress(input_tensor, step=st.step, key=(self.unit, "all_gather"),
                                         generator=st.generator)
-                rows, sent = _gather_rows(_to_bytes(payload.tensors), group)
+                rows, sent = _gather_rows(_to_bytes(payload.tensors, input_tensor.device), group)
                 specs = [(x.dtype, tuple(x.shape)) for x in payload.tensors]
                 out = output_tensor.view(world, n)
                 for r in range(world):
