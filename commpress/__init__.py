@@ -12,10 +12,10 @@ import logging
 
 from .compressors import Compressor, Payload, available, get, register
 from .feedback import ErrorFeedback
-from .hooks import fsdp
+from .hooks import ddp, fsdp
 
 logging.getLogger("commpress").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-__all__ = ["Compressor", "ErrorFeedback", "fsdp", "Payload", "available", "get", "register", "__version__"]
+__all__ = ["Compressor", "ErrorFeedback", "ddp", "fsdp", "Payload", "available", "get", "register", "__version__"]

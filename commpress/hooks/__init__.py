@@ -5,6 +5,6 @@
 
 from __future__ import annotations
 
-from . import common, fsdp
+from . import common, ddp, fsdp
 
-__all__ = ["common", "fsdp"]
+__all__ = ["common", "ddp", "fsdp"]
