@@ -44,11 +44,15 @@ What goes on the wire, per aggregation kind of the compressor
     not supported: FSDP's reduce-scatter input is a flat buffer of many
     parameters' shards; ``register`` raises ``ValueError``.
 
-Non-finite gradients: a rank whose input holds NaN/inf sends that step's chunks
-dense (mode flag 1, raw values in the reduce dtype), bypassing compression and
-error feedback, so the NaN/inf land exactly where default FSDP2 puts them (and
-``GradScaler`` skips the step), and the residuals are never fed a non-finite
-value.  Error feedback residuals live in the ``ErrorFeedback`` codec keyed by
+Non-finite gradients: on the owner path a rank whose input holds NaN/inf sends
+that step's chunks dense (mode flag 1, raw values in the reduce dtype), bypassing
+compression and error feedback, so the NaN/inf land exactly where default FSDP2
+puts them (and ``GradScaler`` skips the step), and that rank's residuals are left
+as they were.  On the "sum" path the NaN/inf travel in the cast values
+(identity, fp16, bf16) or by the compressor's own propagation contract, and
+``ErrorFeedback`` keeps a residual unchanged whenever its input is non-finite.
+Ranks whose own gradients are finite in an overflow step update their residuals
+as usual (finite values; no rank-to-rank agreement on skipping is exchanged).  Error feedback residuals live in the ``ErrorFeedback`` codec keyed by
 ``(unit name, chunk index)``; they are allocated at the first step and reused.
 
 The optional quantized all-gather (``all_gather="blockquant"``): each rank
