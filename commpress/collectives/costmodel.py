@@ -36,7 +36,7 @@ Sparse costs (``k_r`` counts, ``K = sum k_r``, ``n`` numel, ``w`` bytes per entr
 
 The union size ``u`` is estimated from a k-minimum-values sketch (the 16
 smallest hashes of each rank's indices, carried in the header): with ``v16``
-the 16th smallest distinct hash of the union, ``u ~ 15 * 2^31 / v16``; exact
+the 16th smallest distinct hash of the union, ``u ~ 15 * 2^32 / v16``; exact
 when the union has fewer than 16 entries; always clamped to
 ``max k <= u <= min(n, K)``.
 """

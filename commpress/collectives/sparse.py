@@ -55,8 +55,8 @@ log = logging.getLogger("commpress")
 
 SPARSE_ALGORITHMS = ("allgather", "recursive_doubling", "split", "hashed", "dense")
 
-#: sentinel of the union sketch (larger than every sketch hash)
-HASH_RANGE = 2**31 - 1
+#: ``hash_owner(i, HASH_RANGE)`` is the full 32-bit hash; also the sketch's padding sentinel
+HASH_RANGE = 2**32
 
 FMT_DENSE, FMT_BITMAP, FMT_COO = 0, 1, 2
 FORMATS = ("dense", "bitmap", "coo")
@@ -101,9 +101,22 @@ def hash_domain(numel: int, world: int, device: torch.device) -> tuple[torch.Ten
     return _DOMAINS[key]
 
 
-def union_sketch(indices: torch.Tensor) -> torch.Tensor:
-    """The ``SKETCH`` smallest hashes of ``indices`` (k-minimum-values sketch), padded with HASH_RANGE."""
-    h = ops.hash_owner(indices, HASH_RANGE).to(torch.int64)
+def _range_counts(idx: torch.Tensor, numel: int, world: int, owners: dict) -> torch.Tensor:
+    """Entries per ``"split"`` range; notes in ``owners`` whether ``idx`` is ascending (then
+    the entries are already grouped by owner) or else each entry's owner."""
+    ascending = idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all())
+    if ascending:
+        owners["split_sorted"] = True
+        b = torch.tensor(range_bounds(numel, world), dtype=idx.dtype, device=idx.device)
+        return torch.diff(torch.searchsorted(idx, b))
+    owners["split"] = range_owner(idx, numel, world)
+    return torch.bincount(owners["split"], minlength=world)
+
+
+def union_sketch(indices: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``SKETCH`` smallest 32-bit hashes of ``indices`` (k-minimum-values sketch), padded with
+    HASH_RANGE.  ``hashes`` may pass ``commpress.ops.hash_owner(indices, HASH_RANGE)`` already computed."""
+    h = (ops.hash_owner(indices, HASH_RANGE) if hashes is None else hashes).to(torch.int64)
     m = min(SKETCH, h.numel())
     small = torch.topk(h, m, largest=False).values if m else h[:0]
     small = torch.sort(small).values
@@ -154,15 +167,15 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
         idx = indices.to(wire_index_dtype(numel)).contiguous()
         vals = values.contiguous()
         if algorithm in ("split", "auto"):
-            owners["split"] = range_owner(idx, numel, world)
-            header[HEADER_FIXED:HEADER_FIXED + world] = torch.bincount(owners["split"], minlength=world)
+            header[HEADER_FIXED:HEADER_FIXED + world] = _range_counts(idx, numel, world, owners)
         if algorithm in ("hashed", "auto"):
-            owners["hashed"] = ops.hash_owner(idx, world)
+            h = ops.hash_owner(idx, HASH_RANGE)  # the full 32-bit hash, computed once
+            owners["hashed"] = h % world
             header[HEADER_FIXED + world:HEADER_FIXED + 2 * world] = torch.bincount(owners["hashed"],
                                                                                    minlength=world)
-        if algorithm == "auto":
-            s = HEADER_FIXED + 4 * world
-            header[s:s + SKETCH] = union_sketch(idx)
+            if algorithm == "auto":
+                s = HEADER_FIXED + 4 * world
+                header[s:s + SKETCH] = union_sketch(idx, h)
     table = exchange_header(header, group=group, stats=stats, local_message=msg, what="sparse_allreduce")
 
     counts = table[:, 6].tolist()
@@ -171,7 +184,7 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
                                             idx.element_size(), group=group)
     if algorithm in ("split", "hashed"):
         out = _partitioned(idx, vals, numel, table, counts, group, stats, hashed=algorithm == "hashed",
-                           owner=owners.get(algorithm))
+                           owner=owners.get(algorithm), grouped=owners.get("split_sorted", False))
     else:
         out = _ALGOS[algorithm](idx, vals, numel, table, counts, group, stats)
     if stats is not None:
@@ -240,6 +253,16 @@ def reduce_by_index(indices: torch.Tensor, values: torch.Tensor):
     return s_i[first], sums
 
 
+def _reduce_dense(pos: torch.Tensor, values: torch.Tensor, span: int):
+    """As :func:`reduce_by_index` for positions in ``[0, span)``, through a dense scratch."""
+    scratch = torch.zeros(span, dtype=acc_dtype(values.dtype), device=values.device)
+    scratch.index_add_(0, pos, values.to(scratch.dtype))
+    touched = torch.zeros(span, dtype=torch.bool, device=values.device)
+    touched[pos] = True
+    uniq = touched.nonzero().reshape(-1)
+    return uniq, scratch[uniq]
+
+
 def _swap(idx, vals, peer, group, stats, send=True, recv=True):
     """Send my set to ``peer`` and/or receive its set (a size message, then the entries)."""
     dev = vals.device
@@ -294,7 +317,7 @@ def _recursive_doubling(idx, vals, numel, table, counts, group, stats):
     return out
 
 
-def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, owner=None):
+def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, owner=None, grouped=False):
     world = len(counts)
     me = _comm.rank(group)
     dev = vals.device
@@ -304,19 +327,29 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, ow
     base = HEADER_FIXED + (world if hashed else 0)
     cmat = table[:, base:base + world].tolist()  # cmat[src][owner]
     # 1. all-to-all: each entry to its owner
-    if owner is None:
-        owner = ops.hash_owner(idx, world) if hashed else range_owner(idx, numel, world)
-    order = torch.sort(owner, stable=True)[1]
-    send = _comm.rows_to_bytes(idx[order], vals[order]).reshape(-1)
+    if hashed:
+        order = ops.hash_partition(idx, world)[1]
+    elif grouped or (idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all())):
+        order = None  # ascending indices are already grouped by range
+    else:
+        owner = range_owner(idx, numel, world) if owner is None else owner
+        order = torch.sort(owner, stable=True)[1]
+    send = (_comm.rows_to_bytes(idx, vals) if order is None
+            else _comm.rows_to_bytes(idx[order], vals[order])).reshape(-1)
     recv = _comm.all_to_all_bytes(send, [c * w for c in cmat[me]], [cmat[r][me] * w for r in range(world)],
                                   group=group, stats=stats)
     r_idx, r_val = _comm.bytes_to_rows(recv, idx.dtype, vdtype)
     # 2. owner reduces (contributions in rank order)
-    uniq, sums = reduce_by_index(r_idx.to(torch.int64), r_val)
+    bounds = range_bounds(numel, world)
+    lo, span = (0, numel) if hashed else (bounds[me], bounds[me + 1] - bounds[me])
+    if r_idx.numel() * 32 >= span:  # dense scratch over my range: cheaper than sorting
+        uniq, sums = _reduce_dense(r_idx.to(torch.int64) - lo, r_val, span)
+        uniq += lo
+    else:
+        uniq, sums = reduce_by_index(r_idx.to(torch.int64), r_val)
     sums = sums.to(vdtype)
     u = uniq.numel()
     # 3. encode my partition: dense / bitmap / COO, whichever is smallest
-    bounds = range_bounds(numel, world)
     dom_len = (bounds[me + 1] - bounds[me]) if not hashed else None
     coo_bytes = u * w
     domain = None

@@ -109,6 +109,8 @@ def check(world, cases, algos=ALGOS):
 def test_named_patterns_every_algorithm(world):
     numel = 37 if world % 2 else 64
     cases = [(numel, sup, "float32", "int64") for _, sup in named_patterns(world, numel, seed=world * 100 + numel)]
+    rng = random.Random(world)  # very sparse in a large space: the owners' sort-based reduce
+    cases.append((4096, [sorted(rng.sample(range(4096), 5)) + [4095] for _ in range(world)], "float32", "int32"))
     cases += [(40, named_patterns(world, 40, 7)[2][1], d, i)
               for d, i in (("float16", "int32"), ("bfloat16", "int64"), ("float64", "int32"))]
     check(world, cases)
@@ -167,3 +169,22 @@ def test_allgather_bytes_follow_the_documented_model():
         assert ag["bytes_received"] == ag["bytes_sent"]
         dense = res[r][0]["dense"][2]
         assert dense["bytes_sent"] == header + (2 * 64 * 4 * 3) // 4  # ring all_reduce
+
+
+def test_reduce_helpers_sum_in_input_order():
+    from commpress.collectives.sparse import _reduce_dense, merge_sorted, reduce_by_index
+
+    idx = torch.tensor([5, 1, 5, 9, 1, 5])
+    vals = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    u, s = reduce_by_index(idx, vals)
+    assert u.tolist() == [1, 5, 9] and s.tolist() == [7.0, 10.0, 4.0]
+    u2, s2 = _reduce_dense(idx, vals, 10)
+    assert u2.tolist() == [1, 5, 9] and s2.tolist() == [7.0, 10.0, 4.0]
+    # fp16 sums are taken in fp32: 2048 + 1 + 1 is 2050 (fp16 would round 2049 down to 2048 twice)
+    _, s3 = reduce_by_index(torch.tensor([0, 0, 0]), torch.tensor([2048.0, 1.0, 1.0], dtype=torch.float16))
+    assert s3.dtype == torch.float32 and s3.tolist() == [2050.0]
+    i, v = merge_sorted(torch.tensor([1, 4, 7]), torch.tensor([1.0, 2.0, 3.0]),
+                        torch.tensor([0, 4, 8]), torch.tensor([10.0, 20.0, 30.0]))
+    assert i.tolist() == [0, 1, 4, 7, 8] and v.tolist() == [10.0, 1.0, 22.0, 3.0, 30.0]
+    i, v = merge_sorted(torch.tensor([], dtype=torch.int64), torch.tensor([]), torch.tensor([3]), torch.tensor([1.0]))
+    assert i.tolist() == [3] and v.tolist() == [1.0]
