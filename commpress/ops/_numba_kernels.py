@@ -211,6 +211,28 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
 
 
 @njit(**_SOPTS)
+def _kth_largest(keys, k):
+    """The ``k``-th largest of non-negative int32 ``keys`` (1 <= k <= size): two 16-bit radix passes."""
+    hist = np.zeros(1 << 16, np.int64)
+    for j in range(keys.size):
+        hist[keys[j] >> 16] += 1
+    above = 0
+    hb = (1 << 16) - 1
+    while above + hist[hb] < k:
+        above += hist[hb]
+        hb -= 1
+    hist[:] = 0
+    for j in range(keys.size):
+        if (keys[j] >> 16) == hb:
+            hist[keys[j] & 0xFFFF] += 1
+    lb = (1 << 16) - 1
+    while above + hist[lb] < k:
+        above += hist[lb]
+        lb -= 1
+    return np.int32((hb << 16) | lb)
+
+
+@njit(**_SOPTS)
 def topk_finish(cidx, cval, k, res, zero_res):
     """Exact top-``k`` among candidates (index order): largest keys, ties to lower index.
 
@@ -219,10 +241,7 @@ def topk_finish(cidx, cval, k, res, zero_res):
     """
     c = cidx.size
     keys = cval & _ABS
-    if k < c:
-        kth = np.partition(keys, c - k)[c - k]
-    else:
-        kth = np.int32(0)
+    kth = _kth_largest(keys, k) if 0 < k < c else np.int32(0)
     above = 0
     for j in range(c):
         if keys[j] > kth:
