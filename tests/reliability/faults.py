@@ -33,8 +33,10 @@ def die(how: str) -> None:
     raise ValueError(f"how must be 'exit' or 'sigkill', got {how!r}")
 
 
-def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int = 1) -> dict[str, int]:
-    """Replace ``obj.attr`` so that its ``nth`` call (1-based) misbehaves.
+def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int = 1,
+           every: bool = False) -> dict[str, int]:
+    """Replace ``obj.attr`` so that its ``nth`` call (1-based) misbehaves (with ``every``:
+    the ``nth`` and all later calls).
 
     ``action``: ``"exit"`` / ``"sigkill"`` (die *before* the call: the peers are
     left waiting inside the collective), ``"raise"`` (raise
@@ -47,7 +49,7 @@ def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int 
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         seen["calls"] += 1
-        if seen["calls"] != nth:
+        if seen["calls"] < nth or (seen["calls"] > nth and not every):
             return original(*args, **kwargs)
         if action in ("exit", "sigkill"):
             die(action)
@@ -58,6 +60,17 @@ def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(obj, attr, wrapper)
     return seen
+
+
+def torch_kernels() -> None:
+    """Use commpress's pure-torch kernels in this process (``COMMPRESS_BACKEND=torch``).
+
+    The multi-process tests are about protocols, not kernels (the numba kernels
+    are proven bitwise equal to the torch reference in ``tests/ops``); the torch
+    backend needs no JIT compilation, which on a loaded machine can keep one rank
+    out of a collective for minutes.
+    """
+    os.environ["COMMPRESS_BACKEND"] = "torch"
 
 
 def rss_bytes() -> int:

@@ -23,7 +23,7 @@ from torch import nn
 import commpress
 from commpress.collectives import CollectiveInputError
 from distributed import RankError, run
-from faults import EXIT_CODE, InjectedFault, inject
+from faults import EXIT_CODE, InjectedFault, inject, torch_kernels
 
 pytestmark = pytest.mark.reliability
 
@@ -45,7 +45,7 @@ def _short_group():
     The faults do not depend on the kernel backend; the pure-torch one needs no
     JIT warm-up, so no rank is late into a collective for that reason.
     """
-    os.environ["COMMPRESS_BACKEND"] = "torch"
+    torch_kernels()
     dist.barrier()
     return dist.new_group(timeout=datetime.timedelta(seconds=PG_TIMEOUT))
 
