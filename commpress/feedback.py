@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .compressors._sparse import SparseCompressor
-from .compressors._util import decode_keyed, encode_keyed
+from .compressors._util import all_finite, decode_keyed, encode_keyed
 from .compressors.base import Compressor, Payload
 
 log = logging.getLogger("commpress")
@@ -67,7 +67,7 @@ class ErrorFeedback(Compressor):
 
     def update(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """``residual(key) = compensated - sent`` in place, unless either is non-finite."""
-        if not (bool(torch.isfinite(compensated).all()) and bool(torch.isfinite(sent).all())):
+        if not (all_finite(compensated) and all_finite(sent)):
             log.debug("error feedback: non-finite values for key %r; residual kept", key)
             return
         r = self._buffer(key, compensated)
@@ -78,7 +78,7 @@ class ErrorFeedback(Compressor):
         c = self.compensate(tensor, key)
         inner = self.compressor
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
-            if bool(torch.isfinite(c).all()):
+            if all_finite(c):
                 c = c.contiguous()
                 return inner.compress_with_residual(c, self._buffer(key, c), step=step, key=key)
             log.debug("error feedback: non-finite values for key %r; residual kept", key)

@@ -92,6 +92,14 @@ def propagate_nonfinite(values: torch.Tensor, flat: torch.Tensor) -> torch.Tenso
     return values + (total - total).to(values.dtype)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when ``t`` holds no NaN/inf: one ``aminmax`` pass (NaN propagates into both)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 # ---------------------------------------------------------------- keyed state
 _KEY_TYPES = (int, str, float, bool, type(None))
 
@@ -139,6 +147,6 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "check_ratio", "check_int", "check_nonneg", "num_keep", "stable_hash", "mix_seed",
-    "seed_from_generator", "uniform", "propagate_nonfinite", "encode_keyed", "decode_keyed",
+    "seed_from_generator", "uniform", "propagate_nonfinite", "all_finite", "encode_keyed", "decode_keyed",
     "ceil_div",
 ]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._util import check_int, decode_keyed, encode_keyed, stable_hash
+from ._util import all_finite, check_int, decode_keyed, encode_keyed, stable_hash
 from .base import Compressor, Payload, register
 
 log = logging.getLogger("commpress")
@@ -112,7 +112,7 @@ class PowerSGD(Compressor):
         return (p_hat @ q_sum.t()).reshape(shape).to(dtype)
 
     def _store(self, key: Any, q: torch.Tensor) -> None:
-        if not bool(torch.isfinite(q).all()):
+        if not all_finite(q):
             log.debug("powersgd: non-finite Q for key %r; warm start kept", key)
             return
         old = self._warm.get(key)
