@@ -367,8 +367,9 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
         try:
             for r in range(world_size):
                 cmd = cluster.rank_command(r) + [sys.executable, "-m", "benchmarks.netem", spec_path, str(r)]
+                # own process group: `ip netns exec` may fork, so the whole group is killed at the end
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=base_env, cwd=str(REPO_ROOT))
+                                     env=base_env, cwd=str(REPO_ROOT), start_new_session=True)
                 procs.append(p)
                 tails[r] = deque(maxlen=40)
                 t = threading.Thread(target=_reader, args=(r, p.stdout, tails[r], on_message, echo), daemon=True)
@@ -400,8 +401,10 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
             return out
         finally:
             for p in procs:
-                if p.poll() is None:
-                    p.kill()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)   # the rank and anything `ip netns exec` forked
+                except (ProcessLookupError, PermissionError):
+                    pass
             for p in procs:
                 try:
                     p.wait(timeout=10)

@@ -36,7 +36,7 @@ log = logging.getLogger("commpress.benchmarks")
 ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 
-DEFAULT_STEPS = {"full": {"digits": 150, "lm": 50}, "quick": {"digits": 60, "lm": 30}}
+DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 60, "lm": 30}}
 
 
 def _parse_steps(text: str | None, quick: bool) -> dict[str, int]:
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs root + iproute2; loopback otherwise)")
     p.add_argument("--configs", default=None, help="comma-separated config names or groups (default: all; quick: quick)")
     p.add_argument("--tasks", default="digits,lm", help="comma-separated tasks: digits, lm")
-    p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=50; "
+    p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=40; "
                    "quick: digits=60,lm=30)")
     p.add_argument("--equal-steps", action="store_true",
                    help="every config runs --steps steps (default: ddp runs --steps steps and every other config "
@@ -286,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                  else sys.argv[1:]))
     cores = os.cpu_count()
+    meta_git = _git_state()
     rows_by_task: dict[str, list[dict]] = {}
     meta: dict[str, Any] = {"command": command.strip(), "world_size": args.world_size, "net": args.net,
-                            "equal_time": not args.equal_steps,
+                            "equal_time": not args.equal_steps, "git": meta_git,
                             "cpu_cores": cores, "steps": steps, "size": size, "seed": args.seed}
     with make_cluster(args.world_size, args.net) as cluster:
         meta["network"] = cluster.describe()
@@ -308,6 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     print(f"\nresults in {out}/", file=sys.stderr)
     return 0 if not any("error" in r for rows in rows_by_task.values() for r in rows) else 1
+
+
+def _git_state() -> str:
+    """``<commit>`` plus ``+dirty`` when commpress/ has uncommitted changes (best effort)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "commpress"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def finalize(out: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> str:
@@ -338,13 +354,13 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 def render_summary(rows_by_task: dict[str, list[dict]], meta: dict[str, Any], pngs: list[Path]) -> str:
     """The markdown the README embeds: command, setting, one table per task, the bars."""
-    lines = [f"Command: `{meta['command']}`", "",
+    lines = [f"Command: `{meta['command']}` (commit {meta.get('git', '?')})", "",
              f"Setting: {meta['world_size']} ranks (gloo, 1 torch thread each) on a {meta['cpu_cores']}-core machine"
              + (" — oversubscribed, so compute per step is inflated and noisy" if (meta["cpu_cores"] or 0)
                 < meta["world_size"] else "") + f"; network: {meta['network']}.",
              "Bytes are per rank per step, counted with commpress's convention (ring all_reduce of n bytes "
              "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); ratio = dense bytes / bytes sent; payload = what one rank's compressed gradient is by the compressor's contract (Payload.nbytes, dense parts at 4 bytes/element). Step time is the median training step; "
-             "compute = forward+backward without sync + optimizer step; codec = local compress+decompress "
+             "bytes = median over steps; one-time costs (JIT compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; compute = forward+backward without sync + optimizer step; codec = local compress+decompress "
              "of the gradient buckets; comm = the rest. Time to target = training seconds until the metric "
              "reaches the DDP run's final value (accuracy -0.5 points, loss +2%)."
              + (" Equal-time rule: DDP runs the given steps; every other config trains for the same training "
