@@ -145,14 +145,26 @@ def _compact_piece(seg, base, lo_key, hi_key, idx_out, val_out, pos, flags):
 
 
 @njit(inline="always", **_SOPTS)
-def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, flags):
-    """:func:`_compact_piece` over ``[a, b)`` piece by piece; ``copy``: also res[a:b] = xi[a:b]."""
+def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, zero, flags):
+    """:func:`_compact_piece` over ``[a, b)`` piece by piece, while each piece is in cache:
+    ``copy``: res[piece] = xi[piece] first; ``zero``: then zero res at the selected entries
+    (needs ``res`` distinct from ``xi``, or a final pass)."""
+    cap = idx_out.size
     for p0 in range(a, b, _PIECE):
         p1 = min(p0 + _PIECE, b)
         seg = xi[p0:p1]
         if copy:
-            res[p0:p1] = seg  # while the piece is in cache
+            res[p0:p1] = seg
+        before = pos
         pos = _compact_piece(seg, p0, lo_key, hi_key, idx_out, val_out, pos, flags)
+        if zero:
+            if pos <= cap:
+                for t in range(before, pos):
+                    res[idx_out[t]] = 0
+            else:  # slot full: zero from the flags
+                for t in range(p1 - p0):
+                    if flags[t]:
+                        res[p0 + t] = 0
     return pos
 
 
@@ -175,9 +187,9 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
         flags = np.empty(_PIECE, np.uint8)
         io = ibuf[c * cap:(c + 1) * cap]
         vo = vbuf[c * cap:(c + 1) * cap]
-        cnt = _compact_range(xi, a, b, lo_key, hi_key, io, vo, 0, res, mode >= 2, flags)
+        cnt = _compact_range(xi, a, b, lo_key, hi_key, io, vo, 0, res, mode >= 2, mode == 2, flags)
         counts[c] = cnt
-        if cnt <= cap and (mode == 1 or mode == 2):
+        if cnt <= cap and mode == 1:  # in place: zero only once the chunk's values are safe
             for t in range(cnt):
                 res[io[t]] = 0
     return counts
@@ -204,8 +216,8 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
             b = min(a + clen, n)
             flags = np.empty(_PIECE, np.uint8)
             io = idx_out[o:o + cnt]
-            _compact_range(xi, a, b, lo_key, hi_key, io, val_out[o:o + cnt], 0, res, False, flags)
-            if mode == 1 or mode == 2:
+            _compact_range(xi, a, b, lo_key, hi_key, io, val_out[o:o + cnt], 0, res, False, False, flags)
+            if mode == 1:  # (mode 2 zeroed during the first pass)
                 for t in range(cnt):
                     res[io[t]] = 0
 
@@ -263,6 +275,13 @@ def topk_finish(cidx, cval, k, res, zero_res):
             if zero_res:
                 res[cidx[j]] = 0
     return idx, val
+
+
+@njit(**_OPTS)
+def zero_at(res, idx):
+    """res[idx[j]] = 0 for every j (in parallel)."""
+    for j in prange(idx.size):
+        res[idx[j]] = 0
 
 
 @njit(**_OPTS)

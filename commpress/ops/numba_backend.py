@@ -205,7 +205,9 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
         cidx, cval = _select(xi, lo, _MAX_KEY, res, mode, frac)
         if cidx.size >= k:
             break
-    idx_np, val_np = K.topk_finish(cidx, cval, k, res, fused is not None)
+    idx_np, val_np = K.topk_finish(cidx, cval, k, res, False)
+    if fused is not None:
+        K.zero_at(res, idx_np)
     return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
 
 

@@ -46,11 +46,13 @@ def _run_selection(op, x, arg, dtype=torch.float32):
 
 
 # ---------------------------------------------------------------- selection
+@settings(max_examples=25)
 @given(a=f32_arrays(), thr=st.one_of(st.floats(width=32), st.floats(), st.sampled_from([0.0, -0.0, 1.0])))
 def test_threshold_compact(a, thr):
     _run_selection("threshold_compact", tensor(a), thr)
 
 
+@settings(max_examples=25)
 @given(a=f32_arrays(), frac=st.floats(0, 1.2), extra=st.integers(-2, 2))
 def test_topk_compact(a, frac, extra):
     k = max(0, int(frac * a.size) + extra)
@@ -75,12 +77,14 @@ def test_topk_many_ties_and_fallback():
     _run_selection("topk_compact", torch.linspace(-1, 1, 999), 10)
 
 
+@settings(max_examples=25)
 @given(a=f32_arrays())
 def test_magnitude_key(a):
     x = tensor(a)
     assert_bitwise(nb.magnitude_key(x), R.magnitude_key(x))
 
 
+@settings(max_examples=25)
 @given(n=st.integers(0, 200), data=st.data())
 def test_scatter_add(n, data):
     m = data.draw(st.integers(0, 3 * n)) if n else 0
@@ -104,12 +108,14 @@ def test_scatter_add_out_of_range():
 
 
 # ---------------------------------------------------------------- random numbers and hashing
+@settings(max_examples=25)
 @given(seed=st.integers(0, 2**64 - 1), start=st.integers(0, 2**34), n=st.integers(0, 300))
 def test_counter_rng_same_seed_same_bits(seed, start, n):
     assert_bitwise(nb.counter_bits(seed, start, n), R.counter_bits(seed, start, n))
     assert_bitwise(nb.counter_uniform(seed, start, n), R.counter_uniform(seed, start, n))
 
 
+@settings(max_examples=25)
 @given(idx=st.lists(st.integers(-2**40, 2**40)), world=st.integers(1, 9),
        dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_hash_owner_and_partition(idx, world, dtype):
@@ -121,6 +127,7 @@ def test_hash_owner_and_partition(idx, world, dtype):
 
 
 # ---------------------------------------------------------------- bit packing
+@settings(max_examples=25)
 @given(bits=st.integers(1, 8), data=st.data())
 def test_pack_unpack_bits(bits, data):
     n = data.draw(st.integers(0, 300))
@@ -136,6 +143,7 @@ def test_pack_unpack_bits(bits, data):
     assert_bitwise(nb.unpack_bits(noise, bits, n), R.unpack_bits(noise, bits, n), "unpack noise")
 
 
+@settings(max_examples=25)
 @given(numel=st.integers(0, 300), data=st.data())
 def test_bitmap(numel, data):
     idx = torch.tensor(data.draw(st.lists(st.integers(0, max(numel - 1, 0)), max_size=numel if numel else 0)),
@@ -156,6 +164,7 @@ def test_bitmap_out_of_range():
 
 
 # ---------------------------------------------------------------- quantization
+@settings(max_examples=25)
 @given(a=f32_arrays(), bits=st.integers(1, 8), block=st.integers(1, 70), stochastic=st.booleans(),
        seed=st.integers(0, 2**64 - 1))
 def test_block_quantize(a, bits, block, stochastic, seed):
@@ -174,6 +183,7 @@ def test_block_quantize_other_dtypes(a, bits, block, dtype):
     assert_bitwise(nb.block_quantize(x, bits, block), R.block_quantize(x, bits, block))
 
 
+@settings(max_examples=25)
 @given(bits=st.integers(1, 8), block=st.integers(1, 70), data=st.data())
 def test_block_dequantize(bits, block, data):
     n = data.draw(st.integers(0, 300))
@@ -192,6 +202,7 @@ def test_block_dequantize(bits, block, data):
         assert_bitwise(r2, r1, f"out accumulate={acc}")
 
 
+@settings(max_examples=25)
 @given(a=f32_arrays(), chunk=st.integers(1, 100), data=st.data())
 def test_sign_pack_unpack(a, chunk, data):
     x = tensor(a)
