@@ -24,10 +24,9 @@ def stochastic_codes(x: torch.Tensor, scale: torch.Tensor, levels: int, seed: in
     codes that decode (``code * scale``) to NaN, so non-finite input propagates.
     """
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = x.abs().div_(safe).mul_(float(levels))
-    q = torch.floor(y.add_(uniform(seed, x.numel(), x.device))).clamp_(0, levels).nan_to_num_(0.0)
-    q = torch.where(x < 0, -q, q).add_(levels)
-    return q.to(torch.uint8)
+    y = x.abs().mul_(float(levels) / safe)  # a non-finite scale: 0 or NaN here
+    y.add_(uniform(seed, x.numel(), x.device)).floor_().clamp_(0, levels).nan_to_num_(0.0)
+    return y.copysign_(x).add_(levels).to(torch.uint8)
 
 
 def decode_codes(codes: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
