@@ -366,7 +366,7 @@ class HookState:
         """Restore :meth:`state_dict`.
 
         Raises ``ValueError`` when the checkpoint is not a commpress hook state,
-        comes from another world size, or another configuration (compressor,
+        comes from another world size or another rank, or another configuration (compressor,
         parameters, options, model parameter shapes) — naming what differs.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -378,6 +378,11 @@ class HookState:
                 f"checkpoint was saved with world size {state['world_size']}, this run has "
                 f"{self.world_size}: error-feedback residuals are per rank and cannot be "
                 "re-split; start the new world size without loading the hook state"
+            )
+        if int(state.get("rank", self.rank)) != self.rank:
+            raise ValueError(
+                f"checkpoint was saved by rank {state['rank']}, this is rank {self.rank}: "
+                "error-feedback residuals and noise generators are per rank; load each rank's own file"
             )
         saved = json.loads(state["config"])
         mine = json.loads(canonical_json(self.config()))
