@@ -30,29 +30,23 @@ def random_indices(seed64: int, numel: int, k: int, device: torch.device) -> tor
     if k == 0:
         return torch.zeros(0, dtype=index_dtype(numel), device=device)
     drawn = torch.zeros(0, dtype=torch.int64)
-    start = 0
+    start, need = 0, k
     while True:
-        m = k - _distinct_count(drawn) + k // 8 + 16
+        m = need + need // 8 + 16
         bits = ops.counter_bits(seed64, 2 * start, 2 * m).reshape(m, 2)
-        draws = ((bits[:, 0] << 24) | bits[:, 1]) % numel
-        drawn = torch.cat([drawn, draws])
+        drawn = torch.cat([drawn, ((bits[:, 0] << 24) | bits[:, 1]) % numel])
         start += m
-        firsts = _first_occurrences(drawn)
-        if firsts.numel() >= k:
-            chosen = drawn[firsts[:k]]
-            return torch.sort(chosen).values.to(index_dtype(numel)).to(device)
-
-
-def _first_occurrences(x: torch.Tensor) -> torch.Tensor:
-    """Positions (ascending) of the first occurrence of each distinct value of ``x``."""
-    s, perm = torch.sort(x, stable=True)
-    first = torch.ones_like(s, dtype=torch.bool)
-    first[1:] = s[1:] != s[:-1]
-    return torch.sort(perm[first]).values
-
-
-def _distinct_count(x: torch.Tensor) -> int:
-    return int(torch.unique(x).numel()) if x.numel() else 0
+        values, positions = torch.sort(drawn, stable=True)
+        first = torch.ones_like(values, dtype=torch.bool)
+        first[1:] = values[1:] != values[:-1]
+        distinct = int(first.sum())
+        if distinct >= k:
+            values, positions = values[first], positions[first]  # distinct, ascending
+            if distinct > k:  # keep the k whose first draw came earliest
+                kth = torch.kthvalue(positions, k).values
+                values = values[positions <= kth]
+            return values.to(index_dtype(numel)).to(device)
+        need = k - distinct
 
 
 @register("randomk")
