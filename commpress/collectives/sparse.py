@@ -104,7 +104,8 @@ def hash_domain(numel: int, world: int, device: torch.device) -> tuple[torch.Ten
 def _range_counts(idx: torch.Tensor, numel: int, world: int, owners: dict) -> torch.Tensor:
     """Entries per ``"split"`` range; notes in ``owners`` whether ``idx`` is ascending (then
     the entries are already grouped by owner) or else each entry's owner."""
-    ascending = idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all())
+    # the ascending check is a host sync: only on CPU, where it is cheap (on CUDA: bincount)
+    ascending = idx.device.type == "cpu" and (idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()))
     if ascending:
         owners["split_sorted"] = True
         b = torch.tensor(range_bounds(numel, world), dtype=idx.dtype, device=idx.device)

@@ -27,9 +27,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64}
 
 
-def _values(idx: list[int], rank: int) -> list[float]:
-    # small integers: sums are exact in every dtype (|sum| <= 4 * 16 < 256)
-    return [float(((i * 7 + rank * 3) % 31) - 15) for i in idx]
+def _values(idx: list[int], rank: int, frac: bool = False) -> list[float]:
+    # small integers: sums are exact in every dtype (|sum| <= 4 * 16 < 256).  With ``frac`` a
+    # fraction is added so that the order of the additions shows in the bits (cross-rank check).
+    return [float(((i * 7 + rank * 3) % 31) - 15) + (((i * 2654435761 + rank) % 1000) / 997.0 if frac else 0.0)
+            for i in idx]
 
 
 def named_patterns(world: int, numel: int, seed: int) -> list[tuple[str, list[list[int]]]]:
@@ -59,9 +61,9 @@ def sparse_worker(rank, world, cases, algos):
     torch_backend()
     set_cost_model(5e-5, 1e-9)
     results = []
-    for numel, supports, dname, iname in cases:
+    for numel, supports, dname, iname, *frac in cases:
         idx = torch.tensor(supports[rank], dtype=getattr(torch, iname))
-        vals = torch.tensor(_values(supports[rank], rank), dtype=DTYPES[dname])
+        vals = torch.tensor(_values(supports[rank], rank, bool(frac and frac[0])), dtype=DTYPES[dname])
         # not sorted on input: shuffle this rank's entries (the contract only asks for unique)
         perm = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(rank))
         idx, vals = idx[perm], vals[perm]
@@ -76,20 +78,24 @@ def sparse_worker(rank, world, cases, algos):
     return results
 
 
-def _dense_sum(numel, supports):
+def _dense_sum(numel, supports, frac=False):
     out = np.zeros(numel, dtype=np.float64)
     for r, s in enumerate(supports):
-        out[np.array(s, dtype=np.int64)] += np.array(_values(s, r), dtype=np.float64)
+        out[np.array(s, dtype=np.int64)] += np.array(_values(s, r, frac), dtype=np.float64)
     return out.astype(np.float32)
 
 
 def check(world, cases, algos=ALGOS):
     results = run(sparse_worker, world, cases, algos, timeout=120)
-    for c, (numel, supports, dname, _) in enumerate(cases):
-        expect = _dense_sum(numel, supports)
+    for c, (numel, supports, dname, _, *frac) in enumerate(cases):
+        frac = bool(frac and frac[0])
+        expect = _dense_sum(numel, supports, frac)
         for alg in algos:
             got = np.frombuffer(results[0][c][alg][0], dtype=np.float32)
-            assert np.array_equal(got, expect), (world, alg, c, dname)
+            if frac:  # rounding depends on the order of additions: close, and bitwise equal across ranks
+                assert np.allclose(got, expect, rtol=1e-5, atol=1e-5), (world, alg, c, dname)
+            else:
+                assert np.array_equal(got, expect), (world, alg, c, dname)
             raw0 = results[0][c][alg][1]
             for r in range(1, world):  # bitwise identical on every rank
                 assert results[r][c][alg][1] == raw0, (world, alg, c, r)
@@ -109,6 +115,9 @@ def check(world, cases, algos=ALGOS):
 def test_named_patterns_every_algorithm(world):
     numel = 37 if world % 2 else 64
     cases = [(numel, sup, "float32", "int64") for _, sup in named_patterns(world, numel, seed=world * 100 + numel)]
+    # fractional values: the bits depend on the order of additions, so this checks that every
+    # rank adds in the same order (identical / partial overlap, full support)
+    cases += [(numel, named_patterns(world, numel, 11)[j][1], "float32", "int64", True) for j in (1, 2, 5)]
     rng = random.Random(world)  # very sparse in a large space: the owners' sort-based reduce
     cases.append((4096, [sorted(rng.sample(range(4096), 5)) + [4095] for _ in range(world)], "float32", "int32"))
     cases += [(40, named_patterns(world, 40, 7)[2][1], d, i)
