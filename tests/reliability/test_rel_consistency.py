@@ -13,53 +13,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 import torch
-from torch import nn
 
 import commpress
 import commpress.collectives
 from distributed import run
 from faults import inject, torch_kernels
+from relmodels import Net, grad_hashes, make_ddp, step
 
 pytestmark = pytest.mark.reliability
-
-
-class Net(nn.Module):
-    """Weights of 1024, 4096 and 512 elements (one DDP bucket each with a tiny bucket cap)."""
-
-    def __init__(self, hidden: int = 64):
-        super().__init__()
-        self.fc1 = nn.Linear(16, 64)
-        self.fc2 = nn.Linear(64, hidden)
-        self.fc3 = nn.Linear(hidden, 8)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def make_ddp(**kw):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    return DDP(Net(), bucket_cap_mb=0.001, **kw)
-
-
-def step(model, rank, i):
-    g = torch.Generator().manual_seed(100 * i + rank)
-    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 8, (8,), generator=g)
-    model.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-
-
-def grad_hashes(model) -> dict[str, str]:
-    return {n: None if p.grad is None else
-            hashlib.blake2b(p.grad.detach().contiguous().view(torch.uint8).numpy().tobytes(),
-                            digest_size=8).hexdigest()
-            for n, p in model.module.named_parameters()}
 
 
 # ------------------------------------------------------------------ bitwise replicas
