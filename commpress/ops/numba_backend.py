@@ -30,7 +30,7 @@ MIN_CHUNK = 1 << 15
 #: Elements per block-quantization chunk (whole blocks, kept cache-resident).
 QUANT_CHUNK = 1 << 14
 #: Strided sample size used by top-k to estimate its candidate threshold.
-TOPK_SAMPLE = 1 << 16
+TOPK_SAMPLE = 1 << 14
 
 _INF_KEY = 0x7F800000
 _MAX_KEY = 0x7FFFFFFF
