@@ -14,17 +14,22 @@ log = logging.getLogger("commpress")
 
 
 def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of the fp32 matrix ``p``, in place.
+    """Modified Gram-Schmidt on the columns of the fp32 matrix ``p``, in place, run twice.
 
+    The second pass ("twice is enough") restores orthogonality when ``p`` is
+    (nearly) rank-deficient, e.g. a gradient of rank < r: one pass leaves the
+    normalized round-off columns far from orthogonal and ``P_hat P_hat.T M``
+    then misses ``M`` by tens of percent.
     A zero column stays zero; NaN/inf propagate.  Returns ``p``.
     """
-    for i in range(p.shape[1]):
-        col = p[:, i]
-        norm = torch.linalg.vector_norm(col)
-        col.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
-        if i + 1 < p.shape[1]:
-            rest = p[:, i + 1:]
-            rest.sub_(torch.outer(col, col @ rest))
+    for _ in range(2):
+        for i in range(p.shape[1]):
+            col = p[:, i]
+            norm = torch.linalg.vector_norm(col)
+            col.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+            if i + 1 < p.shape[1]:
+                rest = p[:, i + 1:]
+                rest.sub_(torch.outer(col, col @ rest))
     return p
 
 
