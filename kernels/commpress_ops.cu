@@ -270,51 +270,54 @@ extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i
 }
 
 // scales[c] = (pairwise tree sum of |x| over chunk c) / its length.  The tree is the reference's:
-// the chunk zero-padded to a power of two P, adjacent pairs added level by level.  One block per
-// chunk; blockDim.x must be a power of two <= 1024.  Thread t sums the aligned segment
+// the chunk zero-padded to a power of two P, adjacent pairs added level by level.  Blocks loop over
+// chunks; blockDim.x must be a power of two <= 1024.  Thread t sums the aligned segment
 // [t*S, (t+1)*S) (S = P / blockDim.x, at least 1) with a streaming binary counter, then the
 // block adds the per-thread subtree sums pairwise.
-extern "C" __global__ void sign_scales_kernel(const float* x, float* scales, i64 n, i64 chunk) {
+extern "C" __global__ void sign_scales_kernel(const float* x, float* scales, i64 n, i64 chunk,
+                                              i64 nchunks) {
     __shared__ float sums[1024];
-    i64 c = blockIdx.x;
-    i64 a = c * chunk, len = min(chunk, n - a);
     i64 P = 1;
     while (P < chunk) P <<= 1;
     i64 T = min((i64)blockDim.x, P);
     i64 S = P / T;
-    if ((i64)threadIdx.x < T) {
-        float stack[64];
-        int level[64];
-        int top = 0;
-        i64 s0 = threadIdx.x * S, s1 = min(s0 + S, len);
-        for (i64 j = s0; j < s1; ++j) {
-            float v = fabsf(x[a + j]);
-            int lv = 0;
-            while (top > 0 && level[top - 1] == lv) {
-                --top;
-                v = __fadd_rn(stack[top], v);
-                ++lv;
+    for (i64 c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform loop
+        i64 a = c * chunk, len = min(chunk, n - a);
+        if ((i64)threadIdx.x < T) {
+            float stack[64];
+            int level[64];
+            int top = 0;
+            i64 s0 = threadIdx.x * S, s1 = min(s0 + S, len);
+            for (i64 j = s0; j < s1; ++j) {
+                float v = fabsf(x[a + j]);
+                int lv = 0;
+                while (top > 0 && level[top - 1] == lv) {
+                    --top;
+                    v = __fadd_rn(stack[top], v);
+                    ++lv;
+                }
+                stack[top] = v;
+                level[top] = lv;
+                ++top;
             }
-            stack[top] = v;
-            level[top] = lv;
-            ++top;
+            float acc = 0.0f;
+            if (top > 0) {
+                acc = stack[top - 1];
+                for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+            }
+            sums[threadIdx.x] = acc;
         }
-        float acc = 0.0f;
-        if (top > 0) {
-            acc = stack[top - 1];
-            for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+        __syncthreads();
+        for (i64 w = T; w > 1; w >>= 1) {
+            float v = 0.0f;
+            if ((i64)threadIdx.x < w / 2) v = __fadd_rn(sums[2 * threadIdx.x], sums[2 * threadIdx.x + 1]);
+            __syncthreads();
+            if ((i64)threadIdx.x < w / 2) sums[threadIdx.x] = v;
+            __syncthreads();
         }
-        sums[threadIdx.x] = acc;
-    }
-    __syncthreads();
-    for (i64 w = T; w > 1; w >>= 1) {
-        float v = 0.0f;
-        if ((i64)threadIdx.x < w / 2) v = __fadd_rn(sums[2 * threadIdx.x], sums[2 * threadIdx.x + 1]);
-        __syncthreads();
-        if ((i64)threadIdx.x < w / 2) sums[threadIdx.x] = v;
+        if (threadIdx.x == 0) scales[c] = __fdiv_rn(sums[0], (float)len);
         __syncthreads();
     }
-    if (threadIdx.x == 0) scales[c] = __fdiv_rn(sums[0], (float)len);
 }
 
 // out[j] (+)= +scale or -scale of j's chunk by bit j.

@@ -371,7 +371,8 @@ def sign_pack(x: torch.Tensor, chunk: int):
     scales = torch.empty(nchunks, dtype=torch.float32, device=x.device)
     if n:
         _launch(x.device, "sign_bits_kernel", _grid(nbytes), (_arr(xf), _arr(packed), _i64(n), _i64(nbytes)))
-        _launch(x.device, "sign_scales_kernel", nchunks, (_arr(xf), _arr(scales), _i64(n), _i64(chunk)))
+        _launch(x.device, "sign_scales_kernel", nchunks,
+                (_arr(xf), _arr(scales), _i64(n), _i64(chunk), _i64(nchunks)))
     return packed, scales
 
 
