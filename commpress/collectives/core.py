@@ -124,7 +124,8 @@ def _header_check(tensor, compressor, kind, algorithm, allowed, group, stats, va
             raise CollectiveInputError(f"{what}: {msg}")
         return
     h = make_header(world, _comm.comm_device(group, tensor), error=code, numel=tensor.numel(),
-                    dtype=tensor.dtype, algorithm=algorithm, kind=kind, config=fingerprint(compressor))
+                    dtype=tensor.dtype, algorithm=algorithm, kind=kind, config=fingerprint(compressor),
+                    group=group)
     exchange_header(h, group=group, stats=stats, local_message=msg, what=what)
 
 

@@ -19,7 +19,11 @@ The predicted time of an algorithm on the slowest rank is
 
 Because the fitted numbers are reduced across ranks before use and the
 choice is computed from the all-gathered header only, every rank picks the
-same algorithm.  :func:`set_cost_model` fixes the numbers instead (tests,
+same algorithm.  The header also carries each rank's model state
+(:func:`model_state`): when any rank has no calibration for the group, all
+ranks calibrate together, and :func:`set_cost_model` numbers that differ
+across ranks raise on every rank.  Calibrations are cached by the group
+object's identity and size.  :func:`set_cost_model` fixes the numbers instead (tests,
 benchmarks, users who know their network).
 
 Sparse costs (``k_r`` counts, ``K = sum k_r``, ``n`` numel, ``w`` bytes per entry,
@@ -85,6 +89,34 @@ def set_cost_model(alpha: float | None, beta: float | None = None, gamma: float 
     _OVERRIDE = CostModel(float(alpha), float(beta), float(gamma), float(delta))
 
 
+def model_state(group=None) -> int:
+    """What this rank would use for ``"auto"``: 0 = must calibrate, 1 = cached calibration,
+    ``>= 2`` = a fingerprint of the :func:`set_cost_model` numbers (carried in the header)."""
+    if _OVERRIDE is not None:
+        import zlib
+        return 2 + (zlib.crc32(repr(_OVERRIDE).encode()) & 0x3FFFFFFF)
+    return int(_comm.group_key(group) in _CACHE)
+
+
+def agreed_cost_model(states: list[int], group=None) -> CostModel:
+    """The model every rank uses, from all ranks' :func:`model_state` (identical decision on all ranks).
+
+    Fixed numbers must be the same on every rank (else ``ValueError`` on all ranks); when any
+    rank has no calibration for ``group``, all ranks calibrate together.
+    """
+    from .validate import CollectiveInputError
+
+    if any(s >= 2 for s in states):
+        if len(set(states)) > 1:
+            raise CollectiveInputError("algorithm='auto': set_cost_model() numbers differ across ranks "
+                                       "(or are set on some ranks only)")
+        return _OVERRIDE
+    key = _comm.group_key(group)
+    if min(states) == 0:
+        _CACHE[key] = calibrate(group)
+    return _CACHE[key]
+
+
 def get_cost_model(group=None) -> CostModel:
     """The model for ``group``: the override, the cached calibration, or a new calibration.
 
@@ -107,6 +139,23 @@ def _best_of(fn, reps: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _fit(rows: list[list[float]], times: list[float]) -> tuple[float, float]:
+    """Least squares ``t = alpha*m + beta*b`` by the 2x2 normal equations, in Python floats.
+
+    Deliberately not LAPACK: its result may differ in the last bit between processes, and
+    every rank must end with bitwise the same numbers (they decide the algorithm).
+    """
+    a = sum(m * m for m, _ in rows)
+    b = sum(m * n for m, n in rows)
+    c = sum(n * n for _, n in rows)
+    d = sum(m * t for (m, _), t in zip(rows, times))
+    e = sum(n * t for (_, n), t in zip(rows, times))
+    det = a * c - b * b
+    if det == 0:
+        return (d / a if a else 0.0), 0.0
+    return (d * c - b * e) / det, (a * e - b * d) / det
 
 
 def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)) -> CostModel:
@@ -161,10 +210,8 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
     gamma = max(float(tv[-2]), 1e-9)
     delta = max(float(tv[-1]), 1e-11)
     if world > 1:
-        a = torch.tensor(rows, dtype=torch.float64)
-        b = tv[:-2].reshape(-1, 1)
-        sol = torch.linalg.lstsq(a, b).solution.reshape(-1).tolist()
-        alpha, beta = max(sol[0], 1e-6), max(sol[1], 1e-11)
+        alpha, beta = _fit(rows, tv[:-2].tolist())
+        alpha, beta = max(alpha, 1e-6), max(beta, 1e-11)
     else:
         alpha, beta = 1e-6, 1e-11
     model = CostModel(alpha, beta, gamma, delta)
@@ -242,7 +289,8 @@ def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, 
 def choose_sparse(table: torch.Tensor, numel: int, world: int, value_bytes: int, index_bytes: int,
                   group=None) -> str:
     """The cheapest sparse algorithm (identical on every rank: depends only on gathered data)."""
-    costs = sparse_costs(table, numel, world, value_bytes, index_bytes, get_cost_model(group))
+    model = agreed_cost_model(table[:, 7].tolist(), group)
+    costs = sparse_costs(table, numel, world, value_bytes, index_bytes, model)
     order = ("dense", "allgather", "split", "hashed", "recursive_doubling")  # tie-break
     return min(order, key=lambda a: (costs[a], order.index(a)))
 
@@ -262,6 +310,9 @@ def gather_costs(payload_bytes: int, numel: int, world: int, model: CostModel) -
     }
 
 
-def choose_gather(payload_bytes: int, numel: int, world: int, group=None) -> str:
-    costs = gather_costs(payload_bytes, numel, world, get_cost_model(group))
+def choose_gather(payload_bytes: int, numel: int, world: int, group=None,
+                  states: list[int] | None = None) -> str:
+    """``"two_phase"`` or ``"gather_all"``, whichever the model predicts faster."""
+    model = agreed_cost_model(states, group) if states is not None else get_cost_model(group)
+    costs = gather_costs(payload_bytes, numel, world, model)
     return min(("two_phase", "gather_all"), key=lambda a: (costs[a], a))

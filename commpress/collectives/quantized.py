@@ -101,7 +101,9 @@ def _parse(buf: torch.Tensor, sizes: list[int], template: Payload) -> Payload:
 
 def _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate, algorithm, kind,
             extra_error=(0, "")):
-    """Compress every chunk, exchange the header (sizes + validation). Returns (payloads, sizes table, T)."""
+    """Compress every chunk, exchange the header (sizes + validation).
+
+    Returns (payloads, sizes[src][chunk][tensor], every rank's cost-model state)."""
     world = _comm.world(group)
     code, msg = extra_error
     payloads: list[Payload] = []
@@ -115,7 +117,8 @@ def _phase1(flat, compressor, bounds, group, key, step, stats, generator, valida
     if not code and T > MAX_WIRE_TENSORS:
         code, msg = 6, f"payloads with more than {MAX_WIRE_TENSORS} tensors are not supported"
     h = make_header(world, _comm.comm_device(group, flat), error=code, numel=flat.numel(), dtype=flat.dtype,
-                    algorithm=algorithm, kind=kind, config=fingerprint(compressor), count=T)
+                    algorithm=algorithm, kind=kind, config=fingerprint(compressor), count=T,
+                    group=group)
     if not code:
         sz = torch.tensor([s for p in payloads for s in _sizes(p)], dtype=torch.int64)
         grid = torch.zeros(world, MAX_WIRE_TENSORS, dtype=torch.int64)
@@ -124,7 +127,7 @@ def _phase1(flat, compressor, bounds, group, key, step, stats, generator, valida
     table = exchange_header(h, group=group, stats=stats, local_message=msg, what=kind)
     sizes = table[:, HEADER_FIXED:HEADER_FIXED + MAX_WIRE_TENSORS * world].reshape(world, world, MAX_WIRE_TENSORS)
     sizes = sizes[:, :, :T].tolist()  # sizes[src][chunk][j]
-    return payloads, sizes, T
+    return payloads, sizes, table[:, 7].tolist()
 
 
 def _reduce_own_chunk(flat, compressor, payloads, sizes, group, stats):
@@ -176,11 +179,11 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
             stats.add(calls=1, algorithm="local")
         return inner.decompress(p).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
-    payloads, sizes, T = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
-                                 algorithm, "gather", err)
+    payloads, sizes, states = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
+                                      algorithm, "gather", err)
     if algorithm == "auto":
         total = max(sum(sum(c) for c in sizes[s]) for s in range(world))
-        algorithm = costmodel.choose_gather(total, n, world, group=group)
+        algorithm = costmodel.choose_gather(total, n, world, group=group, states=states)
     if algorithm == "gather_all":
         out = _gather_all(flat, inner, payloads, sizes, bounds, group, stats)
     else:
@@ -275,7 +278,7 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
             stats.add(calls=1, algorithm="local")
         return inner.decompress(p).to(tensor.dtype).reshape(-1)
     bounds = [r * (n // world) for r in range(world + 1)]
-    payloads, sizes, T = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
+    payloads, sizes, _ = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
                                  "two_phase", "reduce_scatter", err)
     acc = _reduce_own_chunk(flat, compressor, payloads, sizes, group, stats)
     if stats is not None:

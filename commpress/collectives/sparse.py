@@ -161,7 +161,8 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
     vdtype = values.dtype if isinstance(values, torch.Tensor) else None
     k = int(indices.numel()) if ok else 0
     header = make_header(world, device, error=code, numel=numel if isinstance(numel, int) else -1,
-                         dtype=vdtype, algorithm=algorithm, kind="sparse", config=config, count=k)
+                         dtype=vdtype, algorithm=algorithm, kind="sparse", config=config, count=k,
+                         group=group)
     idx = vals = None
     owners: dict[str, torch.Tensor] = {}  # per-entry owner rank, computed once for the header
     if ok:

@@ -14,7 +14,7 @@ slot  content
 4     kind of collective (sparse / sum / gather / lowrank / reduce_scatter)
 5     CRC32 of the compressor's name and configuration
 6     this rank's entry count ``k`` (sparse) or payload size (gather)
-7     reserved
+7     cost-model state for ``"auto"`` (see :func:`~commpress.collectives.costmodel.model_state`)
 8..   per-call extras: per-owner counts, payload sizes, a union sketch
 ====  =====================================================================
 
@@ -106,7 +106,7 @@ def check_sparse_local(indices: Any, values: Any, numel: Any, check_contents: bo
 
 def make_header(world: int, device: torch.device, *, error: int = 0, numel: int = 0,
                 dtype: Any = None, algorithm: str = "auto", kind: str = "sparse",
-                config: int = 0, count: int = 0) -> torch.Tensor:
+                config: int = 0, count: int = 0, group=None) -> torch.Tensor:
     """A zeroed header with the fixed slots filled in (extras left zero)."""
     h = torch.zeros(header_len(world), dtype=torch.int64)
     h[0] = error
@@ -116,6 +116,9 @@ def make_header(world: int, device: torch.device, *, error: int = 0, numel: int 
     h[4] = KINDS.index(kind)
     h[5] = config
     h[6] = count
+    if algorithm == "auto":
+        from .costmodel import model_state
+        h[7] = model_state(group)
     return h.to(device)
 
 

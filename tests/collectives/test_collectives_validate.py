@@ -21,6 +21,16 @@ def _good(rank):
     return torch.tensor([0, 3, 5]) + rank, torch.ones(3)
 
 
+def _with_model(fixed, thunk):
+    from commpress.collectives import set_cost_model
+
+    set_cost_model(1e-5, 1e-9) if fixed else set_cost_model(None)
+    try:
+        return thunk()
+    finally:
+        set_cost_model(None)
+
+
 def bad_cases(rank, world):
     """(name, thunk) pairs: each makes at least one rank's input bad or inconsistent."""
     last = world - 1
@@ -51,6 +61,7 @@ def bad_cases(rank, world):
         ("reduce_scatter_indivisible", lambda: commpress.collectives.reduce_scatter(
             torch.ones(world * 4 + 1), commpress.get("identity"))),
         ("sparse_value_dtype_int", sp(i, torch.ones(3, dtype=torch.int32) if rank == last else v)),
+        ("cost_model_on_one_rank", lambda: _with_model(rank == 0, sp(i, v, algorithm="auto"))),
     ]
     return cases
 
@@ -86,6 +97,7 @@ def test_bad_input_raises_on_every_rank(world):
     assert "duplicate" in res[world - 1]["duplicates"][2]
     assert "out of range" in res[0]["out_of_range"][2]
     assert "configuration differs" in res[0]["compressor_mismatch"][2]
+    assert "set_cost_model" in res[1]["cost_model_on_one_rank"][2]
     assert res[0]["after"] == res[world - 1]["after"]
     expect = [0.0] * 16
     for r in range(world):
