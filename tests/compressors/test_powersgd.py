@@ -121,3 +121,16 @@ def test_half_precision_sends_fp32_factors_and_returns_input_dtype():
     y = c.decompress(p)
     assert y.dtype == torch.bfloat16
     assert (y.float() - x.float()).norm() / x.float().norm() < 1e-2
+
+
+def test_rank_deficient_matrix_keeps_orthonormal_factors():
+    # rank 1 < r = 3: the later columns of P are round-off; they must not spoil P_hat
+    c = commpress.get("powersgd", rank=3)
+    x = _low_rank(200, 150, 1, seed=4)
+    p = c.begin(x, "w")
+    c.middle(x, p, "w")
+    gram = p.t() @ p
+    off_diag = gram - torch.diag(torch.diagonal(gram))
+    assert off_diag.abs().max() < 1e-4
+    y = c.decompress(c.compress(x, key="w2"))
+    assert (y - x).norm() / x.norm() < 1e-4
