@@ -7,6 +7,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from commpress.ops import reference
+
 SPECIALS = [0.0, -0.0, 1.0, -1.0, 0.5, -2.0, float("inf"), float("-inf"), float("nan"), 1e-45, 3.4e38]
 
 
@@ -58,3 +60,24 @@ def messy_large(n: int, seed: int = 0) -> torch.Tensor:
     x[7::200003] = float("-inf")
     x[11::50021] = -0.0
     return x
+
+
+def _residual_cases(x: torch.Tensor):
+    """(name, residual for reference, residual for numba) for each residual mode."""
+    yield "none", None, None
+    yield "separate", torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    yield "inplace", "x", "x"
+
+
+def run_selection(backend, op, x, arg, dtype=torch.float32):
+    """``backend.op`` equals the reference on ``x`` for each residual mode (none, separate, in place)."""
+    for name, r_ref, r_nb in _residual_cases(x):
+        xr, xn = x.to(dtype).clone(), x.to(dtype).clone()
+        rr = xr if r_ref == "x" else (None if r_ref is None else r_ref.to(dtype))
+        rn = xn if r_nb == "x" else (None if r_nb is None else r_nb.to(dtype))
+        want = getattr(reference, op)(xr, arg, rr)
+        got = getattr(backend, op)(xn, arg, rn)
+        assert_bitwise(got, want, f"{op}/{name}")
+        if rr is not None:
+            assert_bitwise(rn, rr, f"{op}/{name} residual")
+            assert_bitwise(xn, xr, f"{op}/{name} input")

@@ -9,8 +9,7 @@ from commpress.ops import reference as R
 
 nb = pytest.importorskip("commpress.ops.numba_backend")
 
-from opcheck import assert_bitwise, messy_large  # noqa: E402
-from test_ops_numba_parity import _run_selection  # noqa: E402
+from opcheck import assert_bitwise, messy_large, run_selection  # noqa: E402
 
 
 N_LARGE = 1_000_003
@@ -22,9 +21,9 @@ def large():
 
 
 def test_large_selection(large):
-    _run_selection("threshold_compact", large, 2.5)
-    _run_selection("topk_compact", large, N_LARGE // 100)
-    _run_selection("topk_compact", large, 3)
+    run_selection(nb, "threshold_compact", large, 2.5)
+    run_selection(nb, "topk_compact", large, N_LARGE // 100)
+    run_selection(nb, "topk_compact", large, 3)
 
 
 def test_large_quantize(large):

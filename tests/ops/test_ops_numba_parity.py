@@ -12,7 +12,7 @@ from commpress.ops import reference as R
 
 nb = pytest.importorskip("commpress.ops.numba_backend")
 
-from opcheck import assert_bitwise, f32_arrays, messy_large, tensor  # noqa: E402
+from opcheck import assert_bitwise, f32_arrays, run_selection, tensor  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,38 +25,18 @@ def small_chunks():
         yield
 
 
-def _residual_cases(x: torch.Tensor):
-    """(name, residual for reference, residual for numba) for each residual mode."""
-    yield "none", None, None
-    yield "separate", torch.full_like(x, 7.0), torch.full_like(x, 7.0)
-    yield "inplace", "x", "x"
-
-
-def _run_selection(op, x, arg, dtype=torch.float32):
-    for name, r_ref, r_nb in _residual_cases(x):
-        xr, xn = x.to(dtype).clone(), x.to(dtype).clone()
-        rr = xr if r_ref == "x" else (None if r_ref is None else r_ref.to(dtype))
-        rn = xn if r_nb == "x" else (None if r_nb is None else r_nb.to(dtype))
-        want = getattr(R, op)(xr, arg, rr)
-        got = getattr(nb, op)(xn, arg, rn)
-        assert_bitwise(got, want, f"{op}/{name}")
-        if rr is not None:
-            assert_bitwise(rn, rr, f"{op}/{name} residual")
-            assert_bitwise(xn, xr, f"{op}/{name} input")
-
-
 # ---------------------------------------------------------------- selection
 @settings(max_examples=25)
 @given(a=f32_arrays(), thr=st.one_of(st.floats(width=32), st.floats(), st.sampled_from([0.0, -0.0, 1.0])))
 def test_threshold_compact(a, thr):
-    _run_selection("threshold_compact", tensor(a), thr)
+    run_selection(nb, "threshold_compact", tensor(a), thr)
 
 
 @settings(max_examples=25)
 @given(a=f32_arrays(), frac=st.floats(0, 1.2), extra=st.integers(-2, 2))
 def test_topk_compact(a, frac, extra):
     k = max(0, int(frac * a.size) + extra)
-    _run_selection("topk_compact", tensor(a), k)
+    run_selection(nb, "topk_compact", tensor(a), k)
 
 
 @settings(max_examples=10)
@@ -64,17 +44,17 @@ def test_topk_compact(a, frac, extra):
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float64]))
 def test_selection_other_dtypes(a, k, dtype):
     with np.errstate(over="ignore"):
-        _run_selection("topk_compact", tensor(a), k, dtype)
-        _run_selection("threshold_compact", tensor(a), 0.75, dtype)
+        run_selection(nb, "topk_compact", tensor(a), k, dtype)
+        run_selection(nb, "threshold_compact", tensor(a), 0.75, dtype)
 
 
 def test_topk_many_ties_and_fallback():
     # Few distinct magnitudes: the sampled threshold admits too few or far too many.
     x = torch.tensor([1.0, -1.0, 2.0, 0.0, -2.0] * 53 + [3.0])
     for k in (1, 2, 50, 107, 200, 266):
-        _run_selection("topk_compact", x, k)
+        run_selection(nb, "topk_compact", x, k)
     # Sorted data defeats a strided sample of one region.
-    _run_selection("topk_compact", torch.linspace(-1, 1, 999), 10)
+    run_selection(nb, "topk_compact", torch.linspace(-1, 1, 999), 10)
 
 
 @settings(max_examples=25)
