@@ -67,7 +67,7 @@ def counter_uniform(start, n, k0, k1, out):
     """out[j] = counter_bits / 2**24 as fp32."""
     s = np.uint64(start)
     for j in prange(n):
-        out[j] = np.float32(_bits24((s + np.uint64(j)) & _M32, k0, k1)) * _U24
+        out[j] = np.float32(np.int32(_bits24((s + np.uint64(j)) & _M32, k0, k1))) * _U24
 
 
 @njit(**_OPTS)
@@ -516,7 +516,7 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
             cs = codes[s0 - a:s1 - a]
             if stochastic:
                 for j in range(xs.size):
-                    u = np.float32(_bits24(s0 + j, k0, k1)) * _U24
+                    u = np.float32(np.int32(_bits24(s0 + j, k0, k1))) * _U24
                     cs[j] = _code(xs[j] * inv + u, lim, qmax)
             else:
                 for j in range(xs.size):
