@@ -111,9 +111,15 @@ FSDP_BUG = pytest.mark.xfail(strict=True, reason=(
     "or roll the residuals back when the header shows a dense peer (as the DDP hook does)."))
 
 
+def _all_cases(rank, world):
+    return {case: _amp(rank, world, *args) for case, args in CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def amp_results():
-    return {case: run(_amp, 2, *args, timeout=120, pg_timeout=60) for case, args in CASES.items()}
+    """All cases in one 2-rank run (one process start-up)."""
+    per_rank = run(_all_cases, 2, timeout=200, pg_timeout=60)
+    return {case: [r[case] for r in per_rank] for case in CASES}
 
 
 @pytest.mark.timeout(300)
