@@ -63,3 +63,6 @@ def test_thousand_steps_do_not_grow_memory(name, params):
         assert out["same_buffers"], (rank, out)
         assert out["mem"] == out["mem0"] and out["mem"] >= out["residual_bytes"] > 0, (rank, out)
         assert out["algorithms_stable"], (rank, out)
+        print(f"memory figures: rank {rank}: RSS {out['rss'] / 2**20:.1f} MiB, growth over steps "
+              f"{WARMUP}-{STEPS}: {out['growth'] / 2**10:.0f} KiB (bound {RSS_BOUND / 2**20:.0f} MiB), "
+              f"stats.memory_overhead_bytes={out['mem']} (residuals {out['residual_bytes']} B)")
