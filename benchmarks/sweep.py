@@ -19,6 +19,7 @@ and the wall time to reach the dense DDP run's final metric within a margin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -205,6 +206,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "config": r["config"],
             "bytes/step": _fmt_bytes(r["bytes_sent"]),
             "payload": _fmt_bytes(r.get("payload_bytes")),
+            "sent/payload": f"{r['bytes_sent'] / r['payload_bytes']:.2f}" if r.get("payload_bytes") else "",
             "ratio": f"{r['ratio']:.1f}x",
             "steps": r["steps"],
             "step ms": f"{1000 * r['step_s']:.0f}",
@@ -218,7 +220,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-COLUMNS = ["config", "bytes/step", "payload", "ratio", "steps", "step ms", "compute ms", "codec ms", "comm ms", "final",
+COLUMNS = ["config", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "compute ms", "codec ms", "comm ms", "final",
            "time to target s", "speedup vs ddp"]
 
 
@@ -326,6 +328,19 @@ def _git_state() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def rerender(run_dir: str | Path) -> str:
+    """Rebuild ``summary.md`` of an existing ``results/sweep-*`` folder from its results.json."""
+    run_dir = Path(run_dir)
+    doc = json.loads((run_dir / "results.json").read_text())
+    rows_by_task: dict[str, list[dict]] = {}
+    for r in doc["rows"]:
+        rows_by_task.setdefault(r["task"], []).append(r)
+    pngs = [run_dir / n for n in ("time_to_target.png", "frontier.png", "step_time.png") if (run_dir / n).exists()]
+    summary = render_summary(rows_by_task, doc["meta"], pngs)
+    (run_dir / "summary.md").write_text(summary)
+    return summary
+
+
 def finalize(out: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> str:
     """Write results.json / results.csv / plots / summary.md into ``out``; returns the summary."""
     all_rows = [r for rows in rows_by_task.values() for r in rows]
@@ -359,7 +374,7 @@ def render_summary(rows_by_task: dict[str, list[dict]], meta: dict[str, Any], pn
              + (" — oversubscribed, so compute per step is inflated and noisy" if (meta["cpu_cores"] or 0)
                 < meta["world_size"] else "") + f"; network: {meta['network']}.",
              "Bytes are per rank per step, counted with commpress's convention (ring all_reduce of n bytes "
-             "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); ratio = dense bytes / bytes sent; payload = what one rank's compressed gradient is by the compressor's contract (Payload.nbytes, dense parts at 4 bytes/element). Step time is the median training step; "
+             "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); ratio = dense bytes / bytes sent; payload = what one rank's compressed gradient is by the compressor's contract (Payload.nbytes, dense parts at 4 bytes/element); sent/payload is then 2(P-1)/P (1.5 at P=4) for all_reduce, two-phase and low-rank exchanges and for sparse payloads between that and P-1 (3, all-gather), depending on the sparse algorithm the hook picks and how much the ranks' supports overlap. Step time is the median training step; "
              "bytes = median over steps; one-time costs (JIT compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; compute = forward+backward without sync + optimizer step; codec = local compress+decompress "
              "of the gradient buckets; comm = the rest. Time to target = training seconds until the metric "
              "reaches the DDP run's final value (accuracy -0.5 points, loss +2%)."
@@ -380,5 +395,6 @@ def render_summary(rows_by_task: dict[str, list[dict]], meta: dict[str, Any], pn
     if meta.get("bars"):
         lines += ["Bars (issue 6):", ""] + meta["bars"] + [""]
     if pngs:
-        lines += [f"Plots: {', '.join(p.name for p in pngs)}", ""]
+        lines += [f"![{pngs[0].stem.replace('_', ' ')}]({pngs[0].name})", "",
+                  f"Plots: {', '.join(p.name for p in pngs)}", ""]
     return "\n".join(lines)

@@ -292,7 +292,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
     out: dict[str, Any] = {
         "task": task_name, "config": cfg.name, "kind": cfg.kind, "describe": cfg.describe(),
         "compressor": cfg.compressor or "", "params": dict(cfg.params),
-        "bucket_cap_mb": cfg.bucket_cap_mb or "default", "n_buckets": len(buckets),
+        "bucket_cap_mb": cfg.bucket_cap_mb or "default",
         "steps": step, "time_budget_s": time_budget, "metric": task.metric, "final": curve[-1][task.metric],
         "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s,
         "compute_s": fb_s + opt_s, "compression_s": codec["compression_s"],
