@@ -12,6 +12,7 @@ Importing this module raises ``ImportError`` when numba is missing, and
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -29,6 +30,8 @@ log = logging.getLogger("commpress")
 MIN_CHUNK = 1 << 15
 #: Elements per block-quantization chunk (whole blocks, kept cache-resident).
 QUANT_CHUNK = 1 << 14
+#: Inputs smaller than this (elements) run on one thread.
+SERIAL_BELOW = 1 << 17
 #: Strided sample size used by top-k to estimate its candidate threshold.
 TOPK_SAMPLE = 1 << 14
 
@@ -429,7 +432,33 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     return dst
 
 
-OPS = {
+def _serial_when_small(fn):
+    """Run ``fn`` on one numba thread when its largest input is small.
+
+    Waking the thread pool costs more than the work for small tensors, and much
+    more on a loaded machine.  (``numba.set_num_threads`` is per calling thread.)
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        size = max((a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
+                   default=None)
+        if size is None:  # counter ops: n is the third argument
+            n = args[2] if len(args) > 2 else kwargs.get("n", 0)
+            size = int(n) if isinstance(n, (int, np.integer)) else 0
+        if size >= SERIAL_BELOW:
+            return fn(*args, **kwargs)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            numba.set_num_threads(threads)
+
+    return call
+
+
+_OPS = {
     "threshold_compact": threshold_compact,
     "topk_compact": topk_compact,
     "magnitude_key": magnitude_key,
@@ -448,6 +477,7 @@ OPS = {
     "sign_pack": sign_pack,
     "sign_unpack": sign_unpack,
 }
+OPS = {name: _serial_when_small(fn) for name, fn in _OPS.items()}
 
 
 def _register() -> None:
