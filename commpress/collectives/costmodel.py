@@ -36,7 +36,8 @@ Sparse costs (``k_r`` counts, ``K = sum k_r``, ``n`` numel, ``w`` bytes per entr
 * split / hashed: all-to-all (``P-1`` messages, max over ranks of the entries
   sent or received times ``w``), a size all-gather, and an all-gather of the
   largest encoded partition ``min(L v, L/8 + u_o v, u_o w)``, with
-  ``u_o = u * sum_s C[s][o] / K`` clamped to its bounds.
+  ``u_o = u * sum_s C[s][o] / K`` clamped to its bounds; local work: partition +
+  pack ``2 max k`` entries, the owner's reduce, encode and every rank's decode ``2u``.
 
 The union size ``u`` is estimated from a k-minimum-values sketch (the 16
 smallest hashes of each rank's indices, carried in the header): with ``v16``
@@ -282,7 +283,7 @@ def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, 
             u_o = min(max(u * owner_load[o].item() / K, lo_o), hi_o) if K else 0.0
             enc = max(enc, min(L * v, L / 8 + u_o * v, u_o * w))
         c[name] = model.time(3 * (P - 1), w * max(sent, recv_from_others) + 24 * (P - 1) + enc * (P - 1),
-                             kmax + owner_load.max().item() + u, n)
+                             2 * kmax + owner_load.max().item() + 2 * u, n)
     return c
 
 
