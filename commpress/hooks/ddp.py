@@ -518,6 +518,22 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     """
     if not isinstance(state, DDPState):
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
+    try:
+        return _hook(state, bucket)
+    except BaseException:
+        _reset_step(state)  # a failed step leaves nothing half-done for the next one
+        raise
+
+
+def _reset_step(state: DDPState) -> None:
+    state._pending.clear()
+    state._ready.clear()
+    state._done_units.clear()
+    state._step_keys.clear()
+    state._step_nonfinite = False
+
+
+def _hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     with Timer() as total:
         buf = bucket.buffer()
         world = state.world_size
@@ -556,10 +572,7 @@ def _end_step(state: DDPState) -> None:
         state._pending.clear()
         raise RuntimeError(f"commpress ddp: buckets {names} still wait for parameters at the end of the step")
     state.step += 1
-    state._step_nonfinite = False
-    state._step_keys.clear()
-    state._ready.clear()
-    state._done_units.clear()
+    _reset_step(state)
     if state._mem_dirty:
         state.stats.memory_overhead_bytes = state._memory_bytes()
         state._mem_dirty = False
