@@ -205,7 +205,7 @@ class _Net(nn.Module):
 def _ddp_fault(rank, world, name, params, attr, action):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from commpress.hooks import ddp as cddp
+    from commpress.collectives import _comm
 
     pg = _short_group()
     torch.manual_seed(0)
@@ -215,8 +215,8 @@ def _ddp_fault(rank, world, name, params, attr, action):
     for _ in range(2):  # dense warm-up step + one compressed step
         model.zero_grad()
         model(torch.randn(4, 32, generator=g)).sum().backward()
-    if rank == VICTIM:
-        inject(cddp, attr, action)
+    if rank == VICTIM:   # inside the hook: after the bucket's dense all_reduce, at the header exchange
+        inject(_comm, attr, action)
     model.zero_grad()
     return _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
 
@@ -226,7 +226,7 @@ def _ddp_fault(rank, world, name, params, attr, action):
     ("blockquant", {"bits": 8}, "sigkill"),
 ])
 def test_rank_dies_inside_ddp_hook(name, params, how):
-    res = run(_ddp_fault, WORLD, name, params, "_compressed_allreduce", how, timeout=RUN_TIMEOUT,
+    res = run(_ddp_fault, WORLD, name, params, "all_gather", how, timeout=RUN_TIMEOUT,
               pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
     _check_died(res, how)
 
@@ -235,7 +235,7 @@ def test_rank_dies_inside_ddp_hook(name, params, how):
 def test_exception_inside_ddp_hook_surfaces_and_peers_do_not_hang():
     # The victim's backward() raises (the hook's exception, wrapped by autograd);
     # its peers are left inside the bucket's collective and must raise too.
-    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05}, "_compressed_allreduce", "raise",
+    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05}, "all_gather", "raise",
               timeout=RUN_TIMEOUT, pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
     victim = res[VICTIM]
     assert isinstance(victim, dict) and victim["raised"], victim
@@ -254,8 +254,6 @@ def _fsdp_fault(rank, world, name, params, how):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from commpress.hooks import fsdp as cfsdp
-
     pg = _short_group()
     torch.manual_seed(0)
     model = _Net()
@@ -267,7 +265,7 @@ def _fsdp_fault(rank, world, name, params, how):
     g = torch.Generator().manual_seed(rank)
     model(torch.randn(4, 32, generator=g)).sum().backward()   # one healthy step
     if rank == VICTIM:
-        inject(cfsdp, "_all_to_all", how)   # after the size header, before the payload all-to-all
+        inject(dist, "all_to_all_single", how)   # after the size header, before the payload all-to-all
     return _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
 
 
