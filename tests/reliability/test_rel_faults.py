@@ -88,9 +88,14 @@ def _die_in_collective(rank, world, case, how):
 
 
 def _check_died(res, how):
+    """The victim died (``exit``/``sigkill``) or raised the injected fault (``raise``); every
+    survivor raised a RuntimeError within the process-group timeout.  Returns their seconds."""
     victim = res[VICTIM]
-    assert isinstance(victim, RankError) and victim.type == "ProcessDied", victim
-    assert str(EXIT_CODE if how == "exit" else -9) in victim.message, victim
+    if how == "raise":
+        assert isinstance(victim, dict) and victim["raised"] and "injected fault" in victim["message"], victim
+    else:
+        assert isinstance(victim, RankError) and victim.type == "ProcessDied", victim
+        assert str(EXIT_CODE if how == "exit" else -9) in victim.message, victim
     seconds = []
     for r, out in enumerate(res):
         if r == VICTIM:
@@ -99,7 +104,7 @@ def _check_died(res, how):
         assert "RuntimeError" in out["mro"], (r, out)      # DistBackendError is a RuntimeError
         assert out["seconds"] < PG_TIMEOUT + SLACK, (r, out)
         seconds.append(out["seconds"])
-    print(f"fault figures: victim {victim.message}; survivors raised after "
+    print(f"fault figures: victim {victim.message if how != 'raise' else 'raised'}; survivors raised after "
           f"{', '.join(f'{x:.2f}' for x in seconds)} s (pg timeout {PG_TIMEOUT} s)")
     return seconds
 
@@ -273,8 +278,9 @@ def _fsdp_fault(rank, world, name, params, how):
 @pytest.mark.parametrize("name,params,how", [
     ("blockquant", {"bits": 8}, "exit"),
     ("topk", {"ratio": 0.05}, "sigkill"),
+    ("blockquant", {"bits": 4}, "raise"),
 ])
-def test_rank_dies_inside_fsdp2_compressed_reduce_scatter(name, params, how):
+def test_rank_dies_or_raises_inside_fsdp2_compressed_reduce_scatter(name, params, how):
     res = run(_fsdp_fault, WORLD, name, params, how, timeout=RUN_TIMEOUT, pg_timeout=SETUP_PG_TIMEOUT,
               return_exceptions=True)
     _check_died(res, how)
