@@ -1,12 +1,15 @@
 """A rank that dies or raises mid-step: the others raise a clear error, never hang.
 
 Three gloo ranks; rank 1 (the victim) is killed (``os._exit`` or SIGKILL of
-itself) or raises at a chosen point *inside* a compressed collective — between
-the phases of the two-phase quantized allreduce, inside the sparse allreduce,
-inside the FSDP2 compressed reduce-scatter and inside the DDP comm hook.  The
-survivors must raise a ``RuntimeError`` (gloo's ``DistBackendError`` is one)
-within the process group's timeout; the harness's own timeout turns a hang into
-a test failure.  Every survivor reports how long it took to raise.
+itself), raises, or hangs at a chosen point *inside* a compressed collective —
+between the phases of the two-phase quantized allreduce, inside the sparse
+allreduce, inside the FSDP2 compressed reduce-scatter and inside the DDP comm
+hook.  The survivors must raise a ``RuntimeError`` (gloo's ``DistBackendError``
+is one) within the process group's timeout (a short-timeout ``new_group``); the
+harness's own timeout turns a hang into a test failure.  An exception inside a
+compressor is reported through the collectives' validation header, so every
+rank raises the same ``CollectiveInputError`` at once and the group stays usable.
+Every survivor reports how long it took to raise (``pytest -s`` prints it).
 """
 
 from __future__ import annotations
