@@ -43,7 +43,8 @@ CONSISTENCY = [
     ("signsgd", {}),
     ("powersgd", {"rank": 2}),
     ("fp16", {}),
-]
+    ("bf16", {}),
+]  # every registered compressor but identity (which is DDP's own dense all_reduce)
 STEPS = 4
 
 
