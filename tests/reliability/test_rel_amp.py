@@ -103,8 +103,9 @@ CASES = {
     "fsdp-blockquant-fp16": ("fsdp", "blockquant", {"bits": 4, "error_feedback": True}, torch.float16),
 }
 FSDP_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG in commpress/hooks/fsdp.py CompressedReduceScatter._owner_path: the dense/compressed "
-    "decision is per rank (torch.isfinite of its own input). A rank whose own gradient is finite "
+    "BUG (issue 7; fsdp.py's docstring documents it as a limitation) in commpress/hooks/fsdp.py "
+    "CompressedReduceScatter._owner_path: the dense/compressed decision is per rank "
+    "(torch.isfinite of its own input). A rank whose own gradient is finite "
     "compresses through ErrorFeedback and updates its residual although another rank's NaN/inf "
     "makes the step non-finite and GradScaler skips it: the skipped step's untransmitted "
     "gradient leaks into the next steps. Fix: agree on 'any rank non-finite' before compressing, "
