@@ -31,6 +31,18 @@ that reason).
 
 During the first ``warmup_steps`` steps (at least one) each bucket is one dense
 ``all_reduce``, exactly DDP's default behaviour.
+
+Notes
+-----
+* The hook is synchronous: communication does not overlap the rest of the
+  backward pass (the price of never waiting inside a callback).  On GPU each
+  bucket costs one host sync (the non-finite count).
+* ``static_graph=True`` makes DDP rebuild its buckets after the second
+  iteration; with ``warmup_steps=1`` the units then follow DDP's first layout
+  (correct, only another grouping).  Use ``warmup_steps >= 2`` there.
+* ``algorithm="auto"`` lets the collectives' calibrated cost model choose; the
+  choice (and so the rounding) can differ between processes.  Fix it for runs
+  that must be reproducible bitwise across restarts.
 """
 
 from __future__ import annotations
