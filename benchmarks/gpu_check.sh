@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root or anywhere
 #
-# 1. uses a Python that already has CUDA torch + CuPy, or makes .venv-gpu and installs
+# 1. uses a Python that already has CUDA torch + CuPy, or makes a venv ($GPU_VENV, default /tmp/commpress-gpu-venv) and installs
 #    torch (PyPI's Linux wheels are CUDA builds), cupy-cuda12x and this package [test];
 # 2. compiles kernels/*.cu with nvcc when present (kernels/check.sh);
 # 3. runs the GPU-marked parity tests (tests/ops/test_ops_cuda_parity.py);
@@ -22,10 +22,11 @@ EOF
 }
 
 if ! have_stack "$PY"; then
-  if [ ! -x .venv-gpu/bin/python ]; then
-    "$PY" -m venv --system-site-packages .venv-gpu || exit 1
+  VENV=${GPU_VENV:-/tmp/commpress-gpu-venv}
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv --system-site-packages "$VENV" || exit 1
   fi
-  PY=.venv-gpu/bin/python
+  PY="$VENV/bin/python"
   if ! have_stack "$PY"; then
     echo "gpu_check: installing torch (CUDA) and cupy-cuda12x"
     "$PY" -m pip install -q --upgrade pip
