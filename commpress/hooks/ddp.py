@@ -51,7 +51,7 @@ import hashlib
 import logging
 import os
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
