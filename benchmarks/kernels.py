@@ -35,10 +35,16 @@ TARGETS = {
 }
 
 
-def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min") -> Callable[[Callable[[], Any]], float]:
-    """Timer of a callable: ``stat`` (min or median) of ``repeat`` wall times after ``warmup`` calls."""
+def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min",
+           clock: str = "wall") -> Callable[[Callable[[], Any]], float]:
+    """Timer of a callable: ``stat`` (min or median) of ``repeat`` times after ``warmup`` calls.
+
+    ``clock="cpu"`` measures process CPU time: with one thread it is the op's
+    cost without the time it spent waiting for a core on a loaded machine.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     reduce = min if stat == "min" else statistics.median
+    now = time.process_time if clock == "cpu" else time.perf_counter
 
     def run(fn: Callable[[], Any]) -> float:
         for _ in range(warmup):
@@ -46,10 +52,10 @@ def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min") ->
         sync()
         times = []
         for _ in range(repeat):
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
             sync()
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
         return reduce(times)
 
     return run
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-repeat", type=int, default=1, help="timed runs of the torch reference")
     ap.add_argument("--stat", choices=["min", "median"], default="min",
                     help="statistic of the repeats (default min: robust on a shared, loaded machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall time (default) or process CPU time (use with --threads 1 on a loaded machine)")
     ap.add_argument("--out", default="results", help="results root folder")
     args = ap.parse_args(argv)
 
@@ -143,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     n = args.numel
     k = max(1, n // 100)
     x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device)
-    fast = _timer(device, args.repeat, 1, args.stat)
-    slow = _timer(device, args.ref_repeat, 0 if device.type == "cpu" else 1, args.stat)
-    base_timer = _timer(device, max(3, args.ref_repeat), 1, args.stat)
+    if args.clock == "cpu" and device.type == "cuda":
+        ap.error("--clock cpu is for CPU backends")
+    fast = _timer(device, args.repeat, 1, args.stat, args.clock)
+    slow = _timer(device, args.ref_repeat, 0 if device.type == "cpu" else 1, args.stat, args.clock)
+    base_timer = _timer(device, max(3, args.ref_repeat), 1, args.stat, args.clock)
     dst = torch.empty_like(x)
 
     def memcpy() -> float:
@@ -194,13 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
 
     meta = {"numel": n, "k": k, "threads": args.threads, "device": str(device), "block": BLOCK,
-            "sign_chunk": SIGN_CHUNK, "repeat": args.repeat, "ref_repeat": args.ref_repeat, "stat": args.stat,
+            "sign_chunk": SIGN_CHUNK, "repeat": args.repeat, "ref_repeat": args.ref_repeat, "stat": args.stat, "clock": args.clock,
             "loadavg_1min_start": load, "loadavg_1min_end": os.getloadavg()[0],
             "warmup_s": warmup_s, "argv": argv}
     out = results_dir("kernels", root=args.out)
     write_results(out, rows, meta)
     cols = ["op", "backend", "ms", "x_memcpy", "speedup_vs_torch", "speedup_vs_baseline", "met"]
-    print(f"kernels: n={n} fp32, {args.threads} threads, device={device}, {args.stat} of {args.repeat}, "
+    print(f"kernels: n={n} fp32, {args.threads} threads, device={device}, {args.stat} of {args.repeat} ({args.clock} clock), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}, warm-up {warmup_s:.1f}s")
     print(markdown_table(rows, cols))
     print(f"results: {out}")
