@@ -159,26 +159,24 @@ def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: 
     return idx, val
 
 
-def _candidate_thresholds(xi: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """Decreasing (key, expected fraction passing) to try as top-``k`` candidate thresholds.
+def _candidate_thresholds(xi: np.ndarray, k: int):
+    """Yield decreasing (key, expected fraction passing) to try as top-``k`` candidate thresholds.
 
     From a strided sample: the key ranked a few standard deviations beyond the
     expected rank of the ``k``-th largest, then lower ones; ends with 0 (all).
+    Lazy: usually only the first is needed.
     """
     n = xi.size
     m = TOPK_SAMPLE
-    if n < 4 * m:
-        return [(0, 1.0)]
-    stride = n // m
-    sample = xi[: stride * m: stride] & _MAX_KEY
-    expected = k * m / n
-    out = []
-    r = int(expected + 4.0 * math.sqrt(expected) + 8)
-    while r < m // 2:
-        out.append((int(np.partition(sample, m - r)[m - r]), r / m))
-        r *= 4
-    out.append((0, 1.0))
-    return out
+    if n >= 4 * m:
+        stride = n // m
+        sample = xi[: stride * m: stride] & _MAX_KEY
+        expected = k * m / n
+        r = int(expected + 4.0 * math.sqrt(expected) + 8)
+        while r < m // 2:
+            yield int(np.partition(sample, m - r)[m - r]), r / m
+            r *= 4
+    yield 0, 1.0
 
 
 def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
