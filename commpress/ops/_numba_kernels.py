@@ -245,11 +245,11 @@ def _kth_largest(keys, k):
 
 
 @njit(**_SOPTS)
-def topk_finish(cidx, cval, k, res, zero_res):
+def topk_finish(cidx, cval, k, take):
     """Exact top-``k`` among candidates (index order): largest keys, ties to lower index.
 
-    Returns ``(idx, val)`` in index order; zeroes ``res`` at the selected indices
-    when ``zero_res``.
+    Returns ``(idx, val)`` in index order; ``take[j]`` is set to 1 for the chosen
+    candidates, 0 for the others.
     """
     c = cidx.size
     keys = cval & _ABS
@@ -264,16 +264,15 @@ def topk_finish(cidx, cval, k, res, zero_res):
     p = 0
     for j in range(c):
         kj = keys[j]
-        take = kj > kth
-        if not take and kj == kth and ties > 0:
-            take = True
+        t = kj > kth
+        if not t and kj == kth and ties > 0:
+            t = True
             ties -= 1
-        if take:
+        take[j] = t
+        if t:
             idx[p] = cidx[j]
             val[p] = cval[j]
             p += 1
-            if zero_res:
-                res[cidx[j]] = 0
     return idx, val
 
 
@@ -282,6 +281,14 @@ def zero_at(res, idx):
     """res[idx[j]] = 0 for every j (in parallel)."""
     for j in prange(idx.size):
         res[idx[j]] = 0
+
+
+@njit(**_OPTS)
+def restore_unselected(res, cidx, cval, take):
+    """res[cidx[j]] = cval[j] for the candidates not taken (their residual was zeroed in the pass)."""
+    for j in prange(cidx.size):
+        if take[j] == 0:
+            res[cidx[j]] = cval[j]
 
 
 @njit(**_OPTS)

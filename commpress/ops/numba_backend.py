@@ -201,13 +201,18 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
         if residual is not None:
             _residual_torch(flat, residual, idx)
         return idx, flat[:0].clone()
-    mode = 3 if fused is not None and fused[0] == 2 else 0
+    # A separate residual gets x with every candidate zeroed in the pass (while in cache);
+    # the candidates not chosen are restored afterwards (fewer random writes than zeroing).
+    mode = 2 if fused is not None and fused[0] == 2 else 0
     for lo, frac in _candidate_thresholds(xi, k):
         cidx, cval = _select(xi, lo, _MAX_KEY, res, mode, frac)
         if cidx.size >= k:
             break
-    idx_np, val_np = K.topk_finish(cidx, cval, k, res, False)
-    if fused is not None:
+    take = np.empty(cidx.size, np.uint8)
+    idx_np, val_np = K.topk_finish(cidx, cval, k, take)
+    if mode == 2:
+        K.restore_unselected(res, cidx, cval, take)
+    elif fused is not None:
         K.zero_at(res, idx_np)
     return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
 
