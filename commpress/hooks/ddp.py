@@ -34,9 +34,17 @@ During the first ``warmup_steps`` steps (at least one) each bucket is one dense
 
 Notes
 -----
-* The hook is synchronous: communication does not overlap the rest of the
-  backward pass (the price of never waiting inside a callback).  On GPU each
-  bucket costs one host sync (the non-finite count).
+* ``overlap=True`` (default): the hook hands each bucket to one worker thread
+  per state and returns at once, so compression and communication overlap the
+  rest of the backward pass as DDP's own all_reduce does.  The worker runs the
+  steps above bucket by bucket in DDP's order, on a process group of its own
+  (created at registration), so its collectives never interleave with those
+  DDP or the user issue on the model's group; it still never waits inside a
+  future callback.  A failure in the worker fails that bucket's future, which
+  DDP raises from ``backward()``.  ``overlap=False`` (and any process group
+  smaller than the world, where a dedicated group cannot be created without
+  every rank) runs everything inside the hook call.  On GPU each bucket costs
+  one host sync (the non-finite count).
 * ``static_graph=True`` makes DDP rebuild its buckets after the second
   iteration; with ``warmup_steps=1`` the units then follow DDP's first layout
   (correct, only another grouping).  Use ``warmup_steps >= 2`` there.
@@ -50,6 +58,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -147,11 +157,17 @@ class DDPState(HookState):
         every N steps hash each synchronized bucket on all ranks and raise
         :class:`ReplicaMismatchError` naming the bucket on a mismatch (one
         ``all_gather`` of an int64 per bucket); ``None`` reads the environment
-        variable ``COMMPRESS_VERIFY`` (0 = off).
+        variable ``COMMPRESS_VERIFY`` (0 = off).  Verify mode runs synchronously
+        (no overlap) so that a mismatch raises :class:`ReplicaMismatchError`.
     seed:
         seeds the per-rank generator for stochastic rounding.
     dense_1d:
         send 1-D parameters (biases, norm weights) dense (default ``True``).
+    overlap:
+        run compression and communication on a worker thread (with a process
+        group of its own) so they overlap the backward pass (default ``True``).
+        A failure there reaches ``backward()`` as a ``RuntimeError`` naming the
+        original exception, which is kept in ``state.last_error``.
 
     Registration exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -165,7 +181,7 @@ class DDPState(HookState):
                  min_numel: int = DEFAULT_MIN_NUMEL, skip: Callable[[str], bool] | None = None,
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
-                 **compressor_params: Any) -> None:
+                 overlap: bool = True, **compressor_params: Any) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 "model must be a torch.nn.parallel.DistributedDataParallel, got "
@@ -191,6 +207,8 @@ class DDPState(HookState):
             raise ValueError(f"verify_every must be an integer >= 0, got {verify_every!r}")
         if process_group is None:
             process_group = getattr(model, "process_group", None)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
         self.warmup_steps = max(1, warmup_steps)
@@ -199,6 +217,7 @@ class DDPState(HookState):
         self.verify_every = verify_every
         self.seed = seed
         self.dense_1d = bool(dense_1d)
+        self._worker: _Worker | None = None
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
@@ -229,6 +248,11 @@ class DDPState(HookState):
         self._step_sent = 0
         self._mem_dirty = True
         self.check_config()
+        # After the fingerprint check (a collective on the model's group): the hook's own
+        # group.  Verify mode runs in the hook call, so a mismatch raises ReplicaMismatchError.
+        self.process_group, self._worker = _overlap_group(self.process_group, overlap and not verify_every)
+        self.overlap = self._worker is not None
+        self.last_error: BaseException | None = None
         if algorithm == "auto" and inner.aggregation in ("sparse", "gather") and self.world_size > 1:
             # Calibrate the collectives' cost model now (a collective), not inside the first
             # backward: keeps the per-step stats to what the steps send.
@@ -236,6 +260,12 @@ class DDPState(HookState):
 
             get_cost_model(self.process_group)
         setattr(model, _ATTR, self)
+
+    def close(self) -> None:
+        """Stop the overlap worker thread (the hook must not run afterwards)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     # -- policy ----------------------------------------------------------
     def _goes_dense(self, name: str, p: torch.Tensor, skip: Callable[[str], bool] | None,
@@ -530,11 +560,96 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     """
     if not isinstance(state, DDPState):
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    view = _BucketView(bucket)
+    if state._worker is not None:
+        state._worker.submit(state, view, fut)
+    else:
+        _run_bucket(state, view, fut, raise_errors=True)
+    return fut
+
+
+def _run_bucket(state: DDPState, bucket: "_BucketView", fut: torch.futures.Future,
+                raise_errors: bool = False) -> None:
     try:
-        return _hook(state, bucket)
-    except BaseException:
+        _hook(state, bucket, fut)
+    except BaseException as exc:
+        pending = [p.fut for p in state._pending if p.fut is not fut]
         _reset_step(state)  # a failed step leaves nothing half-done for the next one
-        raise
+        if raise_errors:
+            raise
+        state.last_error = exc
+        # DDP re-raises a future's exception from backward() as a RuntimeError; keep
+        # the original type and message readable in it (the object is state.last_error).
+        err = RuntimeError(f"commpress ddp hook failed on bucket {bucket.index()}: "
+                           f"{type(exc).__name__}: {exc}")
+        for f in [fut, *pending]:
+            if not f.done():
+                f.set_exception(err)
+
+
+class _BucketView:
+    """What the hook needs from a ``GradBucket``, captured in the hook call."""
+
+    __slots__ = ("_index", "_buffer", "_parameters", "_last")
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._index = bucket.index()
+        self._buffer = bucket.buffer()
+        self._parameters = bucket.parameters()
+        self._last = bucket.is_last()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class _Worker:
+    """One daemon thread that runs the buckets of a state in DDP's order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: DDPState, bucket: _BucketView, fut: torch.futures.Future) -> None:
+        self._queue.put((state, bucket, fut))
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            _run_bucket(*item)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def _overlap_group(process_group: dist.ProcessGroup | None, overlap: bool
+                   ) -> tuple[dist.ProcessGroup | None, _Worker | None]:
+    """The group the hook's collectives use and its worker (``None``: synchronous)."""
+    if not overlap or not dist.is_initialized():
+        return process_group, None
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return process_group, None
+    if dist.get_world_size(group) != dist.get_world_size():
+        log.info("commpress ddp: overlap needs a process group spanning the world (a dedicated "
+                 "group is created on every rank); running synchronously")
+        return process_group, None
+    ranks = dist.get_process_group_ranks(group)
+    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    return own, _Worker()
 
 
 def _reset_step(state: DDPState) -> None:
@@ -545,14 +660,13 @@ def _reset_step(state: DDPState) -> None:
     state._step_nonfinite = False
 
 
-def _hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _hook(state: DDPState, bucket: _BucketView, fut: torch.futures.Future) -> None:
     with Timer() as total:
         buf = bucket.buffer()
         world = state.world_size
         plan = state._plan(bucket)
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
         _scale_(buf, world)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         compress_s = 0.0
         if state.step < state.warmup_steps or not plan.compressed or world == 1:
             if world > 1:
@@ -566,11 +680,10 @@ def _hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torc
                 sent += _verify(state, done.plan, done.buf)
     state.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
                        compress_seconds=compress_s, hook_seconds=total.seconds)
+    if bucket.is_last():
+        _end_step(state)  # before the last future completes: backward() returns on a finished step
     for done in finished:
         done.fut.set_result(done.buf)
-    if bucket.is_last():
-        _end_step(state)
-    return fut
 
 
 # DDP inspects the annotations (which `from __future__ import annotations` turns into strings).
@@ -652,7 +765,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              min_numel: int = DEFAULT_MIN_NUMEL, skip: Callable[[str], bool] | None = None,
              algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
-             **compressor_params: Any) -> DDPState:
+             overlap: bool = True, **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
     ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
     ``state.state_dict()``).  Collective: call it on every rank with the same
@@ -662,7 +775,8 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
-                     verify_every=verify_every, seed=seed, dense_1d=dense_1d, **compressor_params)
+                     verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
+                     **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 
