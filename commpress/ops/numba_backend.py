@@ -436,10 +436,13 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
 
 
 def _serial_when_small(fn):
-    """Run ``fn`` on one numba thread when its largest input is small.
+    """Run ``fn`` on at most ``torch.get_num_threads()`` numba threads, one when small.
 
-    Waking the thread pool costs more than the work for small tensors, and much
-    more on a loaded machine.  (``numba.set_num_threads`` is per calling thread.)
+    Numba follows torch's intra-op thread count, so a rank process that calls
+    ``torch.set_num_threads(1)`` (as ``torchrun`` workers sharing a host should)
+    does not oversubscribe the cores with numba's own pool.  Waking the pool costs
+    more than the work for small tensors, and much more on a loaded machine.
+    (``numba.set_num_threads`` is per calling thread.)
     """
 
     @functools.wraps(fn)
@@ -449,10 +452,12 @@ def _serial_when_small(fn):
         if size is None:  # counter ops: n is the third argument
             n = args[2] if len(args) > 2 else kwargs.get("n", 0)
             size = int(n) if isinstance(n, (int, np.integer)) else 0
-        if size >= SERIAL_BELOW:
-            return fn(*args, **kwargs)
+        wanted = 1 if size < SERIAL_BELOW else max(1, min(numba.config.NUMBA_NUM_THREADS,
+                                                          torch.get_num_threads()))
         threads = numba.get_num_threads()
-        numba.set_num_threads(1)
+        if wanted == threads:
+            return fn(*args, **kwargs)
+        numba.set_num_threads(wanted)
         try:
             return fn(*args, **kwargs)
         finally:
