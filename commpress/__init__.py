@@ -9,10 +9,15 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from .compressors import Compressor, Payload, available, get, register
 from .feedback import ErrorFeedback
 from .hooks import ddp, fsdp
+
+# `import commpress.ddp` / `from commpress.fsdp import register` work like attribute access.
+sys.modules[f"{__name__}.ddp"] = ddp
+sys.modules[f"{__name__}.fsdp"] = fsdp
 
 logging.getLogger("commpress").addHandler(logging.NullHandler())
 

@@ -30,3 +30,4 @@ def test_run_reports_rank_errors():
         run(_raise_on_one, 2)
     out = run(_raise_on_one, 2, return_exceptions=True)
     assert out[0] == 0 and isinstance(out[1], RankError) and out[1].type == "ValueError"
+
