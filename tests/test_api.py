@@ -1,4 +1,5 @@
 """The public names later code and users import."""
+
 def test_hook_modules_import_by_their_public_names():
     import commpress
     import commpress.ddp
