@@ -648,8 +648,22 @@ def _overlap_group(process_group: dist.ProcessGroup | None, overlap: bool
                  "group is created on every rank); running synchronously")
         return process_group, None
     ranks = dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=_group_timeout(group))
     return own, _Worker()
+
+
+def _group_timeout(group: dist.ProcessGroup) -> Any:
+    """The timeout ``group`` was created with (``None``, torch's default, when it cannot be read).
+
+    The hook's own group must fail as fast as the user's: a hung peer otherwise
+    blocks the worker for torch's default (30 minutes) instead of the user's timeout.
+    """
+    try:
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's default
+        log.debug("commpress ddp: cannot read the process group's timeout; using torch's default")
+        return None
 
 
 def _reset_step(state: DDPState) -> None:
