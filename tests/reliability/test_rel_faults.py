@@ -129,6 +129,21 @@ RAISE_CASES = [("blockquant", {"bits": 8}, "two_phase"), ("topk", {"ratio": 0.05
                ("fp16", {}, "auto")]
 
 
+def _hang_until_peers_raised(tmp, world):
+    """A stand-in for a collective: block (alive, silent) until every survivor has touched
+    ``raised-<rank>`` in ``tmp``, then exit with EXIT_CODE (EXIT_CODE + 1 after a long wait)."""
+    others = [os.path.join(tmp, f"raised-{r}") for r in range(world) if r != VICTIM]
+
+    def hang(*args, **kwargs):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < PG_TIMEOUT + SLACK + 10:
+            if all(os.path.exists(p) for p in others):
+                os._exit(EXIT_CODE)
+            time.sleep(0.2)
+        os._exit(EXIT_CODE + 1)
+    return hang
+
+
 def _stall_in_collective(rank, world, tmp):
     """The victim stays alive but stops taking part (a hung rank) until every survivor
     has raised (each touches a file), then exits: EXIT_CODE if they all raised while it
@@ -139,16 +154,8 @@ def _stall_in_collective(rank, world, tmp):
     codec = commpress.ErrorFeedback(commpress.get("blockquant", bits=8))
     x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
     commpress.collectives.allreduce(x, codec, group=pg, algorithm="two_phase", key="warm")
-    others = [os.path.join(tmp, f"raised-{r}") for r in range(world) if r != VICTIM]
     if rank == VICTIM:
-        def hang(*args, **kwargs):
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < PG_TIMEOUT + SLACK + 10:
-                if all(os.path.exists(p) for p in others):
-                    os._exit(EXIT_CODE)
-                time.sleep(0.2)
-            os._exit(EXIT_CODE + 1)
-        _comm.all_to_all_bytes = hang
+        _comm.all_to_all_bytes = _hang_until_peers_raised(tmp, world)
     out = _outcome(lambda: commpress.collectives.allreduce(x, codec, group=pg, algorithm="two_phase", key="b"))
     open(os.path.join(tmp, f"raised-{rank}"), "w").close()
     return out
@@ -210,7 +217,7 @@ class _Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _ddp_fault(rank, world, name, params, attr, action):
+def _ddp_fault(rank, world, name, params, attr, action, tmp=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from commpress.collectives import _comm
@@ -224,9 +231,15 @@ def _ddp_fault(rank, world, name, params, attr, action):
         model.zero_grad()
         model(torch.randn(4, 32, generator=g)).sum().backward()
     if rank == VICTIM:   # inside the hook: after the bucket's dense all_reduce, at the header exchange
-        inject(_comm, attr, action)
+        if action == "hang":
+            setattr(_comm, attr, _hang_until_peers_raised(tmp, world))
+        else:
+            inject(_comm, attr, action)
     model.zero_grad()
-    return _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
+    out = _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
+    if tmp is not None:
+        open(os.path.join(tmp, f"raised-{rank}"), "w").close()
+    return out
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
@@ -237,6 +250,15 @@ def test_rank_dies_inside_ddp_hook(name, params, how):
     res = run(_ddp_fault, WORLD, name, params, "all_gather", how, timeout=RUN_TIMEOUT,
               pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
     _check_died(res, how)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_hung_rank_inside_ddp_hook_makes_peers_raise_at_the_group_timeout(tmp_path):
+    # The hook's collectives run on a group of their own (overlap worker): it must
+    # inherit the user's process-group timeout, not torch's 30-minute default.
+    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05}, "all_gather", "hang", str(tmp_path),
+              timeout=RUN_TIMEOUT, pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
+    _check_died(res, "exit")          # exit code 71: the peers raised while the victim hung
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
