@@ -51,8 +51,10 @@ puts them (and ``GradScaler`` skips the step), and that rank's residuals are lef
 as they were.  On the "sum" path the NaN/inf travel in the cast values
 (identity, fp16, bf16) or by the compressor's own propagation contract, and
 ``ErrorFeedback`` keeps a residual unchanged whenever its input is non-finite.
-Ranks whose own gradients are finite in an overflow step update their residuals
-as usual (finite values; no rank-to-rank agreement on skipping is exchanged).  Error feedback residuals live in the ``ErrorFeedback`` codec keyed by
+On the owner path every rank defers its error-feedback update until the header
+exchange has shown every peer's mode: when any rank sent dense (an overflow step,
+which ``GradScaler`` skips) no rank updates its residuals, so the skipped step
+leaves all of them untouched.  Error feedback residuals live in the ``ErrorFeedback`` codec keyed by
 ``(unit name, chunk index)``; they are allocated at the first step and reused.
 
 The optional quantized all-gather (``all_gather="blockquant"``): each rank
@@ -77,6 +79,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..compressors import Compressor, Payload
+from ..feedback import ErrorFeedback
 from .common import HookState, Timer, resolve_compressor, tensor_bytes
 
 log = logging.getLogger("commpress")
@@ -341,6 +344,23 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         out.copy_(st.codec.decompress(summed).reshape(-1))
         return sent, f"{st.compressor.name}:reduce_scatter"
 
+    def _compress_chunks(self, chunks: torch.Tensor) -> tuple[list[Payload], list[tuple[Any, torch.Tensor, Payload]]]:
+        """Compress each destination's chunk; with error feedback, the residual updates
+        are returned for later (``(key, compensated, payload)``) instead of applied."""
+        st = self.state
+        keys = [(self.unit, j) for j in range(chunks.shape[0])]
+        if not isinstance(st.codec, ErrorFeedback):
+            return [st.codec.compress(chunks[j], step=st.step, key=key, generator=st.generator)
+                    for j, key in enumerate(keys)], []
+        payloads, deferred = [], []
+        for j, key in enumerate(keys):
+            compensated = st.codec.compensate(chunks[j], key)
+            payload = st.codec.compressor.compress(compensated.to(chunks.dtype), step=st.step, key=key,
+                                                   generator=st.generator)
+            payloads.append(payload)
+            deferred.append((key, compensated, payload))
+        return payloads, deferred
+
     # -- "gather" / "sparse": compressed chunks to their owners, decoded there ---
     def _owner_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
                     world: int, scale: float) -> tuple[int, str]:
@@ -353,8 +373,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             payloads = [Payload((chunks[j].contiguous(),), chunks[j].shape, inp.dtype, m)
                         for j in range(world)]
         else:
-            payloads = [st.codec.compress(chunks[j], step=st.step, key=(self.unit, j),
-                                          generator=st.generator) for j in range(world)]
+            payloads, deferred = self._compress_chunks(chunks)
         # decode structure (wire dtypes, fixed shapes, meta) of a chunk of m elements
         template = _template(st, chunks[me]) if dense else payloads[me]
         ntensors = len(template.tensors)
@@ -365,6 +384,9 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         header = torch.tensor(rows, dtype=torch.int64, device=inp.device)  # NCCL: device tensors
         headers, sent = _gather_rows(header, group)
         headers = headers.cpu().view(world, world, -1)    # [source, destination, field]
+        if not dense and not bool((headers[:, :, 0] == _MODE_DENSE).any()):
+            for key, compensated, payload in deferred:  # no rank overflowed: keep the residuals
+                st.codec.update(key, compensated, st.codec.compressor.decompress(payload))
         blobs = [_to_bytes(p.tensors, inp.device) for p in payloads]
         send_sizes = [b.numel() for b in blobs]
         specs_from = []

@@ -102,14 +102,6 @@ CASES = {
     "fsdp-topk-bf16": ("fsdp", "topk", {"ratio": 0.05}, torch.bfloat16),
     "fsdp-blockquant-fp16": ("fsdp", "blockquant", {"bits": 4, "error_feedback": True}, torch.float16),
 }
-FSDP_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG (issue 7; fsdp.py's docstring documents it as a limitation) in commpress/hooks/fsdp.py "
-    "CompressedReduceScatter._owner_path: the dense/compressed decision is per rank "
-    "(torch.isfinite of its own input). A rank whose own gradient is finite "
-    "compresses through ErrorFeedback and updates its residual although another rank's NaN/inf "
-    "makes the step non-finite and GradScaler skips it: the skipped step's untransmitted "
-    "gradient leaks into the next steps. Fix: agree on 'any rank non-finite' before compressing, "
-    "or roll the residuals back when the header shows a dense peer (as the DDP hook does)."))
 
 
 def _all_cases(rank, world):
@@ -134,8 +126,7 @@ def test_overflow_step_is_non_finite_on_every_rank_and_skipped(amp_results, case
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [c if c.startswith("ddp") else pytest.param(c, marks=FSDP_BUG)
-                                  for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_overflow_step_leaves_error_feedback_state_untouched(amp_results, case):
     for rank, out in enumerate(amp_results[case]):
         ov, nx = out["overflow"], out["next"]
