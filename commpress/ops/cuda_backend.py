@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import reference as ref
+from ._args import codes_u8, valid_bits, valid_block
 
 log = logging.getLogger("commpress")
 
@@ -262,23 +263,14 @@ def hash_owner(indices: torch.Tensor, world_size: int) -> torch.Tensor:
     return out.reshape(indices.shape)
 
 
-def _valid_bits(bits) -> bool:
-    return isinstance(bits, (int, np.integer)) and 1 <= int(bits) <= 8
-
-
-def _valid_block(block) -> bool:
-    return isinstance(block, (int, np.integer)) and int(block) >= 1
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.pack_bits`."""
-    if not _cuda(codes) or not _valid_bits(bits) or codes.is_complex():
+    if not _cuda(codes) or not valid_bits(bits) or codes.is_complex():
         return ref.pack_bits(codes, bits)
     bits = int(bits)
-    c = codes.reshape(-1)
-    if c.dtype != torch.uint8:
-        c = (c.to(torch.int64) & ((1 << bits) - 1)).to(torch.uint8)
-    c = c.contiguous()
+    c = codes_u8(codes, bits)
     n = c.numel()
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=c.device)
@@ -291,7 +283,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.unpack_bits`."""
     numel = int(numel)
-    if (not _cuda(packed) or not _valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
+    if (not _cuda(packed) or not valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8):
         return ref.unpack_bits(packed, bits, numel)
     p = packed.reshape(-1).contiguous()
@@ -304,7 +296,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_absmax`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not _valid_block(block):
+    if not _cuda(x) or x.dtype not in _FLOATS or not valid_block(block):
         return ref.block_absmax(x, block)
     xf = _flat_f32(x)
     n, block = xf.numel(), int(block)
@@ -318,7 +310,7 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def block_quantize(x: torch.Tensor, bits: int, block: int, stochastic: bool = False, seed: int = 0):
     """See :func:`commpress.ops.reference.block_quantize`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not _valid_bits(bits) or not _valid_block(block):
+    if not _cuda(x) or x.dtype not in _FLOATS or not valid_bits(bits) or not valid_block(block):
         return ref.block_quantize(x, bits, block, stochastic, seed)
     bits, block = int(bits), int(block)
     xf = _flat_f32(x)
@@ -343,7 +335,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_dequantize` (unpack + scale + accumulate fused)."""
     numel = int(numel)
-    if (not _cuda(packed, scales, out) or not _valid_bits(bits) or not _valid_block(block)
+    if (not _cuda(packed, scales, out) or not valid_bits(bits) or not valid_block(block)
             or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8
             or scales.numel() < -(-numel // int(block)) or not _out_ok(out, numel)):
@@ -360,7 +352,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
 
 def sign_pack(x: torch.Tensor, chunk: int):
     """See :func:`commpress.ops.reference.sign_pack`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not _valid_block(chunk):
+    if not _cuda(x) or x.dtype not in _FLOATS or not valid_block(chunk):
         return ref.sign_pack(x, chunk)
     chunk = int(chunk)
     xf = _flat_f32(x)
@@ -380,7 +372,7 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.sign_unpack`."""
     numel = int(numel)
-    if (not _cuda(bits, scales, out) or not _valid_block(chunk) or bits.dtype != torch.uint8
+    if (not _cuda(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
             or numel < 0 or bits.numel() < (numel + 7) // 8
             or scales.numel() < -(-numel // int(chunk)) or not _out_ok(out, numel)):
         return ref.sign_unpack(bits, scales, chunk, numel, out, accumulate)

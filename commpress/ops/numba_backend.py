@@ -22,6 +22,7 @@ import torch
 
 from . import _numba_kernels as K
 from . import reference as ref
+from ._args import codes_u8, valid_bits, valid_block
 
 log = logging.getLogger("commpress")
 
@@ -292,19 +293,13 @@ def hash_partition(indices: torch.Tensor, world_size: int):
 
 
 # ---------------------------------------------------------------- bit packing
-def _valid_bits(bits) -> bool:
-    return isinstance(bits, (int, np.integer)) and 1 <= int(bits) <= 8
-
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.pack_bits`."""
-    if not _cpu(codes) or not _valid_bits(bits) or codes.is_complex():
+    if not _cpu(codes) or not valid_bits(bits) or codes.is_complex():
         return ref.pack_bits(codes, bits)
     bits = int(bits)
-    c = codes.reshape(-1)
-    if c.dtype != torch.uint8:
-        c = (c.to(torch.int64) & ((1 << bits) - 1)).to(torch.uint8)
-    c = c.contiguous().numpy()
+    c = codes_u8(codes, bits).numpy()
     packed = np.empty((c.size * bits + 7) // 8, np.uint8)
     K.pack_bits(c, bits, _chunk(c.size), packed)
     return torch.from_numpy(packed)
@@ -313,7 +308,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.unpack_bits`."""
     numel = int(numel)
-    if (not _cpu(packed) or not _valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
+    if (not _cpu(packed) or not valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8):
         return ref.unpack_bits(packed, bits, numel)
     codes = np.empty(numel, np.uint8)
@@ -350,13 +345,10 @@ def bitmap_decode(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- block quantization
-def _valid_block(block) -> bool:
-    return isinstance(block, (int, np.integer)) and int(block) >= 1
-
 
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_absmax`."""
-    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_block(block):
+    if not _cpu(x) or x.dtype not in _FLOATS or not valid_block(block):
         return ref.block_absmax(x, block)
     xf = _f32(x)
     n = xf.numel()
@@ -367,7 +359,7 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def block_quantize(x: torch.Tensor, bits: int, block: int, stochastic: bool = False, seed: int = 0):
     """See :func:`commpress.ops.reference.block_quantize` (one pass per chunk of blocks)."""
-    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_bits(bits) or not _valid_block(block):
+    if not _cpu(x) or x.dtype not in _FLOATS or not valid_bits(bits) or not valid_block(block):
         return ref.block_quantize(x, bits, block, stochastic, seed)
     bits, block = int(bits), int(block)
     xf = _f32(x)
@@ -385,7 +377,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_dequantize` (unpack + scale + accumulate fused)."""
     numel = int(numel)
-    if (not _cpu(packed, scales, out) or not _valid_bits(bits) or not _valid_block(block)
+    if (not _cpu(packed, scales, out) or not valid_bits(bits) or not valid_block(block)
             or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8
             or scales.numel() < (numel + int(block) - 1) // int(block)
@@ -404,7 +396,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
 # ---------------------------------------------------------------- sign + scale
 def sign_pack(x: torch.Tensor, chunk: int):
     """See :func:`commpress.ops.reference.sign_pack`."""
-    if not _cpu(x) or x.dtype not in _FLOATS or not _valid_block(chunk):
+    if not _cpu(x) or x.dtype not in _FLOATS or not valid_block(chunk):
         return ref.sign_pack(x, chunk)
     chunk = int(chunk)
     xf = _f32(x).numpy()
@@ -420,7 +412,7 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.sign_unpack`."""
     numel = int(numel)
-    if (not _cpu(bits, scales, out) or not _valid_block(chunk) or bits.dtype != torch.uint8
+    if (not _cpu(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
             or numel < 0 or bits.numel() < (numel + 7) // 8
             or scales.numel() < (numel + int(chunk) - 1) // int(chunk)
             or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
