@@ -78,6 +78,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..collectives import _comm
+from ..collectives.accounting import CommStats
 from ..compressors import Compressor, Payload
 from ..feedback import ErrorFeedback
 from .common import HookState, Timer, resolve_compressor, tensor_bytes
@@ -115,41 +117,20 @@ def _unit_layout(module: FSDPModule) -> list[list[Any]]:
 
 
 # ------------------------------------------------------------------ wire helpers
-# Bytes are charged by the direct model of commpress.collectives.accounting: an
+# Thin wrappers over commpress.collectives._comm that return the bytes sent.  Bytes are charged by the direct model of commpress.collectives.accounting: an
 # all_gather of s bytes per rank sends s*(P-1), an all_to_all sends what goes to
 # other ranks.  The data a rank keeps for itself is never counted.
 def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, int]:
     """All-gather a flat tensor of the same size from every rank: ``([P, n], bytes sent)``."""
-    world = group.size()
-    t = t.contiguous().reshape(-1)
-    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=group)
-    return out.view(world, -1), t.numel() * t.element_size() * (world - 1)
+    cs = CommStats()
+    return _comm.all_gather(t.reshape(-1), group, cs), cs.bytes_sent
 
 
 def _all_to_all(buf: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
                 ) -> tuple[torch.Tensor, int]:
     """All-to-all of a uint8 buffer cut into ``send[r]`` bytes per rank: ``(received, bytes sent)``."""
-    out = torch.empty(sum(recv), dtype=torch.uint8, device=buf.device)
-    dist.all_to_all_single(out, buf.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                           group=group)
-    me = group.rank()
-    return out, sum(n for r, n in enumerate(send) if r != me)
-
-
-def _to_bytes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-
-
-def _from_bytes(buf: torch.Tensor, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
-                ) -> list[torch.Tensor]:
-    out, off = [], 0
-    for dtype, shape in specs:
-        nb = math.prod(shape) * _itemsize(dtype)
-        out.append(buf[off:off + nb].clone().view(dtype).reshape(shape))
-        off += nb
-    return out
+    cs = CommStats()
+    return _comm.all_to_all_bytes(buf, send, recv, group, cs), cs.bytes_sent
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -387,7 +368,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         if not dense and not bool((headers[:, :, 0] == _MODE_DENSE).any()):
             for key, compensated, payload in deferred:  # no rank overflowed: keep the residuals
                 st.codec.update(key, compensated, st.codec.compressor.decompress(payload))
-        blobs = [_to_bytes(p.tensors, inp.device) for p in payloads]
+        blobs = [_comm.to_bytes(*p.tensors) for p in payloads]
         send_sizes = [b.numel() for b in blobs]
         specs_from = []
         for src in range(world):
@@ -403,7 +384,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         offset = 0
         any_dense = dense
         for src in range(world):
-            tensors = _from_bytes(buf[offset:offset + recv_sizes[src]], specs_from[src])
+            tensors = _comm.from_bytes(buf[offset:offset + recv_sizes[src]], specs_from[src])
             offset += recv_sizes[src]
             if int(headers[src, me, 0]) == _MODE_DENSE:
                 any_dense = True
@@ -463,11 +444,11 @@ class QuantizedAllGather(_CommBase, AllGather):
             else:
                 payload = comp.compress(input_tensor, step=st.step, key=(self.unit, "all_gather"),
                                         generator=st.generator)
-                rows, sent = _gather_rows(_to_bytes(payload.tensors, input_tensor.device), group)
+                rows, sent = _gather_rows(_comm.to_bytes(*payload.tensors), group)
                 specs = [(x.dtype, tuple(x.shape)) for x in payload.tensors]
                 out = output_tensor.view(world, n)
                 for r in range(world):
-                    got = Payload(tuple(_from_bytes(rows[r], specs)), payload.shape, payload.dtype,
+                    got = Payload(tuple(_comm.from_bytes(rows[r], specs)), payload.shape, payload.dtype,
                                   payload.numel, dict(payload.meta))
                     out[r].copy_(comp.decompress(got).reshape(-1))
                 algorithm = f"{comp.name}:all_gather"
