@@ -41,7 +41,9 @@ Notes
   (created at registration), so its collectives never interleave with those
   DDP or the user issue on the model's group; it still never waits inside a
   future callback.  A failure in the worker fails that bucket's future, which
-  DDP raises from ``backward()``.  ``overlap=False`` (and any process group
+  DDP raises from ``backward()``.  Steps with nothing to compress (warm-up, or
+  identity without error feedback) skip the worker: one asynchronous
+  ``all_reduce`` per bucket straight from the hook, as DDP itself does.  ``overlap=False`` (and any process group
   smaller than the world, where a dedicated group cannot be created without
   every rank) runs everything inside the hook call.  On GPU each bucket costs
   one host sync (the non-finite count).
@@ -560,6 +562,8 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     """
     if not isinstance(state, DDPState):
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
+    if state._worker is not None and (state.step < state.warmup_steps or not state.compressed_param_names):
+        return _dense_async(state, bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     view = _BucketView(bucket)
     if state._worker is not None:
@@ -567,6 +571,23 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     else:
         _run_bucket(state, view, fut, raise_errors=True)
     return fut
+
+
+def _dense_async(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A step with no compressed bucket (warm-up, or nothing to compress): DDP's own
+    path, one asynchronous ``all_reduce`` per bucket issued from the hook call, with
+    no worker hand-off.  The callback only returns the buffer (no collective)."""
+    with Timer() as total:
+        buf = bucket.buffer()
+        plan = state._plan(bucket)
+        dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), state.world_size)
+        _scale_(buf, state.world_size)
+        work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+    state.stats.record(plan.index, bytes_sent=dense_bytes, dense_bytes=dense_bytes, algorithm="dense",
+                       compress_seconds=0.0, hook_seconds=total.seconds)
+    if bucket.is_last():
+        _end_step(state)
+    return work.get_future().then(lambda _: buf)
 
 
 def _run_bucket(state: DDPState, bucket: "_BucketView", fut: torch.futures.Future,
