@@ -172,12 +172,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     elif tensor.dtype not in inner.supported_dtypes:
         err = (4, f"dtype {tensor.dtype} not supported by {inner.name}")
     if world == 1:
-        if err[0]:
-            raise CollectiveInputError(f"quantized_allreduce: {err[1]}")
-        p = compressor.compress(flat, step=step, key=(key, 0), generator=generator)
-        if stats is not None:
-            stats.add(calls=1, algorithm="local")
-        return inner.decompress(p).to(tensor.dtype).reshape(tensor.shape)
+        return _local("quantized_allreduce", err, compressor, flat, key, step, stats,
+                      generator).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
     payloads, sizes, states = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
                                       algorithm, "gather", err)
@@ -191,6 +187,16 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
     return out.to(tensor.dtype).reshape(tensor.shape)
+
+
+def _local(caller, err, compressor, flat, key, step, stats, generator) -> torch.Tensor:
+    """One rank: raise the input error, else compress and decode locally (nothing is sent)."""
+    if err[0]:
+        raise CollectiveInputError(f"{caller}: {err[1]}")
+    p = compressor.compress(flat, step=step, key=(key, 0), generator=generator)
+    if stats is not None:
+        stats.add(calls=1, algorithm="local")
+    return unwrap(compressor).decompress(p).reshape(-1)
 
 
 def _two_phase(flat, compressor, inner, payloads, sizes, bounds, group, key, step, stats, generator):
@@ -271,12 +277,7 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
     elif tensor.dtype not in inner.supported_dtypes:
         err = (4, f"dtype {tensor.dtype} not supported by {inner.name}")
     if world == 1:
-        if err[0]:
-            raise CollectiveInputError(f"reduce_scatter: {err[1]}")
-        p = compressor.compress(flat, step=step, key=(key, 0), generator=generator)
-        if stats is not None:
-            stats.add(calls=1, algorithm="local")
-        return inner.decompress(p).to(tensor.dtype).reshape(-1)
+        return _local("reduce_scatter", err, compressor, flat, key, step, stats, generator).to(tensor.dtype)
     bounds = [r * (n // world) for r in range(world + 1)]
     payloads, sizes, _ = _phase1(flat, compressor, bounds, group, key, step, stats, generator, validate,
                                  "two_phase", "reduce_scatter", err)
