@@ -6,8 +6,13 @@ torch reference, which then decides the result or raises the error.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+
+#: Magnitude key of +inf (fp32 bits of |x|); keys above it are NaN.
+INF_KEY = 0x7F800000
 
 
 def valid_bits(bits) -> bool:
@@ -26,3 +31,14 @@ def codes_u8(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if c.dtype != torch.uint8:
         c = (c.to(torch.int64) & ((1 << bits) - 1)).to(torch.uint8)
     return c.contiguous()
+
+
+def threshold_key_range(threshold: float) -> tuple[int, int]:
+    """Magnitude keys ``[lo, hi]`` selected by ``|x| >= threshold`` compared in fp32
+    (the reference's rule): NaN entries never pass, a NaN threshold passes nothing."""
+    thr = torch.tensor(float(threshold), dtype=torch.float32).item()
+    if math.isnan(thr):
+        return 1, 0
+    if thr <= 0:
+        return 0, INF_KEY
+    return int(np.array([thr], np.float32).view(np.int32)[0]), INF_KEY

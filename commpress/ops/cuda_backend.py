@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import reference as ref
-from ._args import codes_u8, valid_bits, valid_block
+from ._args import codes_u8, threshold_key_range, valid_bits, valid_block
 
 log = logging.getLogger("commpress")
 
@@ -36,7 +36,6 @@ except Exception as exc:  # ImportError, or a CuPy build that does not match the
 SOURCES = ("commpress_ops.cu",)
 _THREADS = 256
 _MAX_GRID = 65535
-_INF_KEY = 0x7F800000
 _MAX_KEY = 0x7FFFFFFF
 #: Strided sample size used by top-k to estimate its candidate threshold.
 TOPK_SAMPLE = 1 << 16
@@ -146,13 +145,7 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
     flat = x.reshape(-1)
     xf = _flat_f32(flat)
     xi = xf.view(torch.int32)
-    thr = torch.tensor(float(threshold), dtype=torch.float32).item()
-    if math.isnan(thr):
-        lo, hi = 1, 0
-    elif thr <= 0:
-        lo, hi = 0, _INF_KEY
-    else:
-        lo, hi = int(np.array([thr], np.float32).view(np.int32)[0]), _INF_KEY
+    lo, hi = threshold_key_range(threshold)
     fused = _fused_residual(flat, residual)
     mode, res = fused if fused is not None else (0, xf)
     idx, val = _select(xi, lo, hi, res.view(torch.int32), mode)

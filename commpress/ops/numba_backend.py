@@ -22,7 +22,7 @@ import torch
 
 from . import _numba_kernels as K
 from . import reference as ref
-from ._args import codes_u8, valid_bits, valid_block
+from ._args import codes_u8, threshold_key_range, valid_bits, valid_block
 
 log = logging.getLogger("commpress")
 
@@ -36,7 +36,6 @@ SERIAL_BELOW = 1 << 17
 #: Strided sample size used by top-k to estimate its candidate threshold.
 TOPK_SAMPLE = 1 << 14
 
-_INF_KEY = 0x7F800000
 _MAX_KEY = 0x7FFFFFFF
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INTS = (torch.int32, torch.int64)
@@ -114,13 +113,7 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
     n = flat.numel()
     xf = _f32(flat)
     xi = _bits_view(xf)
-    thr = torch.tensor(float(threshold), dtype=torch.float32).item()  # the reference compares in fp32
-    if math.isnan(thr):
-        lo, hi = 1, 0
-    elif thr <= 0:
-        lo, hi = 0, _INF_KEY
-    else:
-        lo, hi = int(np.array([thr], np.float32).view(np.int32)[0]), _INF_KEY
+    lo, hi = threshold_key_range(threshold)
     fused = _fused_residual(flat, residual)
     mode, res = (fused if fused is not None else (0, xi))
     idx_np, val_np = _select(xi, lo, hi, res, mode, _sample_fraction(xi, lo, hi))
