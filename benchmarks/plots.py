@@ -17,6 +17,17 @@ def _plt():
 
     return plt
 
+def _panels(plt, n: int):
+    """One 7x5-inch panel per task, side by side: ``(fig, axes[1][n])``."""
+    return plt.subplots(1, n, figsize=(7 * n, 5), squeeze=False)
+
+
+def _save(plt, fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
 
 def _ok(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "curve" in r]
@@ -26,7 +37,7 @@ def time_to_target(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[s
     """Metric vs training wall time per configuration, the target as a dotted line."""
     plt = _plt()
     tasks = list(rows_by_task)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5), squeeze=False)
+    fig, axes = _panels(plt, len(tasks))
     for ax, task in zip(axes[0], tasks):
         for r in _ok(rows_by_task[task]):
             color, ls = KIND_STYLE.get(r["kind"], (None, "-"))
@@ -47,18 +58,14 @@ def time_to_target(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[s
         ax.set_title(f"{task}: {metric} vs time ({meta.get('network', '')[:60]})", fontsize=9)
         ax.legend(fontsize=6, ncol=2)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = path / "time_to_target.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path / "time_to_target.png")
 
 
 def frontier(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> Path:  # noqa: ARG001
     """Bytes per step (log) vs final metric: the trade-off frontier."""
     plt = _plt()
     tasks = list(rows_by_task)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5), squeeze=False)
+    fig, axes = _panels(plt, len(tasks))
     for ax, task in zip(axes[0], tasks):
         for r in _ok(rows_by_task[task]):
             color, _ = KIND_STYLE.get(r["kind"], (None, "-"))
@@ -70,18 +77,14 @@ def frontier(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, An
         ax.set_ylabel("final " + (_ok(rows_by_task[task])[0]["metric"] if _ok(rows_by_task[task]) else "metric"))
         ax.set_title(f"{task}: traffic vs final quality", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    out = path / "frontier.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path / "frontier.png")
 
 
 def step_breakdown(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> Path:  # noqa: ARG001
     """Stacked bars: median step time = compute + compression + communication."""
     plt = _plt()
     tasks = list(rows_by_task)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5), squeeze=False)
+    fig, axes = _panels(plt, len(tasks))
     for ax, task in zip(axes[0], tasks):
         rows = _ok(rows_by_task[task])
         names = [r["config"] for r in rows]
@@ -98,11 +101,7 @@ def step_breakdown(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[s
         ax.set_title(f"{task}: step time breakdown", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    out = path / "step_time.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path / "step_time.png")
 
 
 def make_all(path: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> list[Path]:
