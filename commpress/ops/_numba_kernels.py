@@ -14,6 +14,9 @@ Parallel kernels split the input into chunks of ``clen`` elements (a multiple of
 
 from __future__ import annotations
 
+import threading
+import types
+
 import numpy as np
 from numba import njit, prange
 
@@ -33,6 +36,62 @@ _NAN32 = np.float32(np.nan)
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
 _OPTS = dict(parallel=True, cache=True, nogil=True)
 _SOPTS = dict(cache=True, nogil=True)
+
+_MODE = threading.local()
+
+
+def serial_kernels() -> "_SerialScope":
+    """Context manager: parallel kernels called in it (on this thread) run their serial twin.
+
+    A serial twin is the same Python function compiled with ``parallel=False``
+    (``prange`` becomes ``range``), so it never wakes numba's thread pool.  Rank
+    processes that share a host's cores (``torch.get_num_threads() == 1``) use it:
+    a pool would spin in every rank and oversubscribe the cores.
+    """
+    return _SerialScope()
+
+
+def in_serial_mode() -> bool:
+    """True inside :func:`serial_kernels` on this thread."""
+    return getattr(_MODE, "serial", False)
+
+
+class _SerialScope:
+    def __enter__(self):
+        self._before = getattr(_MODE, "serial", False)
+        _MODE.serial = True
+
+    def __exit__(self, *exc):
+        _MODE.serial = self._before
+
+
+class _Kernel:
+    """A ``parallel=True`` kernel with a lazily compiled serial twin (see :func:`serial_kernels`)."""
+
+    def __init__(self, py_func):
+        self.py_func = py_func
+        self.parallel = njit(**_OPTS)(py_func)
+        self._serial = None
+        self.__name__ = py_func.__name__
+        self.__doc__ = py_func.__doc__
+
+    @property
+    def serial(self):
+        if self._serial is None:
+            f = self.py_func
+            twin = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial",
+                                      f.__defaults__, f.__closure__)
+            twin.__qualname__ = f.__qualname__ + "_serial"  # its own on-disk cache entry
+            self._serial = njit(**_SOPTS)(twin)
+        return self._serial
+
+    def __call__(self, *args):
+        return (self.serial if getattr(_MODE, "serial", False) else self.parallel)(*args)
+
+
+def parallel_kernel(py_func) -> _Kernel:
+    """Decorator for the kernels that use ``prange`` (a parallel and a serial build)."""
+    return _Kernel(py_func)
 
 
 # ---------------------------------------------------------------- hashing
@@ -54,7 +113,7 @@ def _bits24(i, k0, k1):
     return h >> _S8
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def counter_bits(start, n, k0, k1, out):
     """out[j] = 24-bit hash of element ``start + j`` (int64 ``out``)."""
     s = np.uint64(start)
@@ -62,7 +121,7 @@ def counter_bits(start, n, k0, k1, out):
         out[j] = np.int64(_bits24((s + np.uint64(j)) & _M32, k0, k1))
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def counter_uniform(start, n, k0, k1, out):
     """out[j] = counter_bits / 2**24 as fp32."""
     s = np.uint64(start)
@@ -70,7 +129,7 @@ def counter_uniform(start, n, k0, k1, out):
         out[j] = np.float32(np.int32(_bits24((s + np.uint64(j)) & _M32, k0, k1))) * _U24
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def hash_owner(idx, world, out):
     """out[j] = mix32(idx[j] mod 2**32) mod world (int64 ``out``)."""
     w = np.uint64(world)
@@ -78,7 +137,7 @@ def hash_owner(idx, world, out):
         out[j] = np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def hash_partition(idx, world, clen, counts, order):
     """Stable grouping of ``idx`` by owner: fills ``counts`` (world) and ``order``."""
     n = idx.size
@@ -109,7 +168,7 @@ def hash_partition(idx, world, clen, counts, order):
 
 
 # ---------------------------------------------------------------- selection
-@njit(**_OPTS)
+@parallel_kernel
 def magnitude_key(xi, out):
     """out[j] = xi[j] & 0x7fffffff as int64 (``xi``: fp32 bits as int32)."""
     for j in prange(xi.size):
@@ -168,7 +227,7 @@ def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, z
     return pos
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
     """One pass: compact each chunk's selected entries into its slot of ``cap`` entries.
 
@@ -195,7 +254,7 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
     return counts
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode):
     """Concatenate the chunk slots of :func:`select_chunks`; rescan overflowed chunks."""
     n = xi.size
@@ -276,14 +335,14 @@ def topk_finish(cidx, cval, k, take):
     return idx, val
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def zero_at(res, idx):
     """res[idx[j]] = 0 for every j (in parallel)."""
     for j in prange(idx.size):
         res[idx[j]] = 0
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def restore_unselected(res, cidx, cval, take):
     """res[cidx[j]] = cval[j] for the candidates not taken (their residual was zeroed in the pass)."""
     for j in prange(cidx.size):
@@ -291,7 +350,7 @@ def restore_unselected(res, cidx, cval, take):
             res[cidx[j]] = cval[j]
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def scatter_add(out, idx, val, nparts):
     """out[idx[j]] += val[j] in ``j`` order, parallel over ranges of ``out`` (duplicates safe).
 
@@ -377,7 +436,7 @@ def _unpack_range(packed, a, b, bits, codes, cbase):
                 sh += ub
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def pack_bits(codes, bits, clen, packed):
     """Little-endian bit packing of uint8 ``codes`` (``clen`` a multiple of 8)."""
     n = codes.size
@@ -387,7 +446,7 @@ def pack_bits(codes, bits, clen, packed):
         _pack_range(codes, 0, a, min(a + clen, n), bits, packed)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def unpack_bits(packed, bits, n, clen, codes):
     """Inverse of :func:`pack_bits` into uint8 ``codes`` (``n`` entries)."""
     nch = (n + clen - 1) // clen
@@ -409,7 +468,7 @@ def bitmap_encode(idx, n, bitmap):
     return -1
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def bitmap_count(bitmap, n, clen):
     """Per chunk of ``clen`` entries (multiple of 8), the number of set bits below ``n``."""
     nch = (n + clen - 1) // clen
@@ -424,7 +483,7 @@ def bitmap_count(bitmap, n, clen):
     return counts
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def bitmap_write(bitmap, n, clen, counts, idx_out):
     """Write the set-bit indices (ascending) using the chunk counts of :func:`bitmap_count`."""
     nch = counts.size
@@ -453,7 +512,7 @@ def _absmax_key(xi, a, b):
     return m
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def block_absmax(xi, block, scales):
     """scales[b] = max |x| over block ``b`` as fp32 bits (int32 view), NaN if any NaN."""
     n = xi.size
@@ -472,7 +531,7 @@ def _code(y, lim, qmax):
     return np.uint8(np.int32(q) + qmax)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales):
     """Absmax block quantization + packing in one pass per chunk.
 
@@ -532,7 +591,7 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
             _pack_range(codes, a, a, b, bits, packed)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
     """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk."""
     qmax = (1 << (bits - 1)) - 1
@@ -622,7 +681,7 @@ def _tree_sum_abs(x, a, b):
     return acc
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def sign_scales(x, chunk, scales):
     """scales[c] = tree-sum |x| over chunk ``c`` / its length (fp32)."""
     n = x.size
@@ -632,7 +691,7 @@ def sign_scales(x, chunk, scales):
         scales[c] = _tree_sum_abs(x, a, b) / np.float32(b - a)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def sign_bits(x, packed):
     """Bit j = not (x[j] < 0), little-endian, 8 entries per byte."""
     n = x.size
@@ -645,7 +704,7 @@ def sign_bits(x, packed):
         packed[byte] = np.uint8(v)
 
 
-@njit(**_OPTS)
+@parallel_kernel
 def sign_unpack(packed, scales, chunk, n, out, accumulate):
     """out[j] (+)= +scale or -scale of ``j``'s chunk by bit ``j``."""
     nch = scales.size

@@ -58,9 +58,14 @@ def _bits_view(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy().view(np.int32)
 
 
+def _threads() -> int:
+    """Threads the next kernel runs on (1 for serial twins; never starts numba's pool then)."""
+    return 1 if K.in_serial_mode() else numba.get_num_threads()
+
+
 def _chunk(n: int, multiple: int = 64) -> int:
     """Parallel chunk length: several chunks per thread, at least ``MIN_CHUNK``."""
-    c = max(MIN_CHUNK, -(-n // (4 * numba.get_num_threads())))
+    c = max(MIN_CHUNK, -(-n // (4 * _threads())))
     return -(-c // multiple) * multiple
 
 
@@ -231,7 +236,7 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     idx = indices.contiguous().numpy()
     val = values.detach().to(out.dtype).contiguous().numpy()
     m = idx.size
-    nparts = 1 if m < 4096 else numba.get_num_threads()
+    nparts = 1 if m < 4096 else _threads()
     bad = K.scatter_add(out.numpy(), idx, val, nparts)
     if bad >= 0:
         raise IndexError(f"scatter_add_: indices[{bad}] = {int(idx[bad])} is out of range "
@@ -421,13 +426,14 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
 
 
 def _serial_when_small(fn):
-    """Run ``fn`` on at most ``torch.get_num_threads()`` numba threads, one when small.
+    """Run ``fn`` on at most ``torch.get_num_threads()`` numba threads; serial kernels at one.
 
-    Numba follows torch's intra-op thread count, so a rank process that calls
-    ``torch.set_num_threads(1)`` (as ``torchrun`` workers sharing a host should)
-    does not oversubscribe the cores with numba's own pool.  Waking the pool costs
-    more than the work for small tensors, and much more on a loaded machine.
-    (``numba.set_num_threads`` is per calling thread.)
+    Numba follows torch's intra-op thread count.  When that is 1 (``torchrun``
+    workers sharing a host should call ``torch.set_num_threads(1)``; a rank that
+    owns one core has 1 anyway) or the input is small, the kernels' serial twins
+    run (:func:`~commpress.ops._numba_kernels.serial_kernels`): numba's pool is
+    never woken, so it cannot spin in every rank process and oversubscribe the
+    cores.  (``numba.set_num_threads`` is per calling thread.)
     """
 
     @functools.wraps(fn)
@@ -439,6 +445,9 @@ def _serial_when_small(fn):
             size = int(n) if isinstance(n, (int, np.integer)) else 0
         wanted = 1 if size < SERIAL_BELOW else max(1, min(numba.config.NUMBA_NUM_THREADS,
                                                           torch.get_num_threads()))
+        if wanted == 1:
+            with K.serial_kernels():
+                return fn(*args, **kwargs)
         threads = numba.get_num_threads()
         if wanted == threads:
             return fn(*args, **kwargs)
