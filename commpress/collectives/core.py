@@ -133,8 +133,7 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     wire.sum_slots(msg_buf, error=code, nonfinite=bad_local)
     _comm.all_reduce_(msg_buf, group=group, stats=stats)
     wire.check_sum_slots(msg_buf, "allreduce", msg)
-    if has_feedback(compressor):
-        transaction.mark_bad(msg_buf[-1] != 0)
+    bad = msg_buf[-1] != 0 if has_feedback(compressor) else None
     pos, wires = 0, []
     for t, n in zip(payload.tensors, sizes):
         wires.append(msg_buf[pos:pos + n].view(t.shape))
@@ -142,4 +141,8 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     summed = Payload(tuple(wires), payload.shape, payload.dtype, payload.numel, payload.meta)
     if stats is not None:
         stats.add(calls=1, algorithm="allreduce")
-    return inner.decompress(summed).to(tensor.dtype).reshape(tensor.shape)
+    out = inner.decompress(summed).to(tensor.dtype).reshape(tensor.shape)
+    if bad is not None:
+        transaction.mark_bad(bad)
+        wire.poison_(out, bad)
+    return out

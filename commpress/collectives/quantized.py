@@ -195,16 +195,20 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key,
     world, me = _comm.world(group), _comm.rank(group)
     received, layout = _phase1(flat, compressor, payloads, code, sig, group, stats)
     acc = _owner_sum(inner, received, layout, payloads[me])
-    src = acc.to(flat.dtype)
+    src = acc.to(flat.dtype if flat.dtype in inner.supported_dtypes else torch.float32)
     owner_key = ("owner", key, me)
-    if isinstance(compressor, ErrorFeedback) and not inner.unbiased:
-        p2 = compressor.compress_fixed(src, step=step, key=owner_key, generator=generator, transaction=tx)
-    else:
-        p2 = inner.compress_fixed(src, step=step, key=owner_key, generator=generator)
+    status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
+    try:
+        if isinstance(compressor, ErrorFeedback) and not inner.unbiased:
+            p2 = compressor.compress_fixed(src, step=step, key=owner_key, generator=generator, transaction=tx)
+        else:
+            p2 = inner.compress_fixed(src, step=step, key=owner_key, generator=generator)
+    except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
+        p2 = inner.compress_fixed(torch.zeros_like(acc))
+        status[0].fill_(wire.E_MISUSE << 8)
     layouts = [wire.Layout.of(p.tensors) for p in payloads]
     width = max(lay.width for lay in layouts)
     message = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-    status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
     layouts[me].write(message, p2.tensors, status)
     gathered = _comm.all_gather(message, group=group, stats=stats)
     out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
