@@ -52,7 +52,8 @@ ALLREDUCE_ALGORITHMS = {
 def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: Any = 0, step: int = 0,
               algorithm: str = "auto", stats: CommStats | None = None,
               generator: torch.Generator | None = None, validate: bool = True,
-              transaction: ResidualTransaction | None = None) -> torch.Tensor:
+              transaction: ResidualTransaction | None = None,
+              shapes: list[tuple[int, ...]] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
     ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
@@ -61,8 +62,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     (:data:`ALLREDUCE_ALGORITHMS`).  ``validate=False`` skips the first-call header
     exchange (the caller guarantees equal static facts on every rank, as the hooks
     do after registration).  ``transaction`` collects the residual updates of several
-    calls (a training step) for one commit by the caller.  Returns a tensor of
-    ``tensor``'s shape and dtype.
+    calls (a training step) for one commit by the caller.  ``shapes`` (lowrank only):
+    ``tensor`` is the flat concatenation of tensors of these shapes, all sent in one
+    batched PowerSGD protocol.  Returns a tensor of ``tensor``'s shape and dtype.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -95,7 +97,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     elif kind == "gather":
         out = quantized.quantized_allreduce(tensor, compressor, **args)
     else:
-        out = lowrank.powersgd_allreduce(tensor, compressor, **args)
+        out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if transaction is None:
         tx.commit()
     return out
