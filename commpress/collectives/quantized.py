@@ -199,10 +199,8 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key,
     owner_key = ("owner", key, me)
     status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
     try:
-        if isinstance(compressor, ErrorFeedback) and not inner.unbiased:
-            p2 = compressor.compress_fixed(src, step=step, key=owner_key, generator=generator, transaction=tx)
-        else:
-            p2 = inner.compress_fixed(src, step=step, key=owner_key, generator=generator)
+        codec = compressor if isinstance(compressor, ErrorFeedback) and not inner.unbiased else inner
+        p2 = compress_fixed(codec, src, step=step, key=owner_key, generator=generator, transaction=tx)
     except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
         p2 = inner.compress_fixed(torch.zeros_like(acc))
         status[0].fill_(wire.E_MISUSE << 8)

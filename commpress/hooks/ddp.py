@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
+from ..compressors._util import mix_seed, stable_hash
 from .common import HookState, Timer, all_reduce_bytes, inner_compressor, tensor_bytes
 from .ddp_layout import Plan, Unit, goes_dense, make_plan, new_unit
 from .ddp_step import Step
@@ -110,7 +111,8 @@ class DDPState(HookState):
         the environment variable ``COMMPRESS_VERIFY`` (0 = off).  Runs
         synchronously (no overlap).
     seed:
-        seeds the per-rank generator for stochastic rounding.
+        seeds stochastic rounding: each rank's noise for a unit is a pure function of
+        ``(seed, rank, step, unit)``, so resumed runs draw the same noise.
     dense_1d:
         send 1-D parameters (biases, norm weights) dense (default ``True``).
     overlap:
@@ -179,7 +181,6 @@ class DDPState(HookState):
         self._plans: dict[int, Plan] = {}
         self.units: list[Unit] = []                 # fixed once created (or loaded)
         self.unit_of: dict[str, int] = {}
-        self._generator: torch.Generator | None = None
         self._step: Step | None = None
         self._memory_shape: tuple[int, int] = (-1, -1)
         self.last_error: BaseException | None = None
@@ -231,12 +232,10 @@ class DDPState(HookState):
                 self.unit_of[nm] = len(self.units)
             self.units.append(unit)
 
-    def generator(self) -> torch.Generator:
-        """The per-rank CPU generator that seeds stochastic rounding (host-side: no device sync)."""
-        if self._generator is None:
-            self._generator = torch.Generator()
-            self._generator.manual_seed(self.seed * 1_000_003 + self.rank)
-        return self._generator
+    def noise_seed(self, key: Any) -> int:
+        """The seed of this rank's stochastic rounding for ``key`` at this step: a pure
+        function of ``(seed, rank, step, key)`` (nothing to read, nothing to checkpoint)."""
+        return mix_seed(self.seed, self.rank, self.step, stable_hash(key))
 
     def residuals_by_param(self) -> dict[str, torch.Tensor]:
         """The worker-side error-feedback residual of each compressed parameter (flat copies).
@@ -264,10 +263,7 @@ class DDPState(HookState):
 
     # -- checkpoints -----------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
-        return {
-            "units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units],
-            "generator": self.generator().get_state(),
-        }
+        return {"units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]}
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
         units = []
@@ -281,8 +277,6 @@ class DDPState(HookState):
                               shapes=[tuple(self._shapes[nm]) for nm in names]))
         self.units = units
         self.unit_of = {nm: i for i, u in enumerate(units) for nm in u.names}
-        if "generator" in extra:
-            self.generator().set_state(extra["generator"])
 
     # -- memory ----------------------------------------------------------
     def memory_bytes(self) -> int:
