@@ -357,6 +357,77 @@ def test_quantized_all_gather_close_and_replicated():
         assert algorithms["0/all_gather"] == "blockquant:all_gather"
 
 
+# ------------------------------------------------------------------ no host reads
+_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu")
+
+
+def _commpress_frame() -> str | None:
+    """The innermost stack frame inside the commpress package (not its tests), or None."""
+    import traceback
+
+    pkg = os.path.dirname(os.path.abspath(commpress.__file__)) + os.sep
+    for f in reversed(traceback.extract_stack()[:-2]):
+        if os.path.abspath(f.filename).startswith(pkg):
+            return f"{os.path.relpath(f.filename, os.path.dirname(pkg.rstrip(os.sep)))}:{f.lineno} {f.name}"
+    return None
+
+
+def _steady_state_host_reads(rank, world_size, configs):
+    out = {}
+    for name, params in configs:
+        model = shard(make_model(), world_size)
+        state = commpress.fsdp.register(model, name, **params)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def one_step(i):
+            x, y = batch(rank, i)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()   # no loss.item() here
+            opt.step()
+
+        for i in range(2):                       # warm-up: the first call of each unit validates
+            one_step(i)
+        reads: list[tuple[str, str]] = []
+        originals = {attr: getattr(torch.Tensor, attr) for attr in _HOST_READS}
+
+        def spy(attr, fn):
+            def wrapper(self, *args, **kwargs):
+                where = _commpress_frame()
+                if where is not None:
+                    reads.append((attr, where))
+                return fn(self, *args, **kwargs)
+            return wrapper
+
+        try:
+            for attr, fn in originals.items():
+                setattr(torch.Tensor, attr, spy(attr, fn))
+            one_step(2)
+        finally:
+            for attr, fn in originals.items():
+                setattr(torch.Tensor, attr, fn)
+        out[name] = {"reads": reads, "steps": state.stats.steps, "ef": state.uses_error_feedback,
+                     "algorithms": dict(state.stats.algorithms)}
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_steady_state_step_reads_no_tensor_on_the_host():
+    # One forward/backward/optimizer step after warm-up, with Tensor.item / tolist / __bool__ /
+    # __int__ / __float__ / cpu recording every call made from a commpress frame: none may
+    # happen (on a GPU each would be a device synchronization stalling the backward pass).
+    configs = [("blockquant", {"bits": 8}), ("topk", {"ratio": 0.1}),
+               ("identity", {"all_gather": "blockquant"})]
+    for per_rank in run(_steady_state_host_reads, 2, configs):
+        for name, params in configs:
+            res = per_rank[name]
+            assert res["reads"] == [], (name, res["reads"])
+            assert res["steps"] == 3, (name, res)
+        assert per_rank["blockquant"]["ef"] and per_rank["topk"]["ef"]
+        assert per_rank["blockquant"]["algorithms"]["0"] == "blockquant:gather_reduce_scatter"
+        assert per_rank["topk"]["algorithms"]["0"] == "topk:sparse_reduce_scatter"
+        assert per_rank["identity"]["algorithms"]["0/all_gather"] == "blockquant:all_gather"
+
+
 # ------------------------------------------------------------------ bad input
 def _bad_input(rank, world_size, case):
     if case == "not_fsdp":
