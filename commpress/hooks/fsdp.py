@@ -300,8 +300,9 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         with Timer() as t:
             comp = st.compressor
             if scale is None or world == 1 or input_tensor.dtype not in comp.supported_dtypes:
-                log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
-                            self.unit, op, input_tensor.dtype, world)
+                if unit.calls == 0:
+                    log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
+                                self.unit, op, input_tensor.dtype, world)
                 dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
                 cs.add(dense_bytes)
                 algorithm = "dense"
@@ -322,7 +323,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
 
     def _sum_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any,
                   world: int, cs: CommStats) -> None:
-        """"sum" compressors without error feedback: the P chunks' payloads add elementwise,
+        """The "sum" compressors without error feedback: the P chunks' payloads add elementwise,
         so one ``reduce_scatter`` per wire tensor (one for every "sum" compressor) with FSDP's op."""
         st = self.state
         chunks = inp.view(world, -1)
