@@ -378,12 +378,27 @@ def _rank_entry(section, rank, world, store_path, parent_pid, progress_array, re
             pass
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         index = progress_array[2 * rank]
-        results.put(("fail", rank, index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        time.sleep(0.2)  # let the queue's feeder thread flush
+        where = ""
+        if not str(exc):  # a bare assert: say where it fired
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"(empty message) at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+        results.put(("fail", rank, index, f"{type(exc).__name__}: {exc}{where}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # flushed; then leave at once (peers blocked on us see the socket close)
         os._exit(1)
 
 
 # ============================================================ parent side
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc; None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass
 class Attempt:
     rows: list[dict[str, Any]] | None = None
@@ -399,8 +414,13 @@ def _context():
 
 
 def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout: float,
-             pg_timeout: float) -> Attempt:
-    """One set of ``world`` rank processes running ``kwargs["configs"]``; kills them on any failure."""
+             pg_timeout: float, idle_window: float = 10.0) -> Attempt:
+    """One set of ``world`` rank processes running ``kwargs["configs"]``; kills them on any failure.
+
+    A hang is no progress for ``stall_timeout`` seconds, or, sooner, no progress for
+    ``idle_window`` seconds while all ranks together used under 2% of a core (a
+    deadlock: every rank blocked; a rank compiling kernels or starved of CPU still runs).
+    """
     ctx = _context()
     results = ctx.Queue()
     progress = ctx.Array("q", [-1, 0] * world, lock=False)
@@ -418,6 +438,7 @@ def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout:
             done: set[int] = set()
             fails: list[tuple[int, int, str]] = []
             last_counts, last_change = None, time.monotonic()
+            cpu_samples: list[tuple[float, float]] = []  # (time, CPU seconds of all ranks) while stalled
             while len(done) < world:
                 try:
                     kind, rank, payload, text = results.get(timeout=0.25)
@@ -448,7 +469,19 @@ def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout:
                 now = time.monotonic()
                 if counts != last_counts:
                     last_counts, last_change = counts, now
-                elif now - last_change > stall_timeout:
+                    cpu_samples = []
+                elif now - last_change > 1.0:
+                    cpus = [_cpu_seconds(p.pid) for p in procs]
+                    if None not in cpus:
+                        cpu_samples.append((now, sum(cpus)))
+                        old = [c for t, c in cpu_samples if t <= now - idle_window]
+                        if old and cpu_samples[-1][1] - old[-1] < 0.02 * idle_window:
+                            out.failed_index = min(progress[0::2])
+                            out.reason = (f"hang: no progress for {now - last_change:.0f}s with every rank idle "
+                                          "(deadlock)")
+                            out.rows = None
+                            return out
+                if now - last_change > stall_timeout:
                     out.failed_index = min(progress[0::2])
                     out.reason = f"no progress for {stall_timeout:.0f}s (hang)"
                     out.rows = None
