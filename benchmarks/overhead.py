@@ -461,7 +461,9 @@ def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout:
                         except queue_mod.Empty:
                             pass
                     rank, index, text = min(fails, key=lambda f: f[1])
-                    out.failed_index, out.reason = index, f"rank {rank}: {text.strip().splitlines()[0][:200]}"
+                    # PyTorch nests a callback's error in "Got the following error when running the callback: "
+                    inner = text.split("when running the callback: ")[-1].strip().splitlines()[0]
+                    out.failed_index, out.reason = index, f"rank {rank}: {inner[:200]}"
                     out.messages = [f"--- rank {r} (config {i}):\n{t}" for r, i, t in fails]
                     out.rows = None
                     return out
@@ -544,7 +546,7 @@ def measure(section: str, world: int, configs: list[str], *, stall_timeout: floa
         done[bad] = {"status": f"failed: {res.reason}", "attempt": attempts}
         log(f"[{section} P={world}] {bad} failed after {wall:.0f}s: {res.reason}")
         for m in res.messages[:1]:
-            log(m)
+            log("\n".join(m.rstrip().splitlines()[-8:]))
         remaining = [c for c in remaining if c != bad]
         fallback = DDP_FALLBACK.get(bad) if section == "ddp" else None
         if fallback and fallback not in done and fallback not in remaining:
@@ -636,6 +638,10 @@ def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup:
     return add_ratios(rows)
 
 
+def _goal_column(row: dict[str, Any]) -> str:
+    return "ratio_vs_torch_hook" if "PyTorch" in row.get("goal", "") else "ratio_vs_baseline"
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -685,6 +691,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"(ranks share cores, so those figures include scheduling contention).")
     notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, ranks not pinned; load average "
                  f"{load0[0]:.2f} at start, {load1[0]:.2f} at end; {wall:.0f}s in total.")
+    goals = [r for r in rows if "goal" in r]
+    met = sum(r["meets_goal"] == "yes" for r in goals)
+    notes.insert(0, f"Goals met: {met}/{len(goals)}" + "".join(
+        f"\n- {r['section']} P={r['world']} {r['label']}: "
+        + (f"{r[c]:.2f}x ({r['goal']}) {r['meets_goal']}" if (c := _goal_column(r)) in r else r["status"])
+        for r in goals) + "\n")
     text = tables(rows) + "\n\n" + "\n".join(notes)
     out = results_dir("overhead", args.out)
     write_results(out, rows, {"suite": "overhead", "argv": argv, "sections": sections, "world_sizes": worlds,
