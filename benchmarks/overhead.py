@@ -621,6 +621,8 @@ def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup:
     """Every requested section at every world size; returns the rows with ratios and goals."""
     configs = configs or {}
     rows: list[dict[str, Any]] = []
+    if "fsdp" in sections and not set(world_sizes) & set(fsdp_world_sizes):
+        log(f"[fsdp] skipped: it runs at P in {sorted(fsdp_world_sizes)} only")
     for world in world_sizes:
         for section in sections:
             if section == "fsdp" and world not in fsdp_world_sizes:
