@@ -709,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     print(f"results: {out}")
-    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+    # PyTorch's own hooks may not run on CPU/gloo at all (bf16 needs NCCL, powerSGD_hook deadlocks): reported, not fatal
+    return 0 if all(r.get("status") == "ok" for r in rows if not r["config"].startswith("torch_")) else 1
 
 
 if __name__ == "__main__":
