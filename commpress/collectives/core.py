@@ -132,9 +132,9 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
         msg_buf[pos:pos + n].copy_(t.reshape(-1))
         pos += n
     bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
-    wire.sum_slots(msg_buf, error=code, nonfinite=bad_local)
+    wire.sum_slots(msg_buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
     _comm.all_reduce_(msg_buf, group=group, stats=stats)
-    wire.check_sum_slots(msg_buf, "allreduce", msg)
+    wire.check_sum_slots(msg_buf, "allreduce", msg, world)
     bad = msg_buf[-1] != 0 if has_feedback(compressor) else None
     pos, wires = 0, []
     for t, n in zip(payload.tensors, sizes):

@@ -120,9 +120,13 @@ def _worst(statuses: torch.Tensor, sig: int, out: torch.Tensor) -> torch.Tensor:
     """The status an owner forwards: max error code (configuration error when the
     signatures differ), any NaN/inf, its own signature; device ops only."""
     flags = statuses[:, 0]
-    code = (flags >> 8).amax()
-    code = torch.maximum(code, (statuses[:, 1] != sig).any().to(code.dtype) * wire.E_CONFIG)
-    out[0:1].copy_(((code << 8) | (flags & wire.NONFINITE).amax()).reshape(1))
+    codes = (flags >> 8) & 0xFF
+    code = torch.maximum(codes.amax(), (statuses[:, 1] != sig).any().to(codes.dtype) * wire.E_CONFIG)
+    word = (code << 8) | (flags & wire.NONFINITE).amax()
+    if statuses.shape[0] <= 15:  # which senders reported an error, for the message on every rank
+        bits = torch.ones_like(codes) << torch.arange(statuses.shape[0], device=codes.device, dtype=codes.dtype)
+        word = word | ((codes != 0).to(codes.dtype) * bits).sum() << 16
+    out[0:1].copy_(word.reshape(1))
     out[1].fill_(sig)
     return out
 
