@@ -1,6 +1,7 @@
 """Build kernels/*.cu for the host (CI has no GPU): ``python kernels/host/build.py [--tsan] [--out DIR]``.
 
-Writes ``DIR/host_kernels.cpp`` (the .cu sources included after ``cuda_shim.h``, plus one
+With ``--tsan-driver`` it builds ``DIR/tsan_driver`` instead (kernels/host/tsan_driver.cpp and the
+kernels, with ``-fsanitize=thread``).  Otherwise it writes ``DIR/host_kernels.cpp`` (the .cu sources included after ``cuda_shim.h``, plus one
 trampoline per ``extern "C" __global__`` kernel and a table of them) and compiles it with ``g++``
 (``$CXX``) into ``DIR/libcommpress_host[_tsan].so``.  Prints the library's path.
 
@@ -100,12 +101,26 @@ def build(out: Path, tsan: bool = False, cxx: str | None = None) -> Path:
     return lib
 
 
+def build_tsan_driver(out: Path, cxx: str | None = None) -> Path:
+    """``tsan_driver.cpp`` linked with the kernels, all built with ``-fsanitize=thread``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cpp = out / "host_kernels_tsan_driver.cpp"
+    cpp.write_text(generate())
+    exe = out / "tsan_driver"
+    cxx = cxx or os.environ.get("CXX") or "g++"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-pthread", "-ffp-contract=off",
+                    "-Wall", "-Werror", "-Wno-unused-function", "-Wno-unknown-pragmas", "-I", str(HERE),
+                    "-o", str(exe), str(HERE / "tsan_driver.cpp"), str(cpp)], check=True)
+    return exe
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "build")
     ap.add_argument("--tsan", action="store_true", help="build with -fsanitize=thread")
+    ap.add_argument("--tsan-driver", action="store_true", help="build the TSan driver executable instead")
     args = ap.parse_args(argv)
-    print(build(args.out, args.tsan))
+    print(build_tsan_driver(args.out) if args.tsan_driver else build(args.out, args.tsan))
     return 0
 
 
