@@ -65,15 +65,15 @@ extern "C" __global__ void hash_owner_kernel(const i64* idx, i64* out, u64 world
 }
 
 // ------------------------------------------------------------------ selection
-// A selection is described by four int64 in device memory, sel = {lo, hi, tie, need}: entry j
-// (key k = bits_j & 0x7fffffff) is selected when lo < k <= hi, or when k == tie and fewer than
-// `need` entries with key `tie` come before it.  Threshold: {lo-1, hi, -1, 0} (filled by the host);
-// top-k: {T, max, T, need} written on the device by radix_pick (T = the k-th largest key).
+// A selection is {lo, hi, tie, need}: entry j (key k = bits_j & 0x7fffffff) is selected when
+// lo < k <= hi, or when k == tie and fewer than `need` entries with key `tie` come before it.
+// Top-k passes `sel`, four int64 in device memory written by radix_pick: {T, max, T, need} (T the
+// k-th largest key).  Threshold passes sel = NULL and the scalars lo, hi (no ties: tie = -1).
 //
 // Work is split into segments of `seg` elements (a multiple of 128), one warp per segment: no
 // block barriers, 4 independent loads in flight per lane.  sel_count writes per segment the number
 // of entries in (lo, hi] and the number equal to tie; sel_write compacts a segment's selected
-// entries in index order at its offset (from exclusive prefix sums of both counts).
+// entries in index order at its offset (inclusive prefix sums of both counts, minus its own).
 #define SEL_UNROLL 4
 
 __device__ __forceinline__ void load_tile(const int* xi, i64 t, i64 b, int lane, int* v) {
@@ -84,8 +84,14 @@ __device__ __forceinline__ void load_tile(const int* xi, i64 t, i64 b, int lane,
     }
 }
 
-extern "C" __global__ void sel_count(const int* xi, i64 n, i64 seg, const i64* sel, i64* counts) {
-    i64 lo = sel[0], hi = sel[1], tie = sel[2];
+extern "C" __global__ void sel_count(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                     i64* counts) {
+    i64 tie = -1;
+    if (sel) {
+        lo = sel[0];
+        hi = sel[1];
+        tie = sel[2];
+    }
     i64 nseg = (n + seg - 1) / seg;
     int lane = threadIdx.x & 31;
     for (i64 s = global_warp(); s < nseg; s += grid_warps()) {  // warp-uniform
@@ -114,19 +120,26 @@ extern "C" __global__ void sel_count(const int* xi, i64 n, i64 seg, const i64* s
     }
 }
 
-// offsets: exclusive prefix sums of sel_count's two rows (same layout).
+// counts: sel_count's two rows; incl: their inclusive prefix sums (row by row, same layout).
 // mode: 0 no residual; 1 res is xi (zero the selected); 2 res = xi with selected zeroed.
 template <typename I>
-__device__ void sel_write_impl(const int* xi, i64 n, i64 seg, const i64* sel, const i64* offsets,
-                               I* idx_out, int* val_out, int* res, int mode) {
-    i64 lo = sel[0], hi = sel[1], tie = sel[2], need = sel[3];
+__device__ void sel_write_impl(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                               const i64* counts, const i64* incl, I* idx_out, int* val_out, int* res,
+                               int mode) {
+    i64 tie = -1, need = 0;
+    if (sel) {
+        lo = sel[0];
+        hi = sel[1];
+        tie = sel[2];
+        need = sel[3];
+    }
     i64 nseg = (n + seg - 1) / seg;
     int lane = threadIdx.x & 31;
     u32 below = (1u << lane) - 1u;
     for (i64 s = global_warp(); s < nseg; s += grid_warps()) {  // warp-uniform
         i64 a = s * seg, b = min(a + seg, n);
-        i64 tie_rank = offsets[nseg + s];
-        i64 pos = offsets[s] + min(tie_rank, need);
+        i64 tie_rank = incl[nseg + s] - counts[nseg + s];
+        i64 pos = incl[s] - counts[s] + min(tie_rank, need);
         for (i64 t = a; t < b; t += 32 * SEL_UNROLL) {
             int v[SEL_UNROLL];
             load_tile(xi, t, b, lane, v);
@@ -153,33 +166,35 @@ __device__ void sel_write_impl(const int* xi, i64 n, i64 seg, const i64* sel, co
     }
 }
 
-extern "C" __global__ void sel_write_i32(const int* xi, i64 n, i64 seg, const i64* sel,
-                                         const i64* offsets, int* idx_out, int* val_out, int* res,
-                                         int mode) {
-    sel_write_impl<int>(xi, n, seg, sel, offsets, idx_out, val_out, res, mode);
+extern "C" __global__ void sel_write_i32(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                         const i64* counts, const i64* incl, int* idx_out,
+                                         int* val_out, int* res, int mode) {
+    sel_write_impl<int>(xi, n, seg, sel, lo, hi, counts, incl, idx_out, val_out, res, mode);
 }
 
-extern "C" __global__ void sel_write_i64(const int* xi, i64 n, i64 seg, const i64* sel,
-                                         const i64* offsets, i64* idx_out, int* val_out, int* res,
-                                         int mode) {
-    sel_write_impl<i64>(xi, n, seg, sel, offsets, idx_out, val_out, res, mode);
+extern "C" __global__ void sel_write_i64(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                         const i64* counts, const i64* incl, i64* idx_out,
+                                         int* val_out, int* res, int mode) {
+    sel_write_impl<i64>(xi, n, seg, sel, lo, hi, counts, incl, idx_out, val_out, res, mode);
 }
 
 // ------------------------------------------------------------------ radix select (top-k)
 // Finds T, the k-th largest key, in three passes over the keys' bits (11, 10, 10), entirely on the
 // device.  state = {prefix, krem, lo, hi, tie, need}: prefix holds the bits of T found so far,
-// krem how many of the entries matching that prefix are still to take.  Start: {0, k, ...}.
+// krem how many of the entries matching that prefix are still to take (the first pass starts
+// from prefix 0 and krem = k without reading the state, so it needs no initialization).
 // Pass p: radix_hist counts, over the entries whose key >> (shift + nbits) equals the prefix,
 // the digit (key >> shift) & (2**nbits - 1); radix_pick chooses the digit holding the krem-th
 // largest and updates the state.  After the last pass prefix = T and krem = the number of
 // entries equal to T to take (lowest indices first); radix_pick then writes sel = {T, max, T, krem}.
 #define RADIX_MAX_BINS 2048
 
-extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, int shift, int nbits,
-                                      u64* hist) {
+// hist must be zero before the pass.
+extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, int first, int shift,
+                                      int nbits, u64* hist) {
     __shared__ u32 local[RADIX_MAX_BINS];
     int nbins = 1 << nbits;
-    i64 prefix = state[0];
+    i64 prefix = first ? 0 : state[0];
     for (int i = threadIdx.x; i < nbins; i += blockDim.x) local[i] = 0;
     __syncthreads();
     i64 stride = grid_threads();
@@ -200,10 +215,12 @@ extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, in
 }
 
 // One warp (blockDim.x == 32, grid 1).  Lane l owns bins [nbins - (l+1)w, nbins - l w), highest first.
-extern "C" __global__ void radix_pick(const u64* hist, int nbits, int last, i64* state) {
+extern "C" __global__ void radix_pick(const u64* hist, int nbits, int first, int last, i64 k,
+                                      i64* state) {
     int lane = threadIdx.x & 31;
     int nbins = 1 << nbits, w = nbins / 32;
-    i64 krem = state[1];
+    i64 krem = first ? k : state[1];
+    i64 prefix0 = first ? 0 : state[0];
     int top = nbins - lane * w;  // bins [top - w, top)
     i64 mine = 0;
     for (int b = top - w; b < top; ++b) mine += (i64)hist[b];
@@ -222,7 +239,7 @@ extern "C" __global__ void radix_pick(const u64* hist, int nbits, int last, i64*
             if (acc + (i64)hist[b] >= krem) { digit = b; break; }
             acc += (i64)hist[b];
         }
-        i64 prefix = (state[0] << nbits) | digit;
+        i64 prefix = (prefix0 << nbits) | digit;
         krem -= acc;
         state[0] = prefix;
         state[1] = krem;

@@ -82,6 +82,7 @@ class CupyLauncher:
         self.max_grid = max_grid
         self._modules: dict[int, object] = {}
         self._kernels: dict[tuple[int, str], object] = {}
+        self._streams: dict[tuple[int, int], object] = {}  # torch stream -> cupy.cuda.ExternalStream
         self._lock = threading.Lock()
 
     def owns(self, device: torch.device) -> bool:
@@ -106,9 +107,11 @@ class CupyLauncher:
         raw = tuple(None if a is None else _u64(a.data_ptr()) if isinstance(a, torch.Tensor) else a
                     for a in args)
         stream_ptr = torch.cuda.current_stream(index).cuda_stream
+        stream = self._streams.get((index, stream_ptr))
+        if stream is None:
+            stream = self._streams[(index, stream_ptr)] = cp.cuda.ExternalStream(stream_ptr, index)
         with cp.cuda.Device(index):
-            fn = self._kernel(index, name)
-            fn((grid,), (threads,), raw, 0, cp.cuda.ExternalStream(stream_ptr, index))
+            self._kernel(index, name)((grid,), (threads,), raw, 0, stream)
 
 
 _SCALARS = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,
@@ -241,17 +244,9 @@ def _fused_residual(flat: torch.Tensor, residual: torch.Tensor | None):
     return (1 if r.data_ptr() == flat.data_ptr() else 2), r.view(torch.int32)
 
 
-def _int64s(values, device) -> torch.Tensor:
-    """A small int64 device tensor filled by kernels (no pageable host-to-device copy)."""
-    t = torch.zeros(len(values), dtype=torch.int64, device=device)
-    for i, v in enumerate(values):
-        if v:
-            t[i] = int(v)
-    return t
-
-
-def _select(xi: torch.Tensor, sel: torch.Tensor, count: int | None, fused):
-    """(indices, value bits) of the entries ``sel`` selects (see the kernels), in index order.
+def _select(xi: torch.Tensor, sel: torch.Tensor | None, lo: int, hi: int, count: int | None, fused):
+    """(indices, value bits) of the entries selected (see the kernels), in index order: by the
+    device selection ``sel`` (top-k), or when ``sel`` is None by ``lo < key <= hi`` (threshold).
 
     ``count`` is the number selected when the caller knows it (top-k: exactly k); ``None``
     reads it from the device (threshold: the one host synchronization of this module).
@@ -262,9 +257,9 @@ def _select(xi: torch.Tensor, sel: torch.Tensor, count: int | None, fused):
     mode, res = fused if fused is not None else (0, None)
     counts = torch.empty(2 * nseg, dtype=torch.int64, device=dev)
     if nseg:
-        _launch(dev, "sel_count", nseg * 32, xi, _i64(n), _i64(SEG), sel, counts)
+        _launch(dev, "sel_count", nseg * 32, xi, _i64(n), _i64(SEG), sel, _i64(lo), _i64(hi), counts)
     rows = counts.view(2, nseg)
-    offsets = (torch.cumsum(rows, 1) - rows).reshape(-1)
+    incl = torch.cumsum(rows, 1)
     if count is None:
         count = int(rows[0].sum()) if nseg else 0
     idx_dtype = ref.index_dtype(n)
@@ -272,7 +267,8 @@ def _select(xi: torch.Tensor, sel: torch.Tensor, count: int | None, fused):
     val = torch.empty(count, dtype=torch.int32, device=dev)
     if nseg and (count or mode == 2):
         name = "sel_write_i32" if idx_dtype == torch.int32 else "sel_write_i64"
-        _launch(dev, name, nseg * 32, xi, _i64(n), _i64(SEG), sel, offsets, idx, val, res, _i32(mode))
+        _launch(dev, name, nseg * 32, xi, _i64(n), _i64(SEG), sel, _i64(lo), _i64(hi), counts, incl, idx,
+                val, res, _i32(mode))
     return idx, val
 
 
@@ -293,24 +289,23 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
     flat = x.reshape(-1)
     xf = _flat_f32(flat)
     lo, hi = threshold_key_range(threshold)
-    sel = _int64s((lo - 1, hi, -1, 0), x.device)  # nothing ties
     fused = _fused_residual(flat, residual)
-    idx, val = _select(xf.view(torch.int32), sel, None, fused)
+    idx, val = _select(xf.view(torch.int32), None, lo - 1, hi, None, fused)
     return _finish(x, flat, idx, val, residual, fused)
 
 
 def radix_select_state(xi: torch.Tensor, k: int) -> torch.Tensor:
     """Device int64[6] ``{T, need, T, max, T, need}``: the k-th largest key T of ``xi`` and how
-    many entries equal to T the top-k takes (``1 <= k <= n``; no host read)."""
+    many entries equal to T the top-k takes (``1 <= k <= n``; no host read; 7 launches)."""
     dev = xi.device
     n = xi.numel()
-    state = _int64s((0, k, 0, 0, 0, 0), dev)
-    hist = torch.zeros(len(RADIX_PASSES) * _RADIX_BINS, dtype=torch.int64, device=dev)
+    buf = torch.zeros(6 + len(RADIX_PASSES) * _RADIX_BINS, dtype=torch.int64, device=dev)
+    state = buf[:6]
     for p, (shift, bits) in enumerate(RADIX_PASSES):
-        h = hist[p * _RADIX_BINS:(p + 1) * _RADIX_BINS]
-        _launch(dev, "radix_hist", -(-n // 16), xi, _i64(n), state, _i32(shift), _i32(bits), h)
-        _launch(dev, "radix_pick", 32, h, _i32(bits), _i32(p == len(RADIX_PASSES) - 1), state,
-                threads=32)
+        h = buf[6 + p * _RADIX_BINS:6 + (p + 1) * _RADIX_BINS]
+        first, last = _i32(p == 0), _i32(p == len(RADIX_PASSES) - 1)
+        _launch(dev, "radix_hist", -(-n // 16), xi, _i64(n), state, first, _i32(shift), _i32(bits), h)
+        _launch(dev, "radix_pick", 32, h, _i32(bits), first, last, _i64(k), state, threads=32)
     return state
 
 
@@ -332,7 +327,7 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     xi = _flat_f32(flat).view(torch.int32)
     fused = _fused_residual(flat, residual)
     state = radix_select_state(xi, k)
-    idx, val = _select(xi, state[2:], k, fused)
+    idx, val = _select(xi, state[2:], 0, 0, k, fused)
     return _finish(x, flat, idx, val, residual, fused)
 
 

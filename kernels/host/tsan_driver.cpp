@@ -48,43 +48,47 @@ int main() {
 
     // radix select of the k-th largest key, then the selection it describes
     i64 k = 97;
-    std::vector<i64> state = {0, k, 0, 0, 0, 0};
+    std::vector<i64> state(6, -7);  // the first pass must not read it
     std::vector<i64> hist(3 * 2048, 0);
     int shifts[3] = {20, 10, 0}, bits[3] = {11, 10, 10};
     for (int p = 0; p < 3; ++p) {
         i64* h = hist.data() + p * 2048;
-        int last = p == 2;
+        int first = p == 0, last = p == 2;
         const int* xp = xi.data();
         i64* sp = state.data();
-        run("radix_hist", grid, threads, &xp, (void*)&n, &sp, &shifts[p], &bits[p], &h);
-        run("radix_pick", 1, 32, &h, &bits[p], &last, &sp);
+        run("radix_hist", grid, threads, &xp, (void*)&n, &sp, &first, &shifts[p], &bits[p], &h);
+        run("radix_pick", 1, 32, &h, &bits[p], &first, &last, &k, &sp);
     }
     std::vector<int> sorted = keys;
     std::sort(sorted.begin(), sorted.end(), std::greater<int>());
     expect(state[0] == sorted[k - 1], "radix select finds the k-th key");
 
-    std::vector<i64> counts(2 * nseg), offsets(2 * nseg);
+    // the top-k selection (sel on the device), then a threshold selection (sel = NULL, lo, hi)
     const int* xp = xi.data();
-    i64* sel = state.data() + 2;
-    i64* cp = counts.data();
-    run("sel_count", grid, threads, &xp, (void*)&n, (void*)&seg, &sel, &cp);
-    for (int row = 0; row < 2; ++row) {
-        i64 acc = 0;
-        for (i64 s = 0; s < nseg; ++s) {
-            offsets[row * nseg + s] = acc;
-            acc += counts[row * nseg + s];
+    for (int threshold = 0; threshold < 2; ++threshold) {
+        i64* sel = threshold ? nullptr : state.data() + 2;
+        i64 lo = 0x3f800000 - 1, hi = 0x7f800000;  // |x| >= 1.0
+        std::vector<i64> counts(2 * nseg), incl(2 * nseg);
+        i64* cp = counts.data();
+        run("sel_count", grid, threads, &xp, (void*)&n, (void*)&seg, &sel, &lo, &hi, &cp);
+        for (int row = 0; row < 2; ++row) {
+            i64 acc = 0;
+            for (i64 s = 0; s < nseg; ++s) incl[row * nseg + s] = acc += counts[row * nseg + s];
         }
+        i64 total = threshold ? incl[nseg - 1] : k;
+        std::vector<int> idx(total), val(total), res(n);
+        for (int mode : {1, 2}) {
+            if (mode == 1) res = xi;
+            i64* ip2 = incl.data();
+            int* ip = idx.data();
+            int* vp = val.data();
+            int* rp = res.data();
+            run("sel_write_i32", grid, threads, &xp, (void*)&n, (void*)&seg, &sel, &lo, &hi, &cp, &ip2, &ip,
+                &vp, &rp, &mode);
+        }
+        expect(std::is_sorted(idx.begin(), idx.end()), "selected indices ascending");
+        expect(threshold || (i64)idx.size() == k, "top-k selects k");
     }
-    std::vector<int> idx(k), val(k), res(n);
-    for (int mode : {1, 2}) {
-        if (mode == 1) res = xi;
-        i64* op = offsets.data();
-        int* ip = idx.data();
-        int* vp = val.data();
-        int* rp = res.data();
-        run("sel_write_i32", grid, threads, &xp, (void*)&n, (void*)&seg, &sel, &op, &ip, &vp, &rp, &mode);
-    }
-    expect(std::is_sorted(idx.begin(), idx.end()), "top-k indices ascending");
 
     // block absmax with sub-warp groups and with full warps, and its per-block factor
     for (i64 block : {5, 64}) {
