@@ -222,6 +222,56 @@ def test_scatter_add_bad_index_writes_nothing(cb, target, monkeypatch):
         assert_bitwise(got, out, "out untouched")
 
 
+def test_hot_ops_never_read_the_device(target, monkeypatch):
+    """top-k, scatter_add_ (also with a bad index), quantize/dequantize, sign, hash: no host read
+    of a tensor's data (the syncs a GPU would pay).  threshold_compact reads its output size once."""
+    if target.name != "host":
+        pytest.skip("the GPU twin is test_no_synchronization_on_gpu")
+    launcher = target.launcher()
+    launcher.reads_are_free = False  # report errors the GPU way
+    x, out = _x(3000), torch.randn(3000)
+    idx = torch.randperm(3000)[:30]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of device data")
+
+    with cuda_backend.use(launcher):
+        for name in ("item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, forbidden)
+        got = cuda_backend.topk_compact(x, 30, torch.empty_like(x))
+        cuda_backend.scatter_add_(out, idx, x[:30])
+        cuda_backend.scatter_add_(out, torch.tensor([1, 3000]), x[:2])  # bad: recorded, not raised
+        q = cuda_backend.block_quantize(x, 4, 64, True, 1)
+        cuda_backend.block_dequantize(*q, 4, 64, 3000, out, True)
+        cuda_backend.sign_unpack(*cuda_backend.sign_pack(x, 512), 512, 3000, out, True)
+        cuda_backend.hash_owner(idx, 2**32)
+        with pytest.raises(AssertionError, match="host read"):
+            cuda_backend.threshold_compact(x, 1.0)
+        monkeypatch.undo()
+        assert cuda_backend.take_errors(out.device) == 1 and cuda_backend.take_errors(out.device) == 0
+    assert_bitwise(got, R.topk_compact(x, 30, torch.empty_like(x)))
+
+
+@pytest.mark.gpu
+def test_no_synchronization_on_gpu():
+    gpu_target()
+    x = _x(1_000_003).cuda()
+    out = torch.zeros_like(x)
+    with cuda_backend.use(cuda_backend.CupyLauncher()):
+        cuda_backend.topk_compact(x, 100)  # compile and allocate first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            idx, vals = cuda_backend.topk_compact(x, 10_000, torch.empty_like(x))
+            cuda_backend.scatter_add_(out, idx, vals)
+            q = cuda_backend.block_quantize(x, 8, 256)
+            cuda_backend.block_dequantize(*q, 8, 256, x.numel(), out, True)
+            cuda_backend.sign_pack(x, 4096)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def test_grid_stride_loops(cb, target, monkeypatch):
     """Grids of one and two blocks: every kernel loops over work past its grid."""
     monkeypatch.setattr(cuda_backend, "SEG", 128)
