@@ -14,8 +14,11 @@ import torch
 from commpress.ops import cuda_backend
 from commpress.ops import reference as R
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cuda_targets import gpu_target, host_target  # noqa: E402
-from opcheck import assert_bitwise, messy_large  # noqa: E402
+from opcheck import assert_bitwise, f32_arrays, messy_large, tensor  # noqa: E402
 
 HOST_SIZES = [0, 1, 7, 1000, 4500]  # 4500 > one selection segment (4096)
 GPU_SIZES = [0, 1, 7, 1000, 65537, 1_000_003]
@@ -77,6 +80,22 @@ def test_selection(cb, target, op, arg):
     for n in sizes(target):
         a = max(1, int(arg * n)) if op == "topk_compact" else arg
         check_selection(cb, target, op, _x(n), a)
+
+
+@settings(max_examples=25)
+@given(a=f32_arrays(1, 300), frac=st.floats(0, 1), thr=st.sampled_from([0.0, 1e-40, 0.5, 1.0, 3e38]),
+       bits=st.integers(1, 8), block=st.integers(1, 70))
+def test_property_parity(target, a, frac, thr, bits, block):
+    """Arbitrary fp32 (NaN, inf, -0.0, subnormals, ties): selection, quantization and signs."""
+    x = tensor(a)
+    with cuda_backend.use(target.launcher()):
+        check_selection(cuda_backend, target, "topk_compact", x, max(1, int(frac * x.numel())))
+        check_selection(cuda_backend, target, "threshold_compact", x, thr)
+        want = R.block_quantize(x, bits, block, True, 5)
+        assert_bitwise(cuda_backend.block_quantize(target.to(x), bits, block, True, 5), want, "quantize")
+        assert_bitwise(cuda_backend.block_dequantize(*target.to(want), bits, block, x.numel()),
+                       R.block_dequantize(*want, bits, block, x.numel()), "dequantize")
+        assert_bitwise(cuda_backend.sign_pack(target.to(x), block), R.sign_pack(x, block), "sign_pack")
 
 
 def test_topk_ties_at_the_kth_key(cb, target):
