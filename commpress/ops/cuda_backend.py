@@ -195,7 +195,9 @@ def use(launcher):
 
 
 def _mine(*tensors) -> bool:
-    return _launcher is not None and all(t is None or _launcher.owns(t.device) for t in tensors)
+    """The launcher runs these tensors: all on one device it owns (else the reference decides)."""
+    devices = {t.device for t in tensors if t is not None}
+    return _launcher is not None and len(devices) == 1 and _launcher.owns(next(iter(devices)))
 
 
 def _launch(device: torch.device, name: str, work: int, *args, threads: int | None = None) -> None:
@@ -223,7 +225,10 @@ def _report(flag: torch.Tensor, error: Exception) -> None:
 
 def take_errors(device) -> int:
     """Nonzero when an op on ``device`` refused bad input since the last call (reads the device)."""
-    sticky = _errors.get(torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    sticky = _errors.get(device)
     if sticky is None:
         return 0
     value = int(sticky.item())

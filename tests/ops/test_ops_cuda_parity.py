@@ -360,6 +360,15 @@ def test_every_op_runs_kernels(cb, target):
         assert _launched(cb), f"{name} ran no kernel"
 
 
+def test_tensors_on_two_devices_go_to_the_reference(cb, target, monkeypatch):
+    """Mixed devices never reach a kernel (it would dereference another device's pointer)."""
+    seen = []
+    monkeypatch.setattr(R, "scatter_add_", lambda out, i, v: seen.append("ref") or out)
+    other = torch.device("meta")
+    cb.scatter_add_(target.to(torch.zeros(4)), torch.arange(2, device=other), target.to(torch.ones(2)))
+    assert seen == ["ref"]
+
+
 def test_host_launcher_checks_arguments(target):
     """Wrapper bugs that would corrupt memory on a GPU (wrong scalar width, wrong element size,
     a non-contiguous tensor) are errors on the host launcher."""
