@@ -1,8 +1,8 @@
 // Host shim: compiles kernels/*.cu as plain C++ so CI (no GPU) can run them.
 //
 // One launch runs every block of the grid in turn on blockDim.x std::threads (a thread of the
-// kernel is a host thread), so __syncthreads, warp shuffles and ballots are real barriers that
-// ThreadSanitizer can check.  __shared__ becomes `static` (one block runs at a time; a barrier
+// kernel is a host thread, from a pool kept between launches), so __syncthreads, warp shuffles
+// and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static` (one block runs at a time; a barrier
 // separates consecutive blocks; launches are serialized by a mutex).  Only what the kernels use is
 // mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks, integer/float atomics.
 // fp32 math is plain C++ (build with -ffp-contract=off, no -ffast-math): IEEE round to nearest,
@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -107,28 +108,81 @@ inline unsigned ballot(bool pred) {
   return bits;
 }
 
-// Runs `body` for every (block, thread) of a 1-D launch; returns after all finished.
+// The host threads that play the CUDA threads, kept between launches (creating 64 threads per
+// launch costs more than most kernels).  Worker t runs thread t of every block of a launch.
+// Not fork-safe: a forked child must not launch (the tests never fork after loading the library).
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& th : workers_) th.join();
+  }
+
+  // Runs `body` for every (block, thread) of a 1-D launch; returns after all finished.
+  void run(unsigned grid, unsigned threads, const std::function<void()>& body) {
+    std::lock_guard<std::mutex> serial(launch_mutex_);  // one launch at a time (static __shared__)
+    Block blk((int)threads);
+    std::unique_lock<std::mutex> lock(m_);
+    while (workers_.size() < threads) {
+      unsigned id = (unsigned)workers_.size();
+      workers_.emplace_back([this, id] { work(id); });
+    }
+    job_ = Job{grid, threads, &body, &blk};
+    running_ = threads;
+    ++generation_;
+    cv_.notify_all();
+    done_cv_.wait(lock, [&] { return running_ == 0; });
+  }
+
+ private:
+  struct Job {
+    unsigned grid = 0, threads = 0;
+    const std::function<void()>* body = nullptr;
+    Block* blk = nullptr;
+  };
+
+  void work(unsigned id) {
+    unsigned seen = 0;
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      if (id >= job.threads) continue;
+      tl_thread.x = id;
+      tl_block_dim.x = job.threads;
+      tl_grid_dim.x = job.grid;
+      tl_blk = job.blk;
+      for (unsigned b = 0; b < job.grid; ++b) {
+        tl_block.x = b;
+        (*job.body)();
+        job.blk->bar.wait();  // shared memory of block b is dead before block b+1 starts
+      }
+      std::lock_guard<std::mutex> lock(m_);
+      if (--running_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex launch_mutex_, m_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  Job job_;
+  unsigned generation_ = 0, running_ = 0;
+  bool stop_ = false;
+};
+
 template <typename F>
 void launch(unsigned grid, unsigned threads, F body) {
-  static std::mutex launch_mutex;
-  std::lock_guard<std::mutex> guard(launch_mutex);
-  Block blk((int)threads);
-  std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (unsigned t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      tl_thread.x = t;
-      tl_block_dim.x = threads;
-      tl_grid_dim.x = grid;
-      tl_blk = &blk;
-      for (unsigned b = 0; b < grid; ++b) {
-        tl_block.x = b;
-        body();
-        blk.bar.wait();  // shared memory of block b is dead before block b+1 starts
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
+  static Pool pool;
+  pool.run(grid, threads, std::function<void()>(body));
 }
 
 }  // namespace cuhost
