@@ -2,8 +2,8 @@
 //
 // One launch runs every block of the grid in turn on blockDim.x std::threads (a thread of the
 // kernel is a host thread, from a pool kept between launches), so __syncthreads, warp shuffles
-// and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static` (one block runs at a time; a barrier
-// separates consecutive blocks; launches are serialized by a mutex).  Only what the kernels use is
+// and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static`
+// (one block runs at a time; a barrier separates consecutive blocks; launches are serialized).  Only what the kernels use is
 // mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks, integer/float atomics.
 // fp32 math is plain C++ (build with -ffp-contract=off, no -ffast-math): IEEE round to nearest,
 // subnormals kept, which is what the __f*_rn intrinsics and NVRTC's default -ftz=false give.
