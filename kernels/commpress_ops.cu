@@ -262,14 +262,26 @@ extern "C" __global__ void scatter_check(const i64* idx, i64 m, i64 n, int* bad)
     }
 }
 
-// out[idx[j]] += val[j] as one load, one IEEE add (subnormals kept), one store per index: bitwise
-// index_add_ for unique indices (duplicate indices would race: the callers' indices are unique).
+// out[idx[j]] += val[j] as an IEEE add (subnormals kept: no float atomicAdd, which flushes them)
+// committed with a compare-and-swap of the bits: bitwise index_add_ for unique indices (one CAS
+// each, no retry), and no lost update for duplicate indices (their order is unspecified).
+#ifndef COMMPRESS_HOST
+// A load that races with other threads' atomics on the same word (the host shim's is atomic).
+__device__ __forceinline__ u32 load_relaxed(const u32* p) { return *(const volatile u32*)p; }
+__device__ __forceinline__ u64 load_relaxed(const u64* p) { return *(const volatile u64*)p; }
+#endif
+
 extern "C" __global__ void scatter_add_f32(float* out, const i64* idx, const float* val, i64 m,
                                            const int* bad) {
     if (*bad) return;
     for (i64 j = global_thread(); j < m; j += grid_threads()) {
-        i64 t = idx[j];
-        out[t] = __fadd_rn(out[t], val[j]);
+        u32* word = (u32*)(out + idx[j]);
+        float v = val[j];
+        u32 old = load_relaxed(word), seen;
+        do {
+            seen = old;
+            old = atomicCAS(word, seen, __float_as_uint(__fadd_rn(__uint_as_float(seen), v)));
+        } while (old != seen);
     }
 }
 
@@ -277,8 +289,14 @@ extern "C" __global__ void scatter_add_f64(double* out, const i64* idx, const do
                                            const int* bad) {
     if (*bad) return;
     for (i64 j = global_thread(); j < m; j += grid_threads()) {
-        i64 t = idx[j];
-        out[t] = __dadd_rn(out[t], val[j]);
+        u64* word = (u64*)(out + idx[j]);
+        double v = val[j];
+        u64 old = load_relaxed(word), seen;
+        do {
+            seen = old;
+            old = atomicCAS(word, seen,
+                            (u64)__double_as_longlong(__dadd_rn(__longlong_as_double((i64)seen), v)));
+        } while (old != seen);
     }
 }
 

@@ -345,8 +345,10 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """See :func:`commpress.ops.reference.scatter_add_` (unique indices: bitwise equal).
 
-    Indices are checked on the device before anything is written; with a bad one ``out`` is
-    left untouched and the error is raised or recorded (module doc).  No host synchronization.
+    Each add is an IEEE add committed by compare-and-swap: subnormals are kept, and duplicate
+    indices lose no update (they add in an unspecified order).  Indices are checked on the device
+    before anything is written; with a bad one ``out`` is left untouched and the error is raised
+    or recorded (module doc).  No host synchronization.
     """
     if (not _mine(out, indices, values) or out.dtype not in (torch.float32, torch.float64)
             or out.dim() != 1 or not out.is_contiguous() or indices.dim() != 1

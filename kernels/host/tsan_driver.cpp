@@ -119,6 +119,22 @@ int main() {
         expect(scale[0] > 0.5f && scale[0] < 1.0f, "mean |x| of a normal sample");
     }
 
+    // scatter-add with duplicate indices: compare-and-swap, no lost update
+    {
+        i64 m = 4096;
+        std::vector<i64> sidx(m);
+        std::vector<float> out(8, 0.0f), sval(m, 1.0f);
+        for (i64 j = 0; j < m; ++j) sidx[j] = j % 8;
+        int bad = 0;
+        const i64* ip = sidx.data();
+        int* bp = &bad;
+        float* op = out.data();
+        const float* vp = sval.data();
+        run("scatter_check", grid, threads, &ip, &m, (void*)&n, &bp);
+        run("scatter_add_f32", grid, threads, &op, &ip, &vp, &m, &bp);
+        expect(bad == 0 && out[0] == 512.0f && out[7] == 512.0f, "duplicates all added");
+    }
+
     // scatter check (atomic flag) + all-or-nothing add
     {
         std::vector<i64> sidx = {1, 5, n + 3};

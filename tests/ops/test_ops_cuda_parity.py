@@ -225,6 +225,14 @@ def test_scatter_add_keeps_subnormals(cb, target):
         assert_bitwise(cb.scatter_add_(target.to(o), target.to(i), target.to(v)), R.scatter_add_(o.clone(), i, v))
 
 
+def test_scatter_add_duplicate_indices_lose_nothing(cb, target):
+    idx = torch.arange(3000) % 7  # 7 slots, ~430 adds each: exact in any order (small integers)
+    vals = (torch.arange(3000) % 5 - 2).float()
+    out = torch.full((7,), 0.5)
+    assert_bitwise(cb.scatter_add_(target.to(out), target.to(idx), target.to(vals)),
+                   R.scatter_add_(out.clone(), idx, vals))
+
+
 def test_scatter_add_bad_index_writes_nothing(cb, target, monkeypatch):
     monkeypatch.setenv("COMMPRESS_CUDA_CHECK", "1")
     out = torch.randn(100)
