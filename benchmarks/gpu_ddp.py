@@ -23,11 +23,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-RUNS = [("plain", None), ("identity", {}), ("topk", {"ratio": 0.01}), ("blockquant", {"bits": 4, "block": 64})]
+RUNS = [("plain", None), ("identity", {}), ("topk", {"ratio": 0.01}),
+        ("blockquant", {"bits": 4, "block": 64})]
 
 
 def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 10))
 
 
 def _batch(step: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +72,8 @@ def _worker(rank: int, world: int, store_path: str, steps: int, cpu: bool, queue
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(gathered, flat)
-            replicas_equal = all(torch.equal(gathered[0].view(torch.int32), g.view(torch.int32)) for g in gathered)
+            replicas_equal = all(torch.equal(gathered[0].view(torch.int32), g.view(torch.int32))
+                                 for g in gathered)
             report[name] = {"params": flat.cpu(), "losses": torch.stack(losses).cpu().tolist(),
                             "replicas_equal": replicas_equal}
         dist.barrier()
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, store, args.steps, args.cpu, queue)) for r in range(args.world)]
+        procs = [ctx.Process(target=_worker, args=(r, args.world, store, args.steps, args.cpu, queue))
+                 for r in range(args.world)]
         for p in procs:
             p.start()
         try:

@@ -198,15 +198,20 @@ extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, in
     for (int i = threadIdx.x; i < nbins; i += blockDim.x) local[i] = 0;
     __syncthreads();
     i64 stride = grid_threads();
-    for (i64 t = global_thread(); t < n; t += 4 * stride) {
+    int lane = threadIdx.x & 31;
+    // Warp-uniform loop (t - lane is the warp's base), so the lanes can aggregate: gradients put
+    // most keys in a few bins, and lanes hitting one bin add once through their leader.
+    for (i64 t = global_thread(); t - lane < n; t += 4 * stride) {
         int v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) v[u] = t + u * stride < n ? xi[t + u * stride] : 0;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             int k = v[u] & ABS_MASK;
-            if (t + u * stride < n && (i64)(k >> (shift + nbits)) == prefix)
-                atomicAdd(&local[(k >> shift) & (nbins - 1)], 1u);
+            bool counted = t + u * stride < n && (i64)(k >> (shift + nbits)) == prefix;
+            int bin = counted ? (k >> shift) & (nbins - 1) : -1;
+            u32 peers = __match_any_sync(FULL, bin);
+            if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&local[bin], (u32)__popc(peers));
         }
     }
     __syncthreads();

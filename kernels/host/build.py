@@ -1,9 +1,10 @@
 """Build kernels/*.cu for the host (CI has no GPU): ``python kernels/host/build.py [--tsan] [--out DIR]``.
 
-With ``--tsan-driver`` it builds ``DIR/tsan_driver`` instead (kernels/host/tsan_driver.cpp and the
-kernels, with ``-fsanitize=thread``).  Otherwise it writes ``DIR/host_kernels.cpp`` (the .cu sources included after ``cuda_shim.h``, plus one
+Writes ``DIR/host_kernels.cpp`` (the .cu sources included after ``cuda_shim.h``, plus one
 trampoline per ``extern "C" __global__`` kernel and a table of them) and compiles it with ``g++``
-(``$CXX``) into ``DIR/libcommpress_host[_tsan].so``.  Prints the library's path.
+(``$CXX``) into ``DIR/libcommpress_host[_tsan].<hash>.so``; with ``--tsan-driver`` it builds
+``DIR/tsan_driver`` instead (kernels/host/tsan_driver.cpp and the kernels, ``-fsanitize=thread``).
+Prints the path.
 
 The library's C API, used by ``commpress.ops.cuda_backend.HostLauncher`` and by the TSan driver:
 

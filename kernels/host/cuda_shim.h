@@ -3,10 +3,11 @@
 // One launch runs every block of the grid in turn on blockDim.x std::threads (a thread of the
 // kernel is a host thread, from a pool kept between launches), so __syncthreads, warp shuffles
 // and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static`
-// (one block runs at a time; a barrier separates consecutive blocks; launches are serialized).  Only what the kernels use is
-// mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks, integer/float atomics.
-// fp32 math is plain C++ (build with -ffp-contract=off, no -ffast-math): IEEE round to nearest,
-// subnormals kept, which is what the __f*_rn intrinsics and NVRTC's default -ftz=false give.
+// (one block runs at a time; a barrier separates consecutive blocks; launches are serialized).
+// Only what the kernels use is mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks,
+// integer atomics and compare-and-swap.  fp32 math is plain C++ (build with -ffp-contract=off, no
+// -ffast-math): IEEE round to nearest, subnormals kept, which is what the __f*_rn intrinsics and
+// NVRTC's default -ftz=false give.
 #pragma once
 
 #include <algorithm>
@@ -217,6 +218,21 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) {
   return cuhost::from_word<T>(cuhost::warp_exchange(cuhost::to_word(v), cuhost::lane_id() ^ mask));
 }
 inline unsigned __ballot_sync(unsigned, int pred) { return cuhost::ballot(pred != 0); }
+// Lanes holding the same value as this lane (sm_70+).
+template <typename T>
+inline unsigned __match_any_sync(unsigned, T v) {
+  static_assert(sizeof(T) <= 8, "match of a type wider than 64 bits");
+  int lane = cuhost::lane_id();
+  unsigned base = cuhost::tl_thread.x - (unsigned)lane;
+  cuhost::Barrier* wb = cuhost::tl_blk->warp_bars[cuhost::tl_thread.x >> 5];
+  uint64_t mine = cuhost::to_word(v);
+  cuhost::tl_blk->slots[cuhost::tl_thread.x] = mine;
+  wb->wait();
+  unsigned same = 0;
+  for (int l = 0; l < 32; ++l) same |= (unsigned)(cuhost::tl_blk->slots[base + l] == mine) << l;
+  wb->wait();
+  return same;
+}
 
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
@@ -244,7 +260,9 @@ inline T atomicCAS(T* p, T compare, T value) {
 }
 #define COMMPRESS_HOST 1
 inline unsigned load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline unsigned long long load_relaxed(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline unsigned long long load_relaxed(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }

@@ -110,12 +110,14 @@ int main() {
         const float* in = x.data();
         float* pp = partial.data();
         int absval = 1, fin = 0;
-        run("tree256_kernel", grid, threads, &in, &pp, (void*)&n, &chunk, &nchunks, &absval, &fin, &chunk, (void*)&n);
+        run("tree256_kernel", grid, threads, &in, &pp, (void*)&n, &chunk, &nchunks, &absval, &fin, &chunk,
+            (void*)&n);
         const float* in2 = partial.data();
         float* sp = scale.data();
         absval = 0;
         fin = 1;
-        run("tree256_kernel", grid, threads, &in2, &sp, &size2, &groups, &nchunks, &absval, &fin, &chunk, (void*)&n);
+        run("tree256_kernel", grid, threads, &in2, &sp, &size2, &groups, &nchunks, &absval, &fin, &chunk,
+            (void*)&n);
         expect(scale[0] > 0.5f && scale[0] < 1.0f, "mean |x| of a normal sample");
     }
 

@@ -222,7 +222,8 @@ def test_scatter_add_keeps_subnormals(cb, target):
         o = torch.randn(max(n, 1))
         i = torch.randperm(max(n, 1))[: n // 3].to(torch.int32)
         v = torch.randn(i.numel()).to(torch.bfloat16)
-        assert_bitwise(cb.scatter_add_(target.to(o), target.to(i), target.to(v)), R.scatter_add_(o.clone(), i, v))
+        assert_bitwise(cb.scatter_add_(target.to(o), target.to(i), target.to(v)),
+                       R.scatter_add_(o.clone(), i, v))
 
 
 def test_scatter_add_duplicate_indices_lose_nothing(cb, target):
@@ -453,7 +454,7 @@ def test_runs_on_the_current_stream():
         s.synchronize()
     assert_bitwise((idx.cpu(), vals.cpu()), R.topk_compact(y, 1000))
     assert_bitwise(out.cpu(), R.block_dequantize(*R.block_quantize(y, 8, 256), 8, 256, n))
-    assert_bitwise(acc.cpu(), R.scatter_add_(torch.zeros(n), R.topk_compact(y, 1000)[0], R.topk_compact(y, 1000)[1]))
+    assert_bitwise(acc.cpu(), R.scatter_add_(torch.zeros(n), *R.topk_compact(y, 1000)))
 
 
 @pytest.mark.gpu
