@@ -5,7 +5,7 @@
 For each size (2**24 and 2**26 fp32 by default) it prints, per op: time (median of CUDA-event
 timings), GB/s of the bytes the op must move at least, % of the device's HBM peak, the ratio of
 its time to a device memcpy of the same tensor (read + write 4n bytes), and for top-k the speed-up
-over ``torch.topk`` on ``|x|``.  Each result is first checked bitwise against the torch reference
+over ``torch.topk`` on ``|x|``; for the main ops also each kernel's time, GB/s and % of peak.  Each result is first checked bitwise against the torch reference
 on the same device.  Goals of the first run (issue 11): top-k 1% + residual <= 3x memcpy and >= 5x
 faster than torch.topk; blockquant compress and decode <= 1.5x memcpy; streaming ops >= 70% of peak.
 """
@@ -80,6 +80,10 @@ def same(a, b, what: str) -> None:
         raise SystemExit(f"gpu_kernels: {what}: differs from the torch reference")
 
 
+BREAKDOWN = ("topk 1% + residual", "blockquant 8b/256 compress", "blockquant 8b decode+acc",
+             "sign_pack chunk 4096")
+
+
 def cases(cb, ref, x: torch.Tensor):
     """(name, function, bytes it must move, reference check or None)."""
     n = x.numel()
@@ -115,6 +119,40 @@ def cases(cb, ref, x: torch.Tensor):
                         ref.scatter_add_(torch.zeros_like(x), idx, vals), "scatter_add_"))
     yield ("hash_owner 1%, 2**32", lambda: cb.hash_owner(idx, 2**32), 12 * k,
            lambda: same(cb.hash_owner(idx, 2**32), ref.hash_owner(idx, 2**32), "hash_owner"))
+
+
+# Bytes one call of a kernel must move for n fp32 elements (top-k writing its residual, 8-bit codes).
+KERNEL_BYTES = {"radix_hist": 4.0, "sel_count": 4.0, "sel_write_i32": 8.0, "block_absmax_kernel": 4.0,
+                "block_quantize_kernel": 5.0, "block_dequantize_kernel": 9.0, "sign_bits_kernel": 4.125,
+                "tree256_kernel": 4.0}
+
+
+def kernel_breakdown(name: str, fn, n: int, peak: float, repeat: int = 5) -> None:
+    """Each GPU kernel of one op (torch.profiler/CUPTI sees CuPy's launches too): us per call,
+    and for the kernels of kernels/*.cu that stream the tensor, GB/s and % of peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    print(f"  kernels of {name}:")
+    for evt in sorted(prof.key_averages(), key=lambda e: e.key):
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if not us or getattr(evt, "self_cpu_time_total", 0.0):
+            continue  # not a device-side row
+        per_call = us / repeat
+        calls = evt.count / repeat
+        factor = KERNEL_BYTES.get(evt.key)
+        rate = ""
+        if factor is not None:
+            gbs = factor * n * calls / per_call / 1e3
+            rate = f"{gbs:7.0f} GB/s {100 * gbs / peak:4.0f}%"
+        print(f"    {evt.key[:40]:40s} x{calls:<4.0f} {per_call:9.1f} us  {rate}")
 
 
 def main(argv=None) -> int:
@@ -157,6 +195,11 @@ def main(argv=None) -> int:
             rows.append({"n": n, "op": name.strip(), "ms": t, "bytes": nbytes, "gbs": gbs,
                          "pct_peak": 100 * gbs / peak, "x_memcpy": t / t_copy,
                          "torch_topk_ms": t_torch_topk if name.startswith("topk") else None})
+            if name in BREAKDOWN:
+                try:
+                    kernel_breakdown(name, fn, n, peak)
+                except Exception as exc:  # profiler without CUPTI: the op figures stand
+                    print(f"  (per-kernel breakdown unavailable: {exc!r})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(index), "hbm_peak_gbs": peak,
                                     "rows": rows}, indent=1))

@@ -74,18 +74,22 @@ def read_source(name: str) -> str:
 
 # ---------------------------------------------------------------- launchers
 class CupyLauncher:
-    """Launches on CUDA tensors through CuPy (NVRTC), on torch's current stream."""
+    """Launches on CUDA tensors through CuPy (NVRTC), on torch's current stream.
+
+    Compiled modules, kernels and stream wrappers are shared by all instances (one compile per
+    device per process); an instance only sets the block size and the grid cap.
+    """
 
     threads = 256
     #: Reading a device value stalls the host (a synchronization): errors are recorded instead.
     reads_are_free = False
+    _modules: dict[int, object] = {}
+    _kernels: dict[tuple[int, str], object] = {}
+    _streams: dict[tuple[int, int], object] = {}  # (device, torch stream) -> cupy ExternalStream
+    _lock = threading.Lock()
 
     def __init__(self, max_grid: int = 65535):
         self.max_grid = max_grid
-        self._modules: dict[int, object] = {}
-        self._kernels: dict[tuple[int, str], object] = {}
-        self._streams: dict[tuple[int, int], object] = {}  # torch stream -> cupy.cuda.ExternalStream
-        self._lock = threading.Lock()
 
     def owns(self, device: torch.device) -> bool:
         return device.type == "cuda"
