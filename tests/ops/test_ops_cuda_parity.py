@@ -125,6 +125,15 @@ def test_topk_kth_key_below_the_top_buckets(cb, target):
         check_selection(cb, target, "topk_compact", ulps * (1 + torch.arange(3000) % 3 * 2**-13), k)
 
 
+def test_int64_indices(cb, target, monkeypatch):
+    """Tensors of 2**31 or more entries get int64 indices (sel_write_i64); forced here on small ones."""
+    monkeypatch.setattr(R, "index_dtype", lambda numel: torch.int64)
+    x = _x(5000)
+    check_selection(cb, target, "topk_compact", x, 77)
+    check_selection(cb, target, "threshold_compact", x, 1.0)
+    assert cb.topk_compact(target.to(x), 5)[0].dtype == torch.int64
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_selection_other_dtypes(cb, target, dtype):
     x = _x(1000)
