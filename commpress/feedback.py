@@ -114,6 +114,9 @@ class ErrorFeedback(Compressor):
         self._config = {"compressor": compressor.name, "params": compressor.config(), "beta": beta}
         self._residuals: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, torch.Tensor] = {}
+        #: 0-d bool of the last compress: its compensated input held a NaN/inf (the
+        #: collectives put it in their status word instead of scanning the input again)
+        self.last_nonfinite: torch.Tensor | None = None
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -167,7 +170,7 @@ class ErrorFeedback(Compressor):
     def _compress(self, tensor, step, key, generator, transaction, fixed: bool) -> Payload:
         self.check_input(tensor)
         c = self.compensate(tensor, key)
-        local_bad = nonfinite_flag(c)
+        local_bad = self.last_nonfinite = nonfinite_flag(c)
         inner = self.compressor
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)

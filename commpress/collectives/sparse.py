@@ -486,7 +486,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm == "auto":
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
-    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
     if algorithm == "allgather":
         acc = torch.zeros(n + 1, dtype=acc_dtype(vals.dtype), device=tensor.device)   # slot n: padding
         layout = wire.Layout.of((idx, vals))
