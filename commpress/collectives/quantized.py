@@ -39,8 +39,9 @@ import torch
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, has_feedback, local_check, unwrap
+from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
 from .accounting import CommStats
+from .validate import check_once
 
 _ALIGN_ATTRS = ("alignment", "block", "block_size", "chunk", "chunk_size", "bucket_size")
 
@@ -260,8 +261,6 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
     static facts with one header exchange the first time a key is seen.
     With one rank: compress + decompress of the whole tensor.
     """
-    from .validate import check_once
-
     world = _comm.world(group)
     inner = unwrap(compressor)
     if getattr(inner, "aggregation", None) not in ("gather", "sum", "sparse"):
@@ -277,7 +276,6 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         err = (wire.E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}")
     tx = transaction if transaction is not None else ResidualTransaction()
     if validate:
-        from ._codec import fingerprint
         check_once(group, key, ("reduce_scatter", n, str(tensor.dtype), fingerprint(compressor)),
                    device=flat.device, error=err[0], numel=n, dtype=tensor.dtype, algorithm="two_phase",
                    kind="reduce_scatter", config=fingerprint(compressor), stats=stats, local_message=err[1],

@@ -53,7 +53,7 @@ import logging
 import torch
 
 from .. import ops
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
 from ._codec import compress_fixed, has_feedback, unwrap
 from .accounting import CommStats
@@ -520,8 +520,6 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
 
 def _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction):
     """The count-exchanging algorithms (split, hashed, recursive doubling) on the compact payload."""
-    from ..feedback import ErrorFeedback
-
     idx = vals = None
     error = (0, "")
     try:
