@@ -99,7 +99,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     if kind == "sum":
         out = _sum_path(tensor, compressor, out=result, **args)
     elif kind == "sparse":
-        out = sparse.fixed_sparse_allreduce(tensor, compressor, **args)
+        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, **args)
     elif kind == "gather":
         out = quantized.quantized_allreduce(tensor, compressor, **args)
     else:
