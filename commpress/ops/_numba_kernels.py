@@ -718,3 +718,303 @@ def sign_unpack(packed, scales, chunk, n, out, accumulate):
                 out[j] = out[j] + v
             else:
                 out[j] = v
+
+
+# ---------------------------------------------------------------- minifloats (fp8, MX)
+@njit(inline="always", **_SOPTS)
+def _minifloat_codes(y, yi, base, fmax, fmax_key, emin, mbits, sbit, inv_tab, stochastic, k0, k1,
+                     codes, cbase):
+    """codes[cbase + j] = minifloat code of y[j] (see ``reference.minifloat_codes``);
+    ``yi`` is ``y``'s int32 view, ``base`` the global index of ``y[0]`` (noise counter)."""
+    for j in range(y.size):
+        v = yi[j]
+        ab = v & _ABS
+        if ab > _INF_KEY:  # NaN
+            codes[cbase + j] = 0
+            continue
+        if ab >= fmax_key:
+            a = fmax
+            ab = fmax_key
+        else:
+            a = abs(y[j])
+        e = max((ab >> 23) - 127, emin)
+        r = a * inv_tab[e - emin]
+        q = np.floor(r)
+        f = r - q
+        qi = np.int32(q)
+        if stochastic:
+            u = np.float32(np.int32(_bits24(base + j, k0, k1))) * _U24
+            up = u < f
+        else:
+            up = f > _HALF or (f == _HALF and (qi & 1) == 1)
+        mag = ((e - emin) << mbits) + qi + np.int32(up)
+        if v < 0:
+            mag |= sbit
+        codes[cbase + j] = np.uint8(mag)
+
+
+@parallel_kernel
+def fp8_quantize(x, xi, block, fmax, fmax_key, emin, mbits, inv_tab, stochastic, k0, k1, clen,
+                 codes, scales):
+    """Per block: scale = absmax / fmax, codes of x * (fmax / absmax); one pass per chunk of blocks."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    sbit = np.int32(1 << 7)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        ybuf = np.empty(min(block, _PIECE), np.float32)
+        yib = ybuf.view(np.int32)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            m = _absmax_key(xi, s0, s1)
+            if m > _INF_KEY:
+                amax = _NAN32
+            else:
+                kbuf[0] = m
+                amax = fbuf[0]
+            scales[s0 // block] = amax / fmax
+            inv = fmax / amax if amax > _F0 else _F0
+            for p0 in range(s0, s1, _PIECE):
+                p1 = min(p0 + _PIECE, s1)
+                yp = ybuf[:p1 - p0]
+                xs = x[p0:p1]
+                for j in range(p1 - p0):
+                    yp[j] = xs[j] * inv
+                _minifloat_codes(yp, yib[:p1 - p0], p0, fmax, fmax_key, emin, mbits, sbit, inv_tab,
+                                 stochastic, k0, k1, codes, p0)
+
+
+@parallel_kernel
+def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate):
+    """out[j] (+)= table[codes[j]] * scales[j // block]."""
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            s = scales[s0 // block]
+            cs = codes[s0:s1]
+            os = out[s0:s1]
+            if accumulate:
+                for j in range(cs.size):
+                    os[j] = os[j] + table[cs[j]] * s
+            else:
+                for j in range(cs.size):
+                    os[j] = table[cs[j]] * s
+
+
+@parallel_kernel
+def mx_quantize(x, xi, bits, emax, fmax, fmax_key, emin, mbits, inv_tab, stochastic, k0, k1, clen,
+                packed, scale_bytes):
+    """OCP MX blocks of 32: E8M0 scale byte and ``bits``-bit element codes, packed per chunk.
+
+    ``clen`` is a multiple of 32 (so chunks start on a byte of the packed stream).
+    """
+    n = x.size
+    nch = (n + clen - 1) // clen
+    sbit = np.int32(1 << (bits - 1))
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        ybuf = np.empty(32, np.float32)
+        yib = ybuf.view(np.int32)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, 32):
+            s1 = min(s0 + 32, b)
+            m = _absmax_key(xi, s0, s1)
+            if m >= _INF_KEY:
+                scale_bytes[s0 >> 5] = np.uint8(255)
+                inv = _F0
+            else:
+                shared = max((m >> 23) - 127 - emax, -127)
+                scale_bytes[s0 >> 5] = np.uint8(shared + 127)
+                kbuf[0] = np.int32((127 - shared) << 23)
+                inv = fbuf[0]
+            xs = x[s0:s1]
+            for j in range(s1 - s0):
+                ybuf[j] = xs[j] * inv
+            _minifloat_codes(ybuf[:s1 - s0], yib[:s1 - s0], s0, fmax, fmax_key, emin, mbits, sbit,
+                             inv_tab, stochastic, k0, k1, codes, s0 - a)
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
+def mx_dequantize(packed, scale_bytes, table, scale_tab, bits, n, clen, out, accumulate):
+    """out[j] (+)= table[code_j] * scale_tab[scale_bytes[j // 32]], unpacking per chunk."""
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+            _unpack_range(packed, a, b, bits, codes, a)
+        for s0 in range(a, b, 32):
+            s1 = min(s0 + 32, b)
+            s = scale_tab[scale_bytes[s0 >> 5]]
+            cs = codes[s0 - a:s1 - a]
+            os = out[s0:s1]
+            if accumulate:
+                for j in range(cs.size):
+                    os[j] = os[j] + table[cs[j]] * s
+            else:
+                for j in range(cs.size):
+                    os[j] = table[cs[j]] * s
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels
+@njit(inline="always", **_SOPTS)
+def _tree_sum_sq(x, a, b):
+    """Sum of x[a:b]**2 in the reference's fixed pairwise order (see :func:`_tree_sum_abs`)."""
+    stack = np.empty(64, np.float32)
+    level = np.empty(64, np.int64)
+    top = 0
+    j = a
+    while j + 8 <= b:
+        v0 = x[j] * x[j] + x[j + 1] * x[j + 1]
+        v1 = x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3]
+        v2 = x[j + 4] * x[j + 4] + x[j + 5] * x[j + 5]
+        v3 = x[j + 6] * x[j + 6] + x[j + 7] * x[j + 7]
+        v = (v0 + v1) + (v2 + v3)
+        lv = 3
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 8
+    while j < b:
+        v = x[j] * x[j]
+        lv = 0
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 1
+    if top == 0:
+        return _F0
+    acc = stack[top - 1]
+    for t in range(top - 2, -1, -1):
+        acc = stack[t] + acc
+    return acc
+
+
+@parallel_kernel
+def bucket_norms(x, bucket, norms):
+    """norms[b] = sqrt(tree-sum of squares over bucket ``b``) in fp32."""
+    n = x.size
+    for c in prange(norms.size):
+        a = c * bucket
+        norms[c] = np.sqrt(_tree_sum_sq(x, a, min(a + bucket, n)))
+
+
+@parallel_kernel
+def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
+    """QSGD/TernGrad stochastic codes (see ``reference.level_quantize``), packed per chunk
+    of ``clen`` entries (a multiple of 8)."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    fl = np.float32(levels)
+    lv = np.int32(levels)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        j = a
+        while j < b:
+            bk = j // bucket
+            e = min(b, (bk + 1) * bucket)
+            s = scales[bk]
+            if not (s > _F0):
+                s = np.float32(1.0)
+            mul = fl / s
+            for t in range(j, e):
+                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                q = np.floor(y)
+                q = _F0 if q != q else min(max(q, _F0), fl)
+                qi = np.int32(q)
+                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
+            j = e
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
+def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate):
+    """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels)."""
+    fl = np.float32(levels)
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+            _unpack_range(packed, a, b, bits, codes, a)
+        j = a
+        while j < b:
+            bk = j // bucket
+            e = min(b, (bk + 1) * bucket)
+            step = scales[bk] / fl
+            if accumulate:
+                for t in range(j, e):
+                    out[t] = out[t] + (np.float32(codes[t - a]) - fl) * step
+            else:
+                for t in range(j, e):
+                    out[t] = (np.float32(codes[t - a]) - fl) * step
+            j = e
+
+
+# ---------------------------------------------------------------- sign + scale + error feedback
+@parallel_kernel
+def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
+    """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
+    new_res = c - (+-scale).  ``chunk`` must be a multiple of 8 (whole bytes per chunk);
+    returns False when some c or scale is not finite."""
+    n = x.size
+    nchunks = scales.size
+    bad = np.zeros(nchunks, np.uint8)
+    for c in prange(nchunks):
+        a = c * chunk
+        b = min(a + chunk, n)
+        cs = new_res[a:b]
+        for j in range(b - a):
+            if use_beta:
+                cs[j] = x[a + j] + res[a + j] * beta
+            else:
+                cs[j] = x[a + j] + res[a + j]
+        s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
+        scales[c] = s
+        if not (abs(s) < np.float32(np.inf)):
+            bad[c] = 1
+        for byte in range((b - a + 7) >> 3):
+            o = byte * 8
+            v = 0
+            for t in range(min(8, b - a - o)):
+                if not (cs[o + t] < _F0):
+                    v |= 1 << t
+                    cs[o + t] = cs[o + t] - s
+                else:
+                    cs[o + t] = cs[o + t] + s
+            packed[(a >> 3) + byte] = np.uint8(v)
+    return bad.sum() == 0
