@@ -1,4 +1,12 @@
-"""Error feedback: compress ``x + residual`` and remember what was not sent (Stich 2018, Karimireddy 2019)."""
+"""Error feedback: compress ``x + residual`` and remember what was not sent (Stich 2018, Karimireddy 2019).
+
+Residual changes are applied on the device, never decided on the host: a
+compress writes the next residual into a *pending* buffer, and a commit sets the
+live residual to it, or keeps the old one where a 0-d ``bad`` flag (a NaN/inf
+on some rank) says so, with one ``torch.where``.  A :class:`ResidualTransaction`
+groups the commits of one collective call or one training step, so an overflow
+anywhere in a step leaves every residual as it was.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +16,86 @@ from typing import Any
 import torch
 
 from .compressors._sparse import SparseCompressor
-from .compressors._util import all_finite, decode_keyed, encode_keyed
+from .compressors._util import decode_keyed, encode_keyed
 from .compressors.base import Compressor, Payload
 
 log = logging.getLogger("commpress")
 
 
+def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``t``'s device: True when ``t`` holds a NaN or inf (no host read).
+
+    One fp32 sum: NaN and inf propagate into it (``inf - inf`` is NaN).  A finite
+    tensor whose sum overflows fp32 also reads as non-finite (conservative).
+    """
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(t.sum(dtype=torch.float32))
+
+
+def _either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a | b.to(a.device)
+
+
+class ResidualTransaction:
+    """The staged residual updates of one collective call or one training step.
+
+    :meth:`ErrorFeedback.compress` with ``transaction=tx`` stages its update;
+    :meth:`commit` applies every staged update where neither its own local flag
+    nor the transaction's ``bad`` flag (``mark_bad``, or the argument of
+    ``commit``) is set, and keeps the old residual elsewhere; :meth:`rollback`
+    drops them all.  Flags are 0-d bool tensors: nothing is read on the host.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[ErrorFeedback, Any, torch.Tensor | None]] = []
+        self._bad: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._staged)
+
+    def stage(self, feedback: "ErrorFeedback", key: Any, local_bad: torch.Tensor | None = None) -> None:
+        self._staged.append((feedback, key, local_bad))
+
+    def mark_bad(self, flag: torch.Tensor) -> None:
+        """OR ``flag`` (0-d bool) into the transaction's bad flag."""
+        self._bad = _either(self._bad, flag)
+
+    @property
+    def bad(self) -> torch.Tensor | None:
+        return self._bad
+
+    def commit(self, bad: torch.Tensor | None = None) -> None:
+        flag = _either(self._bad, bad)
+        for feedback, key, local in self._staged:
+            feedback._apply(key, _either(flag, local))
+        self.rollback()
+
+    def rollback(self) -> None:
+        self._staged.clear()
+        self._bad = None
+
+
 class ErrorFeedback(Compressor):
     """Wraps ``compressor``; itself a Compressor with the same wire format and aggregation.
 
-    Per ``key``: ``c = x + beta * e`` (fp32 when ``x`` is half precision);
-    the payload is ``compressor.compress(c)`` (``c`` cast back to ``x``'s dtype);
-    then ``e = c - decompress(payload)``.  So ``decompress(payload) + e_after ==
+    Per ``key``: ``c = x + beta * e`` (fp32); the payload is
+    ``compressor.compress(c)`` (``c`` cast back to ``x``'s dtype); then
+    ``e = c - decompress(payload)``.  So ``decompress(payload) + e_after ==
     x + beta * e_before``.  Residuals are fp32, shaped like the input, allocated
-    once per key and updated in place.  When ``c`` or the decoded payload holds a
-    NaN/inf, the payload still carries it (so AMP's GradScaler sees it) and the
-    residual keeps its old value.  For fp32 input to a sparsifier the residual
-    is written in the same pass as the selection (same result as the generic path).
+    once per key (with one pending buffer of the same size that also holds
+    ``c``) and updated in place.  When ``c`` holds a NaN/inf the payload still
+    carries it (so AMP's GradScaler sees it) and the residual keeps its old
+    value.  For fp32 input to a sparsifier the residual is written in the same
+    pass as the selection (same result as the generic path).
+
+    Collectives pass ``transaction=`` (a :class:`ResidualTransaction`) so that
+    the update waits for the cross-rank verdict; without one it is committed at
+    once with the local non-finite flag.
     """
 
     unbiased = False
@@ -42,57 +113,98 @@ class ErrorFeedback(Compressor):
         self.supported_dtypes = compressor.supported_dtypes
         self._config = {"compressor": compressor.name, "params": compressor.config(), "beta": beta}
         self._residuals: dict[Any, torch.Tensor] = {}
+        self._pending: dict[Any, torch.Tensor] = {}
 
+    # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
         """The stored fp32 residual for ``key`` (the live buffer), or ``None``."""
         return self._residuals.get(key)
 
-    def _buffer(self, key: Any, like: torch.Tensor) -> torch.Tensor:
-        r = self._residuals.get(key)
+    def _slot(self, table: dict, key: Any, like: torch.Tensor) -> torch.Tensor:
+        r = table.get(key)
         if r is None or r.numel() != like.numel() or r.device != like.device:
             if r is not None:
-                log.debug("error feedback: key %r changed size; residual reset", key)
-            r = self._residuals[key] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+                log.debug("error feedback: key %r changed size; buffer reset", key)
+            r = table[key] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
         elif r.shape != like.shape:
-            r = self._residuals[key] = r.view(like.shape)
+            r = table[key] = r.view(like.shape)
         return r
 
     def compensate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
-        """``tensor + beta * residual(key)``, same shape; fp32 for half-precision input."""
-        r = self._residuals.get(key)
-        t = tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
-        if r is None or r.numel() != tensor.numel() or r.device != tensor.device:
-            return t
-        return torch.add(t, r.view(tensor.shape), alpha=self.beta)
+        """``tensor + beta * residual(key)`` in fp32, shaped like ``tensor``.
 
-    def update(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        """``residual(key) = compensated - sent`` in place, unless either is non-finite."""
-        if not (all_finite(compensated) and all_finite(sent)):
-            log.debug("error feedback: non-finite values for key %r; residual kept", key)
-            return
-        r = self._buffer(key, compensated)
-        torch.sub(compensated.reshape(r.shape).float(), sent.reshape(r.shape).float(), out=r)
+        Written into the key's pending buffer (no allocation after the first call):
+        valid until the next ``compensate`` / ``compress`` of the same key.
+        """
+        pend = self._slot(self._pending, key, tensor)
+        live = self._residuals.get(key)
+        if live is None or live.numel() != tensor.numel() or live.device != tensor.device:
+            pend.copy_(tensor)
+        else:
+            torch.add(tensor, live.view(tensor.shape), alpha=self.beta, out=pend)
+        return pend
 
-    def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+    def _apply(self, key: Any, bad: torch.Tensor | None) -> None:
+        """Live residual := pending, except where ``bad`` (0-d bool) is set."""
+        pend = self._pending[key]
+        live = self._slot(self._residuals, key, pend)
+        if bad is None:
+            live.copy_(pend)
+        else:
+            torch.where(bad, live, pend, out=live)
+
+    # -- compress ----------------------------------------------------------
+    def compress(self, tensor, *, step=0, key=0, generator=None,
+                 transaction: ResidualTransaction | None = None) -> Payload:
+        return self._compress(tensor, step, key, generator, transaction, fixed=False)
+
+    def compress_fixed(self, tensor, *, step=0, key=0, generator=None,
+                       transaction: ResidualTransaction | None = None) -> Payload:
+        """As :meth:`compress` with the inner compressor's fixed-size wire format
+        (:meth:`Compressor.compress_fixed`): what the collectives send."""
+        return self._compress(tensor, step, key, generator, transaction, fixed=True)
+
+    def _compress(self, tensor, step, key, generator, transaction, fixed: bool) -> Payload:
         self.check_input(tensor)
         c = self.compensate(tensor, key)
+        local_bad = nonfinite_flag(c)
         inner = self.compressor
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
-            if all_finite(c):
-                c = c.contiguous()
-                return inner.compress_with_residual(c, self._buffer(key, c), step=step, key=key)
-            log.debug("error feedback: non-finite values for key %r; residual kept", key)
-            return inner.compress(c, step=step, key=key, generator=generator)
-        payload = inner.compress(c.to(tensor.dtype), step=step, key=key, generator=generator)
-        self.update(key, c, inner.decompress(payload))
+            # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
+            run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
+            payload = run(c, c, step=step, key=key)
+        else:
+            src = c if tensor.dtype == torch.float32 else c.to(tensor.dtype)
+            run = inner.compress_fixed if fixed else inner.compress
+            payload = run(src, step=step, key=key, generator=generator)
+            payload = _detach_from(payload, c)
+            c.sub_(inner.decompress(payload).reshape(c.shape).float())
+        if transaction is not None:
+            transaction.stage(self, key, local_bad)
+        else:
+            self._apply(key, local_bad)
         return payload
+
+    def update(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor,
+               transaction: ResidualTransaction | None = None) -> None:
+        """``residual(key) = compensated - sent`` (through the pending buffer), unless
+        either is non-finite; staged in ``transaction`` when given."""
+        pend = self._slot(self._pending, key, compensated)
+        bad = nonfinite_flag(compensated) | nonfinite_flag(sent)
+        torch.sub(compensated.reshape(pend.shape).float(), sent.reshape(pend.shape).float(), out=pend)
+        if transaction is not None:
+            transaction.stage(self, key, bad)
+        else:
+            self._apply(key, bad)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         return self.compressor.decompress(payload)
 
+    # -- state ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every residual (the inner compressor's state is kept)."""
         self._residuals.clear()
+        self._pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``."""
@@ -105,3 +217,14 @@ class ErrorFeedback(Compressor):
         residuals = decode_keyed(state["residuals"], "error feedback residuals")
         self.compressor.load_state_dict(state["compressor"])
         self._residuals = {k: r.float().clone() for k, r in residuals.items()}
+        self._pending.clear()
+
+
+def _detach_from(payload: Payload, buf: torch.Tensor) -> Payload:
+    """``payload`` with any wire tensor that shares ``buf``'s memory cloned
+    (``buf`` is about to become the residual)."""
+    ptr = buf.untyped_storage().data_ptr()
+    if not any(t.untyped_storage().data_ptr() == ptr for t in payload.tensors):
+        return payload
+    tensors = tuple(t.clone() if t.untyped_storage().data_ptr() == ptr else t for t in payload.tensors)
+    return Payload(tensors, payload.shape, payload.dtype, payload.numel, payload.meta)

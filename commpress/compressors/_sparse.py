@@ -11,11 +11,18 @@ from .base import Compressor, Payload
 class SparseCompressor(Compressor):
     """Keeps some entries of the flattened tensor.
 
-    Wire: ``(indices, values)``: ``k`` unique ascending indices (int32 when
-    ``numel < 2**31``, else int64) and the ``k`` kept values in the input dtype,
-    so ``nbytes == k * (4 + itemsize)``.  Decompression scatters the values into
-    zeros.  Subclasses implement :meth:`select`; they may override
+    Wire (:meth:`compress`): ``(indices, values)``: unique ascending indices
+    (int32 when ``numel < 2**31``, else int64) and the kept values in the input
+    dtype, so ``nbytes == count * (4 + itemsize)``.  Decompression scatters the
+    values into zeros.  Subclasses implement :meth:`select`; they may override
     :meth:`select_with_residual` with a fused single pass.
+
+    Fixed-size wire (:meth:`compress_fixed`, what the collectives send):
+    exactly :meth:`capacity` slots; a slot that holds no entry has index
+    ``numel`` (one past the end) and value 0.  Entries the capacity cannot hold
+    are not sent; with error feedback they stay in the residual.  Subclasses
+    whose count is data-dependent override :meth:`select_fixed`; the default is
+    :meth:`select`, correct for a count that depends only on ``numel``.
     """
 
     aggregation = "sparse"
@@ -25,15 +32,36 @@ class SparseCompressor(Compressor):
         """``(indices, values)`` of the entries of the 1-D ``flat`` to keep."""
         raise NotImplementedError
 
+    def capacity(self, numel: int) -> int:
+        """Slots of the fixed-size wire format for a ``numel``-element tensor."""
+        raise NotImplementedError
+
     def select_with_residual(self, flat: torch.Tensor, residual: torch.Tensor, *, step: int, key
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`select`; ``residual`` (fp32, same numel) receives ``flat`` with the
-        kept entries zeroed, which is exactly ``flat - decompress(payload)``."""
+        """As :meth:`select`; ``residual`` (fp32, same numel, may be ``flat`` itself)
+        receives ``flat`` with the kept entries zeroed, exactly ``flat - decompress(payload)``."""
         idx, values = self.select(flat, step=step, key=key)
         r = residual.view(-1)
-        r.copy_(flat)
+        if r.data_ptr() != flat.data_ptr():
+            r.copy_(flat)
         r[idx.long()] = 0
         return idx, values
+
+    #: Entries that passed the selection but did not fit the capacity while no residual
+    #: kept them (error feedback off): a 0-d int64 tensor on the device, summed over calls
+    #: (``None`` before the first such call).  Read it when you want it; nothing reads it per step.
+    dropped: torch.Tensor | None = None
+
+    def _count_dropped(self, n: torch.Tensor) -> None:
+        self.dropped = n if self.dropped is None else self.dropped + n.to(self.dropped.device)
+
+    def select_fixed(self, flat: torch.Tensor, residual: torch.Tensor | None, *, step: int, key
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``capacity(numel)`` slots (padding: index ``numel``, value 0), sync-free;
+        ``residual`` as in :meth:`select_with_residual`."""
+        if residual is None:
+            return self.select(flat, step=step, key=key)
+        return self.select_with_residual(flat, residual, step=step, key=key)
 
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
@@ -48,9 +76,48 @@ class SparseCompressor(Compressor):
         idx, values = self.select_with_residual(tensor.reshape(-1), residual, step=step, key=key)
         return self.make_payload(tensor, (idx, values))
 
+    def compress_fixed(self, tensor, *, step=0, key=0, generator=None) -> Payload:
+        self.check_input(tensor)
+        idx, values = self.select_fixed(tensor.reshape(-1), None, step=step, key=key)
+        return self.make_payload(tensor, (idx, values))
+
+    def compress_fixed_with_residual(self, tensor: torch.Tensor, residual: torch.Tensor, *,
+                                     step: int = 0, key=0) -> Payload:
+        """:meth:`compress_fixed` that also writes the residual (see :meth:`select_with_residual`)."""
+        self.check_input(tensor)
+        idx, values = self.select_fixed(tensor.reshape(-1), residual, step=step, key=key)
+        return self.make_payload(tensor, (idx, values))
+
     def decompress(self, payload: Payload) -> torch.Tensor:
         idx, values = payload.tensors
-        out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
+        n = payload.numel
+        out = torch.zeros(n + 1, dtype=torch.float32, device=values.device)  # slot n: padding
         if idx.numel():
             ops.scatter_add_(out, idx, values.float())
-        return out.to(payload.dtype).reshape(payload.shape)
+        return out[:n].to(payload.dtype).reshape(payload.shape)
+
+
+def capped_by_threshold(owner: SparseCompressor, flat: torch.Tensor, capacity: int,
+                        threshold: torch.Tensor | float, residual: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``capacity`` largest-magnitude entries of ``flat`` whose ``|x|`` is not below
+    ``threshold`` (NaN passes), in ``capacity`` fixed slots, without a host read.
+
+    The top-``capacity`` entries hold every passing entry when at most
+    ``capacity`` pass, and the ``capacity`` largest otherwise; the ones below the
+    threshold become padding (index ``numel``, value 0) and are put back into
+    ``residual``, so only what is sent leaves it.  Without a residual the entries
+    that passed but did not fit are counted in ``owner.dropped`` (one more pass).
+    """
+    n = flat.numel()
+    idx, values = ops.topk_compact(flat, capacity, residual=residual)
+    below = values.float().abs() < threshold
+    if residual is not None and idx.numel():
+        residual.view(-1).index_put_((idx.long(),), torch.where(below, values.float(), 0.0),
+                                     accumulate=True)
+    if residual is None:
+        passing = (~(flat.float().abs() < threshold)).sum()
+        owner._count_dropped(passing - (~below).sum())
+    idx = torch.where(below, torch.full_like(idx, n), idx)
+    values = torch.where(below, torch.zeros_like(values), values)
+    return idx, values

@@ -91,6 +91,15 @@ class Compressor(ABC):
         """Encode ``tensor``. ``step``/``key`` seed shared random choices;
         ``generator`` supplies per-rank noise (stochastic rounding)."""
 
+    def compress_fixed(self, tensor: torch.Tensor, *, step: int = 0, key: Any = 0,
+                       generator: torch.Generator | None = None) -> Payload:
+        """:meth:`compress` with a wire size that depends only on ``(numel, dtype)``
+        and the configuration, never on the data: what the collectives send, so
+        every rank knows every message size without asking.  Most compressors are
+        fixed-size already (this default); sparsifiers with a data-dependent count
+        pad to a capacity (see :class:`~commpress.compressors._sparse.SparseCompressor`)."""
+        return self.compress(tensor, step=step, key=key, generator=generator)
+
     @abstractmethod
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode a payload to a tensor of the original shape and dtype.

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .. import ops
-from ._sparse import SparseCompressor
+from ._sparse import SparseCompressor, capped_by_threshold
 from ._util import check_ratio, mix_seed, num_keep, stable_hash
 from .base import register
 from .threshold import has_nan
@@ -35,26 +35,55 @@ class DGC(SparseCompressor):
     exactly ``k``).  When the sample would be at least half the tensor, or the
     tensor holds a NaN (which never passes a threshold), exact top-k is used.
     Wire: ``(indices int32, values)``.  Deterministic, biased.
+
+    Fixed-size wire (the collectives): ``capacity = floor(1.25 k)`` slots, the
+    largest entries at or above the sampled threshold (computed on the device);
+    no refinement round, so fewer than ``0.8 k`` may be sent when the estimate
+    is high.  What is not sent stays in the error-feedback residual.
     """
 
     def __init__(self, ratio: float, sample_ratio: float = 0.01) -> None:
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
 
+    def capacity(self, numel: int) -> int:
+        k = num_keep(self.ratio, numel)
+        return min(numel, max(k, math.floor(1.25 * k)))
+
+    def _sample(self, flat, k: int, step, key) -> tuple[torch.Tensor | None, int]:
+        """The strided sample of ``|x|`` (``None`` when it would be half the tensor) and its hit count."""
+        n = flat.numel()
+        m = min(n, max(math.ceil(self.sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k)))
+        if 2 * m >= n:
+            return None, 0
+        stride = n // m
+        offset = mix_seed(step, stable_hash(key)) % stride
+        return flat[offset::stride][:m].float().abs(), max(1, round(k * m / n))
+
+    def select_fixed(self, flat, residual, *, step, key):
+        n = flat.numel()
+        k = num_keep(self.ratio, n)
+        cap = self.capacity(n)
+        sample, hits = self._sample(flat, k, step, key) if k else (None, 0)
+        if sample is None:  # small tensor: exact top-k, padded to the capacity
+            idx, values = ops.topk_compact(flat, k, residual=residual)
+            pad = cap - idx.numel()
+            return (torch.cat([idx, torch.full((pad,), n, dtype=idx.dtype, device=idx.device)]),
+                    torch.cat([values, values.new_zeros(pad)]))
+        # the hits-th largest sampled magnitude (NaN sorts first: then nothing is below it)
+        t = torch.topk(torch.nan_to_num(sample, nan=float("inf")), hits).values[hits - 1]
+        return capped_by_threshold(self, flat, cap, t, residual)
+
     def select(self, flat, *, step, key):
         n = flat.numel()
         k = num_keep(self.ratio, n)
         if k == 0:
             return ops.topk_compact(flat, 0)
-        m = min(n, max(math.ceil(self.sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k)))
-        if 2 * m >= n or has_nan(flat):
+        sample, hits = self._sample(flat, k, step, key)
+        if sample is None or has_nan(flat):
             return ops.topk_compact(flat, k)
         lo, hi = math.ceil(0.8 * k), math.floor(1.25 * k)
-        stride = n // m
-        offset = mix_seed(step, stable_hash(key)) % stride
-        sample = flat[offset::stride][:m].float().abs()
-        hits = max(1, round(k * m / n))
-        top = torch.topk(sample, min(m, 2 * hits + 8)).values
+        top = torch.topk(sample, min(sample.numel(), 2 * hits + 8)).values
         for t in (top[hits - 1], top[-1]):
             idx, values = ops.threshold_compact(flat, float(t))
             count = idx.numel()

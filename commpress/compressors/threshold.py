@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ._sparse import SparseCompressor
-from ._util import check_nonneg
+from ._sparse import SparseCompressor, capped_by_threshold
+from ._util import check_nonneg, check_ratio, num_keep
 from .base import register
 from ..ops.reference import index_dtype
 
@@ -30,10 +30,22 @@ class Threshold(SparseCompressor):
     NaN entries are kept too (so they reach the receiver); detecting them costs
     one extra reduction pass.  The kept count depends on the data.  Wire:
     ``(indices int32, values)``, ``count * (4 + itemsize)`` bytes.  Biased.
+
+    In the collectives (fixed-size wire) at most ``max_ratio * numel`` entries
+    are sent per tensor, the largest first; the rest stay in the error-feedback
+    residual (without error feedback they are dropped, and counted when
+    ``count_overflow`` is on).
     """
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, max_ratio: float = 0.05) -> None:
         self.threshold = check_nonneg("threshold", threshold)
+        self.max_ratio = check_ratio(max_ratio, "max_ratio")
+
+    def capacity(self, numel: int) -> int:
+        return num_keep(self.max_ratio, numel)
+
+    def select_fixed(self, flat, residual, *, step, key):
+        return capped_by_threshold(self, flat, self.capacity(flat.numel()), self.threshold, residual)
 
     def select(self, flat, *, step, key):
         if has_nan(flat):

@@ -21,6 +21,9 @@ class TopK(SparseCompressor):
     def __init__(self, ratio: float) -> None:
         self.ratio = check_ratio(ratio)
 
+    def capacity(self, numel: int) -> int:
+        return num_keep(self.ratio, numel)
+
     def select(self, flat, *, step, key):
         return ops.topk_compact(flat, num_keep(self.ratio, flat.numel()))
 
