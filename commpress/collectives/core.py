@@ -2,19 +2,30 @@
 aggregation kind needs, decompress; returns the **sum** over ranks (not the mean),
 bitwise identical on every rank.
 
-========== ================================================================
-aggregation collective
-========== ================================================================
-``sum``     ``all_reduce`` of each wire tensor of the payload, then ``decompress``
-``sparse``  :func:`~commpress.collectives.sparse.sparse_allreduce` of (indices, values)
-``gather``  :func:`~commpress.collectives.quantized.quantized_allreduce` (two-phase or all-gather)
-``lowrank`` :func:`~commpress.collectives.lowrank.powersgd_allreduce`
-========== ================================================================
+=========== ===================================================================
+aggregation steady-state messages (status inside, see :mod:`.wire`)
+=========== ===================================================================
+``sum``     one ``all_reduce`` of the payload plus two status slots
+``sparse``  one fixed-size ``all_gather`` of ``capacity`` entries (``"allgather"``)
+            or one ``all_reduce`` of the densified entries (``"dense"``)
+``gather``  ``all_to_all`` + ``all_gather`` (``"two_phase"``) or one ``all_gather``
+            (``"gather_all"``), sizes derived from numel
+``lowrank`` two ``all_reduce`` (PowerSGD), batched over the matrices of the tensor
+=========== ===================================================================
 
-Error feedback: ``compressor`` may be a :class:`commpress.ErrorFeedback` wrapping
-the real compressor.  For ``sum``, ``sparse`` and ``gather`` its own ``compress``
-runs (worker-side feedback: residual = compensated input - what this rank sent);
-for ``lowrank`` see :mod:`~commpress.collectives.lowrank`.
+Nothing is exchanged before the payload: sizes and the ``"auto"`` choice are pure
+functions of ``numel``, the configuration, ``P`` and the calibrated cost model.
+``validate=True`` (the default) agrees on those static facts once per key with a
+header exchange (:func:`~commpress.collectives.validate.check_once`); later calls
+with the same facts send only their payload.  Bad input on any rank (a compress
+error, an unsupported dtype) travels in the status and raises
+:class:`~commpress.collectives.wire.CollectiveInputError` on every rank together.
+
+Error feedback: ``compressor`` may be a :class:`commpress.ErrorFeedback`.  Its
+residual updates are staged in ``transaction`` (a new one per call when not
+given) and committed on the device with the call's verdict: when any rank's
+input held a NaN/inf, the result is all-NaN (AMP's GradScaler skips the step)
+and every residual keeps its value.
 """
 
 from __future__ import annotations
@@ -24,138 +35,114 @@ from typing import Any
 import torch
 
 from ..compressors.base import Compressor, Payload
-from . import _comm
+from ..feedback import ResidualTransaction, nonfinite_flag
+from . import _comm, costmodel, lowrank, quantized, sparse, wire
+from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
 from .accounting import CommStats
-from .validate import CollectiveInputError, config_hash, exchange_header, make_header
+from .validate import check_once
 
 ALLREDUCE_ALGORITHMS = {
     "sum": ("auto", "allreduce"),
+    "sparse": ("auto",) + sparse.SPARSE_ALGORITHMS,
     "gather": ("auto", "two_phase", "gather_all"),
     "lowrank": ("auto", "powersgd"),
 }
 
 
-def unwrap(compressor: Any) -> Any:
-    """The real compressor behind an error-feedback wrapper (or the compressor itself)."""
-    inner = compressor
-    while _is_feedback(inner):
-        inner = inner.compressor
-    return inner
-
-
-def _is_feedback(c: Any) -> bool:
-    return all(hasattr(c, a) for a in ("compressor", "compensate", "update"))
-
-
-def fingerprint(compressor: Any) -> int:
-    """A hash of the compressor chain's names and configurations (compared across ranks)."""
-    parts = []
-    c = compressor
-    while True:
-        cfg = c.config() if hasattr(c, "config") else {}
-        parts.append((type(c).__name__, getattr(c, "name", ""), sorted((k, repr(v)) for k, v in cfg.items())))
-        if not _is_feedback(c):
-            break
-        c = c.compressor
-    return config_hash(*parts)
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except RuntimeError:
-        return False
-
-
 def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: Any = 0, step: int = 0,
               algorithm: str = "auto", stats: CommStats | None = None,
-              generator: torch.Generator | None = None, validate: bool = True) -> torch.Tensor:
+              generator: torch.Generator | None = None, validate: bool = True,
+              transaction: ResidualTransaction | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
-    ``key`` names the tensor (bucket index, parameter name) for per-tensor state:
-    error-feedback residuals, PowerSGD warm starts, shared random seeds; ``step``
-    is the training step.  ``algorithm`` is ``"auto"`` or one of the kind's
-    algorithms (sparse: :data:`~commpress.collectives.sparse.SPARSE_ALGORITHMS`;
-    gather: ``"two_phase"``, ``"gather_all"``; sum: ``"allreduce"``; lowrank:
-    ``"powersgd"``).  ``validate=False`` skips the O(k) input checks and, for the
-    ``sum`` and ``lowrank`` kinds, the cross-rank header exchange.
-    Returns a tensor of ``tensor``'s shape and dtype.
+    ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
+    residuals, PowerSGD warm starts, shared random seeds; ``step`` is the training
+    step.  ``algorithm`` is ``"auto"`` or one of the kind's algorithms
+    (:data:`ALLREDUCE_ALGORITHMS`).  ``validate=False`` skips the first-call header
+    exchange (the caller guarantees equal static facts on every rank, as the hooks
+    do after registration).  ``transaction`` collects the residual updates of several
+    calls (a training step) for one commit by the caller.  Returns a tensor of
+    ``tensor``'s shape and dtype.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     inner = unwrap(compressor)
     kind = getattr(inner, "aggregation", None)
-    if kind == "sparse":
-        return _sparse_path(tensor, compressor, group, key, step, algorithm, stats, generator, validate)
-    if kind == "gather":
-        from .quantized import quantized_allreduce
-        return quantized_allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
-                                   stats=stats, generator=generator, validate=validate)
-    if kind == "lowrank":
-        from .lowrank import powersgd_allreduce
-        return powersgd_allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
-                                  stats=stats, validate=validate)
-    if kind != "sum":
+    if kind not in ALLREDUCE_ALGORITHMS:
         raise TypeError(f"allreduce: compressor must be a commpress Compressor with aggregation in "
-                        f"('sum', 'sparse', 'gather', 'lowrank'), got {compressor!r}")
-    return _sum_path(tensor, compressor, group, key, step, algorithm, stats, generator, validate)
-
-
-def _try_compress(compressor, tensor, step, key, generator):
-    """``compressor.compress`` with its exception turned into an error report (raised on all ranks)."""
-    try:
-        return compressor.compress(tensor, step=step, key=key, generator=generator), (0, "")
-    except Exception as exc:  # noqa: BLE001 - re-raised on every rank by the header check
-        return None, (6, f"compress failed: {type(exc).__name__}: {exc}")
-
-
-def _header_check(tensor, compressor, kind, algorithm, allowed, group, stats, validate, what, err=(0, "")):
-    """Local checks + (when ``validate``) the cross-rank header exchange; raises together."""
-    code, msg = err
-    if code:
-        pass
-    elif algorithm not in allowed:
-        code, msg = 6, f"algorithm must be one of {allowed}, got {algorithm!r}"
-    elif tensor.dtype not in unwrap(compressor).supported_dtypes:
-        code, msg = 4, f"dtype {tensor.dtype} not supported by {unwrap(compressor).name}"
-    world = _comm.world(group)
-    if world == 1 or not validate:
-        if code:
-            raise CollectiveInputError(f"{what}: {msg}")
-        return
-    h = make_header(world, _comm.comm_device(group, tensor), error=code, numel=tensor.numel(),
-                    dtype=tensor.dtype, algorithm=algorithm, kind=kind, config=fingerprint(compressor),
-                    group=group)
-    exchange_header(h, group=group, stats=stats, local_message=msg, what=what)
-
-
-def _sum_path(tensor, compressor, group, key, step, algorithm, stats, generator, validate):
-    payload, err = _try_compress(compressor, tensor, step, key, generator)
-    _header_check(tensor, compressor, "sum", algorithm, ALLREDUCE_ALGORITHMS["sum"], group, stats,
-                  validate, "allreduce", err)
-    wire = []
-    for t in payload.tensors:
-        t = t.contiguous()
-        if _aliases(t, tensor):
-            t = t.clone()
-        wire.append(_comm.all_reduce_(t, group=group, stats=stats))
-    summed = Payload(tuple(wire), payload.shape, payload.dtype, payload.numel, payload.meta)
-    out = unwrap(compressor).decompress(summed)
-    if stats is not None:
-        stats.add(calls=1, algorithm="allreduce" if _comm.world(group) > 1 else "local")
-    return out.to(tensor.dtype).reshape(tensor.shape)
-
-
-def _sparse_path(tensor, compressor, group, key, step, algorithm, stats, generator, validate):
-    from .sparse import sparse_allreduce
-
-    payload, err = _try_compress(compressor, tensor, step, key, generator)
-    if payload is None:
-        indices, values = None, None
+                        f"{tuple(ALLREDUCE_ALGORITHMS)}, got {compressor!r}")
+    wire.flush_deferred()
+    err = local_check(tensor, compressor, algorithm, ALLREDUCE_ALGORITHMS[kind])
+    states = None
+    if validate:
+        facts = (kind, tensor.numel(), str(tensor.dtype), algorithm, fingerprint(compressor))
+        states = check_once(group, key, facts, device=_comm.comm_device(group, tensor), error=err[0],
+                            numel=tensor.numel(), dtype=tensor.dtype, algorithm=algorithm, kind=kind,
+                            config=fingerprint(compressor), stats=stats, local_message=err[1],
+                            what="allreduce")
+    if algorithm == "auto" and kind in ("sparse", "gather") and _comm.world(group) > 1:
+        model = (costmodel.agreed_cost_model(states, group) if states is not None
+                 else costmodel.get_cost_model(group))
     else:
-        indices, values = payload.tensors[0], payload.tensors[1]
-        if values.dtype != tensor.dtype:
-            values = values.to(tensor.dtype)
-    out = sparse_allreduce(indices, values, tensor.numel(), group=group, algorithm=algorithm, stats=stats,
-                           validate=validate, config=fingerprint(compressor), _error=err)
-    return out.reshape(tensor.shape)
+        model = None
+    tx = transaction if transaction is not None else ResidualTransaction()
+    args = dict(group=group, key=key, step=step, algorithm=algorithm, stats=stats, generator=generator,
+                transaction=tx, error=err, model=model)
+    if kind == "sum":
+        out = _sum_path(tensor, compressor, **args)
+    elif kind == "sparse":
+        out = sparse.fixed_sparse_allreduce(tensor, compressor, **args)
+    elif kind == "gather":
+        out = quantized.quantized_allreduce(tensor, compressor, **args)
+    else:
+        out = lowrank.powersgd_allreduce(tensor, compressor, **args)
+    if transaction is None:
+        tx.commit()
+    return out
+
+
+def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generator, transaction, error,
+              model) -> torch.Tensor:
+    """One ``all_reduce`` of the payload's tensors (one dtype) plus the status slots."""
+    inner = unwrap(compressor)
+    code, msg = error
+    payload = None
+    if not code:
+        try:
+            payload = compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                     transaction=transaction)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    world = _comm.world(group)
+    if world == 1:
+        if code:
+            raise wire.CollectiveInputError(f"allreduce: {msg}")
+        if stats is not None:
+            stats.add(calls=1, algorithm="local")
+        return inner.decompress(payload).to(tensor.dtype).reshape(tensor.shape)
+    if payload is None:  # send zeros of the right size so the other ranks are not left waiting
+        payload = inner.compress_fixed(torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device))
+    dtype = payload.tensors[0].dtype
+    sizes = [t.numel() for t in payload.tensors]
+    msg_buf = torch.empty(sum(sizes) + wire.SUM_SLOTS, dtype=dtype, device=tensor.device)
+    pos = 0
+    for t, n in zip(payload.tensors, sizes):
+        msg_buf[pos:pos + n].copy_(t.reshape(-1))
+        pos += n
+    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    wire.sum_slots(msg_buf, error=code, nonfinite=bad_local)
+    _comm.all_reduce_(msg_buf, group=group, stats=stats)
+    wire.check_sum_slots(msg_buf, "allreduce", msg)
+    bad = msg_buf[-1] != 0 if has_feedback(compressor) else None
+    pos, wires = 0, []
+    for t, n in zip(payload.tensors, sizes):
+        wires.append(msg_buf[pos:pos + n].view(t.shape))
+        pos += n
+    summed = Payload(tuple(wires), payload.shape, payload.dtype, payload.numel, payload.meta)
+    if stats is not None:
+        stats.add(calls=1, algorithm="allreduce")
+    out = inner.decompress(summed).to(tensor.dtype).reshape(tensor.shape)
+    if bad is not None:
+        transaction.mark_bad(bad)
+        wire.poison_(out, bad)
+    return out

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _comm
+from .wire import HASH_RANGE, HEADER_FIXED, SKETCH, CollectiveInputError
 
 log = logging.getLogger("commpress")
 
@@ -105,8 +106,6 @@ def agreed_cost_model(states: list[int], group=None) -> CostModel:
     Fixed numbers must be the same on every rank (else ``ValueError`` on all ranks); when any
     rank has no calibration for ``group``, all ranks calibrate together.
     """
-    from .validate import CollectiveInputError
-
     if any(s >= 2 for s in states):
         if len(set(states)) > 1:
             raise CollectiveInputError("algorithm='auto': set_cost_model() numbers differ across ranks "
@@ -223,9 +222,6 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
 # ---------------------------------------------------------------- sparse
 def estimate_union(table: torch.Tensor, numel: int) -> float:
     """Estimated size of the union of the ranks' supports (see module doc)."""
-    from .sparse import HASH_RANGE
-    from .validate import HEADER_FIXED, SKETCH
-
     world = table.shape[0]
     counts = table[:, 6].tolist()
     lo, hi = max(counts), min(numel, sum(counts))
@@ -244,8 +240,6 @@ def estimate_union(table: torch.Tensor, numel: int) -> float:
 def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, index_bytes: int,
                  model: CostModel) -> dict[str, float]:
     """Predicted seconds of every sparse algorithm for the gathered header ``table``."""
-    from .validate import HEADER_FIXED
-
     P = world
     counts = table[:, 6].tolist()
     K = sum(counts)
@@ -317,3 +311,30 @@ def choose_gather(payload_bytes: int, numel: int, world: int, group=None,
     model = agreed_cost_model(states, group) if states is not None else get_cost_model(group)
     costs = gather_costs(payload_bytes, numel, world, model)
     return min(("two_phase", "gather_all"), key=lambda a: (costs[a], a))
+
+
+# ---------------------------------------------------------------- fixed-size (steady state)
+FIXED_SPARSE = ("allgather", "dense")
+
+
+def fixed_sparse_costs(numel: int, capacity: int, world: int, value_bytes: int, index_bytes: int,
+                       model: CostModel) -> dict[str, float]:
+    """Predicted seconds of the fixed-size sparse algorithms: a pure function of
+    ``(numel, capacity, P)`` and the model, so every rank picks alike without an exchange.
+
+    * allgather: ``P-1`` messages of ``capacity`` entries plus the status word;
+      scatter-add of ``P capacity`` entries, ``n`` elements zeroed;
+    * dense: a ring all_reduce of ``n`` fp32 values (plus padding and status slots).
+    """
+    P, n, c = world, numel, capacity
+    w = value_bytes + index_bytes
+    return {
+        "allgather": model.time(P - 1, (P - 1) * (w * c + 8), P * c, n),
+        "dense": model.time(2 * (P - 1), 2 * (n + 3) * 4 * (P - 1) / P, c, n),
+    }
+
+
+def choose_fixed_sparse(numel: int, capacity: int, world: int, value_bytes: int, index_bytes: int,
+                        model: CostModel) -> str:
+    costs = fixed_sparse_costs(numel, capacity, world, value_bytes, index_bytes, model)
+    return min(FIXED_SPARSE, key=lambda a: (costs[a], FIXED_SPARSE.index(a)))

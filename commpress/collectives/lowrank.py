@@ -1,26 +1,27 @@
-"""The PowerSGD protocol (Vogels et al., 2019) for ``"lowrank"`` compressors.
+"""The PowerSGD protocol (Vogels et al., 2019) for ``"lowrank"`` compressors, batched.
 
-For a matrix-shaped tensor ``M`` (the compressor decides through
-``is_compressed(tensor)``; the answer depends only on the shape, so it is the
-same on every rank):
+The input is one tensor or, with ``shapes``, a flat concatenation of several
+(the matrices of a DDP bucket).  For each matrix-shaped piece ``M_i`` (the
+compressor decides through ``is_compressed``; the answer depends only on the
+shape, so it is the same on every rank):
 
-1. ``P = compressor.begin(M, key)``  — ``M Q`` with the warm-started ``Q`` of ``key``;
-2. ``all_reduce(P)`` (sum);
-3. ``Q = compressor.middle(M, P, key)`` — orthogonalizes ``P`` in place, returns ``Mᵀ P̂``;
-4. ``all_reduce(Q)`` (sum);
-5. ``compressor.end(P̂, Q, key, shape, dtype)`` — ``P̂ Qᵀ``, the **sum** over ranks of
-   the rank-r approximations ``P̂ P̂ᵀ M_i`` (it also keeps ``Q`` as the warm start).
+1. ``P_i = compressor.begin(M_i, (key, i))`` — ``M_i Q_i`` with the warm-started ``Q_i``;
+2. **one** ``all_reduce`` of every ``P_i``, the pieces that are not compressed
+   (vectors, small matrices, in fp32) and the two status slots of :mod:`.wire`;
+3. ``Q_i = compressor.middle(M_i, P_i, (key, i))`` — orthogonalizes ``P_i`` in place, ``M_iᵀ P̂_i``;
+4. **one** ``all_reduce`` of every ``Q_i``;
+5. ``compressor.end(P̂_i, Q_i, ...)`` — ``P̂_i Q_iᵀ``, the **sum** over ranks of the
+   rank-r approximations (it also keeps ``Q_i`` as the warm start).
 
-On the wire: two all_reduces of ``(n + m) r`` fp32 words in total for an
-``n x m`` matrix.  Tensors the compressor does not compress (vectors, small
-matrices) are all-reduced as they are.
+Two rounds per call whatever the number of matrices; on the wire ``(n_i + m_i) r``
+fp32 words per ``n_i x m_i`` matrix.
 
-Error feedback (``compressor`` a :class:`commpress.ErrorFeedback`):
-``M = compensate(tensor, key)`` before step 1 and ``update(key, M, out / P)``
-after step 5, i.e. the residual is ``M_i - aggregate / P`` (what PyTorch's
-``powerSGD_hook`` keeps; summed over ranks it is exactly the mass the
-aggregate missed, so no gradient is lost).  The paper's per-rank alternative
-``M_i - P̂ Q_iᵀ`` would need a second reconstruction per step.
+Error feedback (``compressor`` a :class:`commpress.ErrorFeedback`): the whole
+input is compensated under ``key`` before step 1 and the residual
+``M - aggregate / P`` (what PyTorch's ``powerSGD_hook`` keeps; summed over ranks
+it is exactly the mass the aggregate missed) is staged in the transaction;
+a NaN/inf on any rank (counted in the status slots) makes the result all-NaN
+and keeps the residual.
 """
 
 from __future__ import annotations
@@ -29,37 +30,92 @@ from typing import Any
 
 import torch
 
-from . import _comm
+from ..feedback import ResidualTransaction, nonfinite_flag
+from . import _comm, wire
+from ._codec import has_feedback, local_check, unwrap
 from .accounting import CommStats
-from .core import ALLREDUCE_ALGORITHMS, _header_check, _is_feedback, unwrap
 
 
 def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
-                       algorithm: str = "auto", stats: CommStats | None = None,
-                       validate: bool = True) -> torch.Tensor:
-    """Summed rank-r approximation of ``tensor`` over ranks via the PowerSGD protocol (see module doc).
+                       algorithm: str = "auto", stats: CommStats | None = None, generator=None,
+                       transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
+                       model=None, shapes: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+    """Summed rank-r approximation of ``tensor`` over ranks (see the module doc).
 
-    Returns ``tensor``'s shape and dtype, identical on every rank.
+    ``shapes``: ``tensor`` is the flat concatenation of tensors of these shapes, each
+    treated as its own matrix (warm start key ``(key, i)``; ``key`` alone without ``shapes``).  Returns ``tensor``'s
+    shape and dtype, identical on every rank.
     """
-    _header_check(tensor, compressor, "lowrank", algorithm, ALLREDUCE_ALGORITHMS["lowrank"], group, stats,
-                  validate, "powersgd_allreduce")
     world = _comm.world(group)
     inner = unwrap(compressor)
-    ef = compressor if _is_feedback(compressor) else None
-    if not inner.is_compressed(tensor):
-        out = tensor.detach().clone().contiguous()
-        _comm.all_reduce_(out, group=group, stats=stats)
-        if stats is not None:
-            stats.add(calls=1, algorithm="allreduce" if world > 1 else "local")
-        return out
-    m = ef.compensate(tensor, key) if ef is not None else tensor
-    p = inner.begin(m, key)
-    _comm.all_reduce_(p, group=group, stats=stats)
-    q = inner.middle(m, p, key)
-    _comm.all_reduce_(q, group=group, stats=stats)
-    out = inner.end(p, q, key, tensor.shape, tensor.dtype)
+    tx = transaction if transaction is not None else ResidualTransaction()
+    if error == (0, ""):
+        error = local_check(tensor, compressor, algorithm, ("auto", "powersgd"))
+    code, msg = error
+    if world == 1 and code:
+        raise wire.CollectiveInputError(f"allreduce: {msg}")
+    ef = compressor if has_feedback(compressor) else None
+    src = tensor
+    if code:  # keep the message sizes right; raised on every rank after round 1
+        src = torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
+    flat = src.reshape(-1)
+    m = ef.compensate(src, key).reshape(-1) if ef is not None else flat
+    pieces, off = [], 0
+    for shape in (shapes if shapes is not None else [tuple(tensor.shape)]):
+        n = 1
+        for s in shape:
+            n *= s
+        pieces.append(m[off:off + n].view(shape))
+        off += n
+    lowrank = [inner.is_compressed(p) for p in pieces]
+    wkeys = [key] if shapes is None else [(key, i) for i in range(len(pieces))]
+    try:
+        ps = [inner.begin(p, wkeys[i]) for i, p in enumerate(pieces) if lowrank[i]]
+    except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
+        code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+        ps = [torch.zeros(p.shape[0], inner.rank, device=flat.device) for i, p in enumerate(pieces) if lowrank[i]]
+    dense = [p.reshape(-1) for i, p in enumerate(pieces) if not lowrank[i]]
+    round1 = torch.cat([t.reshape(-1).float() for t in ps + dense]
+                       + [torch.empty(wire.SUM_SLOTS, device=flat.device)])
+    wire.sum_slots(round1, error=code, nonfinite=nonfinite_flag(m) if ef is not None else None)
+    _comm.all_reduce_(round1, group=group, stats=stats)
+    wire.check_sum_slots(round1, "allreduce", msg)
+    views1, pos = [], 0
+    for t in ps + dense:
+        views1.append(round1[pos:pos + t.numel()].view(t.shape))
+        pos += t.numel()
+    p_sums, dense_sums = views1[:len(ps)], views1[len(ps):]
+    mats = [(i, p) for i, p in enumerate(pieces) if lowrank[i]]
+    qs = [inner.middle(p, p_sum, wkeys[i]) for (i, p), p_sum in zip(mats, p_sums)]
+    if qs:
+        round2 = torch.cat([q.reshape(-1) for q in qs])
+        _comm.all_reduce_(round2, group=group, stats=stats)
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    off, qpos, j, d = 0, 0, 0, 0
+    for i, p in enumerate(pieces):
+        n = p.numel()
+        if lowrank[i]:
+            q_sum = round2[qpos:qpos + qs[j].numel()].view(qs[j].shape)
+            qpos += qs[j].numel()
+            out[off:off + n] = inner.end(p_sums[j], q_sum, wkeys[i], (n,), torch.float32)
+            j += 1
+        else:
+            out[off:off + n] = dense_sums[d]
+            d += 1
+        off += n
     if ef is not None:
-        ef.update(key, m, out / world)
+        bad = round1[-1] != 0
+        sent = out / world
+        off = 0
+        for i, p in enumerate(pieces):  # pieces sent as they are leave no residual
+            if not lowrank[i]:
+                sent[off:off + p.numel()] = p.reshape(-1)
+            off += p.numel()
+        ef.update(key, m.view(src.shape), sent.view(src.shape), transaction=tx)
+        tx.mark_bad(bad)
+        wire.poison_(out, bad)
+    if transaction is None:
+        tx.commit()
     if stats is not None:
         stats.add(calls=1, algorithm="powersgd" if world > 1 else "local")
-    return out
+    return out.to(tensor.dtype).reshape(tensor.shape)

@@ -31,7 +31,14 @@ of the union of supports, an *entry* is one index (int32, or int64 when
 ``"dense"``
     scatter into a dense tensor, ``all_reduce``.
 
-Every call first all-gathers one small header per rank
+Through :func:`commpress.collectives.allreduce` (the hooks' path) a sparsifier's
+fixed-size payload takes :func:`fixed_sparse_allreduce`: ``"allgather"`` is one
+all-gather of ``capacity`` slots per rank with the status word in front, and
+``"dense"`` one all_reduce; no header, no size message.  ``"auto"`` picks
+between those two from the cost model alone.  The other algorithms need the
+counts, so they run :func:`sparse_allreduce` below with its header.
+
+Every call of :func:`sparse_allreduce` first all-gathers one small header per rank
 (:mod:`commpress.collectives.validate`) carrying the counts and, for
 ``"split"``/``"hashed"``/``"auto"``, each rank's per-owner counts (and a union
 sketch for ``"auto"``): that is the only host synchronisation besides the
@@ -46,8 +53,11 @@ import logging
 import torch
 
 from .. import ops
-from . import _comm, costmodel
+from ..feedback import ResidualTransaction, nonfinite_flag
+from . import _comm, costmodel, wire
+from ._codec import compress_fixed, has_feedback, unwrap
 from .accounting import CommStats
+from .wire import HASH_RANGE
 from .validate import (ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
                        exchange_header, make_header)
 
@@ -55,8 +65,6 @@ log = logging.getLogger("commpress")
 
 SPARSE_ALGORITHMS = ("allgather", "recursive_doubling", "split", "hashed", "dense")
 
-#: ``hash_owner(i, HASH_RANGE)`` is the full 32-bit hash; also the sketch's padding sentinel
-HASH_RANGE = 2**32
 
 FMT_DENSE, FMT_BITMAP, FMT_COO = 0, 1, 2
 FORMATS = ("dense", "bitmap", "coo")
@@ -431,3 +439,96 @@ def _hashed(idx, vals, numel, table, counts, group, stats):
 
 _ALGOS = {"allgather": _allgather, "recursive_doubling": _recursive_doubling, "split": _split,
           "hashed": _hashed, "dense": _dense}
+
+
+# ---------------------------------------------------------------- fixed-size (steady state)
+FIXED_ALGORITHMS = costmodel.FIXED_SPARSE
+
+
+def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=0, step: int = 0,
+                           algorithm: str = "auto", stats: CommStats | None = None, generator=None,
+                           transaction: ResidualTransaction, error: tuple[int, str] = (0, ""),
+                           model: costmodel.CostModel | None = None) -> torch.Tensor:
+    """Sum over ranks of a sparsifier's payload of ``tensor``, shaped like ``tensor``.
+
+    Every rank sends ``capacity(numel)`` slots (:meth:`SparseCompressor.compress_fixed`):
+    ``"allgather"`` gathers them behind each rank's status word and adds the P
+    contributions in rank order (fp32 for half values), ``"dense"`` all-reduces
+    the densified slots with two status slots.  A NaN/inf on any rank makes the
+    result all-NaN and keeps every residual of ``transaction`` as it was.
+    """
+    inner = unwrap(compressor)
+    world = _comm.world(group)
+    n = tensor.numel()
+    if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
+        return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
+    code, msg = error
+    payload = None
+    if not code:
+        try:
+            payload = compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                     transaction=transaction)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    if payload is None:
+        cap = inner.capacity(n) if hasattr(inner, "capacity") else 0
+        idx = torch.full((cap,), n, dtype=wire_index_dtype(n + 1), device=tensor.device)
+        vals = torch.zeros(cap, dtype=vdtype, device=tensor.device)
+    else:
+        idx, vals = payload.tensors
+    if world == 1:
+        if code:
+            raise wire.CollectiveInputError(f"allreduce: {msg}")
+        if stats is not None:
+            stats.add(calls=1, algorithm="local")
+        return inner.decompress(payload).reshape(tensor.shape)
+    if algorithm == "auto":
+        algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
+                                                  idx.element_size(), model)
+    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    if algorithm == "allgather":
+        acc = torch.zeros(n + 1, dtype=acc_dtype(vals.dtype), device=tensor.device)   # slot n: padding
+        layout = wire.Layout.of((idx, vals))
+        sig = wire.signature("sparse", n, str(vals.dtype), idx.numel())
+        message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
+        layout.write(message, (idx, vals), wire.status_word(tensor.device, error=code, sig=sig,
+                                                            nonfinite=bad_local))
+        gathered = _comm.all_gather(message, group=group, stats=stats)
+        statuses = wire.read_status(gathered)
+        wire.check_byte_statuses(statuses, sig, "allreduce", msg)
+        for r in range(world):  # rank order on every rank: bitwise identical sums
+            i, v = layout.read(gathered[r])
+            ops.scatter_add_(acc, i, v.to(acc.dtype))
+        bad = wire.any_nonfinite(statuses)
+    else:  # dense
+        buf = torch.zeros(n + 1 + wire.SUM_SLOTS, dtype=torch.float32, device=tensor.device)
+        ops.scatter_add_(buf[:n + 1], idx, vals.float())
+        wire.sum_slots(buf, error=code, nonfinite=bad_local)
+        _comm.all_reduce_(buf, group=group, stats=stats)
+        wire.check_sum_slots(buf, "allreduce", msg)
+        acc = buf[:n + 1]
+        bad = buf[-1] != 0
+    out = acc[:n].to(vals.dtype)
+    if has_feedback(compressor):
+        transaction.mark_bad(bad)
+        wire.poison_(out, bad)
+    if stats is not None:
+        stats.add(calls=1, algorithm=algorithm)
+    return out.to(tensor.dtype).reshape(tensor.shape)
+
+
+def _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction):
+    """The count-exchanging algorithms (split, hashed, recursive doubling) on the compact payload."""
+    from ..feedback import ErrorFeedback
+
+    if isinstance(compressor, ErrorFeedback):
+        payload = compressor.compress(tensor, step=step, key=key, generator=generator, transaction=transaction)
+    else:
+        payload = compressor.compress(tensor, step=step, key=key, generator=generator)
+    idx, vals = payload.tensors
+    out = sparse_allreduce(idx, vals.to(tensor.dtype), tensor.numel(), group=group, algorithm=algorithm,
+                           stats=stats, validate=False)
+    if has_feedback(compressor):
+        transaction.mark_bad(nonfinite_flag(out))  # a selected NaN/inf shows in the sum
+    return out.reshape(tensor.shape)

@@ -1,8 +1,14 @@
 """Cross-rank checks: bad input raises the same exception on every rank, never a hang.
 
-Before its data moves, every collective exchanges one small fixed-size int64
-*header* per rank with a single ``all_gather`` (the count exchange the sparse
-and quantized paths need anyway rides in the same header).  The header holds:
+The steady-state collectives carry their status inside the payload
+(:mod:`commpress.collectives.wire`).  The *header* below is exchanged only
+where static facts must first be agreed: the first call of a collective for a
+given key and signature (:func:`check_once`: numel, dtype, algorithm, kind,
+compressor configuration and the cost model for ``"auto"``), and every call of
+the variable-size sparse algorithms (``"split"``, ``"hashed"``,
+``"recursive_doubling"`` of :func:`~commpress.collectives.sparse.sparse_allreduce`),
+which also need the counts.  One small fixed-size int64 header per rank, one
+``all_gather``.  The header holds:
 
 ====  =====================================================================
 slot  content
@@ -34,20 +40,11 @@ import torch
 
 from . import _comm
 from .accounting import CommStats
+from .costmodel import model_state
+from .wire import ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError
 
-HEADER_FIXED = 8
-SKETCH = 16
-
-#: error codes reported by the local checks
-ERRORS = {
-    0: "ok",
-    1: "index out of range",
-    2: "duplicate indices",
-    3: "indices and values have different lengths",
-    4: "unsupported dtype or type",
-    5: "bad shape",
-    6: "compressor misuse",
-}
+__all__ = ["ERRORS", "HEADER_FIXED", "SKETCH", "CollectiveInputError", "check_once", "exchange_header",
+           "make_header", "header_len", "check_sparse_local", "config_hash", "dtype_code"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
           torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
@@ -56,10 +53,6 @@ ALGORITHM_CODES = ("auto", "allgather", "recursive_doubling", "split", "hashed",
                    "two_phase", "gather_all", "allreduce", "powersgd", "local")
 
 KINDS = ("sparse", "sum", "gather", "lowrank", "reduce_scatter")
-
-
-class CollectiveInputError(ValueError):
-    """Bad input or a configuration that differs across ranks (raised on every rank)."""
 
 
 def dtype_code(dtype: Any) -> int:
@@ -117,7 +110,6 @@ def make_header(world: int, device: torch.device, *, error: int = 0, numel: int 
     h[5] = config
     h[6] = count
     if algorithm == "auto":
-        from .costmodel import model_state
         h[7] = model_state(group)
     return h.to(device)
 
@@ -153,3 +145,37 @@ def check_table(table: torch.Tensor, *, local_message: str = "", what: str = "co
             elif slot == 4:
                 shown = [KINDS[c] for c in col]
             raise CollectiveInputError(f"{what}: {name} differs across ranks: {shown}")
+
+
+# ---------------------------------------------------------------- once per signature
+_CHECKED: dict[tuple, list[int]] = {}
+_CHECKED_MAX = 4096
+
+
+def check_once(group, key: Any, facts: tuple, *, device: torch.device, error: int = 0, numel: int = 0,
+               dtype: Any = None, algorithm: str = "auto", kind: str = "sparse", config: int = 0,
+               stats: CommStats | None = None, local_message: str = "", what: str = "collective"
+               ) -> list[int] | None:
+    """The header exchange, the first time ``(group, key, facts)`` is seen (a collective).
+
+    Returns every rank's cost-model state (slot 7) when the exchange ran, ``None``
+    when it was done before.  Later calls with the same facts send nothing: their
+    status travels in the payload.  A key whose facts change on one rank only
+    must not be used (the ranks would disagree on whether to exchange); the hooks
+    never do that.
+    """
+    k = (_comm.group_key(group), repr(key), facts)
+    if k in _CHECKED and not error:
+        return None
+    if _comm.world(group) == 1:
+        if error:
+            raise CollectiveInputError(f"{what}: {local_message}")
+        return None
+    h = make_header(_comm.world(group), device, error=error, numel=numel, dtype=dtype, algorithm=algorithm,
+                    kind=kind, config=config, group=group)
+    table = exchange_header(h, group=group, stats=stats, local_message=local_message, what=what)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    states = table[:, 7].tolist()
+    _CHECKED[k] = states
+    return states

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._util import all_finite, check_int, decode_keyed, encode_keyed, stable_hash
+from ._util import check_int, decode_keyed, encode_keyed, stable_hash
 from .base import Compressor, Payload, register
 
 log = logging.getLogger("commpress")
@@ -117,12 +117,11 @@ class PowerSGD(Compressor):
         return (p_hat @ q_sum.t()).reshape(shape).to(dtype)
 
     def _store(self, key: Any, q: torch.Tensor) -> None:
-        if not all_finite(q):
-            log.debug("powersgd: non-finite Q for key %r; warm start kept", key)
-            return
+        """Keep ``q`` as the warm start, or the old one where ``q`` is non-finite (on the device)."""
         old = self._warm.get(key)
         if old is not None and old.shape == q.shape and old.device == q.device:
-            old.copy_(q)
+            finite = torch.isfinite(q.sum())
+            torch.where(finite, q, old, out=old)
         else:
             self._warm[key] = q.detach().float().clone()
 

@@ -1,0 +1,64 @@
+"""What the collectives need to know about a compressor chain (an optional
+:class:`~commpress.ErrorFeedback` around a real compressor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..compressors.base import Compressor, Payload
+from ..feedback import ErrorFeedback, ResidualTransaction
+from .wire import signature
+
+
+def unwrap(compressor: Any) -> Any:
+    """The real compressor behind error-feedback wrappers (or the compressor itself)."""
+    inner = compressor
+    while is_feedback(inner):
+        inner = inner.compressor
+    return inner
+
+
+def is_feedback(c: Any) -> bool:
+    return all(hasattr(c, a) for a in ("compressor", "compensate", "update"))
+
+
+def fingerprint(compressor: Any) -> int:
+    """A hash of the compressor chain's names and configurations (compared across ranks)."""
+    parts = []
+    c = compressor
+    while True:
+        cfg = c.config() if hasattr(c, "config") else {}
+        parts.append((type(c).__name__, getattr(c, "name", ""), sorted((k, repr(v)) for k, v in cfg.items())))
+        if not is_feedback(c):
+            break
+        c = c.compressor
+    return signature(*parts)
+
+
+def compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
+                   generator: torch.Generator | None, transaction: ResidualTransaction | None) -> Payload:
+    """The fixed-size payload of ``tensor``; an error-feedback residual update is staged in
+    ``transaction`` (committed by the caller once every rank's status is known)."""
+    if isinstance(compressor, ErrorFeedback):
+        return compressor.compress_fixed(tensor, step=step, key=key, generator=generator,
+                                         transaction=transaction)
+    return compressor.compress_fixed(tensor, step=step, key=key, generator=generator)
+
+
+def has_feedback(compressor: Any) -> bool:
+    return isinstance(compressor, ErrorFeedback)
+
+
+def local_check(tensor: torch.Tensor, compressor: Any, algorithm: str, allowed: tuple[str, ...]
+                ) -> tuple[int, str]:
+    """This rank's static checks: ``(error code, message)``, code 0 when fine."""
+    from .wire import E_DTYPE, E_MISUSE
+
+    if algorithm not in allowed:
+        return E_MISUSE, f"algorithm must be one of {allowed}, got {algorithm!r}"
+    inner = unwrap(compressor)
+    if tensor.dtype not in inner.supported_dtypes:
+        return E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}"
+    return 0, ""

@@ -1,0 +1,222 @@
+"""The wire format of the steady-state collectives: every layout fact lives here.
+
+A compressed tensor costs its payload collectives and nothing more: no header
+round, no size message.  Every rank derives every message size from static
+facts (``numel``, dtype, the compressor's configuration), and the *status*
+that used to need its own round rides inside the payload.
+
+Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
+    start with a status word of two int32 (:data:`STATUS_BYTES` bytes):
+
+    ====  ==============================================================
+    word  content
+    ====  ==============================================================
+    0     flags: bit 0 :data:`NONFINITE` (this rank's input held a NaN/inf),
+          bits 8..15 an error code from :data:`ERRORS` (0 = ok)
+    1     signature: CRC of the call's static facts (kind, numel, dtype,
+          configuration); ranks that disagree raise together
+    ====  ==============================================================
+
+    then the payload's tensors, each starting at a multiple of 8 bytes
+    (:func:`layout`), and the message is padded to a multiple of 8.
+
+``all_reduce`` messages (sum kinds, PowerSGD factors, dense parts)
+    end with :data:`SUM_SLOTS` elements of the message's dtype that the
+    reduction adds up: ``[count of ranks with an error, count of ranks with a
+    NaN/inf input]``.
+
+Reading a status is the one host read of a call, and only where it is free:
+on CPU tensors (host memory, no synchronization).  CUDA statuses are copied
+to pinned memory behind an event and checked by :func:`flush_deferred` (at the
+next call or the end of a step) without waiting for the device.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STATUS_BYTES = 8
+NONFINITE = 1
+SUM_SLOTS = 2
+
+#: ``hash_owner(i, HASH_RANGE)`` is the full 32-bit hash (Zen partitions, union sketches)
+HASH_RANGE = 2**32
+
+# The validation header (:mod:`commpress.collectives.validate`): fixed slots, then 4 per rank,
+# then a union sketch of SKETCH hashes.
+HEADER_FIXED = 8
+SKETCH = 16
+
+#: error codes carried in bits 8..15 of the flags word
+ERRORS = {
+    0: "ok",
+    1: "index out of range",
+    2: "duplicate indices",
+    3: "indices and values have different lengths",
+    4: "unsupported dtype or type",
+    5: "bad shape",
+    6: "compressor misuse",
+    7: "configuration differs across ranks",
+}
+E_DTYPE, E_SHAPE, E_MISUSE, E_CONFIG = 4, 5, 6, 7
+
+
+class CollectiveInputError(ValueError):
+    """Bad input or a configuration that differs across ranks (raised on every rank)."""
+
+
+def signature(*facts: Any) -> int:
+    """A 31-bit CRC of ``repr(facts)`` (the same in every process)."""
+    return zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------- byte layouts
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a payload sits in a byte message (after the status word)."""
+
+    specs: tuple[tuple[torch.dtype, tuple[int, ...], int], ...]   # (dtype, shape, byte offset)
+    width: int                                                     # message bytes, a multiple of 8
+
+    @staticmethod
+    def of(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> "Layout":
+        specs, off = [], STATUS_BYTES
+        for t in tensors:
+            specs.append((t.dtype, tuple(t.shape), off))
+            off = align8(off + nbytes_of(t))
+        return Layout(tuple(specs), align8(off))
+
+    def write(self, msg: torch.Tensor, tensors, status: torch.Tensor) -> None:
+        """Fill ``msg`` (uint8, ``width`` bytes) with ``status`` (int32[2]) and ``tensors``."""
+        msg[:STATUS_BYTES].view(torch.int32).copy_(status)
+        for t, (dtype, shape, off) in zip(tensors, self.specs):
+            n = nbytes_of(t)
+            if n:
+                msg[off:off + n].view(dtype).copy_(t.reshape(-1))
+
+    def read(self, msg: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors of a message (views into ``msg``, which must start 8-aligned)."""
+        out = []
+        for dtype, shape, off in self.specs:
+            size = 1
+            for s in shape:
+                size *= s
+            n = size * torch.empty((), dtype=dtype).element_size()
+            out.append(msg[off:off + n].view(dtype).reshape(shape))
+        return out
+
+
+def read_status(msgs: torch.Tensor) -> torch.Tensor:
+    """The status words of a ``[P, width]`` stack of messages: int32 ``[P, 2]``."""
+    return msgs[:, :STATUS_BYTES].contiguous().view(torch.int32).reshape(-1, 2)
+
+
+def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
+                nonfinite: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[flags, signature]`` on ``device`` built without a host read or copy."""
+    w = out if out is not None else torch.empty(2, dtype=torch.int32, device=device)
+    w[0].fill_(int(error) << 8)
+    w[1].fill_(int(sig))
+    if nonfinite is not None:
+        w[0:1].add_(nonfinite.to(torch.int32).reshape(1))
+    return w
+
+
+def sum_slots(buf: torch.Tensor, *, error: int = 0, nonfinite: torch.Tensor | None = None) -> None:
+    """Write the :data:`SUM_SLOTS` status elements at the end of an all_reduce message."""
+    buf[-2].fill_(1 if error else 0)
+    if nonfinite is None:
+        buf[-1].fill_(0)
+    else:
+        buf[-1:].copy_(nonfinite.to(buf.dtype).reshape(1))
+
+
+# ---------------------------------------------------------------- verdicts
+def any_nonfinite(statuses: torch.Tensor) -> torch.Tensor:
+    """0-d bool: some rank flagged a NaN/inf (``statuses``: int32 ``[P, 2]``)."""
+    return (statuses[:, 0] & NONFINITE).any()
+
+
+def poison_(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """Make ``out`` all-NaN where the 0-d ``bad`` is set (so AMP skips the step); no host read."""
+    if out.numel():
+        nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+        torch.where(bad, nan, out, out=out)
+    return out
+
+
+def check_byte_statuses(statuses: torch.Tensor, sig: int, what: str, local: str = "") -> None:
+    """Raise :class:`CollectiveInputError` on every rank when any rank reported an error or a
+    different signature (``statuses`` gathered from every rank, so all ranks decide alike)."""
+    if statuses.device.type != "cpu":
+        _defer(statuses, ("bytes", sig, what, local))
+        return
+    _judge_bytes(statuses.numpy(), sig, what, local)
+
+
+def check_sum_slots(buf: torch.Tensor, what: str, local: str = "") -> None:
+    """Raise on every rank when the summed error slot of an all_reduce message is non-zero."""
+    slot = buf[-2:-1]
+    if slot.device.type != "cpu":
+        _defer(slot, ("sum", 0, what, local))
+        return
+    _judge_sum(slot.float().numpy(), what, local)
+
+
+def _judge_bytes(st, sig: int, what: str, local: str) -> None:
+    codes = [(int(f) >> 8) & 0xFF for f in st[:, 0]]
+    bad = [r for r, c in enumerate(codes) if c]
+    if bad:
+        detail = "; ".join(f"rank {r}: {ERRORS.get(codes[r], 'error')}" for r in bad)
+        mine = f" (this rank: {local})" if local else ""
+        raise CollectiveInputError(f"{what}: bad input on rank(s) {bad}: {detail}{mine}")
+    sigs = [int(s) for s in st[:, 1]]
+    if len(set(sigs)) > 1:
+        raise CollectiveInputError(
+            f"{what}: configuration differs across ranks (numel, dtype, compressor or algorithm); "
+            f"signatures {sigs}")
+
+
+def _judge_sum(slot, what: str, local: str) -> None:
+    if float(slot[0]) != 0.0:
+        mine = f" (this rank: {local})" if local else ""
+        raise CollectiveInputError(f"{what}: bad input on {int(float(slot[0]))} rank(s){mine}")
+
+
+# ---------------------------------------------------------------- CUDA: deferred checks
+_DEFERRED: list[tuple[torch.Tensor, Any, tuple]] = []
+
+
+def _defer(t: torch.Tensor, how: tuple) -> None:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _DEFERRED.append((host, event, how))
+
+
+def flush_deferred(wait: bool = False) -> None:
+    """Judge the CUDA statuses whose copies have landed (all of them with ``wait``);
+    raises :class:`CollectiveInputError` like the CPU path, one or more calls later."""
+    while _DEFERRED:
+        host, event, (kind, sig, what, local) = _DEFERRED[0]
+        if not wait and not event.query():
+            return
+        event.synchronize()
+        _DEFERRED.pop(0)
+        if kind == "bytes":
+            _judge_bytes(host.numpy(), sig, what, local)
+        else:
+            _judge_sum(host.float().numpy(), what, local)
