@@ -729,37 +729,57 @@ def _minifloat_codes(y, yi, base, fmax, fmax_key, emin, mbits, sbit, inv_tab, st
     for j in range(y.size):
         v = yi[j]
         ab = v & _ABS
-        if ab > _INF_KEY:  # NaN
-            codes[cbase + j] = 0
-            continue
-        if ab >= fmax_key:
-            a = fmax
-            ab = fmax_key
-        else:
-            a = abs(y[j])
-        e = max((ab >> 23) - 127, emin)
+        a = min(abs(y[j]), fmax)  # branch-free; NaN is fixed up below
+        e = max((min(ab, fmax_key) >> 23) - 127, emin)
         r = a * inv_tab[e - emin]
         q = np.floor(r)
         f = r - q
         qi = np.int32(q)
         if stochastic:
             u = np.float32(np.int32(_bits24(base + j, k0, k1))) * _U24
-            up = u < f
+            up = np.int32(u < f)
         else:
-            up = f > _HALF or (f == _HALF and (qi & 1) == 1)
-        mag = ((e - emin) << mbits) + qi + np.int32(up)
-        if v < 0:
-            mag |= sbit
-        codes[cbase + j] = np.uint8(mag)
+            up = np.int32(f > _HALF) | (np.int32(f == _HALF) & qi & 1)
+        mag = (((e - emin) << mbits) + qi + up) | (sbit if v < 0 else 0)
+        codes[cbase + j] = np.uint8(mag) if ab <= _INF_KEY else np.uint8(0)
+
+
+def _minifloat_consts(e_bits, m_bits, fmax):
+    """(fmax fp32, its bits, emin, M, sign bit, table of 2**(M - e) for e in [emin, emax])."""
+    emin = 2 - (1 << (e_bits - 1))
+    fm = np.float32(fmax)
+    key = int(np.array([fm], np.float32).view(np.int32)[0])
+    emax = (key >> 23) - 127
+    tab = np.array([2.0 ** (m_bits - e) for e in range(emin, emax + 1)], np.float32)
+    return fm, np.int32(key), np.int32(emin), np.int32(m_bits), np.int32(1 << (e_bits + m_bits)), tab
+
+
+# One set of compile-time constants per format (index = MINIFLOAT_IDS in the backend):
+# with literal parameters LLVM specializes each loop, several times faster than runtime ones.
+_F0M, _F0K, _F0E, _F0B, _F0S, _F0T = _minifloat_consts(4, 3, 448.0)     # e4m3
+_F1M, _F1K, _F1E, _F1B, _F1S, _F1T = _minifloat_consts(5, 2, 57344.0)   # e5m2
+_F2M, _F2K, _F2E, _F2B, _F2S, _F2T = _minifloat_consts(2, 3, 7.5)       # e2m3
+_F3M, _F3K, _F3E, _F3B, _F3S, _F3T = _minifloat_consts(2, 1, 6.0)       # e2m1
+
+
+@njit(inline="always", **_SOPTS)
+def _minifloat_any(fmt, y, yi, base, stochastic, k0, k1, codes, cbase):
+    """:func:`_minifloat_codes` for format ``fmt`` (0 e4m3, 1 e5m2, 2 e2m3, 3 e2m1)."""
+    if fmt == 0:
+        _minifloat_codes(y, yi, base, _F0M, _F0K, _F0E, _F0B, _F0S, _F0T, stochastic, k0, k1, codes, cbase)
+    elif fmt == 1:
+        _minifloat_codes(y, yi, base, _F1M, _F1K, _F1E, _F1B, _F1S, _F1T, stochastic, k0, k1, codes, cbase)
+    elif fmt == 2:
+        _minifloat_codes(y, yi, base, _F2M, _F2K, _F2E, _F2B, _F2S, _F2T, stochastic, k0, k1, codes, cbase)
+    else:
+        _minifloat_codes(y, yi, base, _F3M, _F3K, _F3E, _F3B, _F3S, _F3T, stochastic, k0, k1, codes, cbase)
 
 
 @parallel_kernel
-def fp8_quantize(x, xi, block, fmax, fmax_key, emin, mbits, inv_tab, stochastic, k0, k1, clen,
-                 codes, scales):
+def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scales):
     """Per block: scale = absmax / fmax, codes of x * (fmax / absmax); one pass per chunk of blocks."""
     n = x.size
     nch = (n + clen - 1) // clen
-    sbit = np.int32(1 << 7)
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
@@ -783,8 +803,7 @@ def fp8_quantize(x, xi, block, fmax, fmax_key, emin, mbits, inv_tab, stochastic,
                 xs = x[p0:p1]
                 for j in range(p1 - p0):
                     yp[j] = xs[j] * inv
-                _minifloat_codes(yp, yib[:p1 - p0], p0, fmax, fmax_key, emin, mbits, sbit, inv_tab,
-                                 stochastic, k0, k1, codes, p0)
+                _minifloat_any(fmt, yp, yib[:p1 - p0], p0, stochastic, k0, k1, codes, p0)
 
 
 @parallel_kernel
@@ -808,15 +827,13 @@ def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate):
 
 
 @parallel_kernel
-def mx_quantize(x, xi, bits, emax, fmax, fmax_key, emin, mbits, inv_tab, stochastic, k0, k1, clen,
-                packed, scale_bytes):
+def mx_quantize(x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_bytes):
     """OCP MX blocks of 32: E8M0 scale byte and ``bits``-bit element codes, packed per chunk.
 
     ``clen`` is a multiple of 32 (so chunks start on a byte of the packed stream).
     """
     n = x.size
     nch = (n + clen - 1) // clen
-    sbit = np.int32(1 << (bits - 1))
     for c in prange(nch):
         a = c * clen
         b = min(a + clen, n)
@@ -842,8 +859,7 @@ def mx_quantize(x, xi, bits, emax, fmax, fmax_key, emin, mbits, inv_tab, stochas
             xs = x[s0:s1]
             for j in range(s1 - s0):
                 ybuf[j] = xs[j] * inv
-            _minifloat_codes(ybuf[:s1 - s0], yib[:s1 - s0], s0, fmax, fmax_key, emin, mbits, sbit,
-                             inv_tab, stochastic, k0, k1, codes, s0 - a)
+            _minifloat_any(fmt, ybuf[:s1 - s0], yib[:s1 - s0], s0, stochastic, k0, k1, codes, s0 - a)
         if bits != 8:
             _pack_range(codes, a, a, b, bits, packed)
 

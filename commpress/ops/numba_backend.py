@@ -426,16 +426,9 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
 
 
 # ---------------------------------------------------------------- minifloats (fp8, MX)
-@functools.lru_cache(maxsize=None)
-def _minifloat_consts(fmt: str):
-    """(fmax fp32, fmax key, emin, M, table of 2**(M - e) for e in [emin, emax], decode table)."""
-    e_bits, m_bits, fmax, emin = ref.minifloat_params(fmt)
-    fm = np.float32(fmax)
-    fmax_key = int(np.array([fm], np.float32).view(np.int32)[0])
-    emax_fmt = (fmax_key >> 23) - 127
-    inv_tab = np.array([2.0 ** (m_bits - e) for e in range(emin, emax_fmt + 1)], np.float32)
-    table = ref.minifloat_table(fmt).numpy()
-    return fm, np.int32(fmax_key), np.int32(emin), np.int32(m_bits), inv_tab, table
+#: Format index the kernels specialize on (see ``_numba_kernels._minifloat_any``).
+MINIFLOAT_IDS = {"e4m3": 0, "e5m2": 1, "e2m3": 2, "e2m1": 3}
+_TABLES = {fmt: ref.minifloat_table(fmt).numpy() for fmt in MINIFLOAT_IDS}
 
 
 def _valid_out(out, numel) -> bool:
@@ -448,14 +441,14 @@ def fp8_quantize(x: torch.Tensor, fmt: str, block: int, stochastic: bool = False
     if not _cpu(x) or x.dtype not in _FLOATS or not valid_block(block) or fmt not in ("e4m3", "e5m2"):
         return ref.fp8_quantize(x, fmt, block, stochastic, seed)
     block = int(block)
-    fm, fkey, emin, mb, inv_tab, _ = _minifloat_consts(fmt)
+    fm = np.float32(ref.MINIFLOATS[fmt][2])
     xf = _f32(x)
     n = xf.numel()
     codes = np.empty(n, np.uint8)
     scales = np.empty((n + block - 1) // block, np.float32)
     k0, k1 = ref.seed_words(seed)
     xn = xf.numpy()
-    K.fp8_quantize(xn, xn.view(np.int32), block, fm, fkey, emin, mb, inv_tab, bool(stochastic),
+    K.fp8_quantize(xn, xn.view(np.int32), block, MINIFLOAT_IDS[fmt], fm, bool(stochastic),
                    np.uint64(k0), np.uint64(k1), _quant_chunk(block), codes, scales)
     return torch.from_numpy(codes), torch.from_numpy(scales)
 
@@ -469,7 +462,7 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: i
             or scales.numel() < (numel + int(block) - 1) // int(block) or not _valid_out(out, numel)):
         return ref.fp8_dequantize(codes, scales, fmt, block, numel, out, accumulate)
     block = int(block)
-    table = _minifloat_consts(fmt)[5]
+    table = _TABLES[fmt]
     c = codes.reshape(-1)
     c = (c if c.dtype == torch.uint8 else c.view(torch.uint8)).contiguous().numpy()
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
@@ -483,16 +476,14 @@ def mx_quantize(x: torch.Tensor, element: str, stochastic: bool = False, seed: i
     if not _cpu(x) or x.dtype not in _FLOATS or element not in ref.MX_ELEMENTS:
         return ref.mx_quantize(x, element, stochastic, seed)
     fmt, bits, emax = ref.MX_ELEMENTS[element]
-    fm, fkey, emin, mb, inv_tab, _ = _minifloat_consts(fmt)
     xf = _f32(x)
     n = xf.numel()
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     scale_bytes = np.empty((n + ref.MX_BLOCK - 1) // ref.MX_BLOCK, np.uint8)
     k0, k1 = ref.seed_words(seed)
     xn = xf.numpy()
-    K.mx_quantize(xn, xn.view(np.int32), bits, np.int32(emax), fm, fkey, emin, mb, inv_tab,
-                  bool(stochastic), np.uint64(k0), np.uint64(k1), _quant_chunk(ref.MX_BLOCK),
-                  packed, scale_bytes)
+    K.mx_quantize(xn, xn.view(np.int32), bits, np.int32(emax), MINIFLOAT_IDS[fmt], bool(stochastic),
+                  np.uint64(k0), np.uint64(k1), _quant_chunk(ref.MX_BLOCK), packed, scale_bytes)
     return torch.from_numpy(packed), torch.from_numpy(scale_bytes)
 
 
@@ -509,7 +500,7 @@ def mx_dequantize(packed: torch.Tensor, scales: torch.Tensor, element: str, nume
             or scales.numel() < (numel + ref.MX_BLOCK - 1) // ref.MX_BLOCK or not _valid_out(out, numel)):
         return ref.mx_dequantize(packed, scales, element, numel, out, accumulate)
     fmt, bits, _ = ref.MX_ELEMENTS[element]
-    table = _minifloat_consts(fmt)[5]
+    table = _TABLES[fmt]
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
     K.mx_dequantize(packed.reshape(-1).contiguous().numpy(), scales.reshape(-1).contiguous().numpy(),
                     table, _E8M0, bits, numel, _quant_chunk(ref.MX_BLOCK), dst.numpy(),
