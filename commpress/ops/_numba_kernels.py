@@ -937,7 +937,7 @@ def bucket_norms(x, bucket, norms):
     n = x.size
     for c in prange(norms.size):
         a = c * bucket
-        norms[c] = np.sqrt(_tree_sum_sq(x, a, min(a + bucket, n)))
+        norms[c] = np.float32(np.sqrt(np.float64(_tree_sum_sq(x, a, min(a + bucket, n)))))
 
 
 @parallel_kernel

@@ -435,14 +435,17 @@ def level_bits(levels: int) -> int:
 
 def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
     """fp32 L2 norm of each ``bucket``-entry slice (last one shorter): ``sqrt`` of the
-    :func:`pairwise_sum_rows` of ``x*x`` (a fixed order, so every backend agrees)."""
+    :func:`pairwise_sum_rows` of ``x*x`` (a fixed order, so every backend agrees),
+    the root correctly rounded to fp32."""
     xf = x.reshape(-1).float()
     n = xf.numel()
     b = max(1, min(int(bucket), n))
     nb = (n + b - 1) // b
     padded = torch.zeros(nb * b, dtype=torch.float32, device=xf.device)
     padded[:n] = xf * xf
-    return torch.sqrt(pairwise_sum_rows(padded.reshape(nb, b)))
+    # sqrt in fp64, rounded once to fp32: the correctly rounded fp32 root on every backend
+    # (torch's own fp32 sqrt on CPU can be one ulp off)
+    return torch.sqrt(pairwise_sum_rows(padded.reshape(nb, b)).double()).float()
 
 
 def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, seed: int):
