@@ -34,6 +34,7 @@ _U24 = np.float32(1.0 / 16777216.0)
 _NAN32 = np.float32(np.nan)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
+_PAIRWISE_MAX = 1 << 16  # longest run summed level by level in a scratch buffer
 _OPTS = dict(parallel=True, cache=True, nogil=True)
 _SOPTS = dict(cache=True, nogil=True)
 
@@ -1002,6 +1003,40 @@ def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumul
 
 
 # ---------------------------------------------------------------- sign + scale + error feedback
+@njit(inline="always", **_SOPTS)
+def _pairwise_level_sum(v, square, buf):
+    """Sum of |v| (or v*v) in the reference's pairwise order (zero-padded to a power of two,
+    adjacent pairs level by level), computed level by level in ``buf`` (>= half that power):
+    vectorizable, unlike the streaming :func:`_tree_sum_abs`; for cache-sized ``v``."""
+    m = v.size
+    if m == 0:
+        return _F0
+    if m == 1:
+        return v[0] * v[0] if square else abs(v[0])
+    p = 2
+    while p < m:
+        p *= 2
+    half = p >> 1
+    full = m >> 1
+    if square:
+        for i in range(full):
+            buf[i] = v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1]
+    else:
+        for i in range(full):
+            buf[i] = abs(v[2 * i]) + abs(v[2 * i + 1])
+    if m & 1:
+        buf[full] = v[m - 1] * v[m - 1] if square else abs(v[m - 1])
+        full += 1
+    for i in range(full, half):
+        buf[i] = _F0
+    w = half
+    while w > 1:
+        w >>= 1
+        for i in range(w):
+            buf[i] = buf[2 * i] + buf[2 * i + 1]
+    return buf[0]
+
+
 @parallel_kernel
 def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
     """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
@@ -1014,23 +1049,30 @@ def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
         a = c * chunk
         b = min(a + chunk, n)
         cs = new_res[a:b]
-        for j in range(b - a):
-            if use_beta:
-                cs[j] = x[a + j] + res[a + j] * beta
-            else:
-                cs[j] = x[a + j] + res[a + j]
-        s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
+        buf = np.empty(min(chunk, _PAIRWISE_MAX), np.float32)
+        xs = x[a:b]
+        rs = res[a:b]
+        if use_beta:
+            for j in range(b - a):
+                cs[j] = xs[j] + rs[j] * beta
+        else:
+            for j in range(b - a):
+                cs[j] = xs[j] + rs[j]
+        if chunk <= _PAIRWISE_MAX:
+            s = _pairwise_level_sum(cs, False, buf) / np.float32(b - a)
+        else:
+            s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
         scales[c] = s
         if not (abs(s) < np.float32(np.inf)):
             bad[c] = 1
-        for byte in range((b - a + 7) >> 3):
+        m = b - a
+        for byte in range((m + 7) >> 3):  # branch-free: signs are random
             o = byte * 8
             v = 0
-            for t in range(min(8, b - a - o)):
-                if not (cs[o + t] < _F0):
-                    v |= 1 << t
-                    cs[o + t] = cs[o + t] - s
-                else:
-                    cs[o + t] = cs[o + t] + s
+            for t in range(min(8, m - o)):
+                v |= np.int32(not (cs[o + t] < _F0)) << t
             packed[(a >> 3) + byte] = np.uint8(v)
+        for j in range(m):
+            cj = cs[j]
+            cs[j] = cj + s if cj < _F0 else cj - s
     return bad.sum() == 0
