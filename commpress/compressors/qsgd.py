@@ -21,10 +21,9 @@ class QSGD(Compressor):
     norm per ``bucket`` entries (default 512, as in the paper's experiments; a
     bucket >= numel gives a single norm for the whole tensor).
 
-    Wire: ``ceil(numel/bucket)`` fp32 norms (:func:`commpress.ops.bucket_norms`) and one
-    signed code per entry in ``[-levels, levels]`` bit-packed with
-    ``ceil(log2(2*levels+1))`` bits (:func:`commpress.ops.level_quantize`, one fused
-    pass).  Stochastic rounding with noise derived from ``generator`` makes it
+    Wire: ``ceil(numel/bucket)`` fp32 norms and one signed code per entry in
+    ``[-levels, levels]`` bit-packed with ``ceil(log2(2*levels+1))`` bits
+    (:func:`commpress.ops.qsgd_quantize`: norms, codes and packing in one pass).  Stochastic rounding with noise derived from ``generator`` makes it
     unbiased; per-entry variance is at most ``(norm/levels)**2 / 4``.  A non-finite
     entry makes its bucket's norm non-finite and the decoded bucket NaN.
     """
@@ -40,9 +39,8 @@ class QSGD(Compressor):
 
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
-        x = tensor.reshape(-1)
-        norms = ops.bucket_norms(x, self.bucket)
-        packed = ops.level_quantize(x, norms, self.bucket, self.levels, seed_from_generator(generator))
+        packed, norms = ops.qsgd_quantize(tensor.reshape(-1), self.levels, self.bucket,
+                                          seed_from_generator(generator))
         return self.make_payload(tensor, (packed, norms))
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:

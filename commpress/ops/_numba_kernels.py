@@ -976,6 +976,39 @@ def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
 
 
 @parallel_kernel
+def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms):
+    """:func:`bucket_norms` + :func:`level_quantize` in one pass: each bucket (at most
+    ``_PAIRWISE_MAX`` entries) is summed while in cache, then coded.  ``clen`` is a
+    multiple of ``bucket`` and of 8."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    fl = np.float32(levels)
+    lv = np.int32(levels)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        buf = np.empty(bucket, np.float32)
+        for s0 in range(a, b, bucket):
+            s1 = min(s0 + bucket, b)
+            nrm = np.float32(np.sqrt(np.float64(_pairwise_level_sum(x[s0:s1], True, buf))))
+            norms[s0 // bucket] = nrm
+            s = nrm if nrm > _F0 else np.float32(1.0)
+            mul = fl / s
+            for t in range(s0, s1):
+                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                q = np.floor(y)
+                q = _F0 if q != q else min(max(q, _F0), fl)
+                qi = np.int32(q)
+                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
 def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate):
     """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels)."""
     fl = np.float32(levels)

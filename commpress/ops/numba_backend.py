@@ -542,6 +542,25 @@ def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: i
     return torch.from_numpy(packed)
 
 
+def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
+    """See :func:`commpress.ops.reference.qsgd_quantize` (one pass for cache-sized buckets)."""
+    n = x.numel()
+    if (not _cpu(x) or x.dtype not in _FLOATS or not valid_block(bucket) or not _valid_levels(levels)
+            or min(int(bucket), n) > K._PAIRWISE_MAX):
+        norms = bucket_norms(x, bucket)
+        return level_quantize(x, norms, bucket, levels, seed), norms
+    b = max(1, min(int(bucket), n))
+    bits = ref.level_bits(int(levels))
+    xf = _f32(x)
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    norms = np.empty((n + b - 1) // b, np.float32)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.qsgd_quantize(xn, xn.view(np.int32), b, int(levels), bits, np.uint64(k0), np.uint64(k1),
+                    _quant_chunk(b), packed, norms)
+    return torch.from_numpy(packed), torch.from_numpy(norms)
+
+
 def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.level_dequantize`."""
@@ -636,6 +655,7 @@ _OPS = {
     "mx_dequantize": mx_dequantize,
     "bucket_norms": bucket_norms,
     "level_quantize": level_quantize,
+    "qsgd_quantize": qsgd_quantize,
     "level_dequantize": level_dequantize,
     "sign_pack_feedback": sign_pack_feedback,
 }

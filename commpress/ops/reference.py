@@ -469,6 +469,14 @@ def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: i
     return pack_bits(codes, level_bits(levels))
 
 
+def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
+    """QSGD in one call: ``norms = bucket_norms(x, bucket)`` and
+    ``level_quantize(x, norms, bucket, levels, seed)``; returns ``(packed, norms)``
+    (the fast backends compute both in one pass over ``x`` for cache-sized buckets)."""
+    norms = bucket_norms(x, bucket)
+    return level_quantize(x, norms, bucket, levels, seed), norms
+
+
 def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """Decode :func:`level_quantize`: ``(code - levels) * (s_b / levels)`` in fp32."""
@@ -514,5 +522,5 @@ __all__ = [
     "qmax_for", "block_absmax", "block_quantize", "block_dequantize",
     "sign_pack", "sign_unpack",
     "minifloat_codes", "fp8_quantize", "fp8_dequantize", "mx_quantize", "mx_dequantize",
-    "bucket_norms", "level_quantize", "level_dequantize", "sign_pack_feedback",
+    "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback",
 ]

@@ -64,6 +64,7 @@ def test_large_minifloat_level_and_sign_feedback(large):
         assert_bitwise(nb.bucket_norms(large, bucket), norms, "norms")
         packed = R.level_quantize(large, norms, bucket, levels, 7)
         assert_bitwise(nb.level_quantize(large, norms, bucket, levels, 7), packed, f"levels {levels}")
+        assert_bitwise(nb.qsgd_quantize(large, levels, bucket, 7), (packed, norms), "fused qsgd")
         assert_bitwise(nb.level_dequantize(packed, norms, bucket, levels, N_LARGE),
                        R.level_dequantize(packed, norms, bucket, levels, N_LARGE))
     finite = torch.nan_to_num(large, nan=0.0, posinf=1.0, neginf=-1.0)

@@ -287,6 +287,8 @@ def test_level_quantize_and_norms(a, bucket, levels, seed):
     assert_bitwise(nb.bucket_norms(x, bucket), norms, "norms")
     packed = R.level_quantize(x, norms, bucket, levels, seed)
     assert_bitwise(nb.level_quantize(x, norms, bucket, levels, seed), packed, "codes")
+    with np.errstate(over="ignore"):
+        assert_bitwise(nb.qsgd_quantize(x, levels, bucket, seed), (packed, norms), "fused qsgd")
     n = x.numel()
     assert_bitwise(nb.level_dequantize(packed, norms, bucket, levels, n),
                    R.level_dequantize(packed, norms, bucket, levels, n), "decode")
