@@ -376,6 +376,64 @@ def scatter_add(out, idx, val, nparts):
 
 # ---------------------------------------------------------------- bit packing
 @njit(inline="always", **_SOPTS)
+def _pack_groups_2_6(codes, cbase, a, e, bits, packed):
+    """Pack elements ``[a, e)`` (both multiples of 8) for 2 or 6 bits: 8 codes -> 2 or 6 bytes."""
+    if bits == 2:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = g >> 2
+            packed[o] = (c[0] & 3) | ((c[1] & 3) << 2) | ((c[2] & 3) << 4) | ((c[3] & 3) << 6)
+            packed[o + 1] = (c[4] & 3) | ((c[5] & 3) << 2) | ((c[6] & 3) << 4) | ((c[7] & 3) << 6)
+    else:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = (g >> 3) * 6
+            w0 = np.uint32(c[0] & 63) | (np.uint32(c[1] & 63) << 6) | (np.uint32(c[2] & 63) << 12) \
+                | (np.uint32(c[3] & 63) << 18)
+            w1 = np.uint32(c[4] & 63) | (np.uint32(c[5] & 63) << 6) | (np.uint32(c[6] & 63) << 12) \
+                | (np.uint32(c[7] & 63) << 18)
+            packed[o] = np.uint8(w0 & 255)
+            packed[o + 1] = np.uint8((w0 >> 8) & 255)
+            packed[o + 2] = np.uint8(w0 >> 16)
+            packed[o + 3] = np.uint8(w1 & 255)
+            packed[o + 4] = np.uint8((w1 >> 8) & 255)
+            packed[o + 5] = np.uint8(w1 >> 16)
+
+
+@njit(inline="always", **_SOPTS)
+def _unpack_groups_2_6(packed, a, e, bits, codes, cbase):
+    """Inverse of :func:`_pack_groups_2_6`."""
+    if bits == 2:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = g >> 2
+            v0 = packed[o]
+            v1 = packed[o + 1]
+            c[0] = v0 & 3
+            c[1] = (v0 >> 2) & 3
+            c[2] = (v0 >> 4) & 3
+            c[3] = v0 >> 6
+            c[4] = v1 & 3
+            c[5] = (v1 >> 2) & 3
+            c[6] = (v1 >> 4) & 3
+            c[7] = v1 >> 6
+    else:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = (g >> 3) * 6
+            w0 = np.uint32(packed[o]) | (np.uint32(packed[o + 1]) << 8) | (np.uint32(packed[o + 2]) << 16)
+            w1 = np.uint32(packed[o + 3]) | (np.uint32(packed[o + 4]) << 8) | (np.uint32(packed[o + 5]) << 16)
+            c[0] = np.uint8(w0 & 63)
+            c[1] = np.uint8((w0 >> 6) & 63)
+            c[2] = np.uint8((w0 >> 12) & 63)
+            c[3] = np.uint8(w0 >> 18)
+            c[4] = np.uint8(w1 & 63)
+            c[5] = np.uint8((w1 >> 6) & 63)
+            c[6] = np.uint8((w1 >> 12) & 63)
+            c[7] = np.uint8(w1 >> 18)
+
+
+@njit(inline="always", **_SOPTS)
 def _pack_range(codes, cbase, a, b, bits, packed):
     """Pack elements ``[a, b)`` (``a`` a multiple of 8) whose codes are ``codes[a - cbase ...]``."""
     nbytes = packed.size
@@ -393,7 +451,11 @@ def _pack_range(codes, cbase, a, b, bits, packed):
             packed[(b - 1) >> 1] = np.uint8(codes[b - 1 - cbase] & np.uint8(15))
     else:
         ub = np.uint64(bits)
-        for g in range(a, b, 8):
+        start = a
+        if bits == 2 or bits == 6:  # whole groups of 8 codes without the 64-bit accumulator
+            start = a + (((b - a) >> 3) << 3)
+            _pack_groups_2_6(codes, cbase, a, start, bits, packed)
+        for g in range(start, b, 8):
             acc = np.uint64(0)
             sh = np.uint64(0)
             for j in range(g, min(g + 8, b)):
@@ -425,7 +487,11 @@ def _unpack_range(packed, a, b, bits, codes, cbase):
             codes[b - 1 - cbase] = packed[(b - 1) >> 1] & np.uint8(15)
     else:
         ub = np.uint64(bits)
-        for g in range(a, b, 8):
+        start = a
+        if bits == 2 or bits == 6:  # whole groups of 8 codes without the 64-bit accumulator
+            start = a + (((b - a) >> 3) << 3)
+            _unpack_groups_2_6(packed, a, start, bits, codes, cbase)
+        for g in range(start, b, 8):
             byte0 = (g >> 3) * bits
             acc = np.uint64(0)
             for t in range(bits):
