@@ -13,6 +13,8 @@ SUITES = {
     "compressors": "compress/decompress speed and payload size of every compressor",
     "collectives": "sparse / quantized allreduce algorithms vs dense (supports --net RATE[,DELAY])",
     "kernels": "ops backends (torch reference, numba, CUDA) vs memcpy of the same bytes",
+    "overhead": "hot-path overhead on loopback: DDP / allreduce / FSDP2 vs plain and PyTorch's hooks "
+                "(--quick)",
     "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
              "(--quick, --net 1gbit)",
 }

@@ -141,6 +141,9 @@ class ErrorFeedback(Compressor):
         self._velocity: dict[Any, torch.Tensor] = {}
         self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        #: 0-d bool of the last compress: its compensated input held a NaN/inf (the
+        #: collectives put it in their status word instead of scanning the input again)
+        self.last_nonfinite: torch.Tensor | None = None
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -243,9 +246,10 @@ class ErrorFeedback(Compressor):
         if fused is not None and tensor.dtype == torch.float32:  # compensate + encode + residual, one pass
             live = self._slot(self._residuals, key, x)
             payload, finite = fused(x, live, self.beta, self._slot(self._pending, key, x))
-            return self._stage(key, payload, ~finite, transaction)
+            self.last_nonfinite = ~finite
+            return self._stage(key, payload, self.last_nonfinite, transaction)
         c = self.compensate(x, key)
-        local_bad = nonfinite_flag(c)
+        local_bad = self.last_nonfinite = nonfinite_flag(c)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual

@@ -1,10 +1,15 @@
 // CUDA kernels of commpress.ops (loaded by commpress/ops/cuda_backend.py through CuPy
-// RawModule / NVRTC; compile-checked with nvcc for sm_80 and sm_90 by kernels/check.sh).
+// RawModule / NVRTC; compile-checked with nvcc and NVRTC for sm_80 and sm_90 by kernels/check.sh
+// and kernels/nvrtc_check.py; built for the host with kernels/host/cuda_shim.h and run by the
+// parity tests in CI).
 //
 // Every kernel matches commpress/ops/reference.py bit for bit:
-//  * fp32 arithmetic uses the __f*_rn intrinsics, which are never contracted into FMAs;
+//  * fp32 arithmetic uses the __f*_rn intrinsics, which are never contracted into FMAs and keep
+//    subnormals (NVRTC's default -ftz=false; no float atomics, which flush them);
 //  * magnitude order is the int32 bit pattern & 0x7fffffff (NaN > inf > finite);
 //  * random numbers are the counter hash of the reference (lowbias32, two rounds).
+// Every loop over elements is grid-stride, so any grid size is correct (the host build tests
+// grids of one or two blocks).  Loops that contain warp shuffles or ballots are warp-uniform.
 // No host headers: NVRTC compiles this file as is.
 
 typedef long long i64;
@@ -15,6 +20,7 @@ typedef unsigned char u8;
 #define ABS_MASK 0x7fffffff
 #define INF_KEY 0x7f800000
 #define NAN_BITS 0x7fc00000
+#define FULL 0xffffffffu
 
 __device__ __forceinline__ u32 mix32(u32 x) {
     x ^= x >> 16;
@@ -36,121 +42,266 @@ __device__ __forceinline__ float uniform24(u32 i, u32 k0, u32 k1) {
     return __fmul_rn((float)bits24(i, k0, k1), 1.0f / 16777216.0f);
 }
 
+__device__ __forceinline__ i64 global_thread() { return blockIdx.x * (i64)blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }
+__device__ __forceinline__ i64 global_warp() { return global_thread() >> 5; }
+__device__ __forceinline__ i64 grid_warps() { return grid_threads() >> 5; }
+
 // ------------------------------------------------------------------ random numbers, hashing
 extern "C" __global__ void counter_bits_kernel(i64* out, u32 start, u32 k0, u32 k1, i64 n) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x)
+    for (i64 j = global_thread(); j < n; j += grid_threads())
         out[j] = (i64)bits24(start + (u32)j, k0, k1);
 }
 
 extern "C" __global__ void counter_uniform_kernel(float* out, u32 start, u32 k0, u32 k1, i64 n) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x)
+    for (i64 j = global_thread(); j < n; j += grid_threads())
         out[j] = uniform24(start + (u32)j, k0, k1);
 }
 
-extern "C" __global__ void hash_owner_kernel(const i64* idx, i64* out, u32 world, i64 n) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x)
-        out[j] = (i64)(mix32((u32)(u64)idx[j]) % world);
+// world is 64-bit: the sparse collectives hash into 2**32 buckets (then owner = the hash itself).
+extern "C" __global__ void hash_owner_kernel(const i64* idx, i64* out, u64 world, i64 n) {
+    for (i64 j = global_thread(); j < n; j += grid_threads())
+        out[j] = (i64)((u64)mix32((u32)(u64)idx[j]) % world);
 }
 
 // ------------------------------------------------------------------ selection
-// Entry j is selected when lo <= (bits_j & 0x7fffffff) <= hi.
-__device__ __forceinline__ bool selected(int v, int lo, int hi) {
-    int k = v & ABS_MASK;
-    return k >= lo && k <= hi;
-}
+// A selection is {lo, hi, tie, need}: entry j (key k = bits_j & 0x7fffffff) is selected when
+// lo < k <= hi, or when k == tie and fewer than `need` entries with key `tie` come before it.
+// Top-k passes `sel`, four int64 in device memory written by radix_pick: {T, max, T, need} (T the
+// k-th largest key).  Threshold passes sel = NULL and the scalars lo, hi (no ties: tie = -1).
+//
+// Work is split into segments of `seg` elements (a multiple of 128), one warp per segment: no
+// block barriers, 4 independent loads in flight per lane.  sel_count writes per segment the number
+// of entries in (lo, hi] and the number equal to tie; sel_write compacts a segment's selected
+// entries in index order at its offset (inclusive prefix sums of both counts, minus its own).
+#define SEL_UNROLL 4
 
-// counts[c] = number of selected entries in chunk c ([c*clen, (c+1)*clen)); one block per chunk.
-extern "C" __global__ void select_count(const int* xi, int lo, int hi, i64 n, i64 clen, i64* counts) {
-    __shared__ i64 warp_sums[32];
-    i64 a = blockIdx.x * clen;
-    i64 b = min(a + clen, n);
-    i64 cnt = 0;
-    for (i64 j = a + threadIdx.x; j < b; j += blockDim.x) cnt += selected(xi[j], lo, hi);
-    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_down_sync(0xffffffffu, cnt, o);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) warp_sums[warp] = cnt;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        i64 total = 0;
-        for (int w = 0; w < (int)(blockDim.x + 31) / 32; ++w) total += warp_sums[w];
-        counts[blockIdx.x] = total;
+__device__ __forceinline__ void load_tile(const int* xi, i64 t, i64 b, int lane, int* v) {
+#pragma unroll
+    for (int u = 0; u < SEL_UNROLL; ++u) {
+        i64 j = t + u * 32 + lane;
+        v[u] = j < b ? xi[j] : 0;
     }
 }
 
-// Compacts chunk c's selected entries (index order) at offsets[c] (exclusive prefix of counts).
-// mode: 0 no residual; 1 res is xi (zero selected); 2 res = xi with selected zeroed; 3 res = xi.
-// blockDim.x must be a multiple of 32 and at most 1024.
+extern "C" __global__ void sel_count(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                     i64* counts) {
+    i64 tie = -1;
+    if (sel) {
+        lo = sel[0];
+        hi = sel[1];
+        tie = sel[2];
+    }
+    i64 nseg = (n + seg - 1) / seg;
+    int lane = threadIdx.x & 31;
+    for (i64 s = global_warp(); s < nseg; s += grid_warps()) {  // warp-uniform
+        i64 a = s * seg, b = min(a + seg, n);
+        i64 above = 0, ties = 0;
+        for (i64 t = a; t < b; t += 32 * SEL_UNROLL) {
+            int v[SEL_UNROLL];
+            load_tile(xi, t, b, lane, v);
+#pragma unroll
+            for (int u = 0; u < SEL_UNROLL; ++u) {
+                if (t + u * 32 + lane < b) {
+                    i64 k = v[u] & ABS_MASK;
+                    above += (k > lo && k <= hi);
+                    ties += (k == tie);
+                }
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            above += __shfl_down_sync(FULL, above, o);
+            ties += __shfl_down_sync(FULL, ties, o);
+        }
+        if (lane == 0) {
+            counts[s] = above;
+            counts[nseg + s] = ties;
+        }
+    }
+}
+
+// counts: sel_count's two rows; incl: their inclusive prefix sums (row by row, same layout).
+// mode: 0 no residual; 1 res is xi (zero the selected); 2 res = xi with selected zeroed.
 template <typename I>
-__device__ void select_write_impl(const int* xi, int lo, int hi, i64 n, i64 clen, const i64* offsets,
-                                  I* idx_out, int* val_out, int* res, int mode) {
-    __shared__ int warp_counts[32];
-    __shared__ i64 base;
-    i64 a = blockIdx.x * clen;
-    i64 b = min(a + clen, n);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    if (threadIdx.x == 0) base = offsets[blockIdx.x];
-    __syncthreads();
-    for (i64 t0 = a; t0 < b; t0 += blockDim.x) {
-        i64 j = t0 + threadIdx.x;
-        int v = 0;
-        bool sel = false;
-        if (j < b) {
-            v = xi[j];
-            sel = selected(v, lo, hi);
-            if (mode == 3) res[j] = v;
-            else if (mode == 2) res[j] = sel ? 0 : v;
-            else if (mode == 1 && sel) res[j] = 0;
+__device__ void sel_write_impl(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                               const i64* counts, const i64* incl, I* idx_out, int* val_out, int* res,
+                               int mode) {
+    i64 tie = -1, need = 0;
+    if (sel) {
+        lo = sel[0];
+        hi = sel[1];
+        tie = sel[2];
+        need = sel[3];
+    }
+    i64 nseg = (n + seg - 1) / seg;
+    int lane = threadIdx.x & 31;
+    u32 below = (1u << lane) - 1u;
+    for (i64 s = global_warp(); s < nseg; s += grid_warps()) {  // warp-uniform
+        i64 a = s * seg, b = min(a + seg, n);
+        i64 tie_rank = incl[nseg + s] - counts[nseg + s];
+        i64 pos = incl[s] - counts[s] + min(tie_rank, need);
+        for (i64 t = a; t < b; t += 32 * SEL_UNROLL) {
+            int v[SEL_UNROLL];
+            load_tile(xi, t, b, lane, v);
+#pragma unroll
+            for (int u = 0; u < SEL_UNROLL; ++u) {
+                i64 j = t + u * 32 + lane;
+                i64 k = v[u] & ABS_MASK;
+                bool in = j < b;
+                bool is_tie = in && k == tie;
+                u32 ties = __ballot_sync(FULL, is_tie);
+                bool take = in && ((k > lo && k <= hi) || (is_tie && tie_rank + __popc(ties & below) < need));
+                u32 taken = __ballot_sync(FULL, take);
+                if (take) {
+                    i64 p = pos + __popc(taken & below);
+                    idx_out[p] = (I)j;
+                    val_out[p] = v[u];
+                }
+                if (in && mode == 2) res[j] = take ? 0 : v[u];
+                else if (take && mode == 1) res[j] = 0;
+                pos += __popc(taken);
+                tie_rank += __popc(ties);
+            }
         }
-        unsigned ballot = __ballot_sync(0xffffffffu, sel);
-        if (lane == 0) warp_counts[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0, tile_total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            int c = warp_counts[w];
-            if (w < warp) before += c;
-            tile_total += c;
-        }
-        if (sel) {
-            i64 pos = base + before + __popc(ballot & ((1u << lane) - 1u));
-            idx_out[pos] = (I)j;
-            val_out[pos] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) base += tile_total;
-        __syncthreads();
     }
 }
 
-extern "C" __global__ void select_write_i32(const int* xi, int lo, int hi, i64 n, i64 clen,
-                                            const i64* offsets, int* idx_out, int* val_out, int* res,
-                                            int mode) {
-    select_write_impl<int>(xi, lo, hi, n, clen, offsets, idx_out, val_out, res, mode);
+extern "C" __global__ void sel_write_i32(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                         const i64* counts, const i64* incl, int* idx_out,
+                                         int* val_out, int* res, int mode) {
+    sel_write_impl<int>(xi, n, seg, sel, lo, hi, counts, incl, idx_out, val_out, res, mode);
 }
 
-extern "C" __global__ void select_write_i64(const int* xi, int lo, int hi, i64 n, i64 clen,
-                                            const i64* offsets, i64* idx_out, int* val_out, int* res,
-                                            int mode) {
-    select_write_impl<i64>(xi, lo, hi, n, clen, offsets, idx_out, val_out, res, mode);
+extern "C" __global__ void sel_write_i64(const int* xi, i64 n, i64 seg, const i64* sel, i64 lo, i64 hi,
+                                         const i64* counts, const i64* incl, i64* idx_out,
+                                         int* val_out, int* res, int mode) {
+    sel_write_impl<i64>(xi, n, seg, sel, lo, hi, counts, incl, idx_out, val_out, res, mode);
+}
+
+// ------------------------------------------------------------------ radix select (top-k)
+// Finds T, the k-th largest key, in three passes over the keys' bits (11, 10, 10), entirely on the
+// device.  state = {prefix, krem, lo, hi, tie, need}: prefix holds the bits of T found so far,
+// krem how many of the entries matching that prefix are still to take (the first pass starts
+// from prefix 0 and krem = k without reading the state, so it needs no initialization).
+// Pass p: radix_hist counts, over the entries whose key >> (shift + nbits) equals the prefix,
+// the digit (key >> shift) & (2**nbits - 1); radix_pick chooses the digit holding the krem-th
+// largest and updates the state.  After the last pass prefix = T and krem = the number of
+// entries equal to T to take (lowest indices first); radix_pick then writes sel = {T, max, T, krem}.
+#define RADIX_MAX_BINS 2048
+
+// hist must be zero before the pass.
+extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, int first, int shift,
+                                      int nbits, u64* hist) {
+    __shared__ u32 local[RADIX_MAX_BINS];
+    int nbins = 1 << nbits;
+    i64 prefix = first ? 0 : state[0];
+    for (int i = threadIdx.x; i < nbins; i += blockDim.x) local[i] = 0;
+    __syncthreads();
+    i64 stride = grid_threads();
+    int lane = threadIdx.x & 31;
+    // Warp-uniform loop (t - lane is the warp's base), so the lanes can aggregate: gradients put
+    // most keys in a few bins, and lanes hitting one bin add once through their leader.
+    for (i64 t = global_thread(); t - lane < n; t += 4 * stride) {
+        int v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = t + u * stride < n ? xi[t + u * stride] : 0;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int k = v[u] & ABS_MASK;
+            bool counted = t + u * stride < n && (i64)(k >> (shift + nbits)) == prefix;
+            int bin = counted ? (k >> shift) & (nbins - 1) : -1;
+            u32 peers = __match_any_sync(FULL, bin);
+            if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&local[bin], (u32)__popc(peers));
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nbins; i += blockDim.x)
+        if (local[i]) atomicAdd(&hist[i], (u64)local[i]);
+}
+
+// One warp (blockDim.x == 32, grid 1).  Lane l owns bins [nbins - (l+1)w, nbins - l w), highest first.
+extern "C" __global__ void radix_pick(const u64* hist, int nbits, int first, int last, i64 k,
+                                      i64* state) {
+    int lane = threadIdx.x & 31;
+    int nbins = 1 << nbits, w = nbins / 32;
+    i64 krem = first ? k : state[1];
+    i64 prefix0 = first ? 0 : state[0];
+    int top = nbins - lane * w;  // bins [top - w, top)
+    i64 mine = 0;
+    for (int b = top - w; b < top; ++b) mine += (i64)hist[b];
+    i64 incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        i64 up = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += up;
+    }
+    u32 reach = __ballot_sync(FULL, incl >= krem);
+    if (reach == 0) return;  // cannot happen when 1 <= k <= n
+    int owner = __ffs(reach) - 1;
+    if (lane == owner) {
+        i64 acc = incl - mine;  // entries above this lane's bins
+        int digit = top - w;
+        for (int b = top - 1; b >= top - w; --b) {
+            if (acc + (i64)hist[b] >= krem) { digit = b; break; }
+            acc += (i64)hist[b];
+        }
+        i64 prefix = (prefix0 << nbits) | digit;
+        krem -= acc;
+        state[0] = prefix;
+        state[1] = krem;
+        if (last) {
+            state[2] = prefix;
+            state[3] = ABS_MASK;
+            state[4] = prefix;
+            state[5] = krem;
+        }
+    }
 }
 
 // ------------------------------------------------------------------ scatter-add
-// out[idx[j]] += val[j]; bad[0] = 1 when an index is out of range (that entry is skipped).
-// Bitwise equal to the reference for unique indices (duplicates add in an unspecified order).
-extern "C" __global__ void scatter_add_f32(float* out, const i64* idx, const float* val, i64 m, i64 n,
-                                           int* bad) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < m; j += (i64)gridDim.x * blockDim.x) {
+// bad[0] |= 1 when any index is outside [0, n).  Run before scatter_add_*, which then writes
+// nothing at all: the output is either fully updated or untouched, with no host round trip.
+extern "C" __global__ void scatter_check(const i64* idx, i64 m, i64 n, int* bad) {
+    for (i64 j = global_thread(); j < m; j += grid_threads()) {
         i64 t = idx[j];
-        if (t < 0 || t >= n) { bad[0] = 1; continue; }
-        atomicAdd(out + t, val[j]);
+        if (t < 0 || t >= n) atomicOr(bad, 1);
+    }
+}
+
+// out[idx[j]] += val[j] as an IEEE add (subnormals kept: no float atomicAdd, which flushes them)
+// committed with a compare-and-swap of the bits: bitwise index_add_ for unique indices (one CAS
+// each, no retry), and no lost update for duplicate indices (their order is unspecified).
+#ifndef COMMPRESS_HOST
+// A load that races with other threads' atomics on the same word (the host shim's is atomic).
+__device__ __forceinline__ u32 load_relaxed(const u32* p) { return *(const volatile u32*)p; }
+__device__ __forceinline__ u64 load_relaxed(const u64* p) { return *(const volatile u64*)p; }
+#endif
+
+extern "C" __global__ void scatter_add_f32(float* out, const i64* idx, const float* val, i64 m,
+                                           const int* bad) {
+    if (*bad) return;
+    for (i64 j = global_thread(); j < m; j += grid_threads()) {
+        u32* word = (u32*)(out + idx[j]);
+        float v = val[j];
+        u32 old = load_relaxed(word), seen;
+        do {
+            seen = old;
+            old = atomicCAS(word, seen, __float_as_uint(__fadd_rn(__uint_as_float(seen), v)));
+        } while (old != seen);
     }
 }
 
 extern "C" __global__ void scatter_add_f64(double* out, const i64* idx, const double* val, i64 m,
-                                           i64 n, int* bad) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < m; j += (i64)gridDim.x * blockDim.x) {
-        i64 t = idx[j];
-        if (t < 0 || t >= n) { bad[0] = 1; continue; }
-        atomicAdd(out + t, val[j]);
+                                           const int* bad) {
+    if (*bad) return;
+    for (i64 j = global_thread(); j < m; j += grid_threads()) {
+        u64* word = (u64*)(out + idx[j]);
+        double v = val[j];
+        u64 old = load_relaxed(word), seen;
+        do {
+            seen = old;
+            old = atomicCAS(word, seen,
+                            (u64)__double_as_longlong(__dadd_rn(__longlong_as_double((i64)seen), v)));
+        } while (old != seen);
     }
 }
 
@@ -163,18 +314,18 @@ __device__ __forceinline__ void write_group(u8* packed, i64 nbytes, i64 g, int b
         if (byte0 + t < nbytes) packed[byte0 + t] = (u8)(acc >> (8 * t));
 }
 
-__device__ __forceinline__ u32 read_code(const u8* packed, i64 nbytes, i64 j, int bits) {
-    i64 bit = j * bits;
-    i64 byte = bit >> 3;
-    u32 word = packed[byte];
-    if (byte + 1 < nbytes) word |= (u32)packed[byte + 1] << 8;
-    return (word >> (bit & 7)) & ((1u << bits) - 1u);
+__device__ __forceinline__ u64 read_group(const u8* packed, i64 nbytes, i64 g, int bits) {
+    i64 byte0 = g * bits;
+    u64 acc = 0;
+    for (int t = 0; t < bits; ++t)
+        if (byte0 + t < nbytes) acc |= (u64)packed[byte0 + t] << (8 * t);
+    return acc;
 }
 
 extern "C" __global__ void pack_bits_kernel(const u8* codes, u8* packed, int bits, i64 n, i64 nbytes) {
     i64 ngroups = (n + 7) / 8;
     u64 mask = (1ull << bits) - 1ull;
-    for (i64 g = blockIdx.x * (i64)blockDim.x + threadIdx.x; g < ngroups; g += (i64)gridDim.x * blockDim.x) {
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
         u64 acc = 0;
         for (int e = 0; e < 8; ++e) {
             i64 j = g * 8 + e;
@@ -185,23 +336,40 @@ extern "C" __global__ void pack_bits_kernel(const u8* codes, u8* packed, int bit
 }
 
 extern "C" __global__ void unpack_bits_kernel(const u8* packed, u8* codes, int bits, i64 n, i64 nbytes) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x)
-        codes[j] = (u8)read_code(packed, nbytes, j, bits);
+    i64 ngroups = (n + 7) / 8;
+    u64 mask = (1ull << bits) - 1ull;
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
+        u64 acc = read_group(packed, nbytes, g, bits);
+        for (int e = 0; e < 8; ++e) {
+            i64 j = g * 8 + e;
+            if (j < n) codes[j] = (u8)((acc >> (e * bits)) & mask);
+        }
+    }
 }
 
 // ------------------------------------------------------------------ block quantization
-// scales[b] = max |x| over block b (fp32; NaN if the block holds a NaN).  One warp per block.
-extern "C" __global__ void block_absmax_kernel(const int* xi, float* scales, i64 n, i64 block,
-                                               i64 nblocks) {
-    i64 warp_id = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+// scales[b] = max |x| over block b (fp32; NaN if the block holds a NaN); when inv is not null,
+// inv[b] = qmax / scales[b] (0 when the scale is not > 0), the factor block_quantize multiplies by.
+// A group of `width` lanes (a power of two <= 32, >= min(block, 32)) reduces one block, so small
+// blocks keep every lane busy; the loop over groups is warp-uniform.
+extern "C" __global__ void block_absmax_kernel(const int* xi, float* scales, float* inv, int qmax,
+                                               i64 n, i64 block, i64 nblocks, int width) {
     int lane = threadIdx.x & 31;
-    i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 b = warp_id; b < nblocks; b += nwarps) {
-        i64 a = b * block, e = min(a + block, n);
+    int per_warp = 32 / width, sub = lane & (width - 1);
+    float fq = (float)qmax;
+    for (i64 b0 = global_warp() * per_warp; b0 < nblocks; b0 += grid_warps() * per_warp) {
+        i64 b = b0 + lane / width;
         int m = 0;
-        for (i64 j = a + lane; j < e; j += 32) m = max(m, xi[j] & ABS_MASK);
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_down_sync(0xffffffffu, m, o));
-        if (lane == 0) scales[b] = __int_as_float(m > INF_KEY ? NAN_BITS : m);
+        if (b < nblocks) {
+            i64 a = b * block, e = min(a + block, n);
+            for (i64 j = a + sub; j < e; j += width) m = max(m, xi[j] & ABS_MASK);
+        }
+        for (int o = width >> 1; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+        if (sub == 0 && b < nblocks) {
+            float s = __int_as_float(m > INF_KEY ? NAN_BITS : m);
+            scales[b] = s;
+            if (inv) inv[b] = s > 0.0f ? __fdiv_rn(fq, s) : 0.0f;
+        }
     }
 }
 
@@ -214,27 +382,27 @@ __device__ __forceinline__ u32 to_code(float y, int qmax) {
     return (u32)((int)q + qmax);
 }
 
-// Codes of block_quantize packed directly (one thread per 8 elements); needs scales first.
-extern "C" __global__ void block_quantize_kernel(const float* x, const float* scales, u8* packed,
+// Codes of block_quantize packed directly (one thread per 8 elements): one division per group for
+// the block index, then a compare per element; the per-block factor comes from block_absmax.
+extern "C" __global__ void block_quantize_kernel(const float* x, const float* inv, u8* packed,
                                                  int bits, i64 block, i64 n, i64 nbytes,
                                                  int stochastic, u32 k0, u32 k1) {
     int qmax = (1 << (bits - 1)) - 1;
-    float fq = (float)qmax;
     i64 ngroups = (n + 7) / 8;
-    for (i64 g = blockIdx.x * (i64)blockDim.x + threadIdx.x; g < ngroups; g += (i64)gridDim.x * blockDim.x) {
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
+        i64 j0 = g * 8;
+        i64 b = j0 / block, next = (b + 1) * block;
+        float f = inv[b];
         u64 acc = 0;
-        i64 cur_block = -1;
-        float inv = 0.0f;
         for (int e = 0; e < 8; ++e) {
-            i64 j = g * 8 + e;
+            i64 j = j0 + e;
             if (j >= n) break;
-            i64 b = j / block;
-            if (b != cur_block) {
-                cur_block = b;
-                float s = scales[b];
-                inv = s > 0.0f ? __fdiv_rn(fq, s) : 0.0f;
+            if (j == next) {
+                ++b;
+                next += block;
+                f = inv[b];
             }
-            float y = __fmul_rn(x[j], inv);
+            float y = __fmul_rn(x[j], f);
             float r = stochastic ? uniform24((u32)j, k0, k1) : 0.5f;
             acc |= (u64)to_code(__fadd_rn(y, r), qmax) << (e * bits);
         }
@@ -242,24 +410,38 @@ extern "C" __global__ void block_quantize_kernel(const float* x, const float* sc
     }
 }
 
-// out[j] (+)= (code_j - qmax) * (scale / qmax).
+// out[j] (+)= (code_j - qmax) * (scale / qmax); one thread per 8 elements (`bits` whole bytes),
+// the step divided once per block met.
 extern "C" __global__ void block_dequantize_kernel(const u8* packed, const float* scales, float* out,
                                                    int bits, i64 block, i64 n, i64 nbytes,
                                                    int accumulate) {
     int qmax = (1 << (bits - 1)) - 1;
     float fq = (float)qmax;
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
-        float step = __fdiv_rn(scales[j / block], fq);
-        float v = __fmul_rn(__fsub_rn((float)read_code(packed, nbytes, j, bits), fq), step);
-        out[j] = accumulate ? __fadd_rn(out[j], v) : v;
+    u64 mask = (1ull << bits) - 1ull;
+    i64 ngroups = (n + 7) / 8;
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
+        i64 j0 = g * 8;
+        i64 b = j0 / block, next = (b + 1) * block;
+        float step = __fdiv_rn(scales[b], fq);
+        u64 acc = read_group(packed, nbytes, g, bits);
+        for (int e = 0; e < 8; ++e) {
+            i64 j = j0 + e;
+            if (j >= n) break;
+            if (j == next) {
+                ++b;
+                next += block;
+                step = __fdiv_rn(scales[b], fq);
+            }
+            float v = __fmul_rn(__fsub_rn((float)((acc >> (e * bits)) & mask), fq), step);
+            out[j] = accumulate ? __fadd_rn(out[j], v) : v;
+        }
     }
 }
 
 // ------------------------------------------------------------------ sign + scale
 // bit j = !(x_j < 0); one thread per byte.
 extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i64 nbytes) {
-    for (i64 byte = blockIdx.x * (i64)blockDim.x + threadIdx.x; byte < nbytes;
-         byte += (i64)gridDim.x * blockDim.x) {
+    for (i64 byte = global_thread(); byte < nbytes; byte += grid_threads()) {
         u32 v = 0;
         for (int t = 0; t < 8; ++t) {
             i64 j = byte * 8 + t;
@@ -269,61 +451,48 @@ extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i
     }
 }
 
-// scales[c] = (pairwise tree sum of |x| over chunk c) / its length.  The tree is the reference's:
-// the chunk zero-padded to a power of two P, adjacent pairs added level by level.  Blocks loop over
-// chunks; blockDim.x must be a power of two <= 1024.  Thread t sums the aligned segment
-// [t*S, (t+1)*S) (S = P / blockDim.x, at least 1) with a streaming binary counter, then the
-// block adds the per-thread subtree sums pairwise.
-extern "C" __global__ void sign_scales_kernel(const float* x, float* scales, i64 n, i64 chunk,
-                                              i64 nchunks) {
-    __shared__ float sums[1024];
-    i64 P = 1;
-    while (P < chunk) P <<= 1;
-    i64 T = min((i64)blockDim.x, P);
-    i64 S = P / T;
-    for (i64 c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform loop
-        i64 a = c * chunk, len = min(chunk, n - a);
-        if ((i64)threadIdx.x < T) {
-            float stack[64];
-            int level[64];
-            int top = 0;
-            i64 s0 = threadIdx.x * S, s1 = min(s0 + S, len);
-            for (i64 j = s0; j < s1; ++j) {
-                float v = fabsf(x[a + j]);
-                int lv = 0;
-                while (top > 0 && level[top - 1] == lv) {
-                    --top;
-                    v = __fadd_rn(stack[top], v);
-                    ++lv;
-                }
-                stack[top] = v;
-                level[top] = lv;
-                ++top;
-            }
-            float acc = 0.0f;
-            if (top > 0) {
-                acc = stack[top - 1];
-                for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
-            }
-            sums[threadIdx.x] = acc;
+// One level of the reference's pairwise tree (chunk zero-padded to a power of two P, adjacent
+// pairs added level by level).  The input is nseg segments of `seg` values (the last may be
+// short: the segment's length is min(seg, n - c*seg)); each warp sums aligned groups of 256 of a
+// segment (8 adjacent values per lane in registers, then 5 shuffle levels), writing
+// out[c * G + g], G = ceil(seg / 256).  Because zero padding does not change a sum of
+// non-negative values, a group of 256 is a subtree of the reference's tree, and the host runs
+// levels until G == 1; the last (finalize) divides the root by the chunk's length
+// min(chunk, n_orig - c*chunk).  Warps loop over (segment, group) items, one per warp: no barriers.
+extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i64 seg, i64 nseg,
+                                          int absval, int finalize, i64 chunk, i64 n_orig) {
+    int lane = threadIdx.x & 31;
+    i64 G = (seg + 255) / 256;
+    for (i64 it = global_warp(); it < nseg * G; it += grid_warps()) {  // warp-uniform
+        i64 c = it / G, g = it - c * G;
+        i64 len = min(seg, n - c * seg);
+        i64 base = c * seg, first = g * 256 + lane * 8;
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float y = first + e < len ? in[base + first + e] : 0.0f;
+            v[e] = absval ? fabsf(y) : y;
         }
-        __syncthreads();
-        for (i64 w = T; w > 1; w >>= 1) {
-            float v = 0.0f;
-            if ((i64)threadIdx.x < w / 2) v = __fadd_rn(sums[2 * threadIdx.x], sums[2 * threadIdx.x + 1]);
-            __syncthreads();
-            if ((i64)threadIdx.x < w / 2) sums[threadIdx.x] = v;
-            __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
+        v[0] = __fadd_rn(v[0], v[1]);
+        v[1] = __fadd_rn(v[2], v[3]);
+        float s = __fadd_rn(v[0], v[1]);
+        for (int o = 1; o < 32; o <<= 1) {
+            float other = __shfl_down_sync(FULL, s, o);
+            if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
         }
-        if (threadIdx.x == 0) scales[c] = __fdiv_rn(sums[0], (float)len);
-        __syncthreads();
+        if (lane == 0) {
+            if (finalize) out[c] = __fdiv_rn(s, (float)min(chunk, n_orig - c * chunk));
+            else out[it] = s;
+        }
     }
 }
 
 // out[j] (+)= +scale or -scale of j's chunk by bit j.
 extern "C" __global__ void sign_unpack_kernel(const u8* packed, const float* scales, float* out,
                                               i64 chunk, i64 n, int accumulate) {
-    for (i64 j = blockIdx.x * (i64)blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
+    for (i64 j = global_thread(); j < n; j += grid_threads()) {
         float s = scales[j / chunk];
         float v = ((packed[j >> 3] >> (j & 7)) & 1) ? s : -s;
         out[j] = accumulate ? __fadd_rn(out[j], v) : v;

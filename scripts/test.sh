@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# The test command: install (scripts/setup.sh), compile-check the CUDA kernels when
-# nvcc exists, run the whole suite. Fails when a test fails or when none ran.
+# The test command: install (scripts/setup.sh), check the CUDA kernels without a GPU
+# (kernels/host_check.sh), run the whole suite. Fails when a test fails or when none ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-if command -v nvcc >/dev/null 2>&1 && ls kernels/*.cu >/dev/null 2>&1; then
-  bash kernels/check.sh
-fi
+bash kernels/host_check.sh  # host build + TSan + NVRTC (+ nvcc) of kernels/*.cu
 set +e
 HYPOTHESIS_PROFILE=ci .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..compressors._util import mix_seed, stable_hash
 from ..compressors.base import Compressor, Payload
 from ..feedback import ErrorFeedback, ResidualTransaction
 from .wire import signature
@@ -40,7 +41,11 @@ def fingerprint(compressor: Any) -> int:
 def compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
                    generator: torch.Generator | None, transaction: ResidualTransaction | None) -> Payload:
     """The fixed-size payload of ``tensor``; an error-feedback residual update is staged in
-    ``transaction`` (committed by the caller once every rank's status is known)."""
+    ``transaction`` (committed by the caller once every rank's status is known).  An int
+    ``generator`` (a seed) is mixed with ``key``, so the chunks of one call draw
+    independent noise."""
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        generator = mix_seed(generator, stable_hash(key))
     if isinstance(compressor, ErrorFeedback):
         return compressor.compress_fixed(tensor, step=step, key=key, generator=generator,
                                          transaction=transaction)

@@ -77,9 +77,10 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
     dense = [p.reshape(-1) for i, p in enumerate(pieces) if not lowrank[i]]
     round1 = torch.cat([t.reshape(-1).float() for t in ps + dense]
                        + [torch.empty(wire.SUM_SLOTS, device=flat.device)])
-    wire.sum_slots(round1, error=code, nonfinite=nonfinite_flag(m) if ef is not None else None)
+    wire.sum_slots(round1, error=code, nonfinite=nonfinite_flag(m) if ef is not None else None,
+                   rank=_comm.rank(group), world=world)
     _comm.all_reduce_(round1, group=group, stats=stats)
-    wire.check_sum_slots(round1, "allreduce", msg)
+    wire.check_sum_slots(round1, "allreduce", msg, world)
     views1, pos = [], 0
     for t in ps + dense:
         views1.append(round1[pos:pos + t.numel()].view(t.shape))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import Payload
-from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
+from ..feedback import ErrorFeedback, ResidualTransaction
 from . import _comm, costmodel, wire
 from ._codec import compress_fixed, has_feedback, local_check, unwrap
 from .accounting import CommStats
@@ -69,34 +69,38 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
 
 def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error):
     """Every chunk's fixed-size payload (zeros-payloads after a local error, so the
-    message sizes stay right); returns ``(payloads, code, message)``."""
+    message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
     inner = unwrap(compressor)
     code, msg = error
     world = len(bounds) - 1
-    payloads = None
+    payloads, bad = None, None
     if not code:
         try:
-            payloads = [compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step, key=(key, r),
-                                       generator=generator, transaction=transaction) for r in range(world)]
+            payloads = []
+            for r in range(world):
+                payloads.append(compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
+                                               key=(key, r), generator=generator, transaction=transaction))
+                if has_feedback(compressor):  # this rank's NaN/inf verdict, from the chunks' own scans
+                    last = compressor.last_nonfinite
+                    bad = last if bad is None else bad | last
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if payloads is None:
         zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         payloads = [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(world)]
-    return payloads, code, msg
+    return payloads, code, msg, bad
 
 
-def _status(flat, compressor, code, sig, out=None):
-    bad = nonfinite_flag(flat) if has_feedback(compressor) else None
-    return wire.status_word(flat.device, error=code, sig=sig, nonfinite=bad, out=out)
+def _status(flat, code, sig, bad):
+    return wire.status_word(flat.device, error=code, sig=sig, nonfinite=bad)
 
 
-def _phase1(flat, compressor, payloads, code, sig, group, stats):
+def _phase1(flat, payloads, code, sig, bad, group, stats):
     """All-to-all of ``[status | payload of chunk r]`` to owner ``r``; returns the P received
     messages ``[P, width]`` (uint8) and this rank's chunk layout."""
     world, me = _comm.world(group), _comm.rank(group)
     layouts = [wire.Layout.of(p.tensors) for p in payloads]
-    status = _status(flat, compressor, code, sig)
+    status = _status(flat, code, sig, bad)
     send = torch.empty(sum(lay.width for lay in layouts), dtype=torch.uint8, device=flat.device)
     off = 0
     for p, lay in zip(payloads, layouts):
@@ -120,9 +124,13 @@ def _worst(statuses: torch.Tensor, sig: int, out: torch.Tensor) -> torch.Tensor:
     """The status an owner forwards: max error code (configuration error when the
     signatures differ), any NaN/inf, its own signature; device ops only."""
     flags = statuses[:, 0]
-    code = (flags >> 8).amax()
-    code = torch.maximum(code, (statuses[:, 1] != sig).any().to(code.dtype) * wire.E_CONFIG)
-    out[0:1].copy_(((code << 8) | (flags & wire.NONFINITE).amax()).reshape(1))
+    codes = (flags >> 8) & 0xFF
+    code = torch.maximum(codes.amax(), (statuses[:, 1] != sig).any().to(codes.dtype) * wire.E_CONFIG)
+    word = (code << 8) | (flags & wire.NONFINITE).amax()
+    if statuses.shape[0] <= 15:  # which senders reported an error, for the message on every rank
+        bits = torch.ones_like(codes) << torch.arange(statuses.shape[0], device=codes.device, dtype=codes.dtype)
+        word = word | ((codes != 0).to(codes.dtype) * bits).sum() << 16
+    out[0:1].copy_(word.reshape(1))
     out[1].fill_(sig)
     return out
 
@@ -160,7 +168,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
         return _local("allreduce", error, compressor, flat, key, step, stats, generator,
                       tx).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
-    payloads, code, msg = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error)
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
@@ -168,9 +176,9 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         key=lambda a: (costmodel.gather_costs(total, n, world, model)[a], a))
     sig = wire.signature("gather", n, str(tensor.dtype), [p.nbytes for p in payloads], algorithm)
     if algorithm == "gather_all":
-        out = _gather_all(flat, compressor, inner, payloads, code, sig, bounds, group, stats)
+        out = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats)
     else:
-        out = _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key, step, stats,
+        out = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
                          generator, tx)
     statuses, out = out
     _verdict(statuses, sig, "allreduce", msg, out, compressor, tx)
@@ -191,18 +199,17 @@ def _local(caller, err, compressor, flat, key, step, stats, generator, transacti
     return unwrap(compressor).decompress(p).reshape(-1)
 
 
-def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key, step, stats, generator, tx):
+def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats, generator,
+               tx):
     world, me = _comm.world(group), _comm.rank(group)
-    received, layout = _phase1(flat, compressor, payloads, code, sig, group, stats)
+    received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
     acc = _owner_sum(inner, received, layout, payloads[me])
     src = acc.to(flat.dtype if flat.dtype in inner.supported_dtypes else torch.float32)
     owner_key = ("owner", key, me)
     status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
     try:
-        if isinstance(compressor, ErrorFeedback) and not inner.unbiased:
-            p2 = compressor.compress_fixed(src, step=step, key=owner_key, generator=generator, transaction=tx)
-        else:
-            p2 = inner.compress_fixed(src, step=step, key=owner_key, generator=generator)
+        codec = compressor if isinstance(compressor, ErrorFeedback) and not inner.unbiased else inner
+        p2 = compress_fixed(codec, src, step=step, key=owner_key, generator=generator, transaction=tx)
     except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
         p2 = inner.compress_fixed(torch.zeros_like(acc))
         status[0].fill_(wire.E_MISUSE << 8)
@@ -218,12 +225,12 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key,
     return wire.read_status(gathered), out
 
 
-def _gather_all(flat, compressor, inner, payloads, code, sig, bounds, group, stats):
+def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats):
     world = _comm.world(group)
     tensors = [t for p in payloads for t in p.tensors]
     layout = wire.Layout.of(tensors)
     message = torch.empty(layout.width, dtype=torch.uint8, device=flat.device)
-    layout.write(message, tensors, _status(flat, compressor, code, sig))
+    layout.write(message, tensors, _status(flat, code, sig, bad))
     gathered = _comm.all_gather(message, group=group, stats=stats)
     per = [len(p.tensors) for p in payloads]
     starts = [sum(per[:r]) for r in range(world + 1)]
@@ -282,9 +289,9 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
             flat = torch.zeros(world * max(1, -(-n // world)), dtype=torch.float32, device=flat.device)
         per = flat.numel() // world
         bounds = [r * per for r in range(world + 1)]
-        payloads, code, msg = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
+        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
         sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
-        received, layout = _phase1(flat, compressor, payloads, code, sig, group, stats)
+        received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
         out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
         _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
         out = out.to(tensor.dtype)

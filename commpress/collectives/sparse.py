@@ -486,7 +486,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm == "auto":
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
-    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
     if algorithm == "allgather":
         acc = torch.zeros(n + 1, dtype=acc_dtype(vals.dtype), device=tensor.device)   # slot n: padding
         layout = wire.Layout.of((idx, vals))
@@ -504,9 +504,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     else:  # dense
         buf = torch.zeros(n + 1 + wire.SUM_SLOTS, dtype=torch.float32, device=tensor.device)
         ops.scatter_add_(buf[:n + 1], idx, vals.float())
-        wire.sum_slots(buf, error=code, nonfinite=bad_local)
+        wire.sum_slots(buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
         _comm.all_reduce_(buf, group=group, stats=stats)
-        wire.check_sum_slots(buf, "allreduce", msg)
+        wire.check_sum_slots(buf, "allreduce", msg, world)
         acc = buf[:n + 1]
         bad = buf[-1] != 0
     out = acc[:n].to(vals.dtype)
@@ -522,13 +522,20 @@ def _variable(tensor, compressor, group, key, step, algorithm, stats, generator,
     """The count-exchanging algorithms (split, hashed, recursive doubling) on the compact payload."""
     from ..feedback import ErrorFeedback
 
-    if isinstance(compressor, ErrorFeedback):
-        payload = compressor.compress(tensor, step=step, key=key, generator=generator, transaction=transaction)
-    else:
-        payload = compressor.compress(tensor, step=step, key=key, generator=generator)
-    idx, vals = payload.tensors
-    out = sparse_allreduce(idx, vals.to(tensor.dtype), tensor.numel(), group=group, algorithm=algorithm,
-                           stats=stats, validate=False)
+    idx = vals = None
+    error = (0, "")
+    try:
+        if isinstance(compressor, ErrorFeedback):
+            payload = compressor.compress(tensor, step=step, key=key, generator=generator,
+                                          transaction=transaction)
+        else:
+            payload = compressor.compress(tensor, step=step, key=key, generator=generator)
+        idx, vals = payload.tensors
+        vals = vals.to(tensor.dtype)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank through the header
+        error = (wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}")
+    out = sparse_allreduce(idx, vals, tensor.numel(), group=group, algorithm=algorithm, stats=stats,
+                           validate=False, _error=error)
     if has_feedback(compressor):
         transaction.mark_bad(nonfinite_flag(out))  # a selected NaN/inf shows in the sum
     return out.reshape(tensor.shape)

@@ -12,7 +12,8 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
     word  content
     ====  ==============================================================
     0     flags: bit 0 :data:`NONFINITE` (this rank's input held a NaN/inf),
-          bits 8..15 an error code from :data:`ERRORS` (0 = ok)
+          bits 8..15 an error code from :data:`ERRORS` (0 = ok), bits 16..30
+          (forwarded by a two-phase owner) the ranks it heard an error from
     1     signature: CRC of the call's static facts (kind, numel, dtype,
           configuration); ranks that disagree raise together
     ====  ==============================================================
@@ -22,8 +23,8 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
 
 ``all_reduce`` messages (sum kinds, PowerSGD factors, dense parts)
     end with :data:`SUM_SLOTS` elements of the message's dtype that the
-    reduction adds up: ``[count of ranks with an error, count of ranks with a
-    NaN/inf input]``.
+    reduction adds up: ``[sum of 2**rank over the ranks with an error (a count
+    where the dtype cannot add that exactly), count of ranks with a NaN/inf input]``.
 
 Reading a status is the one host read of a call, and only where it is free:
 on CPU tensors (host memory, no synchronization).  CUDA statuses are copied
@@ -134,9 +135,17 @@ def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
     return w
 
 
-def sum_slots(buf: torch.Tensor, *, error: int = 0, nonfinite: torch.Tensor | None = None) -> None:
-    """Write the :data:`SUM_SLOTS` status elements at the end of an all_reduce message."""
-    buf[-2].fill_(1 if error else 0)
+#: ranks whose error bits an all_reduce slot of this dtype adds exactly (2**rank each)
+_EXACT_RANKS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def sum_slots(buf: torch.Tensor, *, error: int = 0, nonfinite: torch.Tensor | None = None,
+              rank: int = 0, world: int = 1) -> None:
+    """Write the :data:`SUM_SLOTS` status elements at the end of an all_reduce message:
+    ``2**rank`` in the error slot on a bad rank (1 when the dtype cannot add that many
+    powers of two exactly), this rank's NaN/inf flag in the other."""
+    exact = world <= _EXACT_RANKS.get(buf.dtype, 0)
+    buf[-2].fill_(0 if not error else (float(2 ** rank) if exact else 1.0))
     if nonfinite is None:
         buf[-1].fill_(0)
     else:
@@ -151,9 +160,9 @@ def any_nonfinite(statuses: torch.Tensor) -> torch.Tensor:
 
 def poison_(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """Make ``out`` all-NaN where the 0-d ``bad`` is set (so AMP skips the step); no host read."""
-    if out.numel():
+    if out.numel():  # x + (-0.0) is x bitwise (signed zeros included); x + NaN is NaN
         nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
-        torch.where(bad, nan, out, out=out)
+        out.add_(torch.where(bad, nan, torch.full((), -0.0, dtype=out.dtype, device=out.device)))
     return out
 
 
@@ -166,22 +175,31 @@ def check_byte_statuses(statuses: torch.Tensor, sig: int, what: str, local: str 
     _judge_bytes(statuses.numpy(), sig, what, local)
 
 
-def check_sum_slots(buf: torch.Tensor, what: str, local: str = "") -> None:
+def check_sum_slots(buf: torch.Tensor, what: str, local: str = "", world: int = 1) -> None:
     """Raise on every rank when the summed error slot of an all_reduce message is non-zero."""
     slot = buf[-2:-1]
+    exact = world <= _EXACT_RANKS.get(buf.dtype, 0)
     if slot.device.type != "cpu":
-        _defer(slot, ("sum", 0, what, local))
+        _defer(slot, ("sum", exact, what, local))
         return
-    _judge_sum(slot.float().numpy(), what, local)
+    _judge_sum(slot.float().numpy(), exact, what, local)
+
+
+def _ranks(mask: int) -> list[int]:
+    return [r for r in range(31) if mask >> r & 1]
 
 
 def _judge_bytes(st, sig: int, what: str, local: str) -> None:
     codes = [(int(f) >> 8) & 0xFF for f in st[:, 0]]
     bad = [r for r, c in enumerate(codes) if c]
     if bad:
-        detail = "; ".join(f"rank {r}: {ERRORS.get(codes[r], 'error')}" for r in bad)
+        forwarded = 0
+        for f in st[:, 0]:
+            forwarded |= (int(f) >> 16) & 0x7FFF
+        ranks = _ranks(forwarded) or bad   # owners forward their senders' ranks (P <= 15)
+        detail = ", ".join(sorted({ERRORS.get(c, "error") for c in codes if c}))
         mine = f" (this rank: {local})" if local else ""
-        raise CollectiveInputError(f"{what}: bad input on rank(s) {bad}: {detail}{mine}")
+        raise CollectiveInputError(f"{what}: bad input on rank(s) {ranks}: {detail}{mine}")
     sigs = [int(s) for s in st[:, 1]]
     if len(set(sigs)) > 1:
         raise CollectiveInputError(
@@ -189,10 +207,12 @@ def _judge_bytes(st, sig: int, what: str, local: str) -> None:
             f"signatures {sigs}")
 
 
-def _judge_sum(slot, what: str, local: str) -> None:
-    if float(slot[0]) != 0.0:
+def _judge_sum(slot, exact: bool, what: str, local: str) -> None:
+    value = float(slot[0])
+    if value != 0.0:
+        who = f"rank(s) {_ranks(int(value))}" if exact else "some rank(s)"
         mine = f" (this rank: {local})" if local else ""
-        raise CollectiveInputError(f"{what}: bad input on {int(float(slot[0]))} rank(s){mine}")
+        raise CollectiveInputError(f"{what}: bad input on {who}{mine}")
 
 
 # ---------------------------------------------------------------- CUDA: deferred checks
@@ -211,12 +231,12 @@ def flush_deferred(wait: bool = False) -> None:
     """Judge the CUDA statuses whose copies have landed (all of them with ``wait``);
     raises :class:`CollectiveInputError` like the CPU path, one or more calls later."""
     while _DEFERRED:
-        host, event, (kind, sig, what, local) = _DEFERRED[0]
+        host, event, (kind, extra, what, local) = _DEFERRED[0]
         if not wait and not event.query():
             return
         event.synchronize()
         _DEFERRED.pop(0)
         if kind == "bytes":
-            _judge_bytes(host.numpy(), sig, what, local)
+            _judge_bytes(host.numpy(), extra, what, local)
         else:
-            _judge_sum(host.float().numpy(), what, local)
+            _judge_sum(host.float().numpy(), extra, what, local)

@@ -65,8 +65,12 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def seed_from_generator(generator: torch.Generator | None) -> int:
-    """Draw one 63-bit seed from ``generator`` (torch's default generator when ``None``)."""
+def seed_from_generator(generator: torch.Generator | int | None) -> int:
+    """One 63-bit seed: ``generator`` itself when it is an int (the collectives' and hooks'
+    path: a pure function of seed, rank, step and key, so no tensor is read), else drawn
+    from the ``torch.Generator`` (torch's default generator when ``None``)."""
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        return generator & 0x7FFFFFFFFFFFFFFF
     if generator is None:
         return int(torch.randint(0, 2**63 - 1, (1,)).item())
     return int(torch.randint(0, 2**63 - 1, (1,), generator=generator,

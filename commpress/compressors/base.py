@@ -89,7 +89,8 @@ class Compressor(ABC):
         generator: torch.Generator | None = None,
     ) -> Payload:
         """Encode ``tensor``. ``step``/``key`` seed shared random choices;
-        ``generator`` supplies per-rank noise (stochastic rounding)."""
+        ``generator`` supplies per-rank noise (stochastic rounding): a
+        ``torch.Generator``, or an int used as this call's seed (no tensor read)."""
 
     def compress_fixed(self, tensor: torch.Tensor, *, step: int = 0, key: Any = 0,
                        generator: torch.Generator | None = None) -> Payload:

@@ -12,6 +12,9 @@ class Identity(Compressor):
     """Sends the tensor as it is (flattened, contiguous). Wire: ``numel`` elements of the input dtype."""
 
     aggregation = "sum"
+    #: the payload is the input cast to this dtype (``None``: its own dtype); the
+    #: collectives write that cast straight into their message buffer
+    cast_to: torch.dtype | None = None
 
     def __init__(self) -> None:
         pass
@@ -28,6 +31,10 @@ class Identity(Compressor):
 class _Cast(Compressor):
     aggregation = "sum"
     wire_dtype: torch.dtype
+
+    @property
+    def cast_to(self) -> torch.dtype:
+        return self.wire_dtype
 
     def __init__(self) -> None:
         pass

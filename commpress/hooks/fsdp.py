@@ -9,7 +9,7 @@ One call, on a model already wrapped with ``torch.distributed.fsdp.fully_shard``
 Every submodule that is an ``FSDPModule`` with parameters (an *FSDP unit*) gets a
 :class:`CompressedReduceScatter` through ``FSDPModule.set_custom_reduce_scatter``
 (and, with ``all_gather``, a :class:`QuantizedAllGather` through
-``set_custom_all_gather``).
+``set_custom_all_gather``).  Both are thin clients of :mod:`commpress.collectives`.
 
 What FSDP2 hands the reduce-scatter
 -----------------------------------
@@ -19,57 +19,81 @@ rank ``r``'s ``m`` elements of the reduced chunk ``r``.  FSDP2 also passes the
 reduce op: ``AVG`` (fp32 / bf16 reduction: the backend divides by ``P``),
 ``SUM`` (fp16 reduction: FSDP pre/post-divides itself) or
 ``PREMUL_SUM(1/f)`` (``set_gradient_divide_factor(f)``).  The compressed paths
-apply the same scaling, so the gradient the optimizer sees is what default FSDP2
-produces up to compression error.
+apply the same scaling (after the sum, in the reduce dtype), so the gradient the
+optimizer sees is what default FSDP2 produces up to compression error.
 
 What goes on the wire, per aggregation kind of the compressor
 -------------------------------------------------------------
-``"sum"`` (identity, fp16, bf16, shared-seed random-k)
-    each chunk ``j`` is compressed (key ``(unit, j)``, so shared random choices
-    agree across ranks); the wire tensors of the ``P`` chunks are concatenated
-    and reduce-scattered with FSDP's own op (one ``reduce_scatter`` per wire
-    tensor), then decompressed.  With ``identity`` this is exactly FSDP2's
-    default call.  Wire: ``(P−1)/P`` of the compressed buffer.
-``"gather"`` (quantizers: blockquant, qsgd, terngrad, signsgd) and ``"sparse"`` (topk, threshold, dgc)
-    the quantized / sparse reduce-scatter (first phase of the two-phase
-    allreduce): chunk ``j`` is compressed and sent to its owner ``j`` only; the
-    owner decodes the ``P`` contributions and sums them in fp32 in rank order.
-    Wire: one ``all_gather`` of a small header (``P·(1+T)`` int64 per rank: a
-    mode flag and the element count of each of the ``T`` wire tensors per
-    destination), then one ``all_to_all`` of the packed payload bytes
-    (``Σ_{j≠r} payload_j.nbytes``).  For a sparsifier that is
-    ``k·(4+itemsize)·(P−1)/P`` bytes instead of a sparse allreduce's
-    ``k·(4+itemsize)·(P−1)``.
+Bytes are what one rank sends per unit and step (the direct model of
+:mod:`commpress.collectives.accounting`); ``align8(n)`` rounds up to a multiple of 8.
+
+``identity``
+    FSDP2's own call: one ``reduce_scatter`` of the input with FSDP's op.
+    ``4m·(P−1)`` bytes for fp32 (``itemsize·m·(P−1)``), bitwise FSDP2's default.
+``"sum"`` without error feedback (fp16, bf16, shared-seed random-k)
+    chunk ``j`` is compressed with key ``(unit, j)`` (shared random choices agree
+    across ranks); the P chunks' wire tensors are concatenated and reduce-scattered
+    with FSDP's op (one ``reduce_scatter``: these payloads have one wire tensor),
+    then decompressed.  ``b·(P−1)`` bytes, ``b`` a chunk's payload: ``2m`` for
+    fp16 / bf16, ``k·itemsize`` for random-k.
+``"gather"`` (blockquant, qsgd, terngrad, signsgd), ``"sparse"`` (topk, threshold, dgc), and ``"sum"`` with error feedback
+    :func:`commpress.collectives.reduce_scatter`: ONE ``all_to_all_single``.
+    Chunk ``j``'s fixed-size payload (``compress_fixed``, key ``(unit, j)``) goes
+    to its owner ``j`` behind the 8-byte status word of :mod:`commpress.collectives.wire`
+    (NaN/inf flag, error code, a signature of the static facts), each tensor
+    starting 8-aligned; the owner decodes the P pieces, sums them in fp32 in
+    rank order and applies the op's scale.  ``w·(P−1)`` bytes, with
+    ``w = 8 + Σ align8(tensor bytes)``:
+
+    - blockquant ``bits=8`` of fp32: ``8 + align8(m) + align8(4·ceil(m/256))``
+      (codes, one fp32 scale per 256-element block);
+    - topk: ``8 + align8(4k) + align8(k·itemsize)``, ``k = max(1, round(ratio·m))``
+      (int32 indices, values in the reduce dtype); dgc and threshold the same with
+      their fixed capacity in place of ``k``.
+
+    The first call of each unit (and of a unit whose input size or dtype changed)
+    adds one validation ``all_gather`` of ``HEADER_FIXED + 4P + SKETCH`` int64 per
+    rank (:mod:`commpress.collectives.validate`): the reduce dtype (the
+    ``MixedPrecisionPolicy``) and the set of parameters that have gradients fix
+    the message sizes but are not part of the registration fingerprint, so they
+    are agreed once, by a round that raises on every rank, before any
+    size-mismatched ``all_to_all``.  Later calls have no round but the payload's.
 ``"lowrank"`` (PowerSGD)
     not supported: FSDP's reduce-scatter input is a flat buffer of many
     parameters' shards; ``register`` raises ``ValueError``.
 
-Non-finite gradients: on the owner path a rank whose input holds NaN/inf sends
-that step's chunks dense (mode flag 1, raw values in the reduce dtype), bypassing
-compression and error feedback, so the NaN/inf land exactly where default FSDP2
-puts them (and ``GradScaler`` skips the step), and that rank's residuals are left
-as they were.  On the "sum" path the NaN/inf travel in the cast values
-(identity, fp16, bf16) or by the compressor's own propagation contract, and
-``ErrorFeedback`` keeps a residual unchanged whenever its input is non-finite.
-On the owner path every rank defers its error-feedback update until the header
-exchange has shown every peer's mode: when any rank sent dense (an overflow step,
-which ``GradScaler`` skips) no rank updates its residuals, so the skipped step
-leaves all of them untouched.  Error feedback residuals live in the ``ErrorFeedback`` codec keyed by
-``(unit name, chunk index)``; they are allocated at the first step and reused.
+Non-finite gradients and error feedback
+---------------------------------------
+Residuals live in the ``ErrorFeedback`` codec keyed by ``(unit name, chunk
+index)``, allocated at the first step and reused.  Every residual update of a
+step (all units, all chunks) is staged in one
+:class:`~commpress.feedback.ResidualTransaction` (``state.transaction``) and
+committed when the backward pass ends (:meth:`FSDPState.end_step`).  When any
+rank's input to any unit holds a NaN/inf, its status word marks the transaction
+bad on every rank and that unit's output is all-NaN on every rank (so
+``GradScaler`` skips the step); the commit then keeps every residual of every
+rank as it was.  Both decisions are ``torch.where`` on the device.  Without error
+feedback the NaN/inf travel in the payload by the compressor's own contract
+(casts and quantizers keep them; top-k ranks them first).
+
+Host reads: none in the steady state.  Nothing in the hook path calls
+``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` of a tensor or
+``.cpu()``; sizes come from ``numel`` and the configuration, statuses are
+judged by the collectives (free on CPU tensors, deferred on CUDA).
 
 The optional quantized all-gather (``all_gather="blockquant"``): each rank
-compresses its flat parameter shard, the packed codes are all-gathered (one
-``all_gather`` of ``payload.nbytes`` per rank) and every rank, itself included,
-decodes all ``P`` shards, so all ranks compute with identical (quantized)
-unsharded parameters while the sharded fp32 parameters the optimizer updates
-stay exact.  Shards whose all-gather dtype the compressor does not support (a
-``uint8`` mixed-dtype buffer) go dense.
+compresses its flat parameter shard (fixed-size payload), the packed codes are
+all-gathered (one ``all_gather`` of ``payload.nbytes`` per rank, e.g.
+``n + 4·ceil(n/256)`` for 8-bit blockquant of ``n`` fp32 elements instead of
+``4n``) and every rank, itself included, decodes all ``P`` shards, so all ranks
+compute with identical (quantized) unsharded parameters while the sharded fp32
+parameters the optimizer updates stay exact.  Shards whose all-gather dtype the
+compressor does not support (a ``uint8`` mixed-dtype buffer) go dense.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -78,10 +102,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from .. import collectives
 from ..collectives import _comm
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor, Payload
-from ..feedback import ErrorFeedback
+from ..feedback import ResidualTransaction
 from .common import HookState, Timer, resolve_compressor, tensor_bytes
 
 log = logging.getLogger("commpress")
@@ -90,8 +115,6 @@ __all__ = ["register", "FSDPState", "CompressedReduceScatter", "QuantizedAllGath
 
 _ATTR = "_commpress_fsdp_state"
 _RedOpType = dist.ReduceOp.RedOpType
-_MODE_COMPRESSED = 0
-_MODE_DENSE = 1
 
 
 # ------------------------------------------------------------------ module tree
@@ -116,32 +139,12 @@ def _unit_layout(module: FSDPModule) -> list[list[Any]]:
     return [[name, list(p.shape)] for name, p in module.named_parameters() if id(p) in mine]
 
 
-# ------------------------------------------------------------------ wire helpers
-# Thin wrappers over commpress.collectives._comm that return the bytes sent.  Bytes are charged by the direct model of commpress.collectives.accounting: an
-# all_gather of s bytes per rank sends s*(P-1), an all_to_all sends what goes to
-# other ranks.  The data a rank keeps for itself is never counted.
-def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, int]:
-    """All-gather a flat tensor of the same size from every rank: ``([P, n], bytes sent)``."""
-    cs = CommStats()
-    return _comm.all_gather(t.reshape(-1), group, cs), cs.bytes_sent
-
-
-def _all_to_all(buf: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
-                ) -> tuple[torch.Tensor, int]:
-    """All-to-all of a uint8 buffer cut into ``send[r]`` bytes per rank: ``(received, bytes sent)``."""
-    cs = CommStats()
-    return _comm.all_to_all_bytes(buf, send, recv, group, cs), cs.bytes_sent
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # ------------------------------------------------------------------ reduce op
-def _op_scale(op: Any, world: int) -> float | None:
+def _op_scale(op: Any, world: int) -> float | torch.Tensor | None:
     """The factor the backend applies after summing for ``op`` (``None``: op not supported).
 
-    ``AVG`` → ``1/world``; ``SUM`` → 1; ``PREMUL_SUM(f)`` → ``f``.
+    ``AVG`` → ``1/world``; ``SUM`` → 1; ``PREMUL_SUM(f)`` → ``f`` (a 0-d tensor
+    factor is returned as it is and applied on its device: no host read).
     """
     kind = op if isinstance(op, _RedOpType) else getattr(op, "op", None)
     if kind == _RedOpType.AVG:
@@ -150,9 +153,7 @@ def _op_scale(op: Any, world: int) -> float | None:
         return 1.0
     if kind == _RedOpType.PREMUL_SUM:
         factor = getattr(op, "factor", None)
-        if isinstance(factor, torch.Tensor):
-            factor = float(factor.item())
-        return None if factor is None else float(factor)
+        return factor if factor is None or isinstance(factor, torch.Tensor) else float(factor)
     return None
 
 
@@ -165,6 +166,7 @@ class _Unit:
     module: FSDPModule
     calls: int = 0
     input_numel: int = 0
+    validated: tuple[int, torch.dtype] | None = None   # (numel, dtype) agreed across ranks
 
 
 class FSDPState(HookState):
@@ -176,8 +178,10 @@ class FSDPState(HookState):
     collectives would have sent, by the direct model of
     :mod:`commpress.collectives.accounting` (a reduce-scatter of ``n`` bytes
     sends ``n·(P−1)/P``; an all-gather of ``s`` bytes per rank sends
-    ``s·(P−1)``).  ``state_dict()`` / ``load_state_dict()`` save and restore
-    the step counter, the residuals and the noise generator of this rank.
+    ``s·(P−1)``).  ``state.transaction`` holds the current step's staged
+    residual updates (committed by :meth:`end_step`).  ``state_dict()`` /
+    ``load_state_dict()`` save and restore the step counter, the residuals and
+    the noise generator of this rank.
     """
 
     kind = "fsdp"
@@ -206,6 +210,7 @@ class FSDPState(HookState):
             self.all_gather_compressor = ag
         self.units: dict[str, _Unit] = {name: _Unit(name, m) for name, m in units}
         self.generator = torch.Generator().manual_seed(0x5EED + 7919 * self.rank)
+        self.transaction = ResidualTransaction()
         self._step_open = False
         self._reduced: set[str] = set()
 
@@ -238,11 +243,13 @@ class FSDPState(HookState):
             log.debug("commpress.fsdp: reduce-scatter outside backward; step closes lazily")
 
     def end_step(self) -> None:
-        """Close the current step (called automatically at the end of each backward pass)."""
+        """Close the current step (called automatically at the end of each backward pass):
+        commit its residual updates, unless some rank saw a NaN/inf (decided on the device)."""
         if not self._step_open:
             return
         self._step_open = False
         self._reduced.clear()
+        self.transaction.commit()
         self.step += 1
         # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
         self.stats.memory_overhead_bytes = tensor_bytes(list(getattr(self.codec, "_residuals", {}).values()))
@@ -254,6 +261,7 @@ class FSDPState(HookState):
                 "unit_calls": {name: int(u.calls) for name, u in self.units.items()}}
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
+        self.transaction.rollback()     # staged updates refer to the buffers being replaced
         if "generator" in extra:
             self.generator.set_state(extra["generator"])
         for name, calls in extra.get("unit_calls", {}).items():
@@ -281,139 +289,72 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         unit = st.units[self.unit]
         world = group.size()
         scale = _op_scale(op, world)
-        m = output_tensor.numel()
-        dense_bytes = m * input_tensor.element_size() * (world - 1)
+        dense_bytes = output_tensor.numel() * input_tensor.element_size() * (world - 1)
+        if unit.input_numel != input_tensor.numel():
+            if unit.input_numel:
+                log.info("commpress.fsdp: unit %r reduce-scatter size changed %d -> %d",
+                         self.unit, unit.input_numel, input_tensor.numel())
+            unit.input_numel = input_tensor.numel()
         st._touch_step(self.unit)
+        cs = CommStats()
         with Timer() as t:
-            if scale is None or world == 1:
-                log.warning("commpress.fsdp: reduce op %s not supported, unit %r goes dense", op, self.unit)
+            comp = st.compressor
+            if scale is None or world == 1 or input_tensor.dtype not in comp.supported_dtypes:
+                if unit.calls == 0:
+                    log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
+                                self.unit, op, input_tensor.dtype, world)
                 dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
-                sent, algorithm = dense_bytes, "dense"
+                cs.add(dense_bytes)
+                algorithm = "dense"
+            elif comp.name == "identity" and not st.uses_error_feedback:
+                dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+                cs.add(dense_bytes)
+                algorithm = "identity:reduce_scatter"
+            elif comp.aggregation == "sum" and not st.uses_error_feedback:
+                self._sum_path(output_tensor, input_tensor, group, op, world, cs)
+                algorithm = f"{comp.name}:reduce_scatter"
             else:
-                if unit.input_numel != input_tensor.numel():
-                    if unit.input_numel:
-                        log.info("commpress.fsdp: unit %r reduce-scatter size changed %d -> %d",
-                                 self.unit, unit.input_numel, input_tensor.numel())
-                    unit.input_numel = input_tensor.numel()
-                if st.compressor.aggregation == "sum":
-                    sent, algorithm = self._sum_path(output_tensor, input_tensor, group, op, world)
-                else:
-                    sent, algorithm = self._owner_path(output_tensor, input_tensor, group, world, scale)
+                self._owner_path(output_tensor, input_tensor, group, scale, cs)
+                algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
             unit.calls += 1
-        st.stats.record(self.unit, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
+        st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds)
         return None
 
-    # -- "sum" compressors: reduce-scatter of the concatenated wire tensors ----
-    def _sum_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                  op: Any, world: int) -> tuple[int, str]:
+    def _sum_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any,
+                  world: int, cs: CommStats) -> None:
+        """The "sum" compressors without error feedback: the P chunks' payloads add elementwise,
+        so one ``reduce_scatter`` per wire tensor (one for every "sum" compressor) with FSDP's op."""
         st = self.state
         chunks = inp.view(world, -1)
-        payloads = [st.codec.compress(chunks[j], step=st.step, key=(self.unit, j),
-                                      generator=st.generator) for j in range(world)]
-        me = group.rank()
-        sent = 0
+        payloads = [st.codec.compress(chunks[j], step=st.step, key=(self.unit, j), generator=st.generator)
+                    for j in range(world)]
+        mine = payloads[group.rank()]
         reduced = []
-        for i, mine in enumerate(payloads[me].tensors):
+        for i, t in enumerate(mine.tensors):
             wire = torch.cat([p.tensors[i].reshape(-1) for p in payloads])
-            recv = torch.empty(mine.numel(), dtype=mine.dtype, device=mine.device)
+            recv = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
             dist.reduce_scatter_single(recv, wire, group=group, op=op)
-            sent += recv.numel() * recv.element_size() * (world - 1)
-            reduced.append(recv.reshape(mine.shape))
-        p = payloads[me]
-        summed = Payload(tuple(reduced), p.shape, p.dtype, p.numel, dict(p.meta))
+            cs.add(recv.numel() * recv.element_size() * (world - 1))
+            reduced.append(recv.view(t.shape))
+        summed = Payload(tuple(reduced), mine.shape, mine.dtype, mine.numel, dict(mine.meta))
         out.copy_(st.codec.decompress(summed).reshape(-1))
-        return sent, f"{st.compressor.name}:reduce_scatter"
 
-    def _compress_chunks(self, chunks: torch.Tensor) -> tuple[list[Payload], list[tuple[Any, torch.Tensor, Payload]]]:
-        """Compress each destination's chunk; with error feedback, the residual updates
-        are returned for later (``(key, compensated, payload)``) instead of applied."""
-        st = self.state
-        keys = [(self.unit, j) for j in range(chunks.shape[0])]
-        if not isinstance(st.codec, ErrorFeedback):
-            return [st.codec.compress(chunks[j], step=st.step, key=key, generator=st.generator)
-                    for j, key in enumerate(keys)], []
-        payloads, deferred = [], []
-        for j, key in enumerate(keys):
-            compensated = st.codec.compensate(chunks[j], key)
-            payload = st.codec.compressor.compress(compensated.to(chunks.dtype), step=st.step, key=key,
-                                                   generator=st.generator)
-            payloads.append(payload)
-            deferred.append((key, compensated, payload))
-        return payloads, deferred
-
-    # -- "gather" / "sparse": compressed chunks to their owners, decoded there ---
     def _owner_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                    world: int, scale: float) -> tuple[int, str]:
+                    scale: float | torch.Tensor, cs: CommStats) -> None:
+        """:func:`commpress.collectives.reduce_scatter` (one all_to_all, status inside), the
+        residual updates staged in the step's transaction, then FSDP's scale."""
         st = self.state
-        me = group.rank()
-        chunks = inp.view(world, -1)
-        m = chunks.shape[1]
-        dense = not bool(torch.isfinite(inp).all())
-        if dense:
-            payloads = [Payload((chunks[j].contiguous(),), chunks[j].shape, inp.dtype, m)
-                        for j in range(world)]
+        unit = st.units[self.unit]
+        facts = (inp.numel(), inp.dtype)
+        summed = collectives.reduce_scatter(inp, st.codec, group=group, key=self.unit, step=st.step, stats=cs,
+                                            generator=st.generator, validate=unit.validated != facts,
+                                            transaction=st.transaction)
+        unit.validated = facts
+        if isinstance(scale, float) and scale == 1.0:
+            out.copy_(summed)
         else:
-            payloads, deferred = self._compress_chunks(chunks)
-        # decode structure (wire dtypes, fixed shapes, meta) of a chunk of m elements
-        template = _template(st, chunks[me]) if dense else payloads[me]
-        ntensors = len(template.tensors)
-        # per destination: mode, then the element count of each wire tensor (dense: one)
-        mode = _MODE_DENSE if dense else _MODE_COMPRESSED
-        rows = [[mode] + [t.numel() for t in p.tensors] + [0] * (ntensors - len(p.tensors))
-                for p in payloads]
-        header = torch.tensor(rows, dtype=torch.int64, device=inp.device)  # NCCL: device tensors
-        headers, sent = _gather_rows(header, group)
-        headers = headers.cpu().view(world, world, -1)    # [source, destination, field]
-        if not dense and not bool((headers[:, :, 0] == _MODE_DENSE).any()):
-            for key, compensated, payload in deferred:  # no rank overflowed: keep the residuals
-                st.codec.update(key, compensated, st.codec.compressor.decompress(payload))
-        blobs = [_comm.to_bytes(*p.tensors) for p in payloads]
-        send_sizes = [b.numel() for b in blobs]
-        specs_from = []
-        for src in range(world):
-            row = headers[src, me].tolist()
-            if row[0] == _MODE_DENSE:
-                specs_from.append([(inp.dtype, (m,))])
-            else:
-                specs_from.append([(t.dtype, _shape_for(t, n))
-                                   for t, n in zip(template.tensors, row[1:])])
-        recv_sizes = [_spec_bytes(sp) for sp in specs_from]
-        buf, sent_a2a = _all_to_all(torch.cat(blobs), send_sizes, recv_sizes, group)
-        acc = torch.zeros(m, dtype=torch.float32, device=out.device)
-        offset = 0
-        any_dense = dense
-        for src in range(world):
-            tensors = _comm.from_bytes(buf[offset:offset + recv_sizes[src]], specs_from[src])
-            offset += recv_sizes[src]
-            if int(headers[src, me, 0]) == _MODE_DENSE:
-                any_dense = True
-                acc += tensors[0].float()
-            else:
-                payload = Payload(tuple(tensors), torch.Size([m]), inp.dtype, m, dict(template.meta))
-                acc += st.codec.decompress(payload).reshape(-1).float()
-        acc.mul_(scale)
-        out.copy_(acc)
-        algorithm = f"{st.compressor.name}:{st.compressor.aggregation}_reduce_scatter"
-        if any_dense:
-            algorithm += "+nonfinite_dense"
-        return sent + sent_a2a, algorithm
-
-
-def _template(st: FSDPState, like: torch.Tensor) -> Payload:
-    """A payload of the right structure for ``like``'s size (dtypes, shapes, meta), from zeros."""
-    inner = st.compressor
-    return inner.compress(torch.zeros_like(like), step=st.step, key=("template",),
-                          generator=torch.Generator().manual_seed(0))
-
-
-def _shape_for(t: torch.Tensor, n: int) -> tuple[int, ...]:
-    """Template tensor ``t``'s shape when it has ``n`` elements, else 1-D (variable-size payloads)."""
-    return tuple(t.shape) if t.numel() == n else (n,)
-
-
-def _spec_bytes(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
-    return sum(math.prod(shape) * _itemsize(dtype) for dtype, shape in specs)
+            torch.mul(summed, scale, out=out)
 
 
 class QuantizedAllGather(_CommBase, AllGather):
@@ -422,6 +363,7 @@ class QuantizedAllGather(_CommBase, AllGather):
     Wire: one ``all_gather`` of the packed payload bytes (``payload.nbytes`` per
     rank, e.g. ``n + 4·ceil(n/256)`` for 8-bit blockquant of ``n`` fp32
     elements instead of ``4n``).  Every rank decodes all shards, its own too.
+    No host reads: the payload's size depends only on ``n`` and the configuration.
     """
 
     def __init__(self, state: FSDPState, unit: str) -> None:
@@ -437,14 +379,16 @@ class QuantizedAllGather(_CommBase, AllGather):
         n = input_tensor.numel()
         dense_bytes = n * input_tensor.element_size() * (world - 1)
         name = f"{self.unit}/all_gather"
+        cs = CommStats()
         with Timer() as t:
             if input_tensor.dtype not in comp.supported_dtypes or world == 1:
                 dist.all_gather_single(output_tensor, input_tensor, group=group)
-                sent, algorithm = dense_bytes, "dense"
+                cs.add(dense_bytes)
+                algorithm = "dense"
             else:
-                payload = comp.compress(input_tensor, step=st.step, key=(self.unit, "all_gather"),
-                                        generator=st.generator)
-                rows, sent = _gather_rows(_comm.to_bytes(*payload.tensors), group)
+                payload = comp.compress_fixed(input_tensor, step=st.step, key=(self.unit, "all_gather"),
+                                              generator=st.generator)
+                rows = _comm.all_gather(_comm.to_bytes(*payload.tensors), group, cs)
                 specs = [(x.dtype, tuple(x.shape)) for x in payload.tensors]
                 out = output_tensor.view(world, n)
                 for r in range(world):
@@ -452,7 +396,7 @@ class QuantizedAllGather(_CommBase, AllGather):
                                   payload.numel, dict(payload.meta))
                     out[r].copy_(comp.decompress(got).reshape(-1))
                 algorithm = f"{comp.name}:all_gather"
-        st.stats.record(name, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
+        st.stats.record(name, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds)
         return None
 

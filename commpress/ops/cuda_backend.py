@@ -1,22 +1,42 @@
-"""The ``"cuda"`` backend: kernels from ``kernels/*.cu`` run through CuPy, bitwise equal to :mod:`.reference`.
+"""The ``"cuda"`` backend: kernels from ``kernels/*.cu``, bitwise equal to :mod:`.reference`.
 
-The CUDA sources ship as package data of ``commpress.kernels`` (read with
-:mod:`importlib.resources`, falling back to the repository's ``kernels/``) and
-are compiled at first use per device with ``cupy.RawModule`` (NVRTC).  Kernels
-run on torch's current stream (``cupy.cuda.ExternalStream``) and read and
-write torch tensors zero-copy through DLPack; outputs are allocated by torch.
+The ops here are written once against a *launcher*, which runs a named kernel of
+``kernels/*.cu`` on a 1-D grid with raw pointers and typed scalars:
 
-Without CuPy or without a CUDA device this module imports fine and registers
-nothing, so :mod:`commpress.ops` uses the torch reference on CUDA tensors.
-Ops not covered here (bitmaps, hash partition, magnitude keys) run as the
-reference on the device.
+* :class:`CupyLauncher` (the backend users get): CUDA tensors.  The sources are compiled by
+  NVRTC (``cupy.RawModule``) once per device, each kernel is looked up once per
+  ``(device, name)`` inside ``cupy.cuda.Device(index)`` (so a worker thread never touches
+  another GPU), and launches go to torch's current stream of the tensor's device with
+  ``data_ptr()`` arguments (no DLPack per launch).  Outputs are allocated by torch.
+* :class:`HostLauncher` (CI): the same sources built for the host by ``kernels/host/build.py``
+  (one host thread per CUDA thread, real barriers), run on CPU tensors.  It checks every
+  argument against the kernel's signature, so the parity tests run *this* wrapper, not a copy.
+
+Host synchronization: none in ``topk_compact`` (the k-th key is found by a radix select on the
+device and the output has exactly ``k`` entries), ``scatter_add_`` and every other op, except
+``threshold_compact``, whose output size is the data-dependent count (one read of it).  The
+hot path's fixed-capacity threshold is ``topk_compact(x, C)`` then dropping the entries whose
+magnitude key is below the threshold's: no read at all.
+
+``scatter_add_`` checks its indices on the device first and then writes all or nothing.  A bad
+index raises ``IndexError`` where reading the flag is free (the host launcher) or when
+``COMMPRESS_CUDA_CHECK=1``; otherwise the failure is recorded on the device and
+:func:`take_errors` returns (and clears) it.
+
+Without CuPy, without a CUDA device, or with an NVRTC that cannot compile (missing, or built
+for another CUDA major version) this module imports fine and registers nothing, so
+:mod:`commpress.ops` uses the torch reference on CUDA tensors.  Ops not covered here (bitmaps,
+hash partition, magnitude keys) run as the reference on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.resources
 import logging
-import math
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +54,14 @@ except Exception as exc:  # ImportError, or a CuPy build that does not match the
     log.debug("cupy unavailable, cuda backend not registered: %r", exc)
 
 SOURCES = ("commpress_ops.cu",)
-_THREADS = 256
-_MAX_GRID = 65535
+#: Elements per warp in the selection kernels (a multiple of 128).
+SEG = 4096
+#: (shift, bits) of the three radix-select passes over the 31-bit magnitude key.
+RADIX_PASSES = ((20, 11), (10, 10), (0, 10))
+_RADIX_BINS = 2048
 _MAX_KEY = 0x7FFFFFFF
-#: Strided sample size used by top-k to estimate its candidate threshold.
-TOPK_SAMPLE = 1 << 16
-
-_modules: dict[int, object] = {}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_i32, _i64, _u32, _u64 = np.int32, np.int64, np.uint32, np.uint64
 
 
 def read_source(name: str) -> str:
@@ -51,51 +72,182 @@ def read_source(name: str) -> str:
         return (Path(__file__).resolve().parents[2] / "kernels" / name).read_text()
 
 
-def _module(device: torch.device):
-    """The compiled RawModule for ``device`` (compiled once per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mod = _modules.get(index)
-    if mod is None:
-        src = "\n".join(read_source(name) for name in SOURCES)
+# ---------------------------------------------------------------- launchers
+class CupyLauncher:
+    """Launches on CUDA tensors through CuPy (NVRTC), on torch's current stream.
+
+    Compiled modules, kernels and stream wrappers are shared by all instances (one compile per
+    device per process); an instance only sets the block size and the grid cap.
+    """
+
+    threads = 256
+    #: Reading a device value stalls the host (a synchronization): errors are recorded instead.
+    reads_are_free = False
+    _modules: dict[int, object] = {}
+    _kernels: dict[tuple[int, str], object] = {}
+    _streams: dict[tuple[int, int], object] = {}  # (device, torch stream) -> cupy ExternalStream
+    _lock = threading.Lock()
+
+    def __init__(self, max_grid: int = 65535):
+        self.max_grid = max_grid
+
+    def owns(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def _kernel(self, index: int, name: str):
+        """The ``cupy.cuda.Function`` of ``name`` on device ``index`` (call inside its Device)."""
+        fn = self._kernels.get((index, name))
+        if fn is None:
+            with self._lock:
+                mod = self._modules.get(index)
+                if mod is None:
+                    src = "\n".join(read_source(s) for s in SOURCES)
+                    mod = cp.RawModule(code=src, options=("--std=c++14",))
+                    mod.compile()
+                    self._modules[index] = mod
+                fn = self._kernels[(index, name)] = mod.get_function(name).kernel
+        return fn
+
+    def launch(self, device: torch.device, name: str, grid: int, args: tuple, threads: int) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        raw = tuple(None if a is None else _u64(a.data_ptr()) if isinstance(a, torch.Tensor) else a
+                    for a in args)
+        stream_ptr = torch.cuda.current_stream(index).cuda_stream
+        stream = self._streams.get((index, stream_ptr))
+        if stream is None:
+            stream = self._streams[(index, stream_ptr)] = cp.cuda.ExternalStream(stream_ptr, index)
         with cp.cuda.Device(index):
-            mod = cp.RawModule(code=src, options=("--std=c++14",))
-            mod.compile()
-        _modules[index] = mod
-    return mod
+            self._kernel(index, name)((grid,), (threads,), raw, 0, stream)
 
 
-def _arr(t: torch.Tensor):
-    """A CuPy view of a contiguous CUDA tensor (zero-copy, DLPack)."""
-    return cp.from_dlpack(t.detach())
+_SCALARS = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,
+            "f32": np.float32, "f64": np.float64}
+_CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64,
+           "f32": ctypes.c_float, "f64": ctypes.c_double}
+_SIZES = {"i32": 4, "i64": 8, "u32": 4, "u64": 8, "f32": 4, "f64": 8, "u8": 1}
 
 
-def _launch(device: torch.device, name: str, grid: int, args: tuple, threads: int = _THREADS) -> None:
-    """Run kernel ``name`` on torch's current stream of ``device``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(device).get_function(name)
-    stream = torch.cuda.current_stream(device)
-    with cp.cuda.Device(index), cp.cuda.ExternalStream(stream.cuda_stream):
-        kernel((max(1, min(grid, _MAX_GRID)),), (threads,), args)
+class HostLauncher:
+    """Launches the host build of the kernels (``kernels/host/build.py``) on CPU tensors.
+
+    ``threads`` per block (a multiple of 32; each is a host thread) and ``max_grid`` are small
+    so that tests cover multi-warp blocks and grid-stride loops on small inputs.  With
+    ``reads_are_free = False`` it behaves like the GPU for error reporting (tests of the no-sync path).
+    """
+
+    reads_are_free = True
+
+    def __init__(self, library, threads: int = 64, max_grid: int = 4):
+        self.threads, self.max_grid = threads, max_grid
+        self.lib = ctypes.CDLL(str(library))
+        self.lib.cuhost_launch.argtypes = [ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cuhost_launch.restype = ctypes.c_int
+        self.lib.cuhost_signature.argtypes = [ctypes.c_char_p]
+        self.lib.cuhost_signature.restype = ctypes.c_char_p
+        self.launches: list[str] = []  # kernel names, in launch order (for tests)
+
+    def owns(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def launch(self, device: torch.device, name: str, grid: int, args: tuple, threads: int) -> None:
+        sig = self.lib.cuhost_signature(name.encode())
+        if sig is None:
+            raise LookupError(f"no kernel named {name!r}")
+        types = sig.decode().split(",") if sig else []
+        if len(types) != len(args):
+            raise TypeError(f"{name}: {len(args)} arguments for parameters {types}")
+        keep = [_host_arg(name, i, t, a, device) for i, (t, a) in enumerate(zip(types, args))]
+        argv = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.cast(ctypes.pointer(k), ctypes.c_void_p)
+                                                        for k in keep])
+        self.launches.append(name)
+        rc = self.lib.cuhost_launch(name.encode(), grid, threads, argv)
+        if rc:
+            raise RuntimeError(f"cuhost_launch({name!r}, grid={grid}, threads={threads}) returned {rc}")
 
 
-def _grid(n: int, threads: int = _THREADS) -> int:
-    return -(-n // threads)
+def _host_arg(name: str, i: int, ctype: str, a, device: torch.device):
+    """A ctypes value for parameter ``i`` of type ``ctype``, checked like the GPU would need."""
+    if ctype.endswith("*"):
+        if a is None:
+            return ctypes.c_void_p(None)
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} arg {i}: {ctype} needs a tensor, got {type(a).__name__}")
+        elem = _SIZES[ctype.replace("const ", "").rstrip("*")]
+        if a.element_size() != elem or not a.is_contiguous() or a.device != device:
+            raise TypeError(f"{name} arg {i}: {ctype} got {a.dtype} contiguous={a.is_contiguous()} "
+                            f"on {a.device} (launch on {device})")
+        return ctypes.c_void_p(a.data_ptr())
+    want = _SCALARS[ctype]
+    if type(a) is not want:
+        raise TypeError(f"{name} arg {i}: {ctype} needs numpy.{want.__name__}, got {type(a).__name__}")
+    return _CTYPES[ctype](a.item())
 
 
-def _cuda(*tensors) -> bool:
-    return all(t is None or t.device.type == "cuda" for t in tensors)
+_launcher = CupyLauncher() if cp is not None else None
 
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_i32, _i64, _u32, _f32 = np.int32, np.int64, np.uint32, np.float32
+@contextlib.contextmanager
+def use(launcher):
+    """Run this module's ops with ``launcher`` (tests: a :class:`HostLauncher` on CPU tensors)."""
+    global _launcher
+    old, _launcher = _launcher, launcher
+    try:
+        yield launcher
+    finally:
+        _launcher = old
 
 
+def _mine(*tensors) -> bool:
+    """The launcher runs these tensors: all on one device it owns (else the reference decides)."""
+    devices = {t.device for t in tensors if t is not None}
+    return _launcher is not None and len(devices) == 1 and _launcher.owns(next(iter(devices)))
+
+
+def _launch(device: torch.device, name: str, work: int, *args, threads: int | None = None) -> None:
+    """Run ``name`` with enough blocks for ``work`` threads (at most the launcher's max grid)."""
+    threads = threads or _launcher.threads
+    grid = max(1, min(-(-int(work) // threads), _launcher.max_grid))
+    _launcher.launch(device, name, grid, args, threads)
+
+
+# ---------------------------------------------------------------- errors without host reads
+_errors: dict[torch.device, torch.Tensor] = {}
+
+
+def _report(flag: torch.Tensor, error: Exception) -> None:
+    """Raise ``error`` if ``flag`` is set where that costs no synchronization, else record it."""
+    if _launcher.reads_are_free or os.environ.get("COMMPRESS_CUDA_CHECK") == "1":
+        if int(flag.item()):
+            raise error
+        return
+    sticky = _errors.get(flag.device)
+    if sticky is None:
+        sticky = _errors[flag.device] = torch.zeros(1, dtype=torch.int32, device=flag.device)
+    sticky.bitwise_or_(flag)
+
+
+def take_errors(device) -> int:
+    """Nonzero when an op on ``device`` refused bad input since the last call (reads the device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    sticky = _errors.get(device)
+    if sticky is None:
+        return 0
+    value = int(sticky.item())
+    sticky.zero_()
+    return value
+
+
+# ---------------------------------------------------------------- selection
 def _flat_f32(x: torch.Tensor) -> torch.Tensor:
     flat = x.detach().reshape(-1)
     return (flat if flat.dtype == torch.float32 else flat.float()).contiguous()
 
 
 def _fused_residual(flat: torch.Tensor, residual: torch.Tensor | None):
+    """(mode, residual as int32) when the kernels can write the residual: 1 in place, 2 separate."""
     if residual is None:
         return None
     if (flat.dtype != torch.float32 or residual.dtype != torch.float32
@@ -103,28 +255,34 @@ def _fused_residual(flat: torch.Tensor, residual: torch.Tensor | None):
             or residual.numel() != flat.numel() or residual.requires_grad):
         return None
     r = residual.view(-1)
-    return (1 if r.data_ptr() == flat.data_ptr() else 2), r
+    return (1 if r.data_ptr() == flat.data_ptr() else 2), r.view(torch.int32)
 
 
-def _select(xi: torch.Tensor, lo: int, hi: int, res: torch.Tensor, mode: int):
-    """(indices, value bits) of entries whose key is in ``[lo, hi]``: count pass + compaction pass."""
+def _select(xi: torch.Tensor, sel: torch.Tensor | None, lo: int, hi: int, count: int | None, fused):
+    """(indices, value bits) of the entries selected (see the kernels), in index order: by the
+    device selection ``sel`` (top-k), or when ``sel`` is None by ``lo < key <= hi`` (threshold).
+
+    ``count`` is the number selected when the caller knows it (top-k: exactly k); ``None``
+    reads it from the device (threshold: the one host synchronization of this module).
+    """
     n = xi.numel()
     dev = xi.device
-    clen = max(4096, -(-n // 4096))
-    clen = -(-clen // _THREADS) * _THREADS
-    nch = -(-n // clen)
-    counts = torch.empty(nch, dtype=torch.int64, device=dev)
-    if nch:
-        _launch(dev, "select_count", nch, (_arr(xi), _i32(lo), _i32(hi), _i64(n), _i64(clen), _arr(counts)))
-    offsets = torch.cumsum(counts, 0) - counts
-    total = int(counts.sum()) if nch else 0
+    nseg = -(-n // SEG)
+    mode, res = fused if fused is not None else (0, None)
+    counts = torch.empty(2 * nseg, dtype=torch.int64, device=dev)
+    if nseg:
+        _launch(dev, "sel_count", nseg * 32, xi, _i64(n), _i64(SEG), sel, _i64(lo), _i64(hi), counts)
+    rows = counts.view(2, nseg)
+    incl = torch.cumsum(rows, 1)
+    if count is None:
+        count = int(rows[0].sum()) if nseg else 0
     idx_dtype = ref.index_dtype(n)
-    idx = torch.empty(total, dtype=idx_dtype, device=dev)
-    val = torch.empty(total, dtype=torch.int32, device=dev)
-    if nch and (total or mode >= 2):
-        name = "select_write_i32" if idx_dtype == torch.int32 else "select_write_i64"
-        _launch(dev, name, nch, (_arr(xi), _i32(lo), _i32(hi), _i64(n), _i64(clen), _arr(offsets),
-                                 _arr(idx), _arr(val), _arr(res), _i32(mode)))
+    idx = torch.empty(count, dtype=idx_dtype, device=dev)
+    val = torch.empty(count, dtype=torch.int32, device=dev)
+    if nseg and (count or mode == 2):
+        name = "sel_write_i32" if idx_dtype == torch.int32 else "sel_write_i64"
+        _launch(dev, name, nseg * 32, xi, _i64(n), _i64(SEG), sel, _i64(lo), _i64(hi), counts, incl, idx,
+                val, res, _i32(mode))
     return idx, val
 
 
@@ -139,27 +297,40 @@ def _finish(x, flat, idx, val, residual, fused):
 
 
 def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor | None = None):
-    """See :func:`commpress.ops.reference.threshold_compact`."""
-    if not _cuda(x, residual) or x.dtype not in _FLOATS:
+    """See :func:`commpress.ops.reference.threshold_compact` (one host read: the output size)."""
+    if not _mine(x, residual) or x.dtype not in _FLOATS:
         return ref.threshold_compact(x, threshold, residual)
     flat = x.reshape(-1)
     xf = _flat_f32(flat)
-    xi = xf.view(torch.int32)
     lo, hi = threshold_key_range(threshold)
     fused = _fused_residual(flat, residual)
-    mode, res = fused if fused is not None else (0, xf)
-    idx, val = _select(xi, lo, hi, res.view(torch.int32), mode)
+    idx, val = _select(xf.view(torch.int32), None, lo - 1, hi, None, fused)
     return _finish(x, flat, idx, val, residual, fused)
 
 
-def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
-    """See :func:`commpress.ops.reference.topk_compact`.
+def radix_select_state(xi: torch.Tensor, k: int) -> torch.Tensor:
+    """Device int64[6] ``{T, need, T, max, T, need}``: the k-th largest key T of ``xi`` and how
+    many entries equal to T the top-k takes (``1 <= k <= n``; no host read; 7 launches)."""
+    dev = xi.device
+    n = xi.numel()
+    buf = torch.zeros(6 + len(RADIX_PASSES) * _RADIX_BINS, dtype=torch.int64, device=dev)
+    state = buf[:6]
+    for p, (shift, bits) in enumerate(RADIX_PASSES):
+        h = buf[6 + p * _RADIX_BINS:6 + (p + 1) * _RADIX_BINS]
+        first, last = _i32(p == 0), _i32(p == len(RADIX_PASSES) - 1)
+        _launch(dev, "radix_hist", -(-n // 16), xi, _i64(n), state, first, _i32(shift), _i32(bits), h)
+        _launch(dev, "radix_pick", 32, h, _i32(bits), first, last, _i64(k), state, threads=32)
+    return state
 
-    Candidates above a threshold estimated from a strided sample are compacted
-    by the fused kernels (lowering the threshold if fewer than ``k`` pass); the
-    exact selection (stable sort of the candidates' keys) runs on them only.
+
+def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
+    """See :func:`commpress.ops.reference.topk_compact` (no host synchronization).
+
+    A radix select over the magnitude keys (three passes of histogram + pick, on the device)
+    finds the k-th largest key T and how many ties at T to keep; one count pass and one
+    compaction pass then write exactly ``k`` entries in index order, and the residual with them.
     """
-    if not _cuda(x, residual) or x.dtype not in _FLOATS:
+    if not _mine(x, residual) or x.dtype not in _FLOATS:
         return ref.topk_compact(x, k, residual)
     flat = x.reshape(-1)
     n = flat.numel()
@@ -167,100 +338,81 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     if k == 0:
         idx = torch.empty(0, dtype=ref.index_dtype(n), device=x.device)
         return _finish(x, flat, idx, torch.empty(0, dtype=torch.int32, device=x.device), residual, None)
-    xf = _flat_f32(flat)
-    xi = xf.view(torch.int32)
+    xi = _flat_f32(flat).view(torch.int32)
     fused = _fused_residual(flat, residual)
-    res = fused[1] if fused is not None else xf
-    mode = 3 if fused is not None and fused[0] == 2 else 0
-    thresholds = [0]
-    m = TOPK_SAMPLE
-    if n >= 4 * m:
-        stride = n // m
-        sample = (xi[: stride * m: stride] & _MAX_KEY).to(torch.int64)
-        expected = k * m / n
-        ranks = []
-        r = int(expected + 4.0 * math.sqrt(expected) + 8)
-        while r < m // 2:
-            ranks.append(r)
-            r *= 4
-        if ranks:
-            top = torch.topk(sample, ranks[-1]).values.cpu()
-            thresholds = [int(top[r - 1]) for r in ranks] + [0]
-    for lo in thresholds:
-        cidx, cval = _select(xi, lo, _MAX_KEY, res.view(torch.int32), mode)
-        if cidx.numel() >= k:
-            break
-    keys = cval & _MAX_KEY
-    order = torch.sort(keys, descending=True, stable=True).indices[:k]
-    pick = torch.sort(order).values
-    idx, val = cidx[pick], cval[pick]
-    if fused is not None:
-        res.view(-1)[idx.to(torch.int64)] = 0
+    state = radix_select_state(xi, k)
+    idx, val = _select(xi, state[2:], 0, 0, k, fused)
     return _finish(x, flat, idx, val, residual, fused)
 
 
+# ---------------------------------------------------------------- scatter-add, random, hash
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """See :func:`commpress.ops.reference.scatter_add_` (unique indices: bitwise equal)."""
-    if (not _cuda(out, indices, values) or out.dtype not in (torch.float32, torch.float64)
+    """See :func:`commpress.ops.reference.scatter_add_` (unique indices: bitwise equal).
+
+    Each add is an IEEE add committed by compare-and-swap: subnormals are kept, and duplicate
+    indices lose no update (they add in an unspecified order).  Indices are checked on the device
+    before anything is written; with a bad one ``out`` is left untouched and the error is raised
+    or recorded (module doc).  No host synchronization.
+    """
+    if (not _mine(out, indices, values) or out.dtype not in (torch.float32, torch.float64)
             or out.dim() != 1 or not out.is_contiguous() or indices.dim() != 1
             or indices.numel() != values.numel() or indices.is_floating_point() or out.requires_grad):
         return ref.scatter_add_(out, indices, values)
     idx = indices.to(torch.int64).contiguous()
     val = values.detach().reshape(-1).to(out.dtype).contiguous()
-    bad = torch.zeros(1, dtype=torch.int32, device=out.device)
     m = idx.numel()
     if m:
+        bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+        _launch(out.device, "scatter_check", m, idx, _i64(m), _i64(out.numel()), bad)
         name = "scatter_add_f32" if out.dtype == torch.float32 else "scatter_add_f64"
-        _launch(out.device, name, _grid(m), (_arr(out), _arr(idx), _arr(val), _i64(m),
-                                             _i64(out.numel()), _arr(bad)))
-        if int(bad.item()):
-            raise IndexError(f"scatter_add_: an index is out of range for out of size {out.numel()}")
+        _launch(out.device, name, m, out, idx, val, _i64(m), bad)
+        _report(bad, IndexError(f"scatter_add_: an index is out of range for out of size {out.numel()}"))
     return out
 
 
 def counter_bits(seed: int, start: int, n: int, device="cpu") -> torch.Tensor:
     """See :func:`commpress.ops.reference.counter_bits`."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if _launcher is None or not _launcher.owns(device):
         return ref.counter_bits(seed, start, n, device)
     k0, k1 = ref.seed_words(seed)
     out = torch.empty(int(n), dtype=torch.int64, device=device)
     if n:
-        _launch(device, "counter_bits_kernel", _grid(int(n)),
-                (_arr(out), _u32(int(start) & ref.MASK32), _u32(k0), _u32(k1), _i64(n)))
+        _launch(device, "counter_bits_kernel", int(n), out, _u32(int(start) & ref.MASK32), _u32(k0),
+                _u32(k1), _i64(n))
     return out
 
 
 def counter_uniform(seed: int, start: int, n: int, device="cpu") -> torch.Tensor:
     """See :func:`commpress.ops.reference.counter_uniform`."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if _launcher is None or not _launcher.owns(device):
         return ref.counter_uniform(seed, start, n, device)
     k0, k1 = ref.seed_words(seed)
     out = torch.empty(int(n), dtype=torch.float32, device=device)
     if n:
-        _launch(device, "counter_uniform_kernel", _grid(int(n)),
-                (_arr(out), _u32(int(start) & ref.MASK32), _u32(k0), _u32(k1), _i64(n)))
+        _launch(device, "counter_uniform_kernel", int(n), out, _u32(int(start) & ref.MASK32),
+                _u32(k0), _u32(k1), _i64(n))
     return out
 
 
 def hash_owner(indices: torch.Tensor, world_size: int) -> torch.Tensor:
-    """See :func:`commpress.ops.reference.hash_owner`."""
-    if not _cuda(indices) or indices.is_floating_point() or int(world_size) < 1:
+    """See :func:`commpress.ops.reference.hash_owner` (``world_size`` up to 2**64 - 1)."""
+    if (not _mine(indices) or indices.is_floating_point()
+            or not 1 <= int(world_size) <= 0xFFFFFFFFFFFFFFFF):
         return ref.hash_owner(indices, world_size)
     idx = indices.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty_like(idx)
     if idx.numel():
-        _launch(idx.device, "hash_owner_kernel", _grid(idx.numel()),
-                (_arr(idx), _arr(out), _u32(int(world_size)), _i64(idx.numel())))
+        _launch(idx.device, "hash_owner_kernel", idx.numel(), idx, out, _u64(int(world_size)),
+                _i64(idx.numel()))
     return out.reshape(indices.shape)
 
 
-
-
+# ---------------------------------------------------------------- bit packing, quantization
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.pack_bits`."""
-    if not _cuda(codes) or not valid_bits(bits) or codes.is_complex():
+    if not _mine(codes) or not valid_bits(bits) or codes.is_complex():
         return ref.pack_bits(codes, bits)
     bits = int(bits)
     c = codes_u8(codes, bits)
@@ -268,54 +420,59 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=c.device)
     if n:
-        _launch(c.device, "pack_bits_kernel", _grid(-(-n // 8)),
-                (_arr(c), _arr(packed), _i32(bits), _i64(n), _i64(nbytes)))
+        _launch(c.device, "pack_bits_kernel", -(-n // 8), c, packed, _i32(bits), _i64(n), _i64(nbytes))
     return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.unpack_bits`."""
     numel = int(numel)
-    if (not _cuda(packed) or not valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
+    if (not _mine(packed) or not valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8):
         return ref.unpack_bits(packed, bits, numel)
     p = packed.reshape(-1).contiguous()
     codes = torch.empty(numel, dtype=torch.uint8, device=p.device)
     if numel:
-        _launch(p.device, "unpack_bits_kernel", _grid(numel),
-                (_arr(p), _arr(codes), _i32(int(bits)), _i64(numel), _i64(p.numel())))
+        _launch(p.device, "unpack_bits_kernel", -(-numel // 8), p, codes, _i32(int(bits)), _i64(numel),
+                _i64(p.numel()))
     return codes
+
+
+def _absmax(xf: torch.Tensor, block: int, qmax: int = 0, want_inv: bool = False):
+    """(scales, qmax/scales or None) per block of ``xf`` (fp32, contiguous)."""
+    n = xf.numel()
+    nblocks = -(-n // block)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=xf.device)
+    inv = torch.empty(nblocks, dtype=torch.float32, device=xf.device) if want_inv else None
+    if nblocks:
+        width = 32 if block >= 32 else 1 << (block - 1).bit_length()  # lanes per block
+        _launch(xf.device, "block_absmax_kernel", -(-nblocks // (32 // width)) * 32,
+                xf.view(torch.int32), scales, inv, _i32(qmax), _i64(n), _i64(block), _i64(nblocks),
+                _i32(width))
+    return scales, inv
 
 
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_absmax`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not valid_block(block):
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_block(block):
         return ref.block_absmax(x, block)
-    xf = _flat_f32(x)
-    n, block = xf.numel(), int(block)
-    nblocks = -(-n // block)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    if nblocks:
-        _launch(x.device, "block_absmax_kernel", _grid(nblocks * 32),
-                (_arr(xf.view(torch.int32)), _arr(scales), _i64(n), _i64(block), _i64(nblocks)))
-    return scales
+    return _absmax(_flat_f32(x), int(block))[0]
 
 
 def block_quantize(x: torch.Tensor, bits: int, block: int, stochastic: bool = False, seed: int = 0):
-    """See :func:`commpress.ops.reference.block_quantize`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not valid_bits(bits) or not valid_block(block):
+    """See :func:`commpress.ops.reference.block_quantize` (absmax + quantize-and-pack: 2 passes)."""
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_bits(bits) or not valid_block(block):
         return ref.block_quantize(x, bits, block, stochastic, seed)
     bits, block = int(bits), int(block)
     xf = _flat_f32(x)
     n = xf.numel()
-    scales = block_absmax(xf, block)
+    scales, inv = _absmax(xf, block, ref.qmax_for(bits), want_inv=True)
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     k0, k1 = ref.seed_words(seed)
     if n:
-        _launch(x.device, "block_quantize_kernel", _grid(-(-n // 8)),
-                (_arr(xf), _arr(scales), _arr(packed), _i32(bits), _i64(block), _i64(n), _i64(nbytes),
-                 _i32(1 if stochastic else 0), _u32(k0), _u32(k1)))
+        _launch(x.device, "block_quantize_kernel", -(-n // 8), xf, inv, packed, _i32(bits), _i64(block),
+                _i64(n), _i64(nbytes), _i32(1 if stochastic else 0), _u32(k0), _u32(k1))
     return packed, scales
 
 
@@ -328,7 +485,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_dequantize` (unpack + scale + accumulate fused)."""
     numel = int(numel)
-    if (not _cuda(packed, scales, out) or not valid_bits(bits) or not valid_block(block)
+    if (not _mine(packed, scales, out) or not valid_bits(bits) or not valid_block(block)
             or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8
             or scales.numel() < -(-numel // int(block)) or not _out_ok(out, numel)):
@@ -337,15 +494,15 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
     s = scales.reshape(-1).float().contiguous()
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=p.device)
     if numel:
-        _launch(p.device, "block_dequantize_kernel", _grid(numel),
-                (_arr(p), _arr(s), _arr(dst), _i32(int(bits)), _i64(int(block)), _i64(numel),
-                 _i64(p.numel()), _i32(1 if (accumulate and out is not None) else 0)))
+        _launch(p.device, "block_dequantize_kernel", -(-numel // 8), p, s, dst, _i32(int(bits)),
+                _i64(int(block)), _i64(numel), _i64(p.numel()),
+                _i32(1 if (accumulate and out is not None) else 0))
     return dst
 
 
 def sign_pack(x: torch.Tensor, chunk: int):
-    """See :func:`commpress.ops.reference.sign_pack`."""
-    if not _cuda(x) or x.dtype not in _FLOATS or not valid_block(chunk):
+    """See :func:`commpress.ops.reference.sign_pack` (scales: pairwise tree in groups of 256)."""
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_block(chunk):
         return ref.sign_pack(x, chunk)
     chunk = int(chunk)
     xf = _flat_f32(x)
@@ -355,9 +512,17 @@ def sign_pack(x: torch.Tensor, chunk: int):
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     scales = torch.empty(nchunks, dtype=torch.float32, device=x.device)
     if n:
-        _launch(x.device, "sign_bits_kernel", _grid(nbytes), (_arr(xf), _arr(packed), _i64(n), _i64(nbytes)))
-        _launch(x.device, "sign_scales_kernel", nchunks,
-                (_arr(xf), _arr(scales), _i64(n), _i64(chunk), _i64(nchunks)))
+        _launch(x.device, "sign_bits_kernel", nbytes, xf, packed, _i64(n), _i64(nbytes))
+        src, size, seg, absval = xf, n, chunk, 1
+        while True:  # one level per factor of 256 in the chunk's tree
+            groups = -(-seg // 256)
+            final = groups == 1
+            dst = scales if final else torch.empty(nchunks * groups, dtype=torch.float32, device=x.device)
+            _launch(x.device, "tree256_kernel", nchunks * groups * 32, src, dst, _i64(size), _i64(seg),
+                    _i64(nchunks), _i32(absval), _i32(final), _i64(chunk), _i64(n))
+            if final:
+                break
+            src, size, seg, absval = dst, nchunks * groups, groups, 0
     return packed, scales
 
 
@@ -365,7 +530,7 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """See :func:`commpress.ops.reference.sign_unpack`."""
     numel = int(numel)
-    if (not _cuda(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
+    if (not _mine(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
             or numel < 0 or bits.numel() < (numel + 7) // 8
             or scales.numel() < -(-numel // int(chunk)) or not _out_ok(out, numel)):
         return ref.sign_unpack(bits, scales, chunk, numel, out, accumulate)
@@ -373,9 +538,8 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     s = scales.reshape(-1).float().contiguous()
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=b.device)
     if numel:
-        _launch(b.device, "sign_unpack_kernel", _grid(numel),
-                (_arr(b), _arr(s), _arr(dst), _i64(int(chunk)), _i64(numel),
-                 _i32(1 if (accumulate and out is not None) else 0)))
+        _launch(b.device, "sign_unpack_kernel", numel, b, s, dst, _i64(int(chunk)), _i64(numel),
+                _i32(1 if (accumulate and out is not None) else 0))
     return dst
 
 
@@ -396,12 +560,44 @@ OPS = {
 }
 
 
+# ---------------------------------------------------------------- registration
+def nvrtc_problem() -> str | None:
+    """Why CuPy's NVRTC cannot compile (missing library, another CUDA major), or None.
+
+    Compiles a one-line program for NVRTC's default virtual architecture: no GPU context is
+    created, so every rank may call this at import.
+    """
+    try:
+        nvrtc = cp.cuda.nvrtc
+        nvrtc.getVersion()
+        prog = nvrtc.createProgram('extern "C" __global__ void commpress_probe() {}', "probe.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, [])
+        finally:
+            nvrtc.destroyProgram(prog)
+    except Exception as exc:  # ImportError, OSError (libnvrtc), CompileException, NVRTCError
+        return repr(exc)
+    return None
+
+
 def available() -> bool:
-    """CuPy imports and torch sees a CUDA device."""
-    return cp is not None and torch.cuda.is_available()
+    """CuPy imports, torch sees a CUDA device, and NVRTC compiles."""
+    return cp is not None and torch.cuda.is_available() and nvrtc_problem() is None
 
 
-if available():
+def register() -> bool:
+    """Register the backend when :func:`available`; otherwise log why and leave the reference."""
+    if cp is None or not torch.cuda.is_available():
+        return False
+    problem = nvrtc_problem()
+    if problem is not None:
+        log.warning("cuda backend not registered, CUDA tensors use the torch reference: NVRTC "
+                    "cannot compile (%s); install the nvidia-cuda-nvrtc matching CuPy's CUDA", problem)
+        return False
     from . import register_backend
 
     register_backend("cuda", OPS)
+    return True
+
+
+register()

@@ -295,7 +295,7 @@ def _fsdp_fault(rank, world, name, params, how):
     g = torch.Generator().manual_seed(rank)
     model(torch.randn(4, 32, generator=g)).sum().backward()   # one healthy step
     if rank == VICTIM:
-        inject(dist, "all_to_all_single", how)   # after the size header, before the payload all-to-all
+        inject(dist, "all_to_all_single", how)   # the compressed reduce-scatter's one collective
     return _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
 
 

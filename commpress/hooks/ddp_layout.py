@@ -1,0 +1,141 @@
+"""The DDP hook's view of the model: which parameters go dense, how buckets and
+units lie.  Pure functions and plain records; no communication, no state.
+
+A *plan* is one DDP bucket as laid out now: its dense slices and its
+compressible parameters.  A *unit* is one compressed collective call: the
+compressible parameters of a bucket as DDP laid it out at the first compressed
+step, concatenated.  Units are part of the hook's state (and its checkpoints),
+so the result does not depend on DDP's bucket layout: not on its rebuild after
+the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..compressors import Compressor
+
+
+@dataclass
+class Unit:
+    """One compressed call: a key and the parameters it concatenates (in order)."""
+
+    key: Any
+    names: list[str]
+    sizes: list[int]
+    shapes: list[tuple[int, ...]]
+    scratch: torch.Tensor | None = None   # the concatenated input when it is not one view
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class Plan:
+    """One DDP bucket as laid out now."""
+
+    index: int
+    param_ids: tuple[int, ...]
+    names: list[str]
+    dense_slices: list[tuple[int, int]]              # (offset, numel) in the bucket buffer
+    compressed: list[tuple[str, int, int]]           # (name, offset, numel)
+    dense_scratch: torch.Tensor | None = None
+
+
+def unit_key(names: list[str]) -> str:
+    """A key naming a unit by its parameters (stable across processes and restarts)."""
+    return "ddp:%08x:%d" % (zlib.crc32("\0".join(names).encode()), len(names))
+
+
+def goes_dense(name: str, p: torch.Tensor, inner: Compressor, *, dense_1d: bool, min_numel: int,
+               uses_error_feedback: bool, skip: Callable[[str], bool] | None) -> bool:
+    """The policy: 1-D parameters (with ``dense_1d``), small ones, skipped ones, and the
+    ones the compressor would send as they are anyway travel in the dense part."""
+    if (dense_1d and p.dim() <= 1) or p.numel() < min_numel:
+        return True
+    if inner.name == "identity" and not uses_error_feedback:
+        return True  # nothing to compress: one dense all_reduce, exactly DDP's
+    if skip is not None and skip(name):
+        return True
+    is_compressed = getattr(inner, "is_compressed", None)
+    if is_compressed is not None and not is_compressed(torch.empty(p.shape, device="meta")):
+        return True
+    return False
+
+
+def make_plan(index: int, params: list[torch.Tensor], names_by_id: dict[int, str],
+              dense_names: set[str]) -> Plan:
+    """The plan of a bucket holding ``params`` (in DDP's order)."""
+    names, dense, compressed = [], [], []
+    offset = 0
+    for p in params:
+        name = names_by_id.get(id(p))
+        if name is None:
+            raise RuntimeError(f"bucket {index} holds a parameter of shape {tuple(p.shape)} "
+                               "that the model did not have at registration")
+        names.append(name)
+        if name in dense_names:
+            dense.append((offset, p.numel()))
+        else:
+            compressed.append((name, offset, p.numel()))
+        offset += p.numel()
+    return Plan(index=index, param_ids=tuple(id(p) for p in params), names=names, dense_slices=dense,
+                compressed=compressed)
+
+
+def new_unit(plan: Plan, assigned: dict[str, int], shapes: dict[str, torch.Size]) -> Unit | None:
+    """A unit for the compressible parameters of ``plan`` that have none yet (``None`` if all have)."""
+    fresh = [(nm, n) for nm, _, n in plan.compressed if nm not in assigned]
+    if not fresh:
+        return None
+    names = [nm for nm, _ in fresh]
+    return Unit(key=unit_key(names), names=names, sizes=[n for _, n in fresh],
+                shapes=[tuple(shapes[nm]) for nm in names])
+
+
+def gather_slices(buf: torch.Tensor, slices: list[tuple[int, int]], out: torch.Tensor) -> None:
+    pos = 0
+    for off, n in slices:
+        out[pos:pos + n].copy_(buf[off:off + n])
+        pos += n
+
+
+def scatter_slices(buf: torch.Tensor, slices: list[tuple[int, int]], src: torch.Tensor) -> None:
+    pos = 0
+    for off, n in slices:
+        buf[off:off + n].copy_(src[pos:pos + n])
+        pos += n
+
+
+def unit_input(unit: Unit, pieces: list[tuple[torch.Tensor, int, int]]) -> tuple[torch.Tensor, bool]:
+    """``(input, is_view)``: a view of one bucket buffer when the unit's pieces are adjacent
+    there, else the pieces copied into the unit's scratch (allocated once)."""
+    buf, start, pos = pieces[0][0], pieces[0][1], pieces[0][1]
+    for b, off, n in pieces:
+        if b is not buf or off != pos:
+            break
+        pos += n
+    else:
+        return buf[start:pos], True
+    ref = pieces[0][0]
+    if unit.scratch is None or unit.scratch.dtype != ref.dtype or unit.scratch.device != ref.device:
+        unit.scratch = torch.empty(unit.numel, dtype=ref.dtype, device=ref.device)
+    gathered = unit.scratch
+    pos = 0
+    for b, off, n in pieces:
+        gathered[pos:pos + n].copy_(b[off:off + n])
+        pos += n
+    return gathered, False
+
+
+def unit_store(pieces: list[tuple[torch.Tensor, int, int]], result: torch.Tensor) -> None:
+    flat = result.reshape(-1)
+    pos = 0
+    for b, off, n in pieces:
+        b[off:off + n].copy_(flat[pos:pos + n])
+        pos += n

@@ -1,0 +1,290 @@
+// Host shim: compiles kernels/*.cu as plain C++ so CI (no GPU) can run them.
+//
+// One launch runs every block of the grid in turn on blockDim.x std::threads (a thread of the
+// kernel is a host thread, from a pool kept between launches), so __syncthreads, warp shuffles
+// and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static`
+// (one block runs at a time; a barrier separates consecutive blocks; launches are serialized).
+// Only what the kernels use is mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks,
+// integer atomics and compare-and-swap.  fp32 math is plain C++ (build with -ffp-contract=off, no
+// -ffast-math): IEEE round to nearest, subnormals kept, which is what the __f*_rn intrinsics and
+// NVRTC's default -ftz=false give.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <math.h>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+namespace cuhost {
+
+// A reusable barrier for a fixed number of threads (mutex + condition variable: TSan-visible;
+// sleeping waiters leave the cores to the threads still running, there being more than cores).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    unsigned gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen != gen_; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  const int n_;
+  int count_ = 0;
+  unsigned gen_ = 0;
+};
+
+struct Block {
+  explicit Block(int threads) : bar(threads), slots(threads) {
+    for (int w = 0; w < threads / 32; ++w) warp_bars.emplace_back(new Barrier(32));
+  }
+  ~Block() {
+    for (Barrier* b : warp_bars) delete b;
+  }
+  Barrier bar;
+  std::vector<Barrier*> warp_bars;
+  std::vector<uint64_t> slots;  // one exchange word per thread, for shuffles and ballots
+};
+
+inline thread_local dim3 tl_thread, tl_block, tl_block_dim, tl_grid_dim;
+inline thread_local Block* tl_blk = nullptr;
+
+inline int lane_id() { return (int)(tl_thread.x & 31u); }
+
+// Every lane publishes a 64-bit word, then reads lane `src` (its own word when src is out of range).
+inline uint64_t warp_exchange(uint64_t mine, int src) {
+  int lane = lane_id();
+  unsigned base = tl_thread.x - (unsigned)lane;
+  Barrier* wb = tl_blk->warp_bars[tl_thread.x >> 5];
+  tl_blk->slots[tl_thread.x] = mine;
+  wb->wait();
+  uint64_t got = (src >= 0 && src < 32) ? tl_blk->slots[base + (unsigned)src] : mine;
+  wb->wait();  // nobody overwrites its slot before every lane has read
+  return got;
+}
+
+template <typename T>
+inline uint64_t to_word(T v) {
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 64 bits");
+  uint64_t w = 0;
+  std::memcpy(&w, &v, sizeof(T));
+  return w;
+}
+
+template <typename T>
+inline T from_word(uint64_t w) {
+  T v;
+  std::memcpy(&v, &w, sizeof(T));
+  return v;
+}
+
+inline unsigned ballot(bool pred) {
+  int lane = lane_id();
+  unsigned base = tl_thread.x - (unsigned)lane;
+  Barrier* wb = tl_blk->warp_bars[tl_thread.x >> 5];
+  tl_blk->slots[tl_thread.x] = pred ? 1u : 0u;
+  wb->wait();
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= (unsigned)tl_blk->slots[base + l] << l;
+  wb->wait();
+  return bits;
+}
+
+// The host threads that play the CUDA threads, kept between launches (creating 64 threads per
+// launch costs more than most kernels).  Worker t runs thread t of every block of a launch.
+// Not fork-safe: a forked child must not launch (the tests never fork after loading the library).
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& th : workers_) th.join();
+  }
+
+  // Runs `body` for every (block, thread) of a 1-D launch; returns after all finished.
+  void run(unsigned grid, unsigned threads, const std::function<void()>& body) {
+    std::lock_guard<std::mutex> serial(launch_mutex_);  // one launch at a time (static __shared__)
+    Block blk((int)threads);
+    std::unique_lock<std::mutex> lock(m_);
+    while (workers_.size() < threads) {
+      unsigned id = (unsigned)workers_.size();
+      workers_.emplace_back([this, id] { work(id); });
+    }
+    job_ = Job{grid, threads, &body, &blk};
+    running_ = threads;
+    ++generation_;
+    cv_.notify_all();
+    done_cv_.wait(lock, [&] { return running_ == 0; });
+  }
+
+ private:
+  struct Job {
+    unsigned grid = 0, threads = 0;
+    const std::function<void()>* body = nullptr;
+    Block* blk = nullptr;
+  };
+
+  void work(unsigned id) {
+    unsigned seen = 0;
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      if (id >= job.threads) continue;
+      tl_thread.x = id;
+      tl_block_dim.x = job.threads;
+      tl_grid_dim.x = job.grid;
+      tl_blk = job.blk;
+      for (unsigned b = 0; b < job.grid; ++b) {
+        tl_block.x = b;
+        (*job.body)();
+        job.blk->bar.wait();  // shared memory of block b is dead before block b+1 starts
+      }
+      std::lock_guard<std::mutex> lock(m_);
+      if (--running_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex launch_mutex_, m_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  Job job_;
+  unsigned generation_ = 0, running_ = 0;
+  bool stop_ = false;
+};
+
+template <typename F>
+void launch(unsigned grid, unsigned threads, F body) {
+  static Pool pool;
+  pool.run(grid, threads, std::function<void()>(body));
+}
+
+}  // namespace cuhost
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define threadIdx (cuhost::tl_thread)
+#define blockIdx (cuhost::tl_block)
+#define blockDim (cuhost::tl_block_dim)
+#define gridDim (cuhost::tl_grid_dim)
+
+inline void __syncthreads() { cuhost::tl_blk->bar.wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuhost::ballot(false); }
+
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return cuhost::from_word<T>(cuhost::warp_exchange(cuhost::to_word(v), src & 31));
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta) {
+  return cuhost::from_word<T>(cuhost::warp_exchange(cuhost::to_word(v), cuhost::lane_id() + (int)delta));
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
+  return cuhost::from_word<T>(cuhost::warp_exchange(cuhost::to_word(v), cuhost::lane_id() - (int)delta));
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+  return cuhost::from_word<T>(cuhost::warp_exchange(cuhost::to_word(v), cuhost::lane_id() ^ mask));
+}
+inline unsigned __ballot_sync(unsigned, int pred) { return cuhost::ballot(pred != 0); }
+// Lanes holding the same value as this lane (sm_70+).
+template <typename T>
+inline unsigned __match_any_sync(unsigned, T v) {
+  static_assert(sizeof(T) <= 8, "match of a type wider than 64 bits");
+  int lane = cuhost::lane_id();
+  unsigned base = cuhost::tl_thread.x - (unsigned)lane;
+  cuhost::Barrier* wb = cuhost::tl_blk->warp_bars[cuhost::tl_thread.x >> 5];
+  uint64_t mine = cuhost::to_word(v);
+  cuhost::tl_blk->slots[cuhost::tl_thread.x] = mine;
+  wb->wait();
+  unsigned same = 0;
+  for (int l = 0; l < 32; ++l) same |= (unsigned)(cuhost::tl_blk->slots[base + l] == mine) << l;
+  wb->wait();
+  return same;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
+
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  static_assert(std::is_integral<T>::value, "host shim: integer atomicAdd only");
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+template <typename T>
+inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+template <typename T>
+inline T atomicMax(T* p, T v) {
+  T cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return cur;
+}
+template <typename T>
+inline T atomicCAS(T* p, T compare, T value) {
+  __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;  // the old value, whether or not the swap happened
+}
+#define COMMPRESS_HOST 1
+inline unsigned load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline unsigned long long load_relaxed(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
+inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
+inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+inline long long __double_as_longlong(double d) { long long v; std::memcpy(&v, &d, 8); return v; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+
+// CUDA's min/max accept mixed integer types; promote like the device overloads do.
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type min(A a, B b) {
+  typedef typename std::common_type<A, B>::type C;
+  return (C)a < (C)b ? (C)a : (C)b;
+}
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type max(A a, B b) {
+  typedef typename std::common_type<A, B>::type C;
+  return (C)a < (C)b ? (C)b : (C)a;
+}

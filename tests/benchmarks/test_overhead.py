@@ -1,0 +1,56 @@
+"""The overhead suite end to end with tiny settings: result structure and sane ratios (no timing goals)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import overhead  # noqa: E402
+from benchmarks.__main__ import SUITES  # noqa: E402
+
+TINY = {"ddp": ["ddp", "cp_topk"], "allreduce": ["dense", "cp_blockquant"], "fsdp": ["fsdp", "cp_identity"]}
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_registered():
+    assert "overhead" in SUITES
+
+
+@pytest.mark.timeout(120)
+def test_tiny_run_structure_and_ratios():
+    logs: list[str] = []
+    rows = overhead.run_suite(overhead.SECTIONS, (2,), steps=3, warmup=2, sizes=(16, 128, 8), batch=4,
+                              numel=4096, configs=TINY, stall_timeout=30.0, log=logs.append)
+    assert [(r["section"], r["config"]) for r in rows] == [(s, c) for s in overhead.SECTIONS for c in TINY[s]]
+    for r in rows:
+        assert r["world"] == 2 and r["status"] == "ok", (r, logs)
+        assert _positive_finite(r["ms"]), r
+        assert _positive_finite(r["ratio_vs_baseline"]), r
+        assert _positive_finite(r["bytes_per_step"]) and _positive_finite(r["dense_bytes_per_step"]), r
+        if r["config"] == overhead.BASELINE[r["section"]]:
+            assert r["ratio_vs_baseline"] == 1.0
+    by = {(r["section"], r["config"]): r for r in rows}
+    # (16x128 and 128x8 weights reach commpress's min_numel, so they are compressed)
+    # compressed configs send less than dense; identity under FSDP2 sends exactly what FSDP2 does
+    assert by["ddp", "cp_topk"]["bytes_per_step"] < by["ddp", "ddp"]["bytes_per_step"]
+    assert by["allreduce", "cp_blockquant"]["bytes_per_step"] < by["allreduce", "dense"]["bytes_per_step"]
+    assert by["fsdp", "cp_identity"]["bytes_per_step"] == by["fsdp", "fsdp"]["bytes_per_step"]
+    text = overhead.tables(rows)
+    assert text.count("### ") == 3 and "commpress topk 1%" in text
+
+
+def test_failing_config_is_reported_and_the_rest_still_run():
+    # PyTorch's bf16 hook raises on CPU/gloo (it needs CUDA/NCCL): the failure is reported, DDP still runs
+    rows = overhead.measure("ddp", 2, ["ddp", "torch_bf16"], steps=2, warmup=2, sizes=(8, 16, 4), batch=4,
+                            seed=0, stall_timeout=30.0, log=lambda m: None)
+    by = {r["config"]: r for r in rows}
+    assert by["ddp"]["status"] == "ok" and _positive_finite(by["ddp"]["ms"])
+    assert by["torch_bf16"]["status"].startswith("failed")
