@@ -23,8 +23,9 @@ class Identity(Compressor):
         self.check_input(tensor)
         return self.make_payload(tensor, (tensor.reshape(-1).contiguous(),))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.decode_target(payload, out)
+        return self.finish_decode(payload, payload.tensors[0], out)
 
 
 class _Cast(Compressor):
@@ -42,8 +43,9 @@ class _Cast(Compressor):
         self.check_input(tensor)
         return self.make_payload(tensor, (tensor.reshape(-1).to(self.wire_dtype).contiguous(),))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.decode_target(payload, out)
+        return self.finish_decode(payload, payload.tensors[0], out)
 
 
 @register("fp16")
