@@ -3,7 +3,8 @@
 Residual changes are applied on the device, never decided on the host: a
 compress writes the next residual into a *pending* buffer, and a commit sets the
 live residual to it, or keeps the old one where a 0-d ``bad`` flag (a NaN/inf
-on some rank) says so, with one ``torch.where``.  A :class:`ResidualTransaction`
+on some rank) says so, with one ``torch.where`` on CUDA (on the CPU, where the
+flag is host memory, by swapping the two buffers).  A :class:`ResidualTransaction`
 groups the commits of one collective call or one training step, so an overflow
 anywhere in a step leaves every residual as it was.
 """
@@ -31,6 +32,16 @@ def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=t.device)
     return ~torch.isfinite(t.sum(dtype=torch.float32))
+
+
+def _host_verdict(bad: torch.Tensor | None) -> bool | None:
+    """``bad`` as a Python bool when it lives in host memory (``None`` flag: False);
+    ``None`` for a device flag, which only the device may read."""
+    if bad is None:
+        return False
+    if bad.device.type == "cpu":
+        return bool(bad.numpy())
+    return None
 
 
 def _either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -175,20 +186,26 @@ class ErrorFeedback(Compressor):
         return pend
 
     def _apply(self, key: Any, bad: torch.Tensor | None) -> None:
-        """Live residual := pending, except where ``bad`` (0-d bool) is set."""
+        """Live residual := pending, except where ``bad`` (0-d bool) is set.
+
+        On CUDA one ``torch.where`` decides on the device.  On the CPU the flag is
+        already in host memory (reading it synchronizes nothing), so the two buffers
+        are swapped instead of copied: the step costs no pass over the residual.
+        """
         pend = self._pending[key]
         live = self._slot(self._residuals, key, pend)
-        if bad is None:
-            live.copy_(pend)
-        else:
+        keep_old = _host_verdict(bad)
+        if keep_old is None:
             torch.where(bad, live, pend, out=live)
+        elif not keep_old:
+            self._residuals[key], self._pending[key] = pend, live
         if self.momentum:
             vpend = self._velocity_pending[key][:-1].view(pend.shape)
             vlive = self._slot(self._velocity, key, pend)
-            if bad is None:
-                vlive.copy_(vpend)
-            else:
+            if keep_old is None:
                 torch.where(bad, vlive, vpend, out=vlive)
+            elif not keep_old:
+                vlive.copy_(vpend)
 
     def velocity(self, key: Any) -> torch.Tensor | None:
         """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""

@@ -86,10 +86,39 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
                     bad = last if bad is None else bad | last
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+            payloads, bad = None, None
     if payloads is None:
-        zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        payloads = [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(world)]
+        payloads = _templates(inner, flat, bounds)
+    else:
+        _remember(inner, flat, bounds, payloads)
     return payloads, code, msg, bad
+
+
+_TEMPLATES: dict[tuple, list[Payload]] = {}
+
+
+def _template_key(inner, flat, bounds) -> tuple:
+    return (id(inner), tuple(bounds), str(flat.device))
+
+
+def _remember(inner, flat, bounds, payloads) -> None:
+    """Keep zero payloads of this layout: a rank whose compress fails later can still send
+    messages of the right sizes (the others must not be left waiting)."""
+    key = _template_key(inner, flat, bounds)
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= 64:
+            _TEMPLATES.pop(next(iter(_TEMPLATES)))
+        _TEMPLATES[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
+
+
+def _templates(inner, flat, bounds) -> list[Payload]:
+    """Zero payloads of the right layout: remembered, else compressed from zeros (which
+    raises when even that fails: then this rank cannot take part, and says why)."""
+    key = _template_key(inner, flat, bounds)
+    if key in _TEMPLATES:
+        return _TEMPLATES[key]
+    zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(len(bounds) - 1)]
 
 
 def _status(flat, code, sig, bad):
@@ -212,7 +241,7 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group,
         codec = compressor if isinstance(compressor, ErrorFeedback) and not inner.unbiased else inner
         p2 = compress_fixed(codec, src, step=step, key=owner_key, generator=generator, transaction=tx)
     except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
-        p2 = inner.compress_fixed(torch.zeros_like(acc))
+        p2 = payloads[me]  # same layout as the owner's message must have; content unused
         status[0].fill_(wire.E_MISUSE << 8)
     layouts = [wire.Layout.of(p.tensors) for p in payloads]
     width = max(lay.width for lay in layouts)

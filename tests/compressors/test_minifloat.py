@@ -214,6 +214,7 @@ def _allreduce_worker(rank, world):
     return out, x
 
 
+@pytest.mark.timeout(200)  # first use JIT-compiles the fp8/mx kernels in every rank
 @pytest.mark.parametrize("world", [2, 3])
 def test_gather_collectives_carry_float8_and_mx(world):
     """The two-phase and gather-all allreduces move float8 / packed MX payloads; every rank
@@ -224,7 +225,7 @@ def test_gather_collectives_carry_float8_and_mx(world):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from distributed import run
 
-    res = run(_allreduce_worker, world)
+    res = run(_allreduce_worker, world, timeout=180)
     exact = sum(r[1] for r in res)
     for k, y in res[0][0].items():
         assert all(torch.equal(y, r[0][k]) for r in res), k

@@ -155,9 +155,10 @@ def _buffers(state):
     for i, unit in enumerate(state.units):
         if unit.scratch is not None:
             ptrs[("scratch", i)] = unit.scratch.data_ptr()
-    for table in ("_residuals", "_pending"):  # error feedback: live and pending residuals
-        for key, t in getattr(state.codec, table, {}).items():
-            ptrs[(table, repr(key))] = t.data_ptr()
+    codec = state.codec  # error feedback: a live and a pending residual per key (swapped on commit)
+    for key in getattr(codec, "_residuals", {}):
+        ptrs[("residual", repr(key))] = frozenset((codec._residuals[key].data_ptr(),
+                                                  codec._pending[key].data_ptr()))
     return ptrs
 
 
