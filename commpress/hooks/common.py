@@ -80,8 +80,14 @@ def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> 
     raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
 
 
-def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto") -> tuple[Compressor, bool]:
-    """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when wanted."""
+def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto",
+                        momentum: float = 0.0) -> tuple[Compressor, bool]:
+    """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when
+    wanted (always with ``momentum > 0``: DGC's momentum correction lives there)."""
+    if momentum:
+        if error_feedback is False:
+            raise ValueError("momentum correction needs error feedback (error_feedback=False was given)")
+        error_feedback = True
     use = wants_error_feedback(compressor, error_feedback)
     if not use:
         return compressor, False
@@ -90,8 +96,10 @@ def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "au
     except ImportError as exc:  # pragma: no cover - only while the package is incomplete
         raise RuntimeError("error feedback needs commpress.feedback.ErrorFeedback") from exc
     if isinstance(compressor, ErrorFeedback):
+        if momentum and momentum != compressor.momentum:
+            raise ValueError(f"momentum={momentum} given with an ErrorFeedback of momentum {compressor.momentum}")
         return compressor, True
-    return ErrorFeedback(compressor), True
+    return ErrorFeedback(compressor, momentum=momentum), True
 
 
 def all_reduce_bytes(nbytes: int, world: int) -> int:
@@ -303,9 +311,11 @@ class HookState:
     kind: str = "hook"
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
-                 process_group: dist.ProcessGroup | None = None, **compressor_params: Any) -> None:
+                 process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
+                 **compressor_params: Any) -> None:
         self.compressor = resolve_compressor(compressor, compressor_params)
-        self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback)
+        self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum)
+        self.momentum = float(getattr(self.codec, "momentum", 0.0))
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(process_group)
@@ -324,6 +334,7 @@ class HookState:
             "compressor": self.compressor.name or type(self.compressor).__name__,
             "compressor_params": self.compressor.config(),
             "error_feedback": self.uses_error_feedback,
+            "momentum": self.momentum,
             "world_size": self.world_size,
         }
 

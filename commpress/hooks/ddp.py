@@ -58,11 +58,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
-from ..compressors._util import mix_seed, stable_hash
+from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from ..collectives import unwrap
 from .common import HookState, Timer, all_reduce_bytes, tensor_bytes
 from .ddp_layout import Plan, Unit, goes_dense, make_plan, new_unit
-from .ddp_step import Step
+from .ddp_step import DenseMomentum, Step
 
 log = logging.getLogger("commpress")
 
@@ -119,6 +119,11 @@ class DDPState(HookState):
     overlap:
         run compression and communication on a worker thread (with a process
         group of its own) so they overlap the backward pass (default ``True``).
+    momentum:
+        (a keyword passed with the compressor parameters) DGC momentum correction
+        in the error feedback (``ErrorFeedback(..., momentum=)``); the parameters
+        that go dense get plain momentum on their averaged gradient.  Pair it with
+        ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
 
     Registration exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -166,6 +171,7 @@ class DDPState(HookState):
         self.seed = seed
         self.dense_1d = bool(dense_1d)
         self.lowrank = self.inner.aggregation == "lowrank"
+        self.dense_momentum = DenseMomentum(self.momentum) if self.momentum else None
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
@@ -264,7 +270,11 @@ class DDPState(HookState):
 
     # -- checkpoints -----------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
-        return {"units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]}
+        extra: dict[str, Any] = {
+            "units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]}
+        if self.dense_momentum is not None:
+            extra["dense_velocity"] = encode_keyed(self.dense_momentum.velocity)
+        return extra
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
         units = []
@@ -278,6 +288,9 @@ class DDPState(HookState):
                               shapes=[tuple(self._shapes[nm]) for nm in names]))
         self.units = units
         self.unit_of = {nm: i for i, u in enumerate(units) for nm in u.names}
+        if self.dense_momentum is not None:
+            saved = decode_keyed(extra.get("dense_velocity", {"keys": [], "tensors": []}), "dense velocity")
+            self.dense_momentum.velocity = {k: v.float().clone() for k, v in saved.items()}
 
     # -- memory ----------------------------------------------------------
     def memory_bytes(self) -> int:

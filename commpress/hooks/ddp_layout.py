@@ -12,7 +12,7 @@ the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -44,6 +44,7 @@ class Plan:
     names: list[str]
     dense_slices: list[tuple[int, int]]              # (offset, numel) in the bucket buffer
     compressed: list[tuple[str, int, int]]           # (name, offset, numel)
+    dense_names: list[str] = field(default_factory=list)   # the parameters of dense_slices
     dense_scratch: torch.Tensor | None = None
 
 
@@ -85,7 +86,7 @@ def make_plan(index: int, params: list[torch.Tensor], names_by_id: dict[int, str
             compressed.append((name, offset, p.numel()))
         offset += p.numel()
     return Plan(index=index, param_ids=tuple(id(p) for p in params), names=names, dense_slices=dense,
-                compressed=compressed)
+                compressed=compressed, dense_names=[nm for nm in names if nm in dense_names])
 
 
 def new_unit(plan: Plan, assigned: dict[str, int], shapes: dict[str, torch.Size]) -> Unit | None:

@@ -86,9 +86,11 @@ class Step:
             if work is not None:
                 work.wait()
             if dense is not None:
-                scatter_slices(buf, plan.dense_slices, dense)
                 if state.uses_error_feedback:
                     self.transaction.mark_bad(nonfinite_flag(dense))
+                if state.dense_momentum is not None:
+                    state.dense_momentum.apply(plan, dense, self.transaction)
+                scatter_slices(buf, plan.dense_slices, dense)
             finished = []
             for w in list(self.waiting):
                 w.units -= self.done_units
@@ -142,3 +144,42 @@ class Step:
         """Drop the step's residual updates; return the futures still waiting."""
         self.transaction.rollback()
         return [w.fut for w in self.waiting]
+
+
+class DenseMomentum:
+    """SGD momentum for the parameters that travel dense when momentum correction is on.
+
+    Momentum correction moves the momentum from the optimizer into error feedback
+    (pair it with plain SGD), but dense parameters (biases, small ones) bypass error
+    feedback.  They get ``v = m v + g; g = v`` here, on the averaged gradient (so
+    identically on every rank), staged in the step's transaction like the residuals.
+    """
+
+    def __init__(self, momentum: float) -> None:
+        self.momentum = momentum
+        self.velocity: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def apply(self, plan: Plan, dense: torch.Tensor, transaction: ResidualTransaction) -> None:
+        pos = 0
+        for name, (_, n) in zip(plan.dense_names, plan.dense_slices):
+            g = dense[pos:pos + n]
+            pos += n
+            pend = self._pending.get(name)
+            if pend is None or pend.numel() != n:
+                pend = self._pending[name] = torch.empty(n, dtype=torch.float32, device=g.device)
+            live = self.velocity.get(name)
+            if live is None or live.numel() != n:
+                pend.copy_(g)
+            else:
+                torch.add(g, live, alpha=self.momentum, out=pend)
+            g.copy_(pend)
+            transaction.stage(self, name)
+
+    def _apply(self, name: str, bad: torch.Tensor | None) -> None:
+        """Commit (the transaction's protocol): velocity := pending unless ``bad``."""
+        pend = self._pending[name]
+        live = self.velocity.get(name)
+        if live is None or live.numel() != pend.numel():
+            live = self.velocity[name] = torch.zeros_like(pend)
+        torch.where(bad, live, pend, out=live) if bad is not None else live.copy_(pend)
