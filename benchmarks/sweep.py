@@ -45,6 +45,7 @@ log = logging.getLogger("commpress.benchmarks")
 ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
+NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
 
 DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 100, "lm": 120}}
 
@@ -312,14 +313,24 @@ def summarize_configs(rows: list[dict]) -> dict[str, dict[str, Any]]:
             "ttt_range": (min(reached), max(reached)) if len(reached) > 1 else None,
             "step_s": statistics.fmean(r["step_s"] for r in rs), "ratio": rs[0]["ratio"],
             "compute_s": rs[0]["compute_s"], "compression_s": rs[0]["compression_s"], "comm_s": rs[0]["comm_s"],
-            "ttt_step": rs[0].get("ttt_step"),
+            "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"], "metric": rs[0]["metric"],
+            "final": statistics.fmean(r.get("final_smoothed", r["final"]) for r in rs),
+            "target": rs[0].get("target"),
         }
     return out
 
 
-def _best(summary: dict[str, dict], kind: str) -> dict | None:
-    cands = [c for c in summary.values() if c["kind"] == kind and c["ttt_s"]]
-    return min(cands, key=lambda c: c["ttt_s"]) if cands else None
+def _best(summary: dict[str, dict], kind: str, reached_only: bool = True) -> dict | None:
+    """The config of ``kind`` with the shortest time to target; with ``reached_only=False``
+    and none reaching it, the one with the best final metric."""
+    cands = [c for c in summary.values() if c["kind"] == kind]
+    hit = [c for c in cands if c["ttt_s"]]
+    if hit:
+        return min(hit, key=lambda c: c["ttt_s"])
+    if reached_only or not cands:
+        return None
+    sign = -1 if cands[0]["metric"] == "accuracy" else 1
+    return min(cands, key=lambda c: sign * c["final"])
 
 
 def verdict_rows(summary: dict[str, dict]) -> list[dict]:
@@ -348,16 +359,27 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     goals = GOALS.get((leg.task, leg.world_size, leg.net))
     if goals is None:
         return []
-    best = _best(summary, "commpress")
+    best = _best(summary, "commpress", reached_only=False)
     if best is None:
-        return [f"- {leg.key}: no commpress config reached the target: goals missed"]
-    lines = [f"- {leg.key}: fastest commpress config {best['config']}, {best['ttt_s']:.1f} s to the target"]
+        return [f"- {leg.key}: no commpress config ran: goals not evaluated"]
     ddp = summary.get("ddp")
+    if best["ttt_s"]:
+        lines = [f"- {leg.key}: fastest commpress config {best['config']}, {best['ttt_s']:.1f} s to the target"]
+    else:
+        lines = [f"- {leg.key}: no commpress config reached the target in DDP's training time: goals MISSED; "
+                 f"closest {best['config']}, {best['metric']} {best['final']:.4f} against the target "
+                 f"{best['target']:.4f} after {best['steps']} steps"
+                 + (f" (DDP ran {ddp['steps']})" if ddp else "")]
     for base_name, factor in goals.items():
-        base = (_best(summary, "torch_powersgd") if base_name.startswith("best torch PowerSGD")
+        if not best["ttt_s"]:
+            break
+        base = (_best(summary, "torch_powersgd", reached_only=False) if base_name.startswith("best torch PowerSGD")
                 else summary.get(base_name))
-        if base is None or not base["ttt_s"]:
-            lines.append(f"  - vs {base_name}: the baseline did not reach the target (or did not run)")
+        if base is None:
+            lines.append(f"  - vs {base_name}: not run")
+            continue
+        if not base["ttt_s"]:
+            lines.append(f"  - vs {base['config']}: met, it did not reach the target in DDP's training time")
             continue
         sp = base["ttt_s"] / best["ttt_s"]
         name = base["config"] if base_name.startswith("best") else base_name
@@ -366,6 +388,8 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
         line = f"  - vs {name} ({base['ttt_s']:.1f} s): {sp:.2f}x, goal {want}: " + ("met" if ok else "MISSED")
         if not ok:
             line += f" (short by {100 * (1 - sp / factor):.0f}%)"
+        if 1 / (1 + NOISE) < sp < 1 + NOISE and factor <= 1:
+            line += f", inside the ~{100 * NOISE:.0f}% run-to-run noise of this machine: a tie, not a win or a loss"
         lines.append(line)
     if ddp and ddp["step_s"] > 0:
         share = min(0.99, ddp["comm_s"] / ddp["step_s"])
@@ -375,7 +399,9 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
             f"{best['config']} steps in {1000 * best['step_s']:.0f} ms (compute {1000 * best['compute_s']:.0f}, "
             f"codec {1000 * best['compression_s']:.0f}, communication {1000 * best['comm_s']:.0f})"
             + (f" and reaches the target at step {best['ttt_step']} against DDP's {ddp['ttt_step']}"
-               if best.get("ttt_step") and ddp.get("ttt_step") else ""))
+               if best.get("ttt_step") and ddp.get("ttt_step") else "")
+            + (f"; its step costs {best['step_s'] / ddp['step_s']:.2f}x DDP's while sending "
+               f"{best['ratio']:.1f}x fewer bytes" if best["step_s"] >= ddp["step_s"] else ""))
     return lines
 
 
@@ -439,8 +465,8 @@ def run_leg(leg: Leg, size: str, steps: int, args, best: dict[str, str]) -> tupl
             todo = runnable
             if i > 0:
                 first = summarize_configs(rows)
-                heads = {"ddp", "torch-fp16"} | {b["config"] for b in (_best(first, "torch_powersgd"),
-                                                                        _best(first, "commpress")) if b}
+                heads = {"ddp", "torch-fp16"} | {b["config"] for b in (_best(first, "torch_powersgd", False),
+                                                                        _best(first, "commpress", False)) if b}
                 todo = [c for c in runnable if c.name in heads]
             got = run_task(leg.task, size, todo, steps, args, cluster, world_size=leg.world_size, seed=seed,
                            pin=leg.pin)
@@ -485,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["legs"][leg.key] = leg_meta
         configs = summarize_configs(rows)
         for kind in ("commpress", "torch_powersgd"):
-            b = _best(configs, kind)
+            b = _best(configs, kind, reached_only=False)
             if b and kind not in best.setdefault(leg.task, {}):
                 best[leg.task][kind] = b["config"]
         meta["goals"] += check_goals(leg, configs)

@@ -67,9 +67,10 @@ def test_time_to_target_reads_the_mean_of_the_last_three_evaluations():
 
 
 def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
-    def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030):
+    def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030, final=0.9):
         return {"config": config, "kind": kind, "seed": seed, "curve": [], "ttt_s": ttt, "ttt_step": 10,
-                "step_s": step_s, "ratio": 1.0, "compute_s": step_s - comm_s, "compression_s": 0.0, "comm_s": comm_s}
+                "step_s": step_s, "ratio": 1.0, "compute_s": step_s - comm_s, "compression_s": 0.0, "comm_s": comm_s,
+                "steps": 100, "metric": "accuracy", "final": final, "target": 0.95}
 
     rows = [row("ddp", "ddp", 6.0), row("ddp", "ddp", 4.0, seed=1), row("torch-fp16", "torch_fp16", 4.0),
             row("torch-fp16", "torch_fp16", 4.0, seed=1), row("torch-powersgd-r1", "torch_powersgd", 3.0),
@@ -86,8 +87,21 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "blockquant-4bit" in lines[0]
     assert "2.00x, goal >= 3x: MISSED (short by 33%)" in text
     assert "vs torch-powersgd-r1 (3.0 s): 1.20x, goal ahead: met" in text
+    assert "1.20x, goal ahead: met, inside" not in text and "a tie" not in text
     assert "1/(1 - 0.75) = 4.0x" in text                     # DDP's communication share bounds the speedup
     assert sweep.check_goals(sweep.Leg("digits", 4, "1gbit", ()), summary) == []
+    # none reached: the goals are missed, saying how close the best came and what bounds it
+    rows = [row("ddp", "ddp", 6.0), row("topk-1%", "commpress", None, final=0.90, step_s=0.08),
+            row("blockquant-4bit", "commpress", None, final=0.93, step_s=0.08)]
+    lines = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), sweep.summarize_configs(rows))
+    assert "goals MISSED; closest blockquant-4bit, accuracy 0.9300 against the target 0.9500" in lines[0]
+    assert "costs 2.00x DDP's" in lines[-1]
+    assert sweep._best(sweep.summarize_configs(rows), "commpress") is None
+    rows = [row("ddp", "ddp", 6.0), row("torch-fp16", "torch_fp16", 3.3), row("bf16", "commpress", 3.0),
+            row("torch-powersgd-r1", "torch_powersgd", None)]
+    text = "\n".join(sweep.check_goals(sweep.Leg("lm", 2, "100mbit", ()), sweep.summarize_configs(rows)))
+    assert "vs torch-fp16 (3.3 s): 1.10x, goal ahead: met, inside the ~20% run-to-run noise" in text
+    assert "vs torch-powersgd-r1: met, it did not reach the target" in text
 
 
 def test_demo_plan_names_known_configs_and_says_what_is_oversubscribed():
