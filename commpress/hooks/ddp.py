@@ -222,6 +222,8 @@ class DDPState(HookState):
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(self.process_group)
             self.rank = dist.get_rank(self.process_group)
+        self._names, self._shapes = {}, {}          # from scratch: a failed binding may be retried
+        self.dense_param_names, self.compressed_param_names = [], []
         for name, p in model.module.named_parameters():
             if not p.requires_grad:
                 continue
