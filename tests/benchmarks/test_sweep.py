@@ -155,3 +155,18 @@ def test_tiny_sweep_writes_results(tmp_path):
     assert "| config |" in summary and "python -m benchmarks sweep" in summary
     assert "## Verdict" in summary and "commit " in summary
     assert "issue" not in summary.lower()              # the product speaks of itself
+
+
+@pytest.mark.timeout(150)
+def test_without_namespaces_the_sweep_says_why_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
+    from benchmarks import netem
+
+    monkeypatch.setattr(netem.Cluster, "probe", staticmethod(lambda: "not running as root (test)"))
+    rc = sweep.main(["--quick", "--tasks", "digits", "--net", "1gbit", "--steps", "2", "--evals", "1",
+                     "--configs", "ddp", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "emulated network unavailable (not running as root (test)); running on loopback" in err
+    (run_dir,) = list(tmp_path.iterdir())
+    assert "loopback" in json.loads((run_dir / "results.json").read_text())["meta"]["legs"][
+        "digits, 2 ranks, 1gbit"]["network"]
