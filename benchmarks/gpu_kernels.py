@@ -6,7 +6,7 @@ For each size (2**24 and 2**26 fp32 by default) it prints, per op: time (median 
 timings), GB/s of the bytes the op must move at least, % of the device's HBM peak, the ratio of
 its time to a device memcpy of the same tensor (read + write 4n bytes), and for top-k the speed-up
 over ``torch.topk`` on ``|x|``; for the main ops also each kernel's time, GB/s and % of peak.  Each result is first checked bitwise against the torch reference
-on the same device.  Goals of the first run (issue 11): top-k 1% + residual <= 3x memcpy and >= 5x
+on the same device.  Goals of the first run: top-k 1% + residual <= 3x memcpy and >= 5x
 faster than torch.topk; blockquant compress and decode <= 1.5x memcpy; streaming ops >= 70% of peak.
 """
 

@@ -24,7 +24,7 @@ from benchmarks.common import markdown_table, results_dir, write_results
 BLOCK = 256
 SIGN_CHUNK = 1 << 14
 
-#: op name -> (target ratio to memcpy, description) from issue 5.
+#: op name -> (the project's target ratio to memcpy, description).
 TARGETS = {
     "topk_1pct_residual": (3.0, "<= 3x memcpy and >= 10x faster than torch.topk baseline"),
     "dgc_threshold_1pct_residual": (2.0, "<= 2x memcpy"),
@@ -100,7 +100,7 @@ def _cases(x: torch.Tensor, k: int) -> dict[str, Callable[[str], Callable[[], An
 
 
 def _topk_baseline(x: torch.Tensor, k: int) -> Callable[[], Any]:
-    """The issue's baseline: torch.topk on abs(), gather, residual update in torch."""
+    """The baseline: torch.topk on abs(), gather, residual update in torch."""
     res = torch.empty_like(x)
 
     def run():
@@ -178,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     t_base = None
     for name in selected:
-        if name == "topk_1pct_residual":  # the issue's baseline, timed next to the op it rates
+        if name == "topk_1pct_residual":  # the baseline, timed next to the op it rates
             mc = memcpy()
             t_base = base_timer(_topk_baseline(x, k))
-            rows.append({"op": "torch_topk_abs_gather_residual", "backend": "torch (issue baseline)",
+            rows.append({"op": "torch_topk_abs_gather_residual", "backend": "torch (baseline)",
                          "ms": t_base * 1e3, "memcpy_ms": mc * 1e3, "x_memcpy": t_base / mc})
         mc = memcpy()
         t_ref = slow(cases[name]("torch"))

@@ -337,24 +337,28 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
            cluster: Cluster | Loopback | None = None, kwargs: dict[str, Any] | None = None,
            timeout: float = 3600.0, pg_timeout: float = 120.0,
            on_message: Callable[[int, dict], None] | None = None, echo: bool = False,
-           grace: float = 10.0, env: dict[str, str] | None = None) -> list[Any]:
+           grace: float = 10.0, env: dict[str, str] | None = None, pin: bool = False) -> list[Any]:
     """Run ``target`` (``"package.module:function"``) on ``world_size`` rank processes.
 
     Pass ``cluster`` (an entered :class:`Cluster`/:class:`Loopback`) to reuse one
     across launches, or ``net`` to have one made and torn down around this call.
     Returns the per-rank return values.  Raises :class:`LaunchError` when a rank
     exits non-zero (the others are killed after ``grace`` seconds) or when
-    ``timeout`` passes.
+    ``timeout`` passes.  ``pin``: rank ``r`` and every thread it starts run on one
+    core, the ``r % n``-th of the ``n`` cores this process may use (set before torch
+    is imported), as ranks with cores of their own would.
     """
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
     if cluster is None:
         with make_cluster(world_size, net) as made:
             return launch(target, world_size, cluster=made, kwargs=kwargs, timeout=timeout,
-                          pg_timeout=pg_timeout, on_message=on_message, echo=echo, grace=grace, env=env)
+                          pg_timeout=pg_timeout, on_message=on_message, echo=echo, grace=grace, env=env,
+                          pin=pin)
     with tempfile.TemporaryDirectory(prefix="cpbench-") as tmp:
         spec = {"target": target, "world_size": world_size, "store": os.path.join(tmp, "store"),
-                "kwargs": kwargs or {}, "pg_timeout": pg_timeout, "out": tmp}
+                "kwargs": kwargs or {}, "pg_timeout": pg_timeout, "out": tmp,
+                "cpus": sorted(os.sched_getaffinity(0)) if pin else None}
         spec_path = os.path.join(tmp, "spec.pkl")
         with open(spec_path, "wb") as f:
             pickle.dump(spec, f)
@@ -423,7 +427,8 @@ def echo_target(rank: int, world_size: int, *, report: Callable[[dict], None], n
     x = torch.full((numel,), float(rank + 1))
     dist.all_reduce(x)
     report({"rank": rank, "sum": float(x[0])})
-    return {"rank": rank, "sum": float(x[0]), "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+    return {"rank": rank, "sum": float(x[0]), "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def _worker(spec_path: str, rank: int) -> int:
@@ -431,12 +436,15 @@ def _worker(spec_path: str, rank: int) -> int:
     import datetime
     import importlib
 
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    if spec.get("cpus"):                       # before torch starts any thread
+        os.sched_setaffinity(0, {spec["cpus"][rank % len(spec["cpus"])]})
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    with open(spec_path, "rb") as f:
-        spec = pickle.load(f)
     world_size = spec["world_size"]
 
     def report(msg: dict) -> None:

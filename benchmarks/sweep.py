@@ -1,9 +1,9 @@
 """``python -m benchmarks sweep``: real training under every compression configuration, side by side.
 
-Launches ``--world-size`` local ranks (one process each, gloo, one torch thread
-each) — inside an emulated rate-limited cluster of network namespaces with
-``--net`` (see :mod:`benchmarks.netem`) — and trains two tasks under every
-configuration with the same seeds:
+Launches local ranks (one process each, gloo, one torch thread each, by default
+pinned one core each) — inside an emulated rate-limited cluster of network
+namespaces with ``--net`` (see :mod:`benchmarks.netem`) — and trains two tasks
+under every configuration with the same seeds:
 
 * ``digits``: an MLP classifier on scikit-learn's digits (metric: test accuracy);
 * ``lm``: a causal character transformer on the Python standard library's own
@@ -12,8 +12,13 @@ configuration with the same seeds:
 Per configuration it records bytes sent per rank per step, compression ratio,
 step time split into compute / compression / communication, the final metric
 and the wall time to reach the dense DDP run's final metric within a margin
-(accuracy −0.5 points, loss +2%).  Writes ``results/sweep-<timestamp>/`` with
-``results.json``, ``results.csv``, plots and ``summary.md``.
+(accuracy −0.5 points, loss +2%), both read from a smoothed metric (the mean
+of the last three evaluations).  ``--demo`` runs the demonstration plan (the
+main job, ``bash scripts/demo.sh``): 2 ranks one core each on digits at 1 Gbit/s
+and on the LM at 100 Mbit/s, the headline configs with two seeds, then 4 ranks
+on the machine's cores in a table of their own, and a verdict table.  Writes
+``results/sweep-<timestamp>/`` with ``results.json``, ``results.csv``, plots and
+``summary.md``.
 """
 
 from __future__ import annotations
@@ -24,20 +29,64 @@ import logging
 import math
 import os
 import shlex
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import configs as C
 from .common import markdown_table, results_dir, write_results
-from .netem import LaunchError, NetSpec, launch, make_cluster
+from .netem import LaunchError, Loopback, NetSpec, launch, make_cluster
 
 log = logging.getLogger("commpress.benchmarks")
 
 ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
+SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
+NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
 
-DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 60, "lm": 30}}
+DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 100, "lm": 120}}
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One part of a run: a task on ``world_size`` ranks behind one network.
+
+    ``configs`` may name ``best:commpress`` / ``best:torch_powersgd``: the config of
+    that kind that reached the target fastest in an earlier leg of the same task.
+    With ``seeds`` > 1 the headline configs (DDP, torch fp16, the fastest PowerSGD
+    hook and the fastest commpress config of the first seed) run again with the next seeds.
+    """
+
+    task: str
+    world_size: int
+    net: str | None
+    configs: tuple[str, ...]
+    seeds: int = 1
+    pin: bool = True
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}, {self.world_size} ranks, {self.net or 'loopback'}"
+
+
+# about 3 minutes on 2 idle cores: a few configs per task (the full sweep has them all)
+DIGITS_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "topk-1%", "blockquant-4bit")
+LM_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "blockquant-4bit", "powersgd-r2")
+DEMO_LEGS = (
+    Leg("digits", 2, "1gbit", DIGITS_CONFIGS, seeds=2),
+    Leg("lm", 2, "100mbit", LM_CONFIGS, seeds=2),
+    Leg("digits", 4, "1gbit", ("ddp", "torch-fp16", "best:torch_powersgd", "best:commpress")),
+)
+
+#: The project's goals for the demo's headline legs: (task, ranks, net) -> the factor by which
+#: the fastest commpress config must reach the target sooner than each baseline.
+GOALS = {
+    ("digits", 2, "1gbit"): {"ddp": 3.0, "torch-fp16": 2.0, "best torch PowerSGD hook": 1.0},
+    ("lm", 2, "100mbit"): {"ddp": 1.0, "torch-fp16": 1.0, "best torch PowerSGD hook": 1.0},
+}
 
 
 def _parse_steps(text: str | None, quick: bool) -> dict[str, int]:
@@ -65,18 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="configs: " + ", ".join(c.name for c in C.ALL)
                                 + "; groups: " + ", ".join(sorted(C.GROUPS)))
+    p.add_argument("--demo", action="store_true", help="the demonstration plan (quick sizes): 2 ranks one core "
+                   "each on digits at 1gbit and the LM at 100mbit (2 seeds for the headline configs), 4 ranks "
+                   "in a table of their own, a verdict table; loopback where namespaces are unavailable")
     p.add_argument("--quick", action="store_true", help="small models, few steps, a few configs (minutes on 2 cores)")
-    p.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
+    p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds; the headline configs run again with seeds 2.. "
+                   "(default 1)")
+    p.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
+                   help="one core per rank (auto: when there are at least as many cores as ranks)")
     p.add_argument("--net", default=None, help="emulated link RATE[,DELAY], e.g. 1gbit or 1gbit,0.5ms "
                    "(needs root + iproute2; loopback otherwise)")
     p.add_argument("--configs", default=None, help="comma-separated config names or groups (default: all; quick: quick)")
     p.add_argument("--tasks", default="digits,lm", help="comma-separated tasks: digits, lm")
     p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=40; "
-                   "quick: digits=60,lm=30)")
+                   "quick and demo: digits=100,lm=120)")
     p.add_argument("--equal-steps", action="store_true",
                    help="every config runs --steps steps (default: ddp runs --steps steps and every other config "
                    "trains for the same wall time, at most 4x the steps)")
-    p.add_argument("--evals", type=int, default=12, help="evaluations per run (time-to-target resolution)")
+    p.add_argument("--evals", type=int, default=30, help="evaluations per DDP run (time-to-target resolution)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="parent folder of results/sweep-<timestamp>/")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -118,7 +174,8 @@ class Progress:
             self.bar = None
 
 
-def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, cluster) -> list[dict]:
+def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, cluster, *, world_size: int,
+             seed: int, pin: bool) -> list[dict]:
     """Run ``cfgs`` for ``task`` in one launch; a failing config is recorded and the rest relaunched."""
     remaining = list(cfgs)
     rows: list[dict] = []
@@ -126,13 +183,13 @@ def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, clust
         prog = Progress(not args.no_progress)
         ddp_row = next((r for r in rows if r["config"] == "ddp" and "train_time_s" in r), None)
         kwargs = {"task": task, "size": size, "configs": [{"name": c.name} for c in remaining],
-                  "steps": steps, "eval_every": max(1, steps // args.evals), "seed": args.seed,
+                  "steps": steps, "eval_every": max(1, steps // args.evals), "seed": seed,
                   "equal_time": not args.equal_steps and any(c.name == "ddp" for c in cfgs),
                   "time_budget": ddp_row["train_time_s"] if ddp_row else None}
         error = None
         try:
-            launch("benchmarks.train:rank_main", args.world_size, cluster=cluster, kwargs=kwargs,
-                   on_message=prog, timeout=args.timeout, pg_timeout=180.0)
+            launch("benchmarks.train:rank_main", world_size, cluster=cluster, kwargs=kwargs,
+                   on_message=prog, timeout=args.timeout, pg_timeout=180.0, pin=pin)
         except LaunchError as exc:
             error = str(exc)
         finally:
@@ -158,30 +215,43 @@ def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, clust
     return sorted(rows, key=lambda r: order[r["config"]])
 
 
+def smoothed_curve(curve: list[dict], metric: str, window: int = SMOOTH) -> list[tuple[dict, float]]:
+    """``(point, mean of the metric over the last `window` evaluations)`` for every evaluation after
+    step 0 that has a full window (all of them when the run has fewer evaluations)."""
+    pts = [p for p in curve if p["step"] > 0]
+    w = max(1, min(window, len(pts)))
+    return [(pts[i], statistics.fmean(p[metric] for p in pts[i - w + 1:i + 1])) for i in range(w - 1, len(pts))]
+
+
 def time_to_target(rows: list[dict]) -> dict[str, Any]:
-    """Add ``target``, ``ttt_s`` (train seconds to reach it; None if never) and ``speedup`` to rows."""
+    """Add ``final_smoothed``, ``target``, ``ttt_s`` (train seconds to reach it; None if never),
+    ``ttt_step`` and ``speedup`` to rows, all on the smoothed metric (:func:`smoothed_curve`)."""
     dense = next((r for r in rows if r["config"] == "ddp" and "final" in r), None)
     if dense is None:
         return {}
     metric = dense["metric"]
+    for r in rows:
+        if "curve" in r:
+            sm = smoothed_curve(r["curve"], metric)
+            r["final_smoothed"] = sm[-1][1] if sm else r["final"]
     if metric == "accuracy":
-        target = dense["final"] - ACC_MARGIN
+        target = dense["final_smoothed"] - ACC_MARGIN
         ok = lambda v: v >= target  # noqa: E731
     else:
-        target = dense["final"] * (1 + LOSS_MARGIN)
+        target = dense["final_smoothed"] * (1 + LOSS_MARGIN)
         ok = lambda v: v <= target  # noqa: E731
     for r in rows:
         if "curve" not in r:
             continue
         r["target"] = target
-        hit = next((p for p in r["curve"] if p["step"] > 0 and ok(p[metric])), None)
+        hit = next((p for p, v in smoothed_curve(r["curve"], metric) if ok(v)), None)
         r["ttt_s"] = hit["time"] if hit else None
         r["ttt_step"] = hit["step"] if hit else None
     base = dense.get("ttt_s")
     for r in rows:
         if r.get("ttt_s"):
             r["speedup"] = base / r["ttt_s"] if base else None
-    return {"metric": metric, "target": target, "dense_final": dense["final"], "dense_ttt_s": base}
+    return {"metric": metric, "target": target, "dense_final": dense["final_smoothed"], "dense_ttt_s": base}
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -199,11 +269,12 @@ def table_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "error" in r or "skipped" in r:
             out.append({"config": r["config"], "bytes/step": "", "ratio": "",
-                        "final": r.get("error") or r.get("skipped")})
+                        "final": "failed: " + r["error"] if "error" in r else "not run: " + r["skipped"]})
             continue
         fmt = "{:.4f}" if r["metric"] == "accuracy" else "{:.3f}"
         out.append({
             "config": r["config"],
+            "seed": r.get("seed", ""),
             "bytes/step": _fmt_bytes(r["bytes_sent"]),
             "payload": _fmt_bytes(r.get("payload_bytes")),
             "sent/payload": f"{r['bytes_sent'] / r['payload_bytes']:.2f}" if r.get("payload_bytes") else "",
@@ -213,46 +284,201 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "compute ms": f"{1000 * r['compute_s']:.0f}",
             "codec ms": f"{1000 * r['compression_s']:.1f}",
             "comm ms": f"{1000 * r['comm_s']:.0f}",
-            "final": fmt.format(r["final"]),
+            "final": fmt.format(r.get("final_smoothed", r["final"])),
             "time to target s": f"{r['ttt_s']:.1f}" if r.get("ttt_s") else "not reached",
             "speedup vs ddp": f"{r['speedup']:.2f}x" if r.get("speedup") else "",
         })
     return out
 
 
-COLUMNS = ["config", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "compute ms", "codec ms", "comm ms", "final",
-           "time to target s", "speedup vs ddp"]
+COLUMNS = ["config", "seed", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "compute ms",
+           "codec ms", "comm ms", "final", "time to target s", "speedup vs ddp"]
 
 
-def check_bars(rows_by_task: dict[str, list[dict]]) -> list[str]:
-    """The issue's bars, evaluated on the measured rows (text lines for the summary)."""
-    lines = []
-    for task, rows in rows_by_task.items():
-        ok = {r["config"]: r for r in rows if "final" in r}
-        dense = ok.get("ddp")
-        if dense is None:
+# ------------------------------------------------------------------------- verdict
+def summarize_configs(rows: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per config over its seeds: mean time to target (None unless reached in every seed), its
+    range, mean step time, bytes ratio, the breakdown of its first seed."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if "curve" in r:
+            by.setdefault(r["config"], []).append(r)
+    out = {}
+    for name, rs in by.items():
+        ttts = [r.get("ttt_s") for r in rs]
+        reached = [t for t in ttts if t]
+        out[name] = {
+            "config": name, "kind": rs[0]["kind"], "seeds": len(rs), "reached": len(reached),
+            "ttt_s": statistics.fmean(reached) if len(reached) == len(rs) else None,
+            "ttt_range": (min(reached), max(reached)) if len(reached) > 1 else None,
+            "step_s": statistics.fmean(r["step_s"] for r in rs), "ratio": rs[0]["ratio"],
+            "compute_s": rs[0]["compute_s"], "compression_s": rs[0]["compression_s"], "comm_s": rs[0]["comm_s"],
+            "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"], "metric": rs[0]["metric"],
+            "final": statistics.fmean(r.get("final_smoothed", r["final"]) for r in rs),
+            "target": rs[0].get("target"),
+        }
+    return out
+
+
+def _best(summary: dict[str, dict], kind: str, reached_only: bool = True) -> dict | None:
+    """The config of ``kind`` with the shortest time to target; with ``reached_only=False``
+    and none reaching it, the one with the best final metric."""
+    cands = [c for c in summary.values() if c["kind"] == kind]
+    hit = [c for c in cands if c["ttt_s"]]
+    if hit:
+        return min(hit, key=lambda c: c["ttt_s"])
+    if reached_only or not cands:
+        return None
+    sign = -1 if cands[0]["metric"] == "accuracy" else 1
+    return min(cands, key=lambda c: sign * c["final"])
+
+
+def verdict_rows(summary: dict[str, dict]) -> list[dict]:
+    ddp, fp16 = summary.get("ddp"), summary.get("torch-fp16")
+    out = []
+    for c in summary.values():
+        t = c["ttt_s"]
+        if t:
+            ttt = f"{t:.1f}" + (f" ({c['ttt_range'][0]:.1f}–{c['ttt_range'][1]:.1f})" if c["ttt_range"] else "")
+        else:
+            ttt = "not reached" + (f" ({c['reached']}/{c['seeds']} seeds)" if c["reached"] else "")
+        out.append({
+            "config": c["config"], "seeds": c["seeds"], "bytes ratio": f"{c['ratio']:.1f}x",
+            "step ms": f"{1000 * c['step_s']:.0f}", "time to target s": ttt,
+            "vs DDP": f"{ddp['ttt_s'] / t:.2f}x" if t and ddp and ddp["ttt_s"] else "",
+            "vs torch fp16": f"{fp16['ttt_s'] / t:.2f}x" if t and fp16 and fp16["ttt_s"] else "",
+        })
+    return out
+
+
+VERDICT_COLUMNS = ["config", "seeds", "bytes ratio", "step ms", "time to target s", "vs DDP", "vs torch fp16"]
+
+
+def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
+    """The project's goals for this leg, evaluated on the measured rows (text lines)."""
+    goals = GOALS.get((leg.task, leg.world_size, leg.net))
+    if goals is None:
+        return []
+    best = _best(summary, "commpress", reached_only=False)
+    if best is None:
+        return [f"- {leg.key}: no commpress config ran: goals not evaluated"]
+    ddp = summary.get("ddp")
+    if best["ttt_s"]:
+        lines = [f"- {leg.key}: fastest commpress config {best['config']}, {best['ttt_s']:.1f} s to the target"]
+    else:
+        lines = [f"- {leg.key}: no commpress config reached the target in DDP's training time: goals MISSED; "
+                 f"closest {best['config']}, {best['metric']} {best['final']:.4f} against the target "
+                 f"{best['target']:.4f} after {best['steps']} steps"
+                 + (f" (DDP ran {ddp['steps']})" if ddp else "")]
+    for base_name, factor in goals.items():
+        if not best["ttt_s"]:
+            break
+        base = (_best(summary, "torch_powersgd", reached_only=False) if base_name.startswith("best torch PowerSGD")
+                else summary.get(base_name))
+        if base is None:
+            lines.append(f"  - vs {base_name}: not run")
             continue
-        cp = [r for r in ok.values() if r["kind"] == "commpress" and r.get("ttt_s")]
-        psgd = [r for r in ok.values() if r["kind"] == "torch_powersgd" and r.get("ttt_s")]
-        if dense.get("ttt_s") and cp:
-            best = min(cp, key=lambda r: r["ttt_s"])
-            sp = dense["ttt_s"] / best["ttt_s"]
-            best_ps = min(psgd, key=lambda r: r["ttt_s"]) if psgd else None
-            vs = (f"best torch PowerSGD {best_ps['config']} {best_ps['ttt_s']:.1f}s"
-                  if best_ps else "no torch PowerSGD config reached the target")
-            verdict = "MET" if sp >= 3 and (best_ps is None or best["ttt_s"] < best_ps["ttt_s"]) else "MISSED"
-            lines.append(f"- {task}: fastest commpress config to the target is {best['config']} in "
-                         f"{best['ttt_s']:.1f}s vs DDP {dense['ttt_s']:.1f}s = {sp:.2f}x; {vs} "
-                         f"(bar: >=3x and faster than PowerSGD hook: {verdict})")
-        elif dense.get("ttt_s"):
-            lines.append(f"- {task}: no commpress config reached the target")
-        ident = ok.get("identity")
-        if ident:
-            ov = ident["step_s"] / dense["step_s"] - 1
-            lines.append(f"- {task}: identity step {1000 * ident['step_s']:.0f} ms vs DDP "
-                         f"{1000 * dense['step_s']:.0f} ms = {100 * ov:+.1f}% "
-                         f"(bar < 5%: {'MET' if ov < 0.05 else 'MISSED'})")
+        if not base["ttt_s"]:
+            lines.append(f"  - vs {base['config']}: met, it did not reach the target in DDP's training time")
+            continue
+        sp = base["ttt_s"] / best["ttt_s"]
+        name = base["config"] if base_name.startswith("best") else base_name
+        want = f">= {factor:g}x" if factor > 1 else "ahead"
+        ok = sp >= factor if factor > 1 else sp > 1.0
+        line = f"  - vs {name} ({base['ttt_s']:.1f} s): {sp:.2f}x, goal {want}: " + ("met" if ok else "MISSED")
+        if not ok:
+            line += f" (short by {100 * (1 - sp / factor):.0f}%)"
+        if 1 / (1 + NOISE) < sp < 1 + NOISE and factor <= 1:
+            line += f", inside the ~{100 * NOISE:.0f}% run-to-run noise of this machine: a tie, not a win or a loss"
+        lines.append(line)
+    if ddp and ddp["step_s"] > 0:
+        share = min(0.99, ddp["comm_s"] / ddp["step_s"])
+        lines.append(
+            f"  - bound: DDP's step is {1000 * ddp['step_s']:.0f} ms, {100 * share:.0f}% of it communication, so "
+            f"free communication would give at most 1/(1 - {share:.2f}) = {1 / (1 - share):.1f}x per step; "
+            f"{best['config']} steps in {1000 * best['step_s']:.0f} ms (compute {1000 * best['compute_s']:.0f}, "
+            f"codec {1000 * best['compression_s']:.0f}, communication {1000 * best['comm_s']:.0f})"
+            + (f" and reaches the target at step {best['ttt_step']} against DDP's {ddp['ttt_step']}"
+               if best.get("ttt_step") and ddp.get("ttt_step") else "")
+            + (f"; its step costs {best['step_s'] / ddp['step_s']:.2f}x DDP's while sending "
+               f"{best['ratio']:.1f}x fewer bytes" if best["step_s"] >= ddp["step_s"] else ""))
     return lines
+
+
+# ---------------------------------------------------------------------------- main
+def _pin(mode: str, world_size: int) -> bool:
+    if mode == "auto":
+        return world_size <= len(os.sched_getaffinity(0))
+    return mode == "on"
+
+
+def plan(args) -> list[Leg]:
+    """The legs to run: the demo plan, or one leg per task from the command line."""
+    if args.demo:
+        return list(DEMO_LEGS)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in ("digits", "lm")]
+    if bad or not tasks:
+        raise SystemExit(f"--tasks must be from digits, lm; got {args.tasks!r}")
+    try:
+        names = tuple(c.name for c in C.resolve(args.configs, args.quick))
+    except ValueError as exc:
+        raise SystemExit(str(exc))
+    return [Leg(t, args.world_size, args.net, names, seeds=max(1, args.seeds), pin=_pin(args.pin, args.world_size))
+            for t in tasks]
+
+
+def _expand(names: tuple[str, ...], best: dict[str, str]) -> list[str]:
+    out = []
+    for n in names:
+        n = best.get(n.split(":", 1)[1], "") if n.startswith("best:") else n
+        if n and n not in out:
+            out.append(n)
+    return out
+
+
+def run_leg(leg: Leg, size: str, steps: int, args, best: dict[str, str]) -> tuple[list[dict], dict[str, Any]]:
+    """Run one leg (every seed); returns its rows and its meta."""
+    cfgs = [C.BY_NAME[n] for n in _expand(leg.configs, best)]
+    runnable = [c for c in cfgs if C.unavailable_reason(c) is None]
+    skipped = [(c, C.unavailable_reason(c)) for c in cfgs if C.unavailable_reason(c) is not None]
+    for c, reason in skipped:
+        print(f"not running {c.name}: {reason}", file=sys.stderr)
+    # ddp first: its final metric is the target and, by default, its training time every other config's budget
+    runnable.sort(key=lambda c: c.name != "ddp")
+    cores = len(os.sched_getaffinity(0))
+    meta: dict[str, Any] = {"task": leg.task, "world_size": leg.world_size, "net": leg.net, "pin": leg.pin,
+                            "cores": cores, "oversubscribed": leg.world_size > cores, "targets": {}}
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    with make_cluster(leg.world_size, leg.net) as cluster:
+        meta["network"] = cluster.describe()
+        if isinstance(cluster, Loopback) and leg.net:
+            print(f"{leg.key}: emulated network unavailable ({cluster.reason.split(' but ', 1)[-1]}); running on "
+                  "loopback, where compression has nothing to gain", file=sys.stderr)
+        print(f"== {leg.key}: {leg.world_size} ranks x 1 thread"
+              + (", one core each" if leg.pin and not meta["oversubscribed"] else "")
+              + (f", {leg.world_size} ranks on {cores} cores (oversubscribed)" if meta["oversubscribed"] else "")
+              + f"; network: {meta['network']}", file=sys.stderr)
+        for i in range(max(1, leg.seeds)):
+            seed = args.seed + i
+            todo = runnable
+            if i > 0:
+                first = summarize_configs(rows)
+                heads = {"ddp", "torch-fp16"} | {b["config"] for b in (_best(first, "torch_powersgd", False),
+                                                                        _best(first, "commpress", False)) if b}
+                todo = [c for c in runnable if c.name in heads]
+            got = run_task(leg.task, size, todo, steps, args, cluster, world_size=leg.world_size, seed=seed,
+                           pin=leg.pin)
+            meta["targets"][str(seed)] = time_to_target(got)
+            for r in got:
+                r.update(seed=seed, leg=leg.key)
+            rows += got
+    rows += [{"task": leg.task, "leg": leg.key, "config": c.name, "kind": c.kind, "describe": c.describe(),
+              "skipped": reason} for c, reason in skipped]
+    meta["info"] = next((r["task_info"] for r in rows if "task_info" in r), {})
+    meta["seconds"] = time.monotonic() - t0
+    return rows, meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,92 +491,79 @@ def main(argv: list[str] | None = None) -> int:
             NetSpec.parse(args.net)
         except ValueError as exc:
             raise SystemExit(str(exc))
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in ("digits", "lm")]
-    if bad or not tasks:
-        raise SystemExit(f"--tasks must be from digits, lm; got {args.tasks!r}")
-    try:
-        cfgs = C.resolve(args.configs, args.quick)
-    except ValueError as exc:
-        raise SystemExit(str(exc))
-    steps = _parse_steps(args.steps, args.quick)
-    size = "quick" if args.quick else "full"
-    runnable, skipped = [], []
-    for c in cfgs:
-        reason = C.unavailable_reason(c)
-        (skipped if reason else runnable).append((c, reason))
-    for c, reason in skipped:
-        print(f"skipping {c.name}: {reason}", file=sys.stderr)
-    # ddp first: its final metric is the target and, by default, its training time every other config's budget
-    runnable_cfgs = sorted((c for c, _ in runnable), key=lambda c: c.name != "ddp")
-
+    legs = plan(args)
+    steps = _parse_steps(args.steps, args.quick or args.demo)
+    size = "quick" if (args.quick or args.demo) else "full"
     out = results_dir("sweep", args.out)
     command = "python -m benchmarks sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                  else sys.argv[1:]))
-    cores = os.cpu_count()
-    meta_git = _git_state()
-    rows_by_task: dict[str, list[dict]] = {}
-    meta: dict[str, Any] = {"command": command.strip(), "world_size": args.world_size, "net": args.net,
-                            "equal_time": not args.equal_steps, "git": meta_git,
-                            "cpu_cores": cores, "steps": steps, "size": size, "seed": args.seed}
-    with make_cluster(args.world_size, args.net) as cluster:
-        meta["network"] = cluster.describe()
-        print(f"network: {meta['network']}", file=sys.stderr)
-        print(f"{args.world_size} ranks x 1 thread on {cores} cores"
-              + (" (oversubscribed)" if cores and args.world_size > cores else ""), file=sys.stderr)
-        for task in tasks:
-            rows = run_task(task, size, runnable_cfgs, steps[task], args, cluster)
-            rows += [{"task": task, "config": c.name, "kind": c.kind, "describe": c.describe(),
-                      "skipped": reason} for c, reason in skipped]
-            meta.setdefault("targets", {})[task] = time_to_target(rows)
-            info = next((r["task_info"] for r in rows if "task_info" in r), {})
-            meta.setdefault("tasks", {})[task] = info
-            rows_by_task[task] = rows
-            meta["bars"] = check_bars(rows_by_task)
-            summary = finalize(out, rows_by_task, meta)      # after every task: partial results survive
+    t0 = time.monotonic()
+    meta: dict[str, Any] = {"command": command.strip(), "equal_time": not args.equal_steps, "git": _git_state(),
+                            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu_cores": os.cpu_count(),
+                            "load_average": os.getloadavg()[0], "steps": steps, "size": size, "seed": args.seed,
+                            "legs": {}, "goals": []}
+    rows_by_leg: dict[str, list[dict]] = {}
+    best: dict[str, dict[str, str]] = {}
+    summary = ""
+    for leg in legs:
+        rows, leg_meta = run_leg(leg, size, steps[leg.task], args, best.get(leg.task, {}))
+        rows_by_leg[leg.key] = rows
+        meta["legs"][leg.key] = leg_meta
+        configs = summarize_configs(rows)
+        for kind in ("commpress", "torch_powersgd"):
+            b = _best(configs, kind, reached_only=False)
+            if b and kind not in best.setdefault(leg.task, {}):
+                best[leg.task][kind] = b["config"]
+        meta["goals"] += check_goals(leg, configs)
+        meta["seconds"] = time.monotonic() - t0
+        summary = finalize(out, rows_by_leg, meta)      # after every leg: partial results survive
     print(summary)
-    print(f"\nresults in {out}/", file=sys.stderr)
-    return 0 if not any("error" in r for rows in rows_by_task.values() for r in rows) else 1
+    print(f"\nresults in {out}/ ({meta['seconds']:.0f} s)", file=sys.stderr)
+    return 0 if not any("error" in r for rows in rows_by_leg.values() for r in rows) else 1
 
 
 def _git_state() -> str:
-    """``<commit>`` plus ``+dirty`` when commpress/ has uncommitted changes (best effort)."""
+    """``<commit>`` plus ``+dirty`` when commpress/ or benchmarks/ have uncommitted changes (best effort)."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "commpress"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "commpress", "benchmarks"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return head + ("+dirty" if dirty else "")
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def rerender(run_dir: str | Path) -> str:
     """Rebuild ``summary.md`` of an existing ``results/sweep-*`` folder from its results.json."""
     run_dir = Path(run_dir)
     doc = json.loads((run_dir / "results.json").read_text())
-    rows_by_task: dict[str, list[dict]] = {}
+    rows_by_leg: dict[str, list[dict]] = {}
     for r in doc["rows"]:
-        rows_by_task.setdefault(r["task"], []).append(r)
+        rows_by_leg.setdefault(r.get("leg", r["task"]), []).append(r)
     pngs = [run_dir / n for n in ("time_to_target.png", "frontier.png", "step_time.png") if (run_dir / n).exists()]
-    summary = render_summary(rows_by_task, doc["meta"], pngs)
+    summary = render_summary(rows_by_leg, doc["meta"], pngs)
     (run_dir / "summary.md").write_text(summary)
     return summary
 
 
-def finalize(out: Path, rows_by_task: dict[str, list[dict]], meta: dict[str, Any]) -> str:
+def finalize(out: Path, rows_by_leg: dict[str, list[dict]], meta: dict[str, Any]) -> str:
     """Write results.json / results.csv / plots / summary.md into ``out``; returns the summary."""
-    all_rows = [r for rows in rows_by_task.values() for r in rows]
+    all_rows = [r for rows in rows_by_leg.values() for r in rows]
     write_results(out, all_rows, meta)
     _write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("curve", "task_info")}
                                      for r in all_rows])
     from . import plots
 
-    pngs = plots.make_all(out, rows_by_task, meta)
-    summary = render_summary(rows_by_task, meta, pngs)
+    # the plots show each leg's first seed (the curves of one seed, the target of that seed)
+    first = {k: [r for r in rows if r.get("seed", meta["seed"]) == meta["seed"]] for k, rows in rows_by_leg.items()}
+    plot_meta = {"targets": {k: meta["legs"][k]["targets"].get(str(meta["seed"]), {}) for k in rows_by_leg},
+                 "network": ""}
+    pngs = plots.make_all(out, first, plot_meta)
+    summary = render_summary(rows_by_leg, meta, pngs)
     (out / "summary.md").write_text(summary)
     return summary
 
@@ -367,34 +580,61 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def render_summary(rows_by_task: dict[str, list[dict]], meta: dict[str, Any], pngs: list[Path]) -> str:
-    """The markdown the README embeds: command, setting, one table per task, the bars."""
-    lines = [f"Command: `{meta['command']}` (commit {meta.get('git', '?')})", "",
-             f"Setting: {meta['world_size']} ranks (gloo, 1 torch thread each) on a {meta['cpu_cores']}-core machine"
-             + (" — oversubscribed, so compute per step is inflated and noisy" if (meta["cpu_cores"] or 0)
-                < meta["world_size"] else "") + f"; network: {meta['network']}.",
-             "Bytes are per rank per step, counted with commpress's convention (ring all_reduce of n bytes "
-             "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); ratio = dense bytes / bytes sent; payload = what one rank's compressed gradient is by the compressor's contract (Payload.nbytes, dense parts at 4 bytes/element); sent/payload is then 2(P-1)/P (1.5 at P=4) for all_reduce, two-phase and low-rank exchanges and for sparse payloads between that and P-1 (3, all-gather), depending on the sparse algorithm the hook picks and how much the ranks' supports overlap. Step time is the median training step; "
-             "bytes = median over steps; one-time costs (JIT compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; compute = forward+backward without sync + optimizer step; codec = local compress+decompress "
-             "of the gradient buckets; comm = the rest. Time to target = training seconds until the metric "
-             "reaches the DDP run's final value (accuracy -0.5 points, loss +2%)."
-             + (" Equal-time rule: DDP runs the given steps; every other config trains for the same training "
-                "wall time as DDP (at most 4x the steps), so 'final' is the metric reached in DDP's time."
-                if meta.get("equal_time") else " Every config runs the same number of steps."),
-             "PyTorch powerSGD_hook configs run with one DDP bucket (bucket_cap_mb=10000): the hook "
-             "deadlocks on gloo with several buckets. Other configs use DDP's default buckets.", ""]
-    for task, rows in rows_by_task.items():
-        info = meta.get("tasks", {}).get(task, {})
-        tgt = meta.get("targets", {}).get(task, {})
-        head = f"### {task}: {info.get('model', '')}, {info.get('params', 0) / 1e6:.2f}M params, " \
-               f"{meta['steps'][task]} steps, {info.get('optimizer', '')}"
-        lines += [head, ""]
-        if tgt:
-            lines += [f"Target {tgt['metric']}: {tgt['target']:.4f} (DDP final {tgt['dense_final']:.4f}).", ""]
+def _leg_setting(key: str, lm: dict[str, Any]) -> str:
+    if lm["oversubscribed"]:
+        where = (f"{lm['world_size']} ranks share {lm['cores']} cores (oversubscribed: ranks wait for time "
+                 "slices in every collective round and one rank's compute competes with its peers' "
+                 "communication; a cluster gives each rank its own device and cores)")
+    else:
+        where = f"{lm['world_size']} ranks, " + ("one core each" if lm["pin"] else "not pinned")
+    return f"{where}; network: {lm['network']}."
+
+
+def render_summary(rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], pngs: list[Path]) -> str:
+    """The markdown the README embeds: verdict first, then the goals, the detail per leg, provenance."""
+    legs = meta.get("legs", {})
+    lines = ["## Verdict", ""]
+    head = [k for k in rows_by_leg if not legs.get(k, {}).get("oversubscribed")]
+    over = [k for k in rows_by_leg if legs.get(k, {}).get("oversubscribed")]
+    for group, title in ((head, None), (over, "Oversubscribed")):
+        if not group:
+            continue
+        if title:
+            lines += [f"### {title}", ""]
+        for key in group:
+            lm = legs.get(key, {})
+            tgt = lm.get("targets", {}).get(str(meta.get("seed", 0)), {})
+            lines += [f"**{key}** — {_leg_setting(key, lm)}"
+                      + (f" Target {tgt['metric']} {tgt['target']:.4f}." if tgt else ""), ""]
+            lines += [markdown_table(verdict_rows(summarize_configs(rows_by_leg[key])), VERDICT_COLUMNS), ""]
+    lines += ["Time to target: training seconds until the smoothed metric (mean of the last "
+              f"{SMOOTH} evaluations) reaches DDP's smoothed final value (accuracy -0.5 points, loss +2%); "
+              "with several seeds, the mean and (in brackets) the range over seeds. vs DDP / vs torch fp16: "
+              "that baseline's time to target divided by this config's. Bytes ratio: dense bytes / bytes sent "
+              "per rank per step.", ""]
+    if meta.get("goals"):
+        lines += ["## The project's goals", ""] + meta["goals"] + [""]
+    lines += ["## Detail", "",
+              "Bytes are per rank per step, counted with commpress's convention (ring all_reduce of n bytes "
+              "sends 2n(P-1)/P; an all_gather of n bytes sends n(P-1)); payload = what one rank's compressed "
+              "gradient is by the compressor's contract; sent/payload is 2(P-1)/P for all_reduce-like exchanges "
+              "and up to P-1 for sparse ones. Step time is the median training step; one-time costs (JIT "
+              "compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; "
+              "compute = forward+backward without sync + optimizer step; codec = local compress+decompress; "
+              "comm = the rest. 'final' is the smoothed metric at the end."
+              + (" Equal-time rule: DDP runs the given steps; every other config trains for DDP's training wall "
+                 "time (at most 4x the steps)." if meta.get("equal_time") else " Every config runs the same steps.")
+              + " PyTorch powerSGD_hook configs run with one DDP bucket (it deadlocks on gloo with several).", ""]
+    for key, rows in rows_by_leg.items():
+        info = legs.get(key, {}).get("info", {})
+        steps = meta.get("steps", {}).get(key.split(",")[0], "")
+        lines += [f"### {key}: {info.get('model', '')}, {info.get('params', 0) / 1e6:.2f}M params, "
+                  f"{steps} DDP steps, {info.get('optimizer', '')}", ""]
         lines += [markdown_table(table_rows(rows), COLUMNS), ""]
-    if meta.get("bars"):
-        lines += ["Bars (issue 6):", ""] + meta["bars"] + [""]
     if pngs:
         lines += [f"![{pngs[0].stem.replace('_', ' ')}]({pngs[0].name})", "",
-                  f"Plots: {', '.join(p.name for p in pngs)}", ""]
+                  f"Plots (first seed of each part): {', '.join(p.name for p in pngs)}", ""]
+    lines += [f"Command: `{meta['command']}`; commit {meta.get('git', '?')}; {meta.get('date', '')}; "
+              f"{meta.get('cpu_cores', '?')} cores, load average {meta.get('load_average', 0):.1f} at the start; "
+              f"{meta.get('seconds', 0):.0f} s in all.", ""]
     return "\n".join(lines)

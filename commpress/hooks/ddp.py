@@ -1,8 +1,8 @@
 """DDP communication hook: compressed gradient averaging in one line.
 
 >>> state = commpress.ddp.register(model, "topk", ratio=0.01)   # model is a DDP
->>> # or the PyTorch way:
->>> state = commpress.ddp.DDPState(model, "topk", ratio=0.01)
+>>> # or the PyTorch way (the state binds to the model at its first bucket):
+>>> state = commpress.ddp.DDPState("topk", ratio=0.01)
 >>> model.register_comm_hook(state, commpress.ddp.hook)
 
 The pieces, each in its own module:
@@ -28,6 +28,17 @@ bucket; nothing in the steady state reads a tensor on the host.  A failure
 fails the bucket's future (DDP raises it from ``backward()``, the original in
 ``state.last_error``) and rolls the step's residual updates back.
 
+Binding
+-------
+A state built with its model binds at construction; one built without
+(``DDPState("topk", ratio=0.01)``, as Lightning's ``DDPStrategy(ddp_comm_state=...)``
+needs) binds in the first hook call: the first bucket of the first synchronized
+step, which DDP calls on every rank, in the same order, before any other hook
+collective.  Binding is collective (fingerprint exchange, the overlap group,
+the cost model's calibration), so it is safe there and nowhere later.  The model
+is the ``DistributedDataParallel`` that holds the bucket's parameters (found once
+among the live objects; :meth:`DDPState.bind` names it explicitly).
+
 Notes
 -----
 * ``overlap`` is turned off by ``verify_every`` (so a mismatch raises
@@ -45,6 +56,7 @@ Notes
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -86,7 +98,10 @@ class DDPState(HookState):
     Parameters
     ----------
     model:
-        the ``DistributedDataParallel`` model (``TypeError`` otherwise).
+        the ``DistributedDataParallel`` model (``TypeError`` otherwise), or omitted:
+        ``DDPState("topk", ratio=0.01)`` binds at its first bucket (see the module
+        docs); nothing is exchanged before then, so it can be built before
+        ``init_process_group``.
     compressor:
         a :class:`~commpress.Compressor` or a registry name; ``**compressor_params``
         are passed to ``commpress.get`` with a name.
@@ -125,28 +140,31 @@ class DDPState(HookState):
         that go dense get plain momentum on their averaged gradient.  Pair it with
         ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
 
-    Registration exchanges a configuration fingerprint (compressor, parameters,
+    Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
-    rank when they differ.  It is the only cross-rank check of the configuration;
-    steps send their payloads only.
+    rank when they differ (from ``backward()`` when the state binds at its first
+    bucket).  It is the only cross-rank check of the configuration; steps send
+    their payloads only.
     """
 
     kind = "ddp"
 
-    def __init__(self, model: DistributedDataParallel, compressor: Compressor | str, *,
+    def __init__(self, model: DistributedDataParallel | Compressor | str | None = None,
+                 compressor: Compressor | str | None = None, *,
                  error_feedback: bool | str = "auto", warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  min_numel: int = DEFAULT_MIN_NUMEL, skip: Callable[[str], bool] | None = None,
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, **compressor_params: Any) -> None:
-        if not isinstance(model, DistributedDataParallel):
+        if compressor is None and isinstance(model, (str, Compressor)):
+            model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
+        if model is not None and not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 "model must be a torch.nn.parallel.DistributedDataParallel, got "
                 f"{type(model).__name__} (wrap it in DDP first; use commpress.fsdp for FSDP2)"
             )
-        if getattr(model, _ATTR, None) is not None:
-            raise RuntimeError("a commpress DDP hook is already registered on this model "
-                               "(DDP allows one comm hook per model)")
+        if compressor is None:
+            raise TypeError("DDPState needs a compressor (a commpress.Compressor or a registry name)")
         for name, value in (("warmup_steps", warmup_steps), ("min_numel", min_numel), ("seed", seed)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -155,8 +173,6 @@ class DDPState(HookState):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         verify_every = _verify_every(verify_every)
-        if process_group is None:
-            process_group = getattr(model, "process_group", None)
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
         self.inner = unwrap(self.codec)
@@ -172,34 +188,74 @@ class DDPState(HookState):
         self.dense_1d = bool(dense_1d)
         self.lowrank = self.inner.aggregation == "lowrank"
         self.dense_momentum = DenseMomentum(self.momentum) if self.momentum else None
+        self._skip = skip
+        self._want_overlap = overlap and not verify_every
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
         self.compressed_param_names: list[str] = []
-        for name, p in model.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            self._names[id(p)] = name
-            self._shapes[name] = p.shape
-            dense = goes_dense(name, p, self.inner, dense_1d=self.dense_1d, min_numel=min_numel,
-                               uses_error_feedback=self.uses_error_feedback, skip=skip)
-            (self.dense_param_names if dense else self.compressed_param_names).append(name)
-        self._dense_set = set(self.dense_param_names)
+        self._dense_set: set[str] = set()
         self._plans: dict[int, Plan] = {}
         self.units: list[Unit] = []                 # fixed once created (or loaded)
         self.unit_of: dict[str, int] = {}
         self._step: Step | None = None
         self._memory_shape: tuple[int, int] = (-1, -1)
         self.last_error: BaseException | None = None
+        self.executor: _Inline | _Overlapped = _Inline()
+        self.overlap = False
+        self.bound = False
+        self._pending_load: dict[str, Any] | None = None
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: DistributedDataParallel) -> None:
+        """Attach this state to ``model``: name its parameters, decide the dense policy,
+        exchange the fingerprint, create the overlap group, calibrate the cost model.
+
+        Collective on the model's process group: every rank binds at the same point
+        (at construction with a model, otherwise in the first hook call).  A state
+        dict loaded before binding is checked and restored here.
+        """
+        if self.bound:
+            raise RuntimeError("this DDPState is already bound to a model (one state per model)")
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"model must be a torch.nn.parallel.DistributedDataParallel, got {type(model).__name__}")
+        if getattr(model, _ATTR, None) is not None:
+            raise RuntimeError("a commpress DDP hook is already registered on this model "
+                               "(DDP allows one comm hook per model)")
+        if self.process_group is None:
+            self.process_group = getattr(model, "process_group", None)
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(self.process_group)
+            self.rank = dist.get_rank(self.process_group)
+        self._names, self._shapes = {}, {}          # from scratch: a failed binding may be retried
+        self.dense_param_names, self.compressed_param_names = [], []
+        for name, p in model.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            self._names[id(p)] = name
+            self._shapes[name] = p.shape
+            dense = goes_dense(name, p, self.inner, dense_1d=self.dense_1d, min_numel=self.min_numel,
+                               uses_error_feedback=self.uses_error_feedback, skip=self._skip)
+            (self.dense_param_names if dense else self.compressed_param_names).append(name)
+        self._dense_set = set(self.dense_param_names)
         self.check_config()
         # After the fingerprint check (a collective on the model's group): the hook's own group.
-        self.process_group, self.executor = _executor(self.process_group, overlap and not verify_every)
+        self.process_group, self.executor = _executor(self.process_group, self._want_overlap)
         self.overlap = isinstance(self.executor, _Overlapped)
-        if algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
+        if self.algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
             from ..collectives import get_cost_model
 
-            get_cost_model(self.process_group)  # calibrate now (a collective), not inside a backward
+            get_cost_model(self.process_group)  # calibrate now (a collective), not inside a step
         setattr(model, _ATTR, self)
+        self.bound = True
+        if self._pending_load is not None:
+            pending, self._pending_load = self._pending_load, None
+            self.load_state_dict(pending)
+
+    def _bind_to_bucket(self, bucket: dist.GradBucket) -> None:
+        """Bind to the DDP model holding ``bucket``'s parameters (the first hook call)."""
+        self.bind(_model_of(bucket.parameters()))
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
@@ -269,6 +325,21 @@ class DDPState(HookState):
         return out
 
     # -- checkpoints -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self.bound:
+            if self._pending_load is not None:
+                return self._pending_load
+            raise RuntimeError("this DDPState is not bound to a model yet (it binds at its first "
+                               "bucket): there is no state to save before the first step")
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; before binding the state is kept and checked at binding."""
+        if not self.bound:
+            self._pending_load = state
+            return
+        super().load_state_dict(state)
+
     def _extra_state_dict(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
             "units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]}
@@ -314,6 +385,26 @@ def _verify_every(value: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"verify_every must be an integer >= 0, got {value!r}")
     return value
+
+
+def _model_of(params: list[torch.Tensor]) -> DistributedDataParallel:
+    """The live DDP model (not bound to another commpress state) holding ``params``.
+
+    One scan of the garbage collector's objects, once per state; every rank finds
+    its own model the same way, so the binding that follows stays collective.
+    """
+    ids = {id(p) for p in params}
+    found = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel) and getattr(obj, _ATTR, None) is None:
+            if any(id(p) in ids for p in obj.module.parameters()):
+                found.append(obj)
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise RuntimeError(f"commpress ddp: {what} DistributedDataParallel models hold this bucket's "
+                           "parameters; build the state with its model (DDPState(model, ...)) or "
+                           "call state.bind(model) on every rank before the first step")
+    return found[0]
 
 
 # ---------------------------------------------------------------------------- executors
@@ -467,6 +558,8 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     """
     if not isinstance(state, DDPState):
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
+    if not state.bound:  # the first bucket of the first step, on every rank: bind (collective)
+        state._bind_to_bucket(bucket)
     if state.step < state.warmup_steps or not state.compressed_param_names:
         return _dense_async(state, bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -46,15 +46,84 @@ def test_torch_powersgd_payload_mirrors_the_hook():
     assert b["payload_bytes"] == 2 * n and b["bytes_sent"] == 2 * 2 * n * 3 // 4
 
 
-def test_time_to_target():
-    curve = lambda vals: [{"step": i, "time": float(i), "accuracy": v} for i, v in enumerate(vals)]  # noqa: E731
-    rows = [{"config": "ddp", "metric": "accuracy", "final": 0.9, "curve": curve([0.1, 0.5, 0.896, 0.9])},
-            {"config": "fast", "metric": "accuracy", "final": 0.95, "curve": curve([0.1, 0.95, 0.95, 0.95])},
-            {"config": "slow", "metric": "accuracy", "final": 0.8, "curve": curve([0.1, 0.5, 0.7, 0.8])}]
+def _curve(vals):
+    return [{"step": i, "time": float(i), "accuracy": v} for i, v in enumerate(vals)]
+
+
+def test_time_to_target_reads_the_mean_of_the_last_three_evaluations():
+    rows = [{"config": "ddp", "metric": "accuracy", "final": 0.9, "curve": _curve([0.1, 0.5, 0.88, 0.9, 0.9, 0.9])},
+            # a lucky evaluation (0.95 at step 1) does not count: its window mean is below the target
+            {"config": "lucky", "metric": "accuracy", "final": 0.9,
+             "curve": _curve([0.1, 0.95, 0.5, 0.6, 0.9, 0.9, 0.9])},
+            {"config": "fast", "metric": "accuracy", "final": 0.95, "curve": _curve([0.1, 0.9, 0.9, 0.9, 0.9])},
+            {"config": "slow", "metric": "accuracy", "final": 0.8, "curve": _curve([0.1, 0.5, 0.7, 0.8])}]
     meta = sweep.time_to_target(rows)
+    assert meta["dense_final"] == pytest.approx(0.9)          # mean of the last three
     assert meta["target"] == pytest.approx(0.895)
-    assert rows[0]["ttt_s"] == 2.0 and rows[1]["ttt_s"] == 1.0 and rows[2]["ttt_s"] is None
-    assert rows[1]["speedup"] == pytest.approx(2.0)
+    assert rows[0]["ttt_s"] == 5.0                             # (0.9+0.9+0.9)/3 at step 5
+    assert rows[1]["ttt_s"] == 6.0
+    assert rows[2]["ttt_s"] == 3.0 and rows[2]["speedup"] == pytest.approx(5 / 3)
+    assert rows[3]["ttt_s"] is None
+
+
+def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
+    def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030, final=0.9):
+        return {"config": config, "kind": kind, "seed": seed, "curve": [], "ttt_s": ttt, "ttt_step": 10,
+                "step_s": step_s, "ratio": 1.0, "compute_s": step_s - comm_s, "compression_s": 0.0, "comm_s": comm_s,
+                "steps": 100, "metric": "accuracy", "final": final, "target": 0.95}
+
+    rows = [row("ddp", "ddp", 6.0), row("ddp", "ddp", 4.0, seed=1), row("torch-fp16", "torch_fp16", 4.0),
+            row("torch-fp16", "torch_fp16", 4.0, seed=1), row("torch-powersgd-r1", "torch_powersgd", 3.0),
+            row("topk-1%", "commpress", None), row("blockquant-4bit", "commpress", 2.0),
+            row("blockquant-4bit", "commpress", 3.0, seed=1)]
+    summary = sweep.summarize_configs(rows)
+    assert summary["ddp"]["ttt_s"] == 5.0 and summary["ddp"]["ttt_range"] == (4.0, 6.0)
+    verdict = {r["config"]: r for r in sweep.verdict_rows(summary)}
+    assert verdict["blockquant-4bit"]["vs DDP"] == "2.00x"
+    assert verdict["blockquant-4bit"]["vs torch fp16"] == "1.60x"
+    assert verdict["topk-1%"]["time to target s"] == "not reached"
+    lines = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), summary)
+    text = "\n".join(lines)
+    assert "blockquant-4bit" in lines[0]
+    assert "2.00x, goal >= 3x: MISSED (short by 33%)" in text
+    assert "vs torch-powersgd-r1 (3.0 s): 1.20x, goal ahead: met" in text
+    assert "1.20x, goal ahead: met, inside" not in text and "a tie" not in text
+    assert "1/(1 - 0.75) = 4.0x" in text                     # DDP's communication share bounds the speedup
+    assert sweep.check_goals(sweep.Leg("digits", 4, "1gbit", ()), summary) == []
+    # none reached: the goals are missed, saying how close the best came and what bounds it
+    rows = [row("ddp", "ddp", 6.0), row("topk-1%", "commpress", None, final=0.90, step_s=0.08),
+            row("blockquant-4bit", "commpress", None, final=0.93, step_s=0.08)]
+    lines = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), sweep.summarize_configs(rows))
+    assert "goals MISSED; closest blockquant-4bit, accuracy 0.9300 against the target 0.9500" in lines[0]
+    assert "costs 2.00x DDP's" in lines[-1]
+    assert sweep._best(sweep.summarize_configs(rows), "commpress") is None
+    rows = [row("ddp", "ddp", 6.0), row("torch-fp16", "torch_fp16", 3.3), row("bf16", "commpress", 3.0),
+            row("torch-powersgd-r1", "torch_powersgd", None)]
+    text = "\n".join(sweep.check_goals(sweep.Leg("lm", 2, "100mbit", ()), sweep.summarize_configs(rows)))
+    assert "vs torch-fp16 (3.3 s): 1.10x, goal ahead: met, inside the ~20% run-to-run noise" in text
+    assert "vs torch-powersgd-r1: met, it did not reach the target" in text
+
+
+def test_demo_plan_names_known_configs_and_says_what_is_oversubscribed():
+    args = sweep.build_parser().parse_args(["--demo"])
+    legs = sweep.plan(args)
+    assert [(leg.task, leg.world_size, leg.net) for leg in legs][:2] == [("digits", 2, "1gbit"), ("lm", 2, "100mbit")]
+    for leg in legs:
+        for name in sweep._expand(leg.configs, {"commpress": "topk-1%", "torch_powersgd": "torch-powersgd-r1"}):
+            assert name in C.BY_NAME
+    assert "torch-bf16" in legs[0].configs and C.unavailable_reason(C.BY_NAME["torch-bf16"])
+    meta = {"world_size": 4, "cores": 2, "oversubscribed": True, "pin": True, "network": "x"}
+    assert "oversubscribed" in sweep._leg_setting("k", meta)
+
+
+def test_launch_pins_each_rank_to_one_core():
+    import os
+
+    from benchmarks.netem import launch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    out = launch("benchmarks.netem:echo_target", 2, kwargs={"numel": 4}, timeout=60, pin=True)
+    assert [o["cpus"] for o in out] == [[cpus[0]], [cpus[1 % len(cpus)]]]
 
 
 @pytest.mark.timeout(150)
@@ -84,3 +153,20 @@ def test_tiny_sweep_writes_results(tmp_path):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (run_dir / "summary.md").read_text()
     assert "| config |" in summary and "python -m benchmarks sweep" in summary
+    assert "## Verdict" in summary and "commit " in summary
+    assert "issue" not in summary.lower()              # the product speaks of itself
+
+
+@pytest.mark.timeout(150)
+def test_without_namespaces_the_sweep_says_why_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
+    from benchmarks import netem
+
+    monkeypatch.setattr(netem.Cluster, "probe", staticmethod(lambda: "not running as root (test)"))
+    rc = sweep.main(["--quick", "--tasks", "digits", "--net", "1gbit", "--steps", "2", "--evals", "1",
+                     "--configs", "ddp", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "emulated network unavailable (not running as root (test)); running on loopback" in err
+    (run_dir,) = list(tmp_path.iterdir())
+    assert "loopback" in json.loads((run_dir / "results.json").read_text())["meta"]["legs"][
+        "digits, 2 ranks, 1gbit"]["network"]
