@@ -56,12 +56,20 @@ def unit_key(names: list[str]) -> str:
 def goes_dense(name: str, p: torch.Tensor, inner: Compressor, *, dense_1d: bool, min_numel: int,
                uses_error_feedback: bool, skip: Callable[[str], bool] | None) -> bool:
     """The policy: 1-D parameters (with ``dense_1d``), small ones, skipped ones, and the
-    ones the compressor would send as they are anyway travel in the dense part."""
-    if (dense_1d and p.dim() <= 1) or p.numel() < min_numel:
-        return True
+    ones the compressor would send as they are anyway travel in the dense part.
+
+    Elementwise casts (fp16, bf16: compressors with a ``cast_to``) are the exception
+    to ``dense_1d`` / ``min_numel``: they send every parameter of a bucket in one
+    message, as PyTorch's fp16/bf16 hooks do; a separate dense collective would cost
+    more than it keeps (measured: 1.59x against 1.30x DDP on a 2.2M MLP at P=2).
+    """
     if inner.name == "identity" and not uses_error_feedback:
         return True  # nothing to compress: one dense all_reduce, exactly DDP's
     if skip is not None and skip(name):
+        return True
+    if getattr(inner, "cast_to", False) is not False:
+        return False
+    if (dense_1d and p.dim() <= 1) or p.numel() < min_numel:
         return True
     is_compressed = getattr(inner, "is_compressed", None)
     if is_compressed is not None and not is_compressed(torch.empty(p.shape, device="meta")):
