@@ -92,7 +92,7 @@ class Hierarchy:
         self.intra = self.inter = None
         self._models: tuple[CostModel, CostModel] | None = None
         self._plans: dict[tuple, str] = {}
-        if self.world > 1 and dist.is_initialized():
+        if self.world > 1 and dist.is_initialized() and not (mode == "auto" and mine in (1, self.world)):
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             backend = dist.get_backend(group)
             L = mine
