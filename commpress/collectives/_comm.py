@@ -63,6 +63,15 @@ def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> t
     return out.reshape((p,) + tuple(t.shape))
 
 
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-gather ``t`` (contiguous, same size on every rank) into the flat ``out`` of ``P * t.numel()``."""
+    if world(group) == 1:
+        return out.copy_(t.reshape(-1))
+    _ALL_GATHER(out, t.reshape(-1), group=group)
+    _charge(stats, all_gather_cost(t.numel() * t.element_size(), world(group)))
+    return out
+
+
 def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=None) -> torch.Tensor:
     """In-place sum (or ``op``) all-reduce of a contiguous tensor; returns it."""
     p = world(group)

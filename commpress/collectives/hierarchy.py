@@ -320,10 +320,12 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     flat = tensor.reshape(-1)
     feedback = has_feedback(compressor)
     # 1. intra reduce-scatter: row i goes to local rank i; [shard i | pad | error, non-finite]
-    send = torch.zeros(L, S + wire.SUM_SLOTS, dtype=wdt, device=tensor.device)
-    if not err[0]:
-        for i in range(L):
-            send[i, :bnd[i + 1] - bnd[i]].copy_(flat[bnd[i]:bnd[i + 1]])
+    send = torch.empty(L, S + wire.SUM_SLOTS, dtype=wdt, device=tensor.device)
+    for i in range(L):
+        m = bnd[i + 1] - bnd[i] if not err[0] else 0
+        if m:
+            send[i, :m].copy_(flat[bnd[i]:bnd[i + 1]])
+        send[i, m:S].zero_()
     send[:, S].fill_(1.0 if err[0] else 0.0)
     if feedback:
         send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
@@ -348,13 +350,18 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
                                    **dict(args, key=("shard", key, j)))
     else:
         out_shard = shard
-    # 3. intra all-gather of the reduced shards
-    piece = torch.zeros(S, dtype=tensor.dtype, device=tensor.device)
-    piece[:mine].copy_(out_shard.reshape(-1))
-    gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
-    out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
-    for i in range(L):
-        out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
+    # 3. intra all-gather of the reduced shards (straight into the output when they are equal)
+    if n == L * S:
+        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        piece = out_shard.reshape(-1).to(tensor.dtype).contiguous()
+        _comm.all_gather_into(out, piece, group=h.intra, stats=stats)
+    else:
+        piece = torch.zeros(S, dtype=tensor.dtype, device=tensor.device)
+        piece[:mine].copy_(out_shard.reshape(-1))
+        gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
+        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        for i in range(L):
+            out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
     if stats is not None:
         stats.add(algorithm=f"two_level+{stats.last_algorithm or kind}")
     if transaction is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ def data(rank: int, step: int, n: int = N) -> torch.Tensor:
 
 
 def identity_worker(rank, world):
-    h = Hierarchy(2)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"   # as torchrun sets it
+    h = Hierarchy.from_env()
     assert (h.local_size, h.nodes, h.local_rank, h.node) == (2, world // 2, rank % 2, rank // 2)
     out = {}
     for dtype in (torch.float32, torch.float16):
