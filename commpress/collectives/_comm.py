@@ -103,6 +103,19 @@ def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[
     return out
 
 
+def all_to_all_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-to-all of equal pieces: row ``r`` of ``send`` (``[P, m]``) goes to rank ``r``; row ``s``
+    of ``out`` comes from rank ``s``."""
+    p = world(group)
+    if p == 1:
+        return out.copy_(send)
+    dist.all_to_all_single(out, send, group=group)
+    if stats is not None:
+        b = (send.numel() // p) * send.element_size() * (p - 1)
+        stats.add(b, b, p - 1)
+    return out
+
+
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None,
              stats: CommStats | None = None, do_send: bool = True, do_recv: bool = True) -> None:
     """Point-to-point: send ``send`` to ``peer`` and/or receive ``recv`` from it (group ranks)."""

@@ -92,6 +92,7 @@ class Hierarchy:
         self.intra = self.inter = None
         self._models: tuple[CostModel, CostModel] | None = None
         self._plans: dict[tuple, str] = {}
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if self.world > 1 and dist.is_initialized() and not (mode == "auto" and mine in (1, self.world)):
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             backend = dist.get_backend(group)
@@ -125,6 +126,18 @@ class Hierarchy:
         return ("hierarchy", self.local_size, self.nodes, self.mode)
 
     # -- shards ------------------------------------------------------------
+    def scratch(self, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        """The reduce-scatter's send and receive buffers ``[rows, width]`` and its fp32 sum
+        ``[width]``: allocated once per size, reused by every later call (one call at a time)."""
+        k = (rows, width, dtype, device)
+        if k not in self._scratch:
+            if len(self._scratch) >= 16:
+                self._scratch.pop(next(iter(self._scratch)))
+            self._scratch[k] = (torch.empty(rows, width, dtype=dtype, device=device),
+                                torch.empty(rows, width, dtype=dtype, device=device),
+                                torch.empty(width, dtype=torch.float32, device=device))
+        return self._scratch[k]
+
     def bounds(self, numel: int, compressor: Any = None, shape: tuple[int, ...] | None = None,
                shapes: list[tuple[int, ...]] | None = None) -> list[int]:
         """Shard ``j`` is ``[b[j], b[j+1])`` of the flat tensor: equal cuts, aligned to a
@@ -320,7 +333,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     flat = tensor.reshape(-1)
     feedback = has_feedback(compressor)
     # 1. intra reduce-scatter: row i goes to local rank i; [shard i | pad | error, non-finite]
-    send = torch.empty(L, S + wire.SUM_SLOTS, dtype=wdt, device=tensor.device)
+    send, recv, acc = h.scratch(L, S + wire.SUM_SLOTS, wdt, tensor.device)
     for i in range(L):
         m = bnd[i + 1] - bnd[i] if not err[0] else 0
         if m:
@@ -329,10 +342,11 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     send[:, S].fill_(1.0 if err[0] else 0.0)
     if feedback:
         send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
-    width = (S + wire.SUM_SLOTS) * send.element_size()
-    recv = _comm.all_to_all_bytes(send.view(torch.uint8).reshape(-1), [width] * L, [width] * L,
-                                  group=h.intra, stats=stats)
-    acc = recv.view(wdt).reshape(L, S + wire.SUM_SLOTS).float().sum(0)
+    _comm.all_to_all_(recv, send, group=h.intra, stats=stats)
+    if wdt == torch.float32:
+        torch.sum(recv, 0, out=acc)
+    else:
+        torch.sum(recv.float(), 0, out=acc)
     mine = bnd[j + 1] - bnd[j]
     shard = acc[:mine].to(wdt)
     code, msg = err
