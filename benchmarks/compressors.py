@@ -1,5 +1,7 @@
 """Compressor suite: compress/decompress time of every compressor as a ratio to memcpy
 of the same tensor (measured in the same run), compression ratio and relative error.
+Compression goes through the public API (``ErrorFeedback`` where marked); decompression
+writes into one reused ``out`` buffer.
 
 ``python -m benchmarks compressors [--numel N] [--repeat R] [--only NAME ...]``
 """
@@ -37,6 +39,12 @@ SUITE: list[tuple[str, str, dict[str, Any], bool]] = [
     ("blockquant 4b stoch", "blockquant", {"bits": 4, "stochastic": True}, False),
     ("blockquant 2b", "blockquant", {"bits": 2}, False),
     ("powersgd r4", "powersgd", {"rank": 4}, False),
+    ("fp8 e4m3", "fp8", {"format": "e4m3"}, False),
+    ("fp8 e5m2 stoch", "fp8", {"format": "e5m2", "stochastic": True}, False),
+    ("mx fp8", "mx", {"element": "fp8_e4m3"}, False),
+    ("mx fp6", "mx", {"element": "fp6_e2m3"}, False),
+    ("mx fp4", "mx", {"element": "fp4_e2m1"}, False),
+    ("mx fp4 + EF", "mx", {"element": "fp4_e2m1"}, True),
 ]
 
 
@@ -61,7 +69,8 @@ def measure(label: str, name: str, params: dict, ef: bool, x: torch.Tensor, memc
     payload = compress()
     t_c = time_call(compress, repeat=repeat, warmup=0)
     payload = compress()
-    t_d = time_call(lambda: c.decompress(payload), repeat=repeat)
+    out = torch.empty_like(x)  # decode into a reused buffer, as the collectives do
+    t_d = time_call(lambda: c.decompress(payload, out=out), repeat=repeat)
     y = c.decompress(payload)
     err = ((y.float() - x.float()).norm() / x.float().norm()).item()
     return {

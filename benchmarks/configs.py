@@ -75,6 +75,11 @@ ALL: list[Config] = [
     _cp("blockquant-2bit", "blockquant", bits=2),
     _cp("signsgd", "signsgd"),
     _cp("qsgd", "qsgd"),
+    _cp("fp8-e4m3", "fp8", format="e4m3"),
+    _cp("fp8-e5m2", "fp8", format="e5m2"),
+    _cp("mx-fp8", "mx", element="fp8_e4m3"),
+    _cp("mx-fp6", "mx", element="fp6_e2m3"),
+    _cp("mx-fp4", "mx", element="fp4_e2m1"),
     _cp("powersgd-r2", "powersgd", rank=2),
     _cp("powersgd-r4", "powersgd", rank=4),
 ]

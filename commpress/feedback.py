@@ -96,11 +96,26 @@ class ErrorFeedback(Compressor):
     Collectives pass ``transaction=`` (a :class:`ResidualTransaction`) so that
     the update waits for the cross-rank verdict; without one it is committed at
     once with the local non-finite flag.
+
+    Allocation-free in steady state for fp32 input: the generic path decodes into
+    one reused buffer (per dtype and device, as large as the largest key), and a
+    compressor with ``compress_feedback`` (signsgd) compensates, encodes and writes
+    the pending residual in one fused pass.
+
+    Momentum correction (DGC, Lin et al. 2018), ``momentum=m > 0``: per key a
+    velocity ``u = m*u + g`` is kept, where ``g`` is the input clipped to L2 norm
+    ``clip`` when given (local gradient clipping); error feedback then runs on
+    ``u`` (``c = u + beta*e``, ``e = c - sent``), and for sparsifiers ``u`` is zeroed
+    at the sent coordinates (momentum factor masking).  The momentum now lives
+    here: pair it with plain SGD, ``torch.optim.SGD(params, lr, momentum=0)``.
+    The velocity commits with the residual (same non-finite rule and
+    transactions), adds two fp32 buffers per key, and is in ``state_dict``.
     """
 
     unbiased = False
 
-    def __init__(self, compressor: Compressor, beta: float = 1.0) -> None:
+    def __init__(self, compressor: Compressor, beta: float = 1.0, momentum: float = 0.0,
+                 clip: float | None = None) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -111,9 +126,24 @@ class ErrorFeedback(Compressor):
         self.aggregation = compressor.aggregation
         self.deterministic = compressor.deterministic
         self.supported_dtypes = compressor.supported_dtypes
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not clip > 0 or clip == float("inf")):
+            raise ValueError(f"clip must be None or a finite number > 0, got {clip!r}")
+        self.momentum = float(momentum)
+        self.clip = None if clip is None else float(clip)
         self._config = {"compressor": compressor.name, "params": compressor.config(), "beta": beta}
+        if self.momentum or self.clip is not None:
+            self._config.update(momentum=self.momentum, clip=self.clip)
         self._residuals: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, torch.Tensor] = {}
+        self._velocity: dict[Any, torch.Tensor] = {}
+        self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
+        self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        #: 0-d bool of the last compress: its compensated input held a NaN/inf (the
+        #: collectives put it in their status word instead of scanning the input again)
+        self.last_nonfinite: torch.Tensor | None = None
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -152,6 +182,50 @@ class ErrorFeedback(Compressor):
             live.copy_(pend)
         else:
             torch.where(bad, live, pend, out=live)
+        if self.momentum:
+            vpend = self._velocity_pending[key][:-1].view(pend.shape)
+            vlive = self._slot(self._velocity, key, pend)
+            if bad is None:
+                vlive.copy_(vpend)
+            else:
+                torch.where(bad, vlive, vpend, out=vlive)
+
+    def velocity(self, key: Any) -> torch.Tensor | None:
+        """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
+        return self._velocity.get(key)
+
+    def _accumulate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
+        """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape); committed by :meth:`_apply`."""
+        n = tensor.numel()
+        buf = self._velocity_pending.get(key)
+        if buf is None or buf.numel() != n + 1 or buf.device != tensor.device:
+            buf = self._velocity_pending[key] = torch.zeros(n + 1, dtype=torch.float32, device=tensor.device)
+        u = buf[:n].view(tensor.shape)
+        g = tensor
+        if self.clip is not None:  # on the device: scale = min(1, clip / ||g||) (NaN norm -> NaN)
+            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+            g = tensor * torch.clamp(self.clip / norm, max=1.0)
+        live = self._velocity.get(key)
+        if live is None or live.numel() != n or live.device != tensor.device:
+            u.copy_(g)
+        else:
+            torch.add(g, live.view(tensor.shape), alpha=self.momentum, out=u)
+        return u
+
+    def _mask_velocity(self, key: Any, payload: Payload) -> None:
+        """Momentum factor masking: zero the pending velocity at the sent indices
+        (padding slots point at ``numel``, the buffer's extra entry)."""
+        if self.compressor.aggregation == "sparse" and payload.tensors[0].numel():
+            self._velocity_pending[key].index_fill_(0, payload.tensors[0].long(), 0.0)
+            self._velocity_pending[key][-1] = 0.0
+
+    def _decode_buffer(self, payload: Payload) -> torch.Tensor:
+        """A reused buffer for ``decompress(payload, out=)`` (grown to the largest key)."""
+        slot = (payload.dtype, payload.device)
+        buf = self._decode.get(slot)
+        if buf is None or buf.numel() < payload.numel:
+            buf = self._decode[slot] = torch.empty(payload.numel, dtype=payload.dtype, device=payload.device)
+        return buf[:payload.numel]
 
     # -- compress ----------------------------------------------------------
     def compress(self, tensor, *, step=0, key=0, generator=None,
@@ -166,9 +240,16 @@ class ErrorFeedback(Compressor):
 
     def _compress(self, tensor, step, key, generator, transaction, fixed: bool) -> Payload:
         self.check_input(tensor)
-        c = self.compensate(tensor, key)
-        local_bad = nonfinite_flag(c)
+        x = self._accumulate(tensor, key) if self.momentum else tensor
         inner = self.compressor
+        fused = getattr(inner, "compress_feedback", None)
+        if fused is not None and tensor.dtype == torch.float32:  # compensate + encode + residual, one pass
+            live = self._slot(self._residuals, key, x)
+            payload, finite = fused(x, live, self.beta, self._slot(self._pending, key, x))
+            self.last_nonfinite = ~finite
+            return self._stage(key, payload, self.last_nonfinite, transaction)
+        c = self.compensate(x, key)
+        local_bad = self.last_nonfinite = nonfinite_flag(c)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
@@ -178,7 +259,12 @@ class ErrorFeedback(Compressor):
             run = inner.compress_fixed if fixed else inner.compress
             payload = run(src, step=step, key=key, generator=generator)
             payload = _detach_from(payload, c)
-            c.sub_(inner.decompress(payload).reshape(c.shape).float())
+            c.sub_(inner.decompress(payload, out=self._decode_buffer(payload)).reshape(c.shape).float())
+        return self._stage(key, payload, local_bad, transaction)
+
+    def _stage(self, key, payload, local_bad, transaction) -> Payload:
+        if self.momentum:
+            self._mask_velocity(key, payload)
         if transaction is not None:
             transaction.stage(self, key, local_bad)
         else:
@@ -197,27 +283,37 @@ class ErrorFeedback(Compressor):
         else:
             self._apply(key, bad)
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return self.compressor.decompress(payload)
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.decompress(payload, out=out)
 
     # -- state ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every residual (the inner compressor's state is kept)."""
         self._residuals.clear()
         self._pending.clear()
+        self._velocity.clear()
+        self._velocity_pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``."""
-        return {"beta": self.beta, "residuals": encode_keyed(self._residuals),
-                "compressor": self.compressor.state_dict()}
+        """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``, plus
+        ``"momentum"`` and ``"velocities"`` (same layout) with momentum correction."""
+        state = {"beta": self.beta, "residuals": encode_keyed(self._residuals),
+                 "compressor": self.compressor.state_dict()}
+        if self.momentum:
+            state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"beta", "residuals", "compressor"}:
-            raise ValueError("error feedback state must have keys 'beta', 'residuals', 'compressor'")
+        keys = {"beta", "residuals", "compressor"} | ({"momentum", "velocities"} if self.momentum else set())
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"error feedback state must have keys {sorted(keys)}")
         residuals = decode_keyed(state["residuals"], "error feedback residuals")
+        velocities = decode_keyed(state["velocities"], "error feedback velocities") if self.momentum else {}
         self.compressor.load_state_dict(state["compressor"])
         self._residuals = {k: r.float().clone() for k, r in residuals.items()}
+        self._velocity = {k: u.float().clone() for k, u in velocities.items()}
         self._pending.clear()
+        self._velocity_pending.clear()
 
 
 def _detach_from(payload: Payload, buf: torch.Tensor) -> Payload:

@@ -38,7 +38,7 @@ class RankError:
     traceback: str
 
 
-def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout):
+def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -47,7 +47,7 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
@@ -60,8 +60,9 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout)
 
 
 def run(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
-        pg_timeout: float = 30.0, return_exceptions: bool = False, **kwargs) -> list[Any]:
-    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+        pg_timeout: float = 30.0, return_exceptions: bool = False, backend: str = "gloo",
+        **kwargs) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo, or ``backend``).
 
     ``fn`` must be importable (module level).  Returns the per-rank results in
     rank order.  A rank that raises makes this raise ``RuntimeError`` with its
@@ -74,7 +75,7 @@ def run(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, kwargs, results, pg_timeout),
+            ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, kwargs, results, pg_timeout, backend),
                         daemon=True)
             for r in range(world_size)
         ]

@@ -10,7 +10,7 @@ import torch
 from ..compressors._util import mix_seed, stable_hash
 from ..compressors.base import Compressor, Payload
 from ..feedback import ErrorFeedback, ResidualTransaction
-from .wire import signature
+from .wire import E_DTYPE, E_MISUSE, signature
 
 
 def unwrap(compressor: Any) -> Any:
@@ -59,8 +59,6 @@ def has_feedback(compressor: Any) -> bool:
 def local_check(tensor: torch.Tensor, compressor: Any, algorithm: str, allowed: tuple[str, ...]
                 ) -> tuple[int, str]:
     """This rank's static checks: ``(error code, message)``, code 0 when fine."""
-    from .wire import E_DTYPE, E_MISUSE
-
     if algorithm not in allowed:
         return E_MISUSE, f"algorithm must be one of {allowed}, got {algorithm!r}"
     inner = unwrap(compressor)

@@ -46,6 +46,28 @@ def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH_MAX = 16
+
+
+def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of ``n`` elements (contents undefined), one per ``(tag, n, dtype,
+    device)`` and thread, the last few kept: fresh large allocations cost page faults on
+    every call.  Never return it to a caller: it is overwritten by the next call."""
+    import threading
+
+    key = (tag, n, dtype, str(device), threading.get_ident())
+    buf = _SCRATCH.pop(key, None)
+    if buf is None:
+        buf = torch.empty(n, dtype=dtype, device=device)
+    elif len(_SCRATCH) >= _SCRATCH_MAX:
+        _SCRATCH.pop(next(iter(_SCRATCH)))
+    _SCRATCH[key] = buf  # most recently used last
+    while len(_SCRATCH) > _SCRATCH_MAX:
+        _SCRATCH.pop(next(iter(_SCRATCH)))
+    return buf
+
+
 def _charge(stats: CommStats | None, cost: tuple[int, int, int]) -> None:
     if stats is not None:
         stats.add(*cost)

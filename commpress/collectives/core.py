@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import Compressor, Payload
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import ResidualTransaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
 from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
 from .accounting import CommStats
@@ -53,8 +53,8 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               algorithm: str = "auto", stats: CommStats | None = None,
               generator: torch.Generator | None = None, validate: bool = True,
               transaction: ResidualTransaction | None = None,
-              shapes: list[tuple[int, ...]] | None = None, hierarchy=None,
-              _error: tuple[int, str] | None = None) -> torch.Tensor:
+              shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None,
+              hierarchy=None, _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
     ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
@@ -65,16 +65,16 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     do after registration).  ``transaction`` collects the residual updates of several
     calls (a training step) for one commit by the caller.  ``shapes`` (lowrank only):
     ``tensor`` is the flat concatenation of tensors of these shapes, all sent in one
-    batched PowerSGD protocol.  ``hierarchy`` (a
+    batched PowerSGD protocol.  Returns a tensor of ``tensor``'s shape and dtype;
+    with ``out`` (same shape and dtype; may be ``tensor`` itself) the result is
+    written there and ``out`` is returned.  ``hierarchy`` (a
     :class:`~commpress.collectives.hierarchy.Hierarchy`): dense inside each node,
-    compressed between nodes (:mod:`.hierarchy`).  Returns a tensor of ``tensor``'s
-    shape and dtype.
+    compressed between nodes (:mod:`.hierarchy`).
     """
-    if hierarchy is not None:
-        from .hierarchy import allreduce as two_level
-        return two_level(tensor, compressor, hierarchy, group=group, key=key, step=step, algorithm=algorithm,
-                         stats=stats, generator=generator, validate=validate, transaction=transaction,
-                         shapes=shapes)
+    if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
+        return hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
+                                   stats=stats, generator=generator, validate=validate, transaction=transaction,
+                                   shapes=shapes, out=out)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     inner = unwrap(compressor)
@@ -99,24 +99,35 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     tx = transaction if transaction is not None else ResidualTransaction()
     args = dict(group=group, key=key, step=step, algorithm=algorithm, stats=stats, generator=generator,
                 transaction=tx, error=err, model=model)
+    if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
+        raise ValueError(f"allreduce: out must have tensor's shape {tuple(tensor.shape)} and dtype "
+                         f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
+    result = out
     if kind == "sum":
-        out = _sum_path(tensor, compressor, **args)
+        out = _sum_path(tensor, compressor, out=result, **args)
     elif kind == "sparse":
-        out = sparse.fixed_sparse_allreduce(tensor, compressor, **args)
+        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, **args)
     elif kind == "gather":
         out = quantized.quantized_allreduce(tensor, compressor, **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if transaction is None:
         tx.commit()
+    if result is not None and out is not result:
+        result.copy_(out)
+        out = result
     return out
 
 
 def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generator, transaction, error,
-              model) -> torch.Tensor:
+              model, out=None) -> torch.Tensor:
     """One ``all_reduce`` of the payload's tensors (one dtype) plus the status slots."""
     inner = unwrap(compressor)
     code, msg = error
+    world = _comm.world(group)
+    cast_to = getattr(inner, "cast_to", False)
+    if cast_to is not False and not has_feedback(compressor) and world > 1:
+        return _cast_path(tensor, cast_to or tensor.dtype, group, stats, code, msg, out)
     payload = None
     if not code:
         try:
@@ -124,7 +135,6 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
                                      transaction=transaction)
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
-    world = _comm.world(group)
     if world == 1:
         if code:
             raise wire.CollectiveInputError(f"allreduce: {msg}")
@@ -140,7 +150,7 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     for t, n in zip(payload.tensors, sizes):
         msg_buf[pos:pos + n].copy_(t.reshape(-1))
         pos += n
-    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
     wire.sum_slots(msg_buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
     _comm.all_reduce_(msg_buf, group=group, stats=stats)
     wire.check_sum_slots(msg_buf, "allreduce", msg, world)
@@ -156,4 +166,25 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     if bad is not None:
         transaction.mark_bad(bad)
         wire.poison_(out, bad)
+    return out
+
+
+def _cast_path(tensor, wire_dtype, group, stats, code, msg, out) -> torch.Tensor:
+    """identity / fp16 / bf16 without error feedback: the cast is written straight into the
+    message and the sum cast back into ``out`` (no payload tensors in between)."""
+    n = tensor.numel()
+    message = torch.empty(n + wire.SUM_SLOTS, dtype=wire_dtype, device=tensor.device)
+    if not code:
+        message[:n].copy_(tensor.reshape(-1))
+    else:
+        message[:n].zero_()
+    world = _comm.world(group)
+    wire.sum_slots(message, error=code, rank=_comm.rank(group), world=world)
+    _comm.all_reduce_(message, group=group, stats=stats)
+    wire.check_sum_slots(message, "allreduce", msg, world)
+    if stats is not None:
+        stats.add(calls=1, algorithm="allreduce")
+    if out is None:
+        return message[:n].to(tensor.dtype).reshape(tensor.shape)
+    out.view(-1).copy_(message[:n])
     return out

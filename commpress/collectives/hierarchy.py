@@ -43,9 +43,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..feedback import ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
-from ._codec import fingerprint, local_check, unwrap
+from ._codec import fingerprint, has_feedback, local_check, unwrap
+from .core import ALLREDUCE_ALGORITHMS
+from .core import allreduce as flat_allreduce
 from .costmodel import CostModel
+from .quantized import alignment
 from .validate import check_once
 
 log = logging.getLogger("commpress")
@@ -118,6 +122,10 @@ class Hierarchy:
             log.warning("commpress Hierarchy.from_env: LOCAL_WORLD_SIZE=%r is not a positive int", raw)
         return cls(local if local >= 1 else 0, group, mode=mode)
 
+    def allreduce(self, tensor: torch.Tensor, compressor: Any, **kwargs: Any) -> torch.Tensor:
+        """``commpress.collectives.allreduce(tensor, compressor, hierarchy=self, **kwargs)``."""
+        return allreduce(tensor, compressor, self, **kwargs)
+
     def __repr__(self) -> str:
         return f"Hierarchy(local_size={self.local_size}, nodes={self.nodes}, mode={self.mode!r})"
 
@@ -143,8 +151,6 @@ class Hierarchy:
         """Shard ``j`` is ``[b[j], b[j+1])`` of the flat tensor: equal cuts, aligned to a
         ``"gather"`` compressor's block; for ``"lowrank"`` cuts between the matrices of
         ``shapes``, or between row blocks of a single matrix, so each shard stays matrices."""
-        from .quantized import alignment
-
         L = self.local_size
         kind = getattr(unwrap(compressor), "aggregation", None) if compressor is not None else None
         if kind == "lowrank":
@@ -294,12 +300,8 @@ def _kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, 
 # ---------------------------------------------------------------- the collective
 def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, group=None, key: Any = 0,
               step: int = 0, algorithm: str = "auto", stats=None, generator=None, validate: bool = True,
-              transaction=None, shapes=None) -> torch.Tensor:
+              transaction=None, shapes=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`commpress.collectives.allreduce` through ``hierarchy`` (see the module doc)."""
-    from .core import allreduce as flat_allreduce
-    from ..feedback import ResidualTransaction, nonfinite_flag
-    from ._codec import has_feedback
-
     h = hierarchy
     if not isinstance(h, Hierarchy):
         raise TypeError(f"allreduce: hierarchy must be a commpress.collectives.Hierarchy or None, "
@@ -310,10 +312,12 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     shape = tuple(tensor.shape)
     if h.world == 1 or h.plan(tensor.numel(), compressor, tensor.dtype, shape, shapes) == "flat":
         return flat_allreduce(tensor, compressor, group=h.group, validate=validate, transaction=transaction,
-                              shapes=shapes, **args)
+                              shapes=shapes, out=out, **args)
+    if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
+        raise ValueError(f"allreduce: out must have tensor's shape {tuple(tensor.shape)} and dtype "
+                         f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
     inner = unwrap(compressor)
     kind = inner.aggregation
-    from .core import ALLREDUCE_ALGORITHMS
 
     wire.flush_deferred()
     err = local_check(tensor, compressor, algorithm, ALLREDUCE_ALGORITHMS[kind])
@@ -364,18 +368,24 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
                                    **dict(args, key=("shard", key, j)))
     else:
         out_shard = shard
-    # 3. intra all-gather of the reduced shards (straight into the output when they are equal)
-    if n == L * S:
-        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+    # 3. intra all-gather of the reduced shards (straight into the output when they are equal;
+    #    ``out`` may be ``tensor`` itself: the input is no longer read)
+    result = out if out is not None else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    if n == L * S and result.is_contiguous():
         piece = out_shard.reshape(-1).to(tensor.dtype).contiguous()
-        _comm.all_gather_into(out, piece, group=h.intra, stats=stats)
+        _comm.all_gather_into(result.view(-1), piece, group=h.intra, stats=stats)
+        out = result
     else:
         piece = torch.zeros(S, dtype=tensor.dtype, device=tensor.device)
         piece[:mine].copy_(out_shard.reshape(-1))
         gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
-        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        flat_out = result.view(-1) if result.is_contiguous() else torch.empty(n, dtype=tensor.dtype,
+                                                                                device=tensor.device)
         for i in range(L):
-            out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
+            flat_out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
+        if flat_out.data_ptr() != result.data_ptr() or not result.is_contiguous():
+            result.copy_(flat_out.view(shape))
+        out = result
     if stats is not None:
         stats.add(algorithm=f"two_level+{stats.last_algorithm or kind}")
     if transaction is None:

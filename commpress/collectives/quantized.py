@@ -37,10 +37,11 @@ from typing import Any
 import torch
 
 from ..compressors.base import Payload
-from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
+from ..feedback import ErrorFeedback, ResidualTransaction
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, has_feedback, local_check, unwrap
+from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
 from .accounting import CommStats
+from .validate import check_once
 
 _ALIGN_ATTRS = ("alignment", "block", "block_size", "chunk", "chunk_size", "bucket_size")
 
@@ -69,34 +70,38 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
 
 def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error):
     """Every chunk's fixed-size payload (zeros-payloads after a local error, so the
-    message sizes stay right); returns ``(payloads, code, message)``."""
+    message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
     inner = unwrap(compressor)
     code, msg = error
     world = len(bounds) - 1
-    payloads = None
+    payloads, bad = None, None
     if not code:
         try:
-            payloads = [compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step, key=(key, r),
-                                       generator=generator, transaction=transaction) for r in range(world)]
+            payloads = []
+            for r in range(world):
+                payloads.append(compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
+                                               key=(key, r), generator=generator, transaction=transaction))
+                if has_feedback(compressor):  # this rank's NaN/inf verdict, from the chunks' own scans
+                    last = compressor.last_nonfinite
+                    bad = last if bad is None else bad | last
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if payloads is None:
         zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         payloads = [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(world)]
-    return payloads, code, msg
+    return payloads, code, msg, bad
 
 
-def _status(flat, compressor, code, sig, out=None):
-    bad = nonfinite_flag(flat) if has_feedback(compressor) else None
-    return wire.status_word(flat.device, error=code, sig=sig, nonfinite=bad, out=out)
+def _status(flat, code, sig, bad):
+    return wire.status_word(flat.device, error=code, sig=sig, nonfinite=bad)
 
 
-def _phase1(flat, compressor, payloads, code, sig, group, stats):
+def _phase1(flat, payloads, code, sig, bad, group, stats):
     """All-to-all of ``[status | payload of chunk r]`` to owner ``r``; returns the P received
     messages ``[P, width]`` (uint8) and this rank's chunk layout."""
     world, me = _comm.world(group), _comm.rank(group)
     layouts = [wire.Layout.of(p.tensors) for p in payloads]
-    status = _status(flat, compressor, code, sig)
+    status = _status(flat, code, sig, bad)
     send = torch.empty(sum(lay.width for lay in layouts), dtype=torch.uint8, device=flat.device)
     off = 0
     for p, lay in zip(payloads, layouts):
@@ -164,7 +169,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
         return _local("allreduce", error, compressor, flat, key, step, stats, generator,
                       tx).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
-    payloads, code, msg = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error)
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
@@ -172,9 +177,9 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         key=lambda a: (costmodel.gather_costs(total, n, world, model)[a], a))
     sig = wire.signature("gather", n, str(tensor.dtype), [p.nbytes for p in payloads], algorithm)
     if algorithm == "gather_all":
-        out = _gather_all(flat, compressor, inner, payloads, code, sig, bounds, group, stats)
+        out = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats)
     else:
-        out = _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key, step, stats,
+        out = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
                          generator, tx)
     statuses, out = out
     _verdict(statuses, sig, "allreduce", msg, out, compressor, tx)
@@ -195,9 +200,10 @@ def _local(caller, err, compressor, flat, key, step, stats, generator, transacti
     return unwrap(compressor).decompress(p).reshape(-1)
 
 
-def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key, step, stats, generator, tx):
+def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats, generator,
+               tx):
     world, me = _comm.world(group), _comm.rank(group)
-    received, layout = _phase1(flat, compressor, payloads, code, sig, group, stats)
+    received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
     acc = _owner_sum(inner, received, layout, payloads[me])
     src = acc.to(flat.dtype if flat.dtype in inner.supported_dtypes else torch.float32)
     owner_key = ("owner", key, me)
@@ -220,12 +226,12 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bounds, group, key,
     return wire.read_status(gathered), out
 
 
-def _gather_all(flat, compressor, inner, payloads, code, sig, bounds, group, stats):
+def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats):
     world = _comm.world(group)
     tensors = [t for p in payloads for t in p.tensors]
     layout = wire.Layout.of(tensors)
     message = torch.empty(layout.width, dtype=torch.uint8, device=flat.device)
-    layout.write(message, tensors, _status(flat, compressor, code, sig))
+    layout.write(message, tensors, _status(flat, code, sig, bad))
     gathered = _comm.all_gather(message, group=group, stats=stats)
     per = [len(p.tensors) for p in payloads]
     starts = [sum(per[:r]) for r in range(world + 1)]
@@ -255,8 +261,6 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
     static facts with one header exchange the first time a key is seen.
     With one rank: compress + decompress of the whole tensor.
     """
-    from .validate import check_once
-
     world = _comm.world(group)
     inner = unwrap(compressor)
     if getattr(inner, "aggregation", None) not in ("gather", "sum", "sparse"):
@@ -272,7 +276,6 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         err = (wire.E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}")
     tx = transaction if transaction is not None else ResidualTransaction()
     if validate:
-        from ._codec import fingerprint
         check_once(group, key, ("reduce_scatter", n, str(tensor.dtype), fingerprint(compressor)),
                    device=flat.device, error=err[0], numel=n, dtype=tensor.dtype, algorithm="two_phase",
                    kind="reduce_scatter", config=fingerprint(compressor), stats=stats, local_message=err[1],
@@ -284,9 +287,9 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
             flat = torch.zeros(world * max(1, -(-n // world)), dtype=torch.float32, device=flat.device)
         per = flat.numel() // world
         bounds = [r * per for r in range(world + 1)]
-        payloads, code, msg = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
+        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
         sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
-        received, layout = _phase1(flat, compressor, payloads, code, sig, group, stats)
+        received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
         out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
         _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
         out = out.to(tensor.dtype)

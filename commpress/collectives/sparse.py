@@ -53,7 +53,7 @@ import logging
 import torch
 
 from .. import ops
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
 from ._codec import compress_fixed, has_feedback, unwrap
 from .accounting import CommStats
@@ -448,7 +448,8 @@ FIXED_ALGORITHMS = costmodel.FIXED_SPARSE
 def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=0, step: int = 0,
                            algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                            transaction: ResidualTransaction, error: tuple[int, str] = (0, ""),
-                           model: costmodel.CostModel | None = None) -> torch.Tensor:
+                           model: costmodel.CostModel | None = None, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Sum over ranks of a sparsifier's payload of ``tensor``, shaped like ``tensor``.
 
     Every rank sends ``capacity(numel)`` slots (:meth:`SparseCompressor.compress_fixed`):
@@ -486,9 +487,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm == "auto":
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
-    bad_local = nonfinite_flag(tensor) if has_feedback(compressor) else None
+    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
     if algorithm == "allgather":
-        acc = torch.zeros(n + 1, dtype=acc_dtype(vals.dtype), device=tensor.device)   # slot n: padding
+        acc = _comm.scratch("sparse_acc", n + 1, acc_dtype(vals.dtype), tensor.device).zero_()  # slot n: padding
         layout = wire.Layout.of((idx, vals))
         sig = wire.signature("sparse", n, str(vals.dtype), idx.numel())
         message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
@@ -502,26 +503,27 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
             ops.scatter_add_(acc, i, v.to(acc.dtype))
         bad = wire.any_nonfinite(statuses)
     else:  # dense
-        buf = torch.zeros(n + 1 + wire.SUM_SLOTS, dtype=torch.float32, device=tensor.device)
+        buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device).zero_()
         ops.scatter_add_(buf[:n + 1], idx, vals.float())
         wire.sum_slots(buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
         _comm.all_reduce_(buf, group=group, stats=stats)
         wire.check_sum_slots(buf, "allreduce", msg, world)
         acc = buf[:n + 1]
         bad = buf[-1] != 0
-    out = acc[:n].to(vals.dtype)
+    if out is None:  # acc is a reused scratch buffer: never hand it out
+        out = acc[:n].to(vals.dtype, copy=True).to(tensor.dtype).reshape(tensor.shape)
+    else:
+        out.view(-1).copy_(acc[:n] if acc.dtype == vals.dtype else acc[:n].to(vals.dtype))
     if has_feedback(compressor):
         transaction.mark_bad(bad)
         wire.poison_(out, bad)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
-    return out.to(tensor.dtype).reshape(tensor.shape)
+    return out
 
 
 def _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction):
     """The count-exchanging algorithms (split, hashed, recursive doubling) on the compact payload."""
-    from ..feedback import ErrorFeedback
-
     idx = vals = None
     error = (0, "")
     try:

@@ -102,8 +102,15 @@ class Compressor(ABC):
         return self.compress(tensor, step=step, key=key, generator=generator)
 
     @abstractmethod
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        """Decode a payload to a tensor of the original shape and dtype."""
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode a payload to a tensor of the original shape and dtype.
+
+        ``out``: optional contiguous tensor of ``payload.dtype`` with ``payload.numel``
+        elements on the payload's device.  The result is written into it and returned
+        (viewed with ``payload.shape`` when its shape differs), so a caller that keeps
+        one buffer per tensor allocates nothing per call (fp32 payloads; half
+        precision decodes through an fp32 temporary).
+        """
 
     # -- state (warm starts, counters) ----------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -139,6 +146,32 @@ class Compressor(ABC):
                 f"{self.name}: unsupported dtype {tensor.dtype}; supported: {allowed}"
             )
 
+    def decode_target(self, payload: Payload, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Check ``out`` (see :meth:`decompress`); return its flat fp32 view when an op may
+        decode straight into it (fp32 payload), else ``None``."""
+        if out is None:
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{self.name}: out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != payload.dtype or out.numel() != payload.numel or not out.is_contiguous() \
+                or out.device != payload.device:
+            raise ValueError(
+                f"{self.name}: out must be a contiguous {payload.dtype} tensor of {payload.numel} "
+                f"elements on {payload.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+                f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+        return out.view(-1) if out.dtype == torch.float32 else None
+
+    @staticmethod
+    def finish_decode(payload: Payload, values: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``values`` (decoded, any float dtype, ``payload.numel`` entries) as the result of
+        :meth:`decompress`: in ``out`` when given (no copy if it already is ``out``)."""
+        if out is None:
+            return values.to(payload.dtype).reshape(payload.shape)
+        flat = out.view(-1)
+        if not (values.data_ptr() == flat.data_ptr() and values.dtype == flat.dtype):
+            flat.copy_(values.reshape(-1))
+        return out if out.shape == payload.shape else out.view(payload.shape)
+
     def make_payload(
         self, tensor: torch.Tensor, tensors: tuple[torch.Tensor, ...], **meta: Any
     ) -> Payload:
@@ -166,12 +199,26 @@ def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
             original_init(self, *args, **kwargs)
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+        if "out" not in inspect.signature(cls.decompress).parameters:
+            _add_out(cls)
         __init__.__doc__ = original_init.__doc__
         cls.__init__ = __init__  # type: ignore[method-assign]
         _REGISTRY[name] = cls
         return cls
 
     return deco
+
+
+def _add_out(cls: type[Compressor]) -> None:
+    """Give a ``decompress(payload)`` without ``out`` the contract's ``out=``: decode, then copy."""
+    plain = cls.decompress
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.decode_target(payload, out)
+        return self.finish_decode(payload, plain(self, payload), out)
+
+    decompress.__doc__ = plain.__doc__
+    cls.decompress = decompress  # type: ignore[method-assign]
 
 
 def available() -> list[str]:

@@ -44,7 +44,8 @@ class BlockQuant(Compressor):
                                             self.stochastic, seed)
         return self.make_payload(tensor, (packed, scales))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         packed, scales = payload.tensors
-        vals = ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel)
-        return vals.to(payload.dtype).reshape(payload.shape)
+        vals = ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel,
+                                    out=self.decode_target(payload, out))
+        return self.finish_decode(payload, vals, out)

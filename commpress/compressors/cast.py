@@ -12,6 +12,9 @@ class Identity(Compressor):
     """Sends the tensor as it is (flattened, contiguous). Wire: ``numel`` elements of the input dtype."""
 
     aggregation = "sum"
+    #: the payload is the input cast to this dtype (``None``: its own dtype); the
+    #: collectives write that cast straight into their message buffer
+    cast_to: torch.dtype | None = None
 
     def __init__(self) -> None:
         pass
@@ -20,13 +23,18 @@ class Identity(Compressor):
         self.check_input(tensor)
         return self.make_payload(tensor, (tensor.reshape(-1).contiguous(),))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.decode_target(payload, out)
+        return self.finish_decode(payload, payload.tensors[0], out)
 
 
 class _Cast(Compressor):
     aggregation = "sum"
     wire_dtype: torch.dtype
+
+    @property
+    def cast_to(self) -> torch.dtype:
+        return self.wire_dtype
 
     def __init__(self) -> None:
         pass
@@ -35,8 +43,9 @@ class _Cast(Compressor):
         self.check_input(tensor)
         return self.make_payload(tensor, (tensor.reshape(-1).to(self.wire_dtype).contiguous(),))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
-        return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.decode_target(payload, out)
+        return self.finish_decode(payload, payload.tensors[0], out)
 
 
 @register("fp16")

@@ -137,11 +137,15 @@ class PowerSGD(Compressor):
         return self.make_payload(tensor, (p, q), uncompressed=False, rows=shape[0],
                                  cols=shape[1], rank=self.rank)
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        dst = self.decode_target(payload, out)
         if payload.meta.get("uncompressed"):
-            return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+            return self.finish_decode(payload, payload.tensors[0], out)
         p, q = payload.tensors
-        return (p @ q.t()).reshape(payload.shape).to(payload.dtype)
+        if dst is not None and p.dtype == torch.float32 and q.dtype == torch.float32:
+            torch.mm(p, q.t(), out=dst.view(p.shape[0], q.shape[0]))
+            return self.finish_decode(payload, dst, out)
+        return self.finish_decode(payload, (p @ q.t()).reshape(-1), out)
 
     # -- state ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

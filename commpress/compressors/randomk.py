@@ -93,12 +93,13 @@ class RandomK(Compressor):
         return self.make_payload(tensor, (values,), seed=self.seed, step=step, key=key,
                                  k=idx.numel())
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         (values,) = payload.tensors
         n = payload.numel
-        out = torch.zeros(n, dtype=torch.float32, device=values.device)
+        dst = self.decode_target(payload, out)
+        dst = dst.zero_() if dst is not None else torch.zeros(n, dtype=torch.float32, device=values.device)
         if n:
             idx = self.indices(n, step=payload.meta["step"], key=payload.meta["key"],
                                device=values.device)
-            ops.scatter_add_(out, idx, values.float() * (n / idx.numel()))
-        return out.to(payload.dtype).reshape(payload.shape)
+            ops.scatter_add_(dst, idx, values.float() * (n / idx.numel()))
+        return self.finish_decode(payload, dst, out)

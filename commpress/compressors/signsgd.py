@@ -31,7 +31,20 @@ class SignSGD(Compressor):
         bits, scales = ops.sign_pack(tensor.reshape(-1), self.chunk)
         return self.make_payload(tensor, (bits, scales))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         bits, scales = payload.tensors
-        vals = ops.sign_unpack(bits, scales, self.chunk, payload.numel)
-        return vals.to(payload.dtype).reshape(payload.shape)
+        vals = ops.sign_unpack(bits, scales, self.chunk, payload.numel, out=self.decode_target(payload, out))
+        return self.finish_decode(payload, vals, out)
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, beta: float,
+                          new_residual: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+        """Error feedback in one pass (:func:`commpress.ops.sign_pack_feedback`): the payload of
+        ``tensor + beta * residual`` and, in ``new_residual``, what it did not send.
+
+        Returns ``(payload, finite)``; ``new_residual`` is only valid when ``finite``
+        (0-dim bool) is True.  ``residual``/``new_residual``: fp32, ``tensor``'s numel.
+        """
+        self.check_input(tensor)
+        bits, scales, finite = ops.sign_pack_feedback(tensor.reshape(-1), residual, beta, self.chunk,
+                                                      new_residual)
+        return self.make_payload(tensor, (bits, scales)), finite

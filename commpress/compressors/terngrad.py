@@ -7,7 +7,8 @@ import torch
 from .. import ops
 from ._util import seed_from_generator
 from .base import Compressor, Payload, register
-from .qsgd import decode_codes, stochastic_codes
+
+_ABSMAX_BLOCK = 1 << 16  # partial maxima, reduced on the device (max is exact in any order)
 
 
 @register("terngrad")
@@ -15,10 +16,11 @@ class TernGrad(Compressor):
     """TernGrad: ``s = max|x|``, entry ``i`` becomes ``sign(x_i)*s`` with probability
     ``|x_i|/s`` and 0 otherwise, so it is unbiased (variance ``|x_i|(s-|x_i|)``).
 
-    Wire: ``s`` as fp32 (4 bytes) and 2 bits per entry (codes 0, 1, 2 packed with
-    :func:`commpress.ops.pack_bits`): ``ceil(numel/4) + 4`` bytes.  Noise comes
-    from ``generator``.  A NaN/inf entry makes ``s`` non-finite and the decoded
-    tensor NaN.  (The paper's layer-wise clipping is left to the caller.)
+    Wire: ``s`` as fp32 (4 bytes) and 2 bits per entry (codes 0, 1, 2 from
+    :func:`commpress.ops.level_quantize` with one level, packed in the same pass):
+    ``ceil(numel/4) + 4`` bytes.  Noise comes from ``generator``.  A NaN/inf entry
+    makes ``s`` non-finite and the decoded tensor NaN.  (The paper's layer-wise
+    clipping is left to the caller.)
     """
 
     aggregation = "gather"
@@ -30,12 +32,17 @@ class TernGrad(Compressor):
 
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
-        x = tensor.reshape(-1).float()
-        scale = x.abs().amax().reshape(1) if x.numel() else x.new_zeros(1)
-        codes = stochastic_codes(x, scale, 1, seed_from_generator(generator))
-        return self.make_payload(tensor, (ops.pack_bits(codes, 2), scale))
+        x = tensor.reshape(-1)
+        n = x.numel()
+        if n:
+            scale = ops.block_absmax(x, _ABSMAX_BLOCK).amax().reshape(1)
+        else:
+            scale = torch.zeros(1, dtype=torch.float32, device=x.device)
+        packed = ops.level_quantize(x, scale, max(n, 1), 1, seed_from_generator(generator))
+        return self.make_payload(tensor, (packed, scale))
 
-    def decompress(self, payload: Payload) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         packed, scale = payload.tensors
-        codes = ops.unpack_bits(packed, 2, payload.numel)
-        return decode_codes(codes, scale, 1).to(payload.dtype).reshape(payload.shape)
+        vals = ops.level_dequantize(packed, scale, max(payload.numel, 1), 1, payload.numel,
+                                    out=self.decode_target(payload, out))
+        return self.finish_decode(payload, vals, out)

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..collectives.accounting import all_reduce_cost
 from ..compressors import Compressor, get
 
 log = logging.getLogger("commpress")
@@ -93,21 +94,9 @@ def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "au
     return ErrorFeedback(compressor), True
 
 
-def inner_compressor(codec: Compressor) -> Compressor:
-    """The compressor inside an ErrorFeedback wrapper (or ``codec`` itself)."""
-    for attr in ("compressor", "inner"):
-        inner = getattr(codec, attr, None)
-        if isinstance(inner, Compressor):
-            return inner
-    return codec
-
-
-# --------------------------------------------------------------------- stats
 def all_reduce_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring ``all_reduce`` of ``nbytes`` (the accounting convention)."""
-    if world <= 1:
-        return 0
-    return (2 * int(nbytes) * (world - 1)) // world
+    """Bytes one rank sends in a ring ``all_reduce`` of ``nbytes`` (:mod:`commpress.collectives.accounting`)."""
+    return all_reduce_cost(int(nbytes), world)[0]
 
 
 @dataclass

@@ -59,7 +59,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
-from .common import HookState, Timer, all_reduce_bytes, inner_compressor, tensor_bytes
+from ..collectives import unwrap
+from .common import HookState, Timer, all_reduce_bytes, tensor_bytes
 from .ddp_layout import Plan, Unit, goes_dense, make_plan, new_unit
 from .ddp_step import Step
 
@@ -163,7 +164,7 @@ class DDPState(HookState):
             process_group = getattr(model, "process_group", None)
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
-        self.inner = inner_compressor(self.codec)
+        self.inner = unwrap(self.codec)
         allowed = ALLREDUCE_ALGORITHMS[self.inner.aggregation]
         if algorithm not in allowed:
             raise ValueError(f"algorithm must be one of {allowed} for a {self.inner.aggregation!r} "

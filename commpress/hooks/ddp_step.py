@@ -124,7 +124,8 @@ class Step:
         shapes = unit.shapes if state.lowrank else None
         out = allreduce(t, state.codec, group=state.process_group, key=unit.key, step=state.step,
                         algorithm=state.algorithm, stats=cs, generator=state.noise_seed(unit.key),
-                        validate=False, transaction=self.transaction, shapes=shapes, hierarchy=state.hierarchy)
+                        validate=False, transaction=self.transaction, shapes=shapes,
+                        out=t if is_view else None, hierarchy=state.hierarchy)
         if not (is_view and out is t):
             unit_store(pieces, out)
         self.done_units.add(i)

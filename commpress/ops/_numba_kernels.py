@@ -34,6 +34,7 @@ _U24 = np.float32(1.0 / 16777216.0)
 _NAN32 = np.float32(np.nan)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
+_PAIRWISE_MAX = 1 << 16  # longest run summed level by level in a scratch buffer
 _OPTS = dict(parallel=True, cache=True, nogil=True)
 _SOPTS = dict(cache=True, nogil=True)
 
@@ -375,6 +376,64 @@ def scatter_add(out, idx, val, nparts):
 
 # ---------------------------------------------------------------- bit packing
 @njit(inline="always", **_SOPTS)
+def _pack_groups_2_6(codes, cbase, a, e, bits, packed):
+    """Pack elements ``[a, e)`` (both multiples of 8) for 2 or 6 bits: 8 codes -> 2 or 6 bytes."""
+    if bits == 2:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = g >> 2
+            packed[o] = (c[0] & 3) | ((c[1] & 3) << 2) | ((c[2] & 3) << 4) | ((c[3] & 3) << 6)
+            packed[o + 1] = (c[4] & 3) | ((c[5] & 3) << 2) | ((c[6] & 3) << 4) | ((c[7] & 3) << 6)
+    else:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = (g >> 3) * 6
+            w0 = np.uint32(c[0] & 63) | (np.uint32(c[1] & 63) << 6) | (np.uint32(c[2] & 63) << 12) \
+                | (np.uint32(c[3] & 63) << 18)
+            w1 = np.uint32(c[4] & 63) | (np.uint32(c[5] & 63) << 6) | (np.uint32(c[6] & 63) << 12) \
+                | (np.uint32(c[7] & 63) << 18)
+            packed[o] = np.uint8(w0 & 255)
+            packed[o + 1] = np.uint8((w0 >> 8) & 255)
+            packed[o + 2] = np.uint8(w0 >> 16)
+            packed[o + 3] = np.uint8(w1 & 255)
+            packed[o + 4] = np.uint8((w1 >> 8) & 255)
+            packed[o + 5] = np.uint8(w1 >> 16)
+
+
+@njit(inline="always", **_SOPTS)
+def _unpack_groups_2_6(packed, a, e, bits, codes, cbase):
+    """Inverse of :func:`_pack_groups_2_6`."""
+    if bits == 2:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = g >> 2
+            v0 = packed[o]
+            v1 = packed[o + 1]
+            c[0] = v0 & 3
+            c[1] = (v0 >> 2) & 3
+            c[2] = (v0 >> 4) & 3
+            c[3] = v0 >> 6
+            c[4] = v1 & 3
+            c[5] = (v1 >> 2) & 3
+            c[6] = (v1 >> 4) & 3
+            c[7] = v1 >> 6
+    else:
+        for g in range(a, e, 8):
+            c = codes[g - cbase:g - cbase + 8]
+            o = (g >> 3) * 6
+            w0 = np.uint32(packed[o]) | (np.uint32(packed[o + 1]) << 8) | (np.uint32(packed[o + 2]) << 16)
+            w1 = np.uint32(packed[o + 3]) | (np.uint32(packed[o + 4]) << 8) | (np.uint32(packed[o + 5]) << 16)
+            c[0] = np.uint8(w0 & 63)
+            c[1] = np.uint8((w0 >> 6) & 63)
+            c[2] = np.uint8((w0 >> 12) & 63)
+            c[3] = np.uint8(w0 >> 18)
+            c[4] = np.uint8(w1 & 63)
+            c[5] = np.uint8((w1 >> 6) & 63)
+            c[6] = np.uint8((w1 >> 12) & 63)
+            c[7] = np.uint8(w1 >> 18)
+
+
+@njit(inline="always", **_SOPTS)
 def _pack_range(codes, cbase, a, b, bits, packed):
     """Pack elements ``[a, b)`` (``a`` a multiple of 8) whose codes are ``codes[a - cbase ...]``."""
     nbytes = packed.size
@@ -392,7 +451,11 @@ def _pack_range(codes, cbase, a, b, bits, packed):
             packed[(b - 1) >> 1] = np.uint8(codes[b - 1 - cbase] & np.uint8(15))
     else:
         ub = np.uint64(bits)
-        for g in range(a, b, 8):
+        start = a
+        if bits == 2 or bits == 6:  # whole groups of 8 codes without the 64-bit accumulator
+            start = a + (((b - a) >> 3) << 3)
+            _pack_groups_2_6(codes, cbase, a, start, bits, packed)
+        for g in range(start, b, 8):
             acc = np.uint64(0)
             sh = np.uint64(0)
             for j in range(g, min(g + 8, b)):
@@ -424,7 +487,11 @@ def _unpack_range(packed, a, b, bits, codes, cbase):
             codes[b - 1 - cbase] = packed[(b - 1) >> 1] & np.uint8(15)
     else:
         ub = np.uint64(bits)
-        for g in range(a, b, 8):
+        start = a
+        if bits == 2 or bits == 6:  # whole groups of 8 codes without the 64-bit accumulator
+            start = a + (((b - a) >> 3) << 3)
+            _unpack_groups_2_6(packed, a, start, bits, codes, cbase)
+        for g in range(start, b, 8):
             byte0 = (g >> 3) * bits
             acc = np.uint64(0)
             for t in range(bits):
@@ -718,3 +785,393 @@ def sign_unpack(packed, scales, chunk, n, out, accumulate):
                 out[j] = out[j] + v
             else:
                 out[j] = v
+
+
+# ---------------------------------------------------------------- minifloats (fp8, MX)
+@njit(inline="always", **_SOPTS)
+def _minifloat_codes(y, yi, base, fmax, fmax_key, emin, mbits, sbit, inv_tab, stochastic, k0, k1,
+                     codes, cbase):
+    """codes[cbase + j] = minifloat code of y[j] (see ``reference.minifloat_codes``);
+    ``yi`` is ``y``'s int32 view, ``base`` the global index of ``y[0]`` (noise counter)."""
+    for j in range(y.size):
+        v = yi[j]
+        ab = v & _ABS
+        a = min(abs(y[j]), fmax)  # branch-free; NaN is fixed up below
+        e = max((min(ab, fmax_key) >> 23) - 127, emin)
+        r = a * inv_tab[e - emin]
+        q = np.floor(r)
+        f = r - q
+        qi = np.int32(q)
+        if stochastic:
+            u = np.float32(np.int32(_bits24(base + j, k0, k1))) * _U24
+            up = np.int32(u < f)
+        else:
+            up = np.int32(f > _HALF) | (np.int32(f == _HALF) & qi & 1)
+        mag = (((e - emin) << mbits) + qi + up) | (sbit if v < 0 else 0)
+        codes[cbase + j] = np.uint8(mag) if ab <= _INF_KEY else np.uint8(0)
+
+
+def _minifloat_consts(e_bits, m_bits, fmax):
+    """(fmax fp32, its bits, emin, M, sign bit, table of 2**(M - e) for e in [emin, emax])."""
+    emin = 2 - (1 << (e_bits - 1))
+    fm = np.float32(fmax)
+    key = int(np.array([fm], np.float32).view(np.int32)[0])
+    emax = (key >> 23) - 127
+    tab = np.array([2.0 ** (m_bits - e) for e in range(emin, emax + 1)], np.float32)
+    return fm, np.int32(key), np.int32(emin), np.int32(m_bits), np.int32(1 << (e_bits + m_bits)), tab
+
+
+# One set of compile-time constants per format (index = MINIFLOAT_IDS in the backend):
+# with literal parameters LLVM specializes each loop, several times faster than runtime ones.
+_F0M, _F0K, _F0E, _F0B, _F0S, _F0T = _minifloat_consts(4, 3, 448.0)     # e4m3
+_F1M, _F1K, _F1E, _F1B, _F1S, _F1T = _minifloat_consts(5, 2, 57344.0)   # e5m2
+_F2M, _F2K, _F2E, _F2B, _F2S, _F2T = _minifloat_consts(2, 3, 7.5)       # e2m3
+_F3M, _F3K, _F3E, _F3B, _F3S, _F3T = _minifloat_consts(2, 1, 6.0)       # e2m1
+
+
+@njit(inline="always", **_SOPTS)
+def _minifloat_any(fmt, y, yi, base, stochastic, k0, k1, codes, cbase):
+    """:func:`_minifloat_codes` for format ``fmt`` (0 e4m3, 1 e5m2, 2 e2m3, 3 e2m1)."""
+    if fmt == 0:
+        _minifloat_codes(y, yi, base, _F0M, _F0K, _F0E, _F0B, _F0S, _F0T, stochastic, k0, k1, codes, cbase)
+    elif fmt == 1:
+        _minifloat_codes(y, yi, base, _F1M, _F1K, _F1E, _F1B, _F1S, _F1T, stochastic, k0, k1, codes, cbase)
+    elif fmt == 2:
+        _minifloat_codes(y, yi, base, _F2M, _F2K, _F2E, _F2B, _F2S, _F2T, stochastic, k0, k1, codes, cbase)
+    else:
+        _minifloat_codes(y, yi, base, _F3M, _F3K, _F3E, _F3B, _F3S, _F3T, stochastic, k0, k1, codes, cbase)
+
+
+@parallel_kernel
+def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scales):
+    """Per block: scale = absmax / fmax, codes of x * (fmax / absmax); one pass per chunk of blocks."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        ybuf = np.empty(min(block, _PIECE), np.float32)
+        yib = ybuf.view(np.int32)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            m = _absmax_key(xi, s0, s1)
+            if m > _INF_KEY:
+                amax = _NAN32
+            else:
+                kbuf[0] = m
+                amax = fbuf[0]
+            scales[s0 // block] = amax / fmax
+            inv = fmax / amax if amax > _F0 else _F0
+            for p0 in range(s0, s1, _PIECE):
+                p1 = min(p0 + _PIECE, s1)
+                yp = ybuf[:p1 - p0]
+                xs = x[p0:p1]
+                for j in range(p1 - p0):
+                    yp[j] = xs[j] * inv
+                _minifloat_any(fmt, yp, yib[:p1 - p0], p0, stochastic, k0, k1, codes, p0)
+
+
+@parallel_kernel
+def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate):
+    """out[j] (+)= table[codes[j]] * scales[j // block]."""
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            s = scales[s0 // block]
+            cs = codes[s0:s1]
+            os = out[s0:s1]
+            if accumulate:
+                for j in range(cs.size):
+                    os[j] = os[j] + table[cs[j]] * s
+            else:
+                for j in range(cs.size):
+                    os[j] = table[cs[j]] * s
+
+
+@parallel_kernel
+def mx_quantize(x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_bytes):
+    """OCP MX blocks of 32: E8M0 scale byte and ``bits``-bit element codes, packed per chunk.
+
+    ``clen`` is a multiple of 32 (so chunks start on a byte of the packed stream).
+    """
+    n = x.size
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        ybuf = np.empty(32, np.float32)
+        yib = ybuf.view(np.int32)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, 32):
+            s1 = min(s0 + 32, b)
+            m = _absmax_key(xi, s0, s1)
+            if m >= _INF_KEY:
+                scale_bytes[s0 >> 5] = np.uint8(255)
+                inv = _F0
+            else:
+                shared = max((m >> 23) - 127 - emax, -127)
+                scale_bytes[s0 >> 5] = np.uint8(shared + 127)
+                kbuf[0] = np.int32((127 - shared) << 23)
+                inv = fbuf[0]
+            xs = x[s0:s1]
+            for j in range(s1 - s0):
+                ybuf[j] = xs[j] * inv
+            _minifloat_any(fmt, ybuf[:s1 - s0], yib[:s1 - s0], s0, stochastic, k0, k1, codes, s0 - a)
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
+def mx_dequantize(packed, scale_bytes, table, scale_tab, bits, n, clen, out, accumulate):
+    """out[j] (+)= table[code_j] * scale_tab[scale_bytes[j // 32]], unpacking per chunk."""
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+            _unpack_range(packed, a, b, bits, codes, a)
+        for s0 in range(a, b, 32):
+            s1 = min(s0 + 32, b)
+            s = scale_tab[scale_bytes[s0 >> 5]]
+            cs = codes[s0 - a:s1 - a]
+            os = out[s0:s1]
+            if accumulate:
+                for j in range(cs.size):
+                    os[j] = os[j] + table[cs[j]] * s
+            else:
+                for j in range(cs.size):
+                    os[j] = table[cs[j]] * s
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels
+@njit(inline="always", **_SOPTS)
+def _tree_sum_sq(x, a, b):
+    """Sum of x[a:b]**2 in the reference's fixed pairwise order (see :func:`_tree_sum_abs`)."""
+    stack = np.empty(64, np.float32)
+    level = np.empty(64, np.int64)
+    top = 0
+    j = a
+    while j + 8 <= b:
+        v0 = x[j] * x[j] + x[j + 1] * x[j + 1]
+        v1 = x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3]
+        v2 = x[j + 4] * x[j + 4] + x[j + 5] * x[j + 5]
+        v3 = x[j + 6] * x[j + 6] + x[j + 7] * x[j + 7]
+        v = (v0 + v1) + (v2 + v3)
+        lv = 3
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 8
+    while j < b:
+        v = x[j] * x[j]
+        lv = 0
+        while top > 0 and level[top - 1] == lv:
+            top -= 1
+            v = stack[top] + v
+            lv += 1
+        stack[top] = v
+        level[top] = lv
+        top += 1
+        j += 1
+    if top == 0:
+        return _F0
+    acc = stack[top - 1]
+    for t in range(top - 2, -1, -1):
+        acc = stack[t] + acc
+    return acc
+
+
+@parallel_kernel
+def bucket_norms(x, bucket, norms):
+    """norms[b] = sqrt(tree-sum of squares over bucket ``b``) in fp32."""
+    n = x.size
+    for c in prange(norms.size):
+        a = c * bucket
+        norms[c] = np.float32(np.sqrt(np.float64(_tree_sum_sq(x, a, min(a + bucket, n)))))
+
+
+@parallel_kernel
+def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
+    """QSGD/TernGrad stochastic codes (see ``reference.level_quantize``), packed per chunk
+    of ``clen`` entries (a multiple of 8)."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    fl = np.float32(levels)
+    lv = np.int32(levels)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        j = a
+        while j < b:
+            bk = j // bucket
+            e = min(b, (bk + 1) * bucket)
+            s = scales[bk]
+            if not (s > _F0):
+                s = np.float32(1.0)
+            mul = fl / s
+            for t in range(j, e):
+                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                q = np.floor(y)
+                q = _F0 if q != q else min(max(q, _F0), fl)
+                qi = np.int32(q)
+                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
+            j = e
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
+def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms):
+    """:func:`bucket_norms` + :func:`level_quantize` in one pass: each bucket (at most
+    ``_PAIRWISE_MAX`` entries) is summed while in cache, then coded.  ``clen`` is a
+    multiple of ``bucket`` and of 8."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    fl = np.float32(levels)
+    lv = np.int32(levels)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+        buf = np.empty(bucket, np.float32)
+        for s0 in range(a, b, bucket):
+            s1 = min(s0 + bucket, b)
+            nrm = np.float32(np.sqrt(np.float64(_pairwise_level_sum(x[s0:s1], True, buf))))
+            norms[s0 // bucket] = nrm
+            s = nrm if nrm > _F0 else np.float32(1.0)
+            mul = fl / s
+            for t in range(s0, s1):
+                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                q = np.floor(y)
+                q = _F0 if q != q else min(max(q, _F0), fl)
+                qi = np.int32(q)
+                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+
+
+@parallel_kernel
+def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate):
+    """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels)."""
+    fl = np.float32(levels)
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        if bits == 8:
+            codes = packed[a:b]
+        else:
+            codes = np.empty(b - a, np.uint8)
+            _unpack_range(packed, a, b, bits, codes, a)
+        j = a
+        while j < b:
+            bk = j // bucket
+            e = min(b, (bk + 1) * bucket)
+            step = scales[bk] / fl
+            if accumulate:
+                for t in range(j, e):
+                    out[t] = out[t] + (np.float32(codes[t - a]) - fl) * step
+            else:
+                for t in range(j, e):
+                    out[t] = (np.float32(codes[t - a]) - fl) * step
+            j = e
+
+
+# ---------------------------------------------------------------- sign + scale + error feedback
+@njit(inline="always", **_SOPTS)
+def _pairwise_level_sum(v, square, buf):
+    """Sum of |v| (or v*v) in the reference's pairwise order (zero-padded to a power of two,
+    adjacent pairs level by level), computed level by level in ``buf`` (>= half that power):
+    vectorizable, unlike the streaming :func:`_tree_sum_abs`; for cache-sized ``v``."""
+    m = v.size
+    if m == 0:
+        return _F0
+    if m == 1:
+        return v[0] * v[0] if square else abs(v[0])
+    p = 2
+    while p < m:
+        p *= 2
+    half = p >> 1
+    full = m >> 1
+    if square:
+        for i in range(full):
+            buf[i] = v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1]
+    else:
+        for i in range(full):
+            buf[i] = abs(v[2 * i]) + abs(v[2 * i + 1])
+    if m & 1:
+        buf[full] = v[m - 1] * v[m - 1] if square else abs(v[m - 1])
+        full += 1
+    for i in range(full, half):
+        buf[i] = _F0
+    w = half
+    while w > 1:
+        w >>= 1
+        for i in range(w):
+            buf[i] = buf[2 * i] + buf[2 * i + 1]
+    return buf[0]
+
+
+@parallel_kernel
+def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
+    """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
+    new_res = c - (+-scale).  ``chunk`` must be a multiple of 8 (whole bytes per chunk);
+    returns False when some c or scale is not finite."""
+    n = x.size
+    nchunks = scales.size
+    bad = np.zeros(nchunks, np.uint8)
+    for c in prange(nchunks):
+        a = c * chunk
+        b = min(a + chunk, n)
+        cs = new_res[a:b]
+        buf = np.empty(min(chunk, _PAIRWISE_MAX), np.float32)
+        xs = x[a:b]
+        rs = res[a:b]
+        if use_beta:
+            for j in range(b - a):
+                cs[j] = xs[j] + rs[j] * beta
+        else:
+            for j in range(b - a):
+                cs[j] = xs[j] + rs[j]
+        if chunk <= _PAIRWISE_MAX:
+            s = _pairwise_level_sum(cs, False, buf) / np.float32(b - a)
+        else:
+            s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
+        scales[c] = s
+        if not (abs(s) < np.float32(np.inf)):
+            bad[c] = 1
+        m = b - a
+        for byte in range((m + 7) >> 3):  # branch-free: signs are random
+            o = byte * 8
+            v = 0
+            for t in range(min(8, m - o)):
+                v |= np.int32(not (cs[o + t] < _F0)) << t
+            packed[(a >> 3) + byte] = np.uint8(v)
+        for j in range(m):
+            cj = cs[j]
+            cs[j] = cj + s if cj < _F0 else cj - s
+    return bad.sum() == 0

@@ -425,6 +425,177 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     return dst
 
 
+# ---------------------------------------------------------------- minifloats (fp8, MX)
+#: Format index the kernels specialize on (see ``_numba_kernels._minifloat_any``).
+MINIFLOAT_IDS = {"e4m3": 0, "e5m2": 1, "e2m3": 2, "e2m1": 3}
+_TABLES = {fmt: ref.minifloat_table(fmt).numpy() for fmt in MINIFLOAT_IDS}
+
+
+def _valid_out(out, numel) -> bool:
+    return out is None or (out.device.type == "cpu" and out.dtype == torch.float32 and out.dim() == 1
+                           and out.numel() == numel and out.is_contiguous() and not out.requires_grad)
+
+
+def fp8_quantize(x: torch.Tensor, fmt: str, block: int, stochastic: bool = False, seed: int = 0):
+    """See :func:`commpress.ops.reference.fp8_quantize`."""
+    if not _cpu(x) or x.dtype not in _FLOATS or not valid_block(block) or fmt not in ("e4m3", "e5m2"):
+        return ref.fp8_quantize(x, fmt, block, stochastic, seed)
+    block = int(block)
+    fm = np.float32(ref.MINIFLOATS[fmt][2])
+    xf = _f32(x)
+    n = xf.numel()
+    codes = np.empty(n, np.uint8)
+    scales = np.empty((n + block - 1) // block, np.float32)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.fp8_quantize(xn, xn.view(np.int32), block, MINIFLOAT_IDS[fmt], fm, bool(stochastic),
+                   np.uint64(k0), np.uint64(k1), _quant_chunk(block), codes, scales)
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.fp8_dequantize`."""
+    numel = int(numel)
+    if (not _cpu(codes, scales, out) or not valid_block(block) or fmt not in ("e4m3", "e5m2")
+            or codes.element_size() != 1 or numel < 0 or codes.numel() < numel
+            or scales.numel() < (numel + int(block) - 1) // int(block) or not _valid_out(out, numel)):
+        return ref.fp8_dequantize(codes, scales, fmt, block, numel, out, accumulate)
+    block = int(block)
+    table = _TABLES[fmt]
+    c = codes.reshape(-1)
+    c = (c if c.dtype == torch.uint8 else c.view(torch.uint8)).contiguous().numpy()
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    K.fp8_dequantize(c, scales.reshape(-1).float().contiguous().numpy(), table, block, numel,
+                     _quant_chunk(block), dst.numpy(), bool(accumulate and out is not None))
+    return dst
+
+
+def mx_quantize(x: torch.Tensor, element: str, stochastic: bool = False, seed: int = 0):
+    """See :func:`commpress.ops.reference.mx_quantize`."""
+    if not _cpu(x) or x.dtype not in _FLOATS or element not in ref.MX_ELEMENTS:
+        return ref.mx_quantize(x, element, stochastic, seed)
+    fmt, bits, emax = ref.MX_ELEMENTS[element]
+    xf = _f32(x)
+    n = xf.numel()
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    scale_bytes = np.empty((n + ref.MX_BLOCK - 1) // ref.MX_BLOCK, np.uint8)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.mx_quantize(xn, xn.view(np.int32), bits, np.int32(emax), MINIFLOAT_IDS[fmt], bool(stochastic),
+                  np.uint64(k0), np.uint64(k1), _quant_chunk(ref.MX_BLOCK), packed, scale_bytes)
+    return torch.from_numpy(packed), torch.from_numpy(scale_bytes)
+
+
+_E8M0 = ref.e8m0_table().numpy()
+
+
+def mx_dequantize(packed: torch.Tensor, scales: torch.Tensor, element: str, numel: int,
+                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.mx_dequantize`."""
+    numel = int(numel)
+    if (not _cpu(packed, scales, out) or element not in ref.MX_ELEMENTS or packed.dtype != torch.uint8
+            or scales.dtype != torch.uint8 or numel < 0
+            or packed.numel() < (numel * ref.MX_ELEMENTS[element][1] + 7) // 8
+            or scales.numel() < (numel + ref.MX_BLOCK - 1) // ref.MX_BLOCK or not _valid_out(out, numel)):
+        return ref.mx_dequantize(packed, scales, element, numel, out, accumulate)
+    fmt, bits, _ = ref.MX_ELEMENTS[element]
+    table = _TABLES[fmt]
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    K.mx_dequantize(packed.reshape(-1).contiguous().numpy(), scales.reshape(-1).contiguous().numpy(),
+                    table, _E8M0, bits, numel, _quant_chunk(ref.MX_BLOCK), dst.numpy(),
+                    bool(accumulate and out is not None))
+    return dst
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels
+def _valid_levels(levels) -> bool:
+    return isinstance(levels, (int, np.integer)) and 1 <= int(levels) <= 127
+
+
+def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.bucket_norms`."""
+    if not _cpu(x) or x.dtype not in _FLOATS or not valid_block(bucket):
+        return ref.bucket_norms(x, bucket)
+    xf = _f32(x)
+    n = xf.numel()
+    b = max(1, min(int(bucket), n))
+    norms = np.empty((n + b - 1) // b, np.float32)
+    K.bucket_norms(xf.numpy(), b, norms)
+    return torch.from_numpy(norms)
+
+
+def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, seed: int):
+    """See :func:`commpress.ops.reference.level_quantize` (codes and packing in one pass)."""
+    n = x.numel()
+    b = max(1, min(int(bucket), n)) if valid_block(bucket) else 0
+    if (not _cpu(x, scales) or x.dtype not in _FLOATS or not b or not _valid_levels(levels)
+            or scales.numel() < (n + b - 1) // b):
+        return ref.level_quantize(x, scales, bucket, levels, seed)
+    bits = ref.level_bits(int(levels))
+    xf = _f32(x)
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.level_quantize(xn, xn.view(np.int32), scales.reshape(-1).float().contiguous().numpy(), b,
+                     int(levels), bits, np.uint64(k0), np.uint64(k1), _chunk(n), packed)
+    return torch.from_numpy(packed)
+
+
+def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
+    """See :func:`commpress.ops.reference.qsgd_quantize` (one pass for cache-sized buckets)."""
+    n = x.numel()
+    if (not _cpu(x) or x.dtype not in _FLOATS or not valid_block(bucket) or not _valid_levels(levels)
+            or min(int(bucket), n) > K._PAIRWISE_MAX):
+        norms = bucket_norms(x, bucket)
+        return level_quantize(x, norms, bucket, levels, seed), norms
+    b = max(1, min(int(bucket), n))
+    bits = ref.level_bits(int(levels))
+    xf = _f32(x)
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    norms = np.empty((n + b - 1) // b, np.float32)
+    k0, k1 = ref.seed_words(seed)
+    xn = xf.numpy()
+    K.qsgd_quantize(xn, xn.view(np.int32), b, int(levels), bits, np.uint64(k0), np.uint64(k1),
+                    _quant_chunk(b), packed, norms)
+    return torch.from_numpy(packed), torch.from_numpy(norms)
+
+
+def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
+                     out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.level_dequantize`."""
+    numel = int(numel)
+    b = max(1, min(int(bucket), numel)) if valid_block(bucket) else 0
+    if (not _cpu(packed, scales, out) or not b or not _valid_levels(levels) or packed.dtype != torch.uint8
+            or numel < 0 or packed.numel() < (numel * ref.level_bits(int(levels)) + 7) // 8
+            or scales.numel() < (numel + b - 1) // b or not _valid_out(out, numel)):
+        return ref.level_dequantize(packed, scales, bucket, levels, numel, out, accumulate)
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    K.level_dequantize(packed.reshape(-1).contiguous().numpy(), scales.reshape(-1).float().contiguous().numpy(),
+                       b, int(levels), ref.level_bits(int(levels)), numel, _chunk(numel), dst.numpy(),
+                       bool(accumulate and out is not None))
+    return dst
+
+
+def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chunk: int,
+                       new_residual: torch.Tensor):
+    """See :func:`commpress.ops.reference.sign_pack_feedback` (one pass, chunk by chunk)."""
+    n = x.numel()
+    ok = (_cpu(x, residual, new_residual) and x.dtype in _FLOATS and valid_block(chunk) and int(chunk) % 8 == 0
+          and all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n and not t.requires_grad
+                  for t in (residual, new_residual))
+          and new_residual.data_ptr() != residual.data_ptr())
+    if not ok:
+        return ref.sign_pack_feedback(x, residual, beta, chunk, new_residual)
+    chunk = int(chunk)
+    xf = _f32(x).numpy()
+    packed = np.empty((n + 7) // 8, np.uint8)
+    scales = np.empty((n + chunk - 1) // chunk, np.float32)
+    fin = K.sign_pack_feedback(xf, residual.view(-1).numpy(), np.float32(beta), float(beta) != 1.0, chunk,
+                               new_residual.view(-1).numpy(), packed, scales)
+    return torch.from_numpy(packed), torch.from_numpy(scales), torch.tensor(bool(fin))
+
+
 def _serial_when_small(fn):
     """Run ``fn`` on at most ``torch.get_num_threads()`` numba threads; serial kernels at one.
 
@@ -478,6 +649,15 @@ _OPS = {
     "block_dequantize": block_dequantize,
     "sign_pack": sign_pack,
     "sign_unpack": sign_unpack,
+    "fp8_quantize": fp8_quantize,
+    "fp8_dequantize": fp8_dequantize,
+    "mx_quantize": mx_quantize,
+    "mx_dequantize": mx_dequantize,
+    "bucket_norms": bucket_norms,
+    "level_quantize": level_quantize,
+    "qsgd_quantize": qsgd_quantize,
+    "level_dequantize": level_dequantize,
+    "sign_pack_feedback": sign_pack_feedback,
 }
 OPS = {name: _serial_when_small(fn) for name, fn in _OPS.items()}
 

@@ -285,6 +285,226 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     return _emit(vals, out, accumulate)
 
 
+
+# ---------------------------------------------------------------- minifloats: fp8 and MX
+#: format -> (exponent bits E, mantissa bits M, largest finite value).  Codes have
+#: ``1 + E + M`` bits: sign on top, then the biased exponent, then the mantissa.
+MINIFLOATS = {
+    "e4m3": (4, 3, 448.0),     # torch.float8_e4m3fn
+    "e5m2": (5, 2, 57344.0),   # torch.float8_e5m2
+    "e2m3": (2, 3, 7.5),       # OCP MX FP6
+    "e2m1": (2, 1, 6.0),       # OCP MX FP4
+}
+#: OCP MX element name -> (minifloat format, bits per element, emax of the element).
+MX_ELEMENTS = {"fp8_e4m3": ("e4m3", 8, 8), "fp6_e2m3": ("e2m3", 6, 2), "fp4_e2m1": ("e2m1", 4, 2)}
+#: Elements that share one MX scale.
+MX_BLOCK = 32
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def minifloat_params(fmt: str) -> tuple[int, int, float, int]:
+    """``(E, M, max, emin)`` of a minifloat format; ``emin = 2 - 2**(E-1)`` (smallest normal exponent)."""
+    if fmt not in MINIFLOATS:
+        raise ValueError(f"minifloat format must be one of {tuple(MINIFLOATS)}, got {fmt!r}")
+    e, m, fmax = MINIFLOATS[fmt]
+    return e, m, fmax, 2 - (1 << (e - 1))
+
+
+def minifloat_table(fmt: str, device="cpu") -> torch.Tensor:
+    """fp32 value of every code of ``fmt`` (``2**(1+E+M)`` entries).
+
+    fp8 formats take torch's own decoding (NaN/inf codes included); FP6/FP4
+    have neither: ``(-1)**s * 2**(e - bias) * (1 + m/2**M)``, subnormal at ``e == 0``.
+    """
+    if fmt in _FP8_DTYPES:
+        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(_FP8_DTYPES[fmt]).float().to(device)
+    e_bits, m_bits, _, emin = minifloat_params(fmt)
+    code = torch.arange(1 << (1 + e_bits + m_bits), dtype=torch.int64)
+    mant = (code & ((1 << m_bits) - 1)).double()
+    ef = (code >> m_bits) & ((1 << e_bits) - 1)
+    frac = torch.where(ef == 0, mant / (1 << m_bits), 1 + mant / (1 << m_bits))
+    mag = frac * torch.pow(2.0, torch.clamp(ef.double() - (1 - emin), min=emin))
+    sign = torch.where((code >> (e_bits + m_bits)) & 1 == 1, -1.0, 1.0)
+    return (sign * mag).float().to(device)
+
+
+def minifloat_codes(y: torch.Tensor, fmt: str, stochastic: bool = False, seed: int = 0) -> torch.Tensor:
+    """``1+E+M``-bit codes (int32) of fp32 ``y`` rounded to the minifloat ``fmt``, saturating.
+
+    ``a = min(|y|, max)``; ``e = max(floor(log2 a), emin)`` (from the fp32
+    exponent field); ``r = a * 2**(M - e)`` (exact), ``q = floor(r)``,
+    ``f = r - q``; round up when ``f > 1/2`` or ``f == 1/2`` and ``q`` is odd
+    (nearest, ties to even), or when ``u_i < f`` (stochastic,
+    ``u = counter_uniform(seed, i)``: ``E[code value] = a`` exactly).  Magnitude code
+    ``((e - emin) << M) + q + up`` (a carry into the next binade is the right
+    code); the sign bit is ``y``'s (so ``-0.0`` keeps it); NaN gives code 0.
+    """
+    e_bits, m_bits, fmax, emin = minifloat_params(fmt)
+    yf = y.reshape(-1).float()
+    a = yf.abs().clamp(max=fmax)
+    nan = torch.isnan(a)
+    a = torch.where(nan, torch.zeros_like(a), a)
+    e = ((a.view(torch.int32) >> 23) - 127).clamp(min=emin)
+    inv_step = ((m_bits - e + 127) << 23).view(torch.float32)
+    r = a * inv_step
+    q = torch.floor(r)
+    f = r - q
+    qi = q.to(torch.int32)
+    if stochastic:
+        up = counter_uniform(seed, 0, yf.numel(), yf.device) < f
+    else:
+        up = (f > _HALF) | ((f == _HALF) & ((qi & 1) == 1))
+    mag = ((e - emin) << m_bits) + qi + up.to(torch.int32)
+    sign = ((yf.view(torch.int32) < 0) & ~nan).to(torch.int32) << (e_bits + m_bits)
+    return torch.where(nan, torch.zeros_like(mag), mag | sign)
+
+
+def fp8_quantize(x: torch.Tensor, fmt: str, block: int, stochastic: bool = False, seed: int = 0):
+    """Per block of ``block`` entries: ``s = max|x| / max(fmt)`` (fp32, NaN/inf propagate),
+    ``y = x * inv`` with ``inv = max(fmt) / max|x|`` (0 when ``max|x|`` is 0 or NaN),
+    codes :func:`minifloat_codes` of ``y``.  Returns ``(codes uint8 (numel), scales fp32)``;
+    the codes are the bytes of ``torch.float8_e4m3fn`` / ``float8_e5m2`` values."""
+    _, _, fmax, _ = minifloat_params(fmt)
+    if fmt not in _FP8_DTYPES:
+        raise ValueError(f"fp8 format must be one of {tuple(_FP8_DTYPES)}, got {fmt!r}")
+    xf = x.reshape(-1).float()
+    n = xf.numel()
+    amax = block_absmax(xf, block)
+    fm = torch.tensor(fmax, dtype=torch.float32, device=xf.device)
+    scales = amax / fm
+    inv = torch.where(amax > 0, fm / amax, torch.zeros_like(amax))
+    y = xf * inv.repeat_interleave(block)[:n] if n else xf
+    return minifloat_codes(y, fmt, stochastic, seed).to(torch.uint8), scales
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """Decode :func:`fp8_quantize`: ``value(code) * s`` in fp32 (``codes`` uint8 or float8)."""
+    table = minifloat_table(fmt, codes.device)
+    c = codes.reshape(-1)[:numel]
+    if c.dtype != torch.uint8:
+        c = c.view(torch.uint8)
+    vals = table[c.to(torch.int64)] * scales.float().repeat_interleave(block)[:numel]
+    return _emit(vals, out, accumulate)
+
+
+def e8m0_table(device="cpu") -> torch.Tensor:
+    """fp32 value of every E8M0 scale byte: ``2**(b - 127)``; 255 is NaN."""
+    b = torch.arange(256, dtype=torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    t = bits.view(torch.float32).clone()
+    t[255] = float("nan")
+    return t.to(device)
+
+
+def mx_quantize(x: torch.Tensor, element: str, stochastic: bool = False, seed: int = 0):
+    """OCP MX: per block of 32, shared exponent ``X = clamp(floor(log2 max|x|) - emax, -127)``
+    (from the fp32 exponent field; E8M0 byte ``X + 127``, 255 when the block holds a
+    NaN or inf); elements :func:`minifloat_codes` of ``x * 2**-X`` (saturating), bit-packed
+    (:func:`pack_bits`).  Returns ``(packed uint8, scale bytes uint8)``."""
+    if element not in MX_ELEMENTS:
+        raise ValueError(f"element must be one of {tuple(MX_ELEMENTS)}, got {element!r}")
+    fmt, bits, emax = MX_ELEMENTS[element]
+    xf = x.reshape(-1).float()
+    n = xf.numel()
+    amax = block_absmax(xf, MX_BLOCK)
+    finite = torch.isfinite(amax)
+    field = (amax.view(torch.int32) >> 23) & 0xFF
+    shared = (field - 127 - emax).clamp(min=-127)
+    scale_bytes = torch.where(finite, shared + 127, torch.full_like(shared, 255)).to(torch.uint8)
+    inv = torch.where(finite, ((127 - shared) << 23).view(torch.float32), torch.zeros_like(amax))
+    y = xf * inv.repeat_interleave(MX_BLOCK)[:n] if n else xf
+    return pack_bits(minifloat_codes(y, fmt, stochastic, seed), bits), scale_bytes
+
+
+def mx_dequantize(packed: torch.Tensor, scales: torch.Tensor, element: str, numel: int,
+                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """Decode :func:`mx_quantize`: ``value(code) * e8m0(scale byte)`` in fp32."""
+    fmt, bits, _ = MX_ELEMENTS[element]
+    codes = unpack_bits(packed, bits, numel).to(torch.int64)
+    s = e8m0_table(packed.device)[scales.reshape(-1).to(torch.int64)]
+    vals = minifloat_table(fmt, packed.device)[codes] * s.repeat_interleave(MX_BLOCK)[:numel]
+    return _emit(vals, out, accumulate)
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels
+def level_bits(levels: int) -> int:
+    """Bits per entry for signed codes in ``[-levels, levels]``: ``ceil(log2(2*levels+1))``."""
+    return max(1, (2 * int(levels)).bit_length())
+
+
+def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """fp32 L2 norm of each ``bucket``-entry slice (last one shorter): ``sqrt`` of the
+    :func:`pairwise_sum_rows` of ``x*x`` (a fixed order, so every backend agrees),
+    the root correctly rounded to fp32."""
+    xf = x.reshape(-1).float()
+    n = xf.numel()
+    b = max(1, min(int(bucket), n))
+    nb = (n + b - 1) // b
+    padded = torch.zeros(nb * b, dtype=torch.float32, device=xf.device)
+    padded[:n] = xf * xf
+    # sqrt in fp64, rounded once to fp32: the correctly rounded fp32 root on every backend
+    # (torch's own fp32 sqrt on CPU can be one ulp off)
+    return torch.sqrt(pairwise_sum_rows(padded.reshape(nb, b)).double()).float()
+
+
+def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, seed: int):
+    """Stochastic codes of QSGD/TernGrad, bit-packed with :func:`level_bits` bits.
+
+    Entry ``i`` of bucket ``b``: ``m = levels / s_b`` (``s_b`` replaced by 1 unless
+    ``> 0``), ``q = clamp(floor(|x_i| * m + u_i), 0, levels)`` (NaN -> 0), code
+    ``levels - q`` when ``x_i``'s sign bit is set else ``levels + q``.
+    ``E[code - levels] = x_i * m``.
+    """
+    xf = x.reshape(-1).float()
+    n = xf.numel()
+    b = max(1, min(int(bucket), n))
+    s = scales.reshape(-1).float()
+    mul = torch.tensor(float(levels), dtype=torch.float32, device=xf.device) / torch.where(
+        s > 0, s, torch.ones_like(s))
+    y = xf.abs() * mul.repeat_interleave(b)[:n] + counter_uniform(seed, 0, n, xf.device)
+    q = torch.nan_to_num(torch.floor(y).clamp(0, levels), nan=0.0).to(torch.int32)
+    neg = xf.view(torch.int32) < 0
+    codes = torch.where(neg, levels - q, levels + q)
+    return pack_bits(codes, level_bits(levels))
+
+
+def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
+    """QSGD in one call: ``norms = bucket_norms(x, bucket)`` and
+    ``level_quantize(x, norms, bucket, levels, seed)``; returns ``(packed, norms)``
+    (the fast backends compute both in one pass over ``x`` for cache-sized buckets)."""
+    norms = bucket_norms(x, bucket)
+    return level_quantize(x, norms, bucket, levels, seed), norms
+
+
+def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
+                     out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """Decode :func:`level_quantize`: ``(code - levels) * (s_b / levels)`` in fp32."""
+    b = max(1, min(int(bucket), int(numel)))
+    codes = unpack_bits(packed, level_bits(levels), numel).to(torch.float32) - levels
+    step = scales.reshape(-1).float() / float(levels)
+    return _emit(codes * step.repeat_interleave(b)[:numel], out, accumulate)
+
+
+def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chunk: int,
+                       new_residual: torch.Tensor):
+    """Error-feedback scaled sign in one pass: ``c = x + residual * beta`` (fp32; ``x + residual``
+    when ``beta == 1``), ``(bits, scales) = sign_pack(c)``, ``new_residual = c - sign_unpack``.
+
+    Returns ``(bits, scales, finite)``: ``finite`` (0-dim bool) is False when ``c`` or a
+    scale is NaN/inf, and then ``new_residual`` must not be used.  ``residual`` and
+    ``new_residual`` are fp32 with ``x``'s numel and must not overlap.
+    """
+    xf = x.reshape(-1).float()
+    r = residual.reshape(-1)
+    c = xf + r if float(beta) == 1.0 else xf + r * torch.tensor(float(beta), dtype=torch.float32)
+    bits, scales = sign_pack(c, chunk)
+    dec = sign_unpack(bits, scales, chunk, c.numel())
+    new_residual.view(-1).copy_(c - dec)
+    finite = torch.isfinite(scales).all() & torch.isfinite(c).all()
+    return bits, scales, finite
+
+
 def _emit(vals: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
     if out is None:
         return vals
@@ -301,4 +521,6 @@ __all__ = [
     "pack_bits", "unpack_bits", "bitmap_encode", "bitmap_decode", "hash_partition",
     "qmax_for", "block_absmax", "block_quantize", "block_dequantize",
     "sign_pack", "sign_unpack",
+    "minifloat_codes", "fp8_quantize", "fp8_dequantize", "mx_quantize", "mx_dequantize",
+    "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback",
 ]

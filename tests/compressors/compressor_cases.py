@@ -30,10 +30,24 @@ CASES = [
     ("blockquant", {"bits": 2, "block": 3}),
     ("powersgd", {"rank": 1}),
     ("powersgd", {"rank": 2}),
+    ("fp8", {}),
+    ("fp8", {"format": "e5m2", "block": 7, "stochastic": True}),
+    ("mx", {}),
+    ("mx", {"element": "fp6_e2m3", "stochastic": True}),
+    ("mx", {"element": "fp4_e2m1"}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in p.items())}".rstrip("-") for n, p in CASES]
 
 SPARSIFIERS = [c for c in CASES if c[0] in ("topk", "threshold", "dgc")]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` that also takes float8 tensors (compared by their bytes)."""
+    if a.dtype != b.dtype:
+        return False
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
 
 
 def make(name: str, params: dict) -> commpress.Compressor:
@@ -87,6 +101,10 @@ def nbytes_bound(c: commpress.Compressor, x: torch.Tensor, payload) -> tuple[int
         return math.ceil(n / 8) + 4 * math.ceil(n / c.chunk), True
     if name == "blockquant":
         return math.ceil(n * c.bits / 8) + 4 * math.ceil(n / c.block), True
+    if name == "fp8":
+        return n + 4 * math.ceil(n / c.block), True
+    if name == "mx":
+        return math.ceil(n * c.bits / 8) + math.ceil(n / 32), True
     if name == "powersgd":
         if payload.meta["uncompressed"]:
             return n * it, True

@@ -6,18 +6,18 @@ import math
 
 import pytest
 import torch
-from compressor_cases import CASES, DTYPES, IDS, build, dtypes, layouts, make, nbytes_bound, shapes
+from compressor_cases import CASES, DTYPES, IDS, build, dtypes, layouts, make, nbytes_bound, same, shapes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commpress
 
 ALL_NAMES = {"identity", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd",
-             "terngrad", "signsgd", "blockquant", "powersgd"}
+             "terngrad", "signsgd", "blockquant", "powersgd", "fp8", "mx"}
 AGGREGATION = {"identity": "sum", "fp16": "sum", "bf16": "sum", "randomk": "sum",
                "topk": "sparse", "threshold": "sparse", "dgc": "sparse", "qsgd": "gather",
                "terngrad": "gather", "signsgd": "gather", "blockquant": "gather",
-               "powersgd": "lowrank"}
+               "powersgd": "lowrank", "fp8": "gather", "mx": "gather"}
 
 
 def test_registry_lists_every_compressor():
@@ -109,6 +109,12 @@ def test_non_finite_input_propagates(case, bad, dtype):
     ("blockquant", {"block": 0}, "block"),
     ("blockquant", {"stochastic": "yes"}, "stochastic"),
     ("powersgd", {"rank": 0}, "rank"),
+    ("fp8", {"format": "e3m4"}, "format"),
+    ("fp8", {"block": 0}, "block"),
+    ("fp8", {"stochastic": 1}, "stochastic"),
+    ("mx", {"element": "fp6_e3m2"}, "element"),
+    ("mx", {"element": "int8"}, "element"),
+    ("mx", {"stochastic": "no"}, "stochastic"),
     ("powersgd", {"rank": True}, "rank"),
 ])
 def test_bad_parameters_raise_value_error_naming_the_argument(name, params, arg):
@@ -139,20 +145,46 @@ def test_same_generator_seed_gives_same_payload(case):
     x = build((33, 17), torch.float32, "contiguous", 3)
     a = c.compress(x, step=2, key="k", generator=torch.Generator().manual_seed(5))
     b = make(*case).compress(x, step=2, key="k", generator=torch.Generator().manual_seed(5))
-    assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+    assert all(same(s, t) for s, t in zip(a.tensors, b.tensors))
 
 
 @pytest.mark.parametrize("name,params", [("qsgd", {}), ("terngrad", {}),
-                                         ("blockquant", {"stochastic": True, "bits": 2})])
+                                         ("blockquant", {"stochastic": True, "bits": 2}),
+                                         ("fp8", {"stochastic": True}),
+                                         ("mx", {"element": "fp4_e2m1", "stochastic": True})])
 def test_stochastic_rounding_depends_on_generator(name, params):
     c = commpress.get(name, **params)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     a = c.compress(x, generator=torch.Generator().manual_seed(1))
     b = c.compress(x, generator=torch.Generator().manual_seed(2))
-    assert not torch.equal(a.tensors[0], b.tensors[0])
+    assert not same(a.tensors[0], b.tensors[0])
 
 
 def test_four_bit_blockquant_bound():
     x = torch.randn(1001)
     p = commpress.get("blockquant", bits=4, block=64).compress(x)
     assert p.nbytes <= math.ceil(1001 / 2) + 4 * math.ceil(1001 / 64)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompress_into_out_reuses_the_buffer(case, dtype):
+    c = make(*case)
+    x = build((30, 20), dtype, "transposed", 2)
+    payload = c.compress(x, generator=torch.Generator().manual_seed(0))
+    want = c.decompress(payload)
+    for out in (torch.full((30, 20), 7.0, dtype=dtype), torch.full((600,), 7.0, dtype=dtype)):
+        got = c.decompress(payload, out=out)
+        assert got.shape == x.shape and got.data_ptr() == out.data_ptr()
+        assert got is out or out.shape != x.shape
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", CASES[:1] + [c for c in CASES if c[0] in ("topk", "fp8", "mx", "qsgd")],
+                         ids=lambda c: c[0] if isinstance(c, str) else None)
+def test_decompress_rejects_a_wrong_out(case):
+    c = make(*case)
+    payload = c.compress(torch.randn(40), generator=torch.Generator().manual_seed(0))
+    for bad in (torch.empty(41), torch.empty(40, dtype=torch.float16), torch.empty(80)[::2]):
+        with pytest.raises(ValueError, match="out"):
+            c.decompress(payload, out=bad)

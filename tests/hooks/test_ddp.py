@@ -422,6 +422,10 @@ def _bad_input(rank, world, cases):
                 commpress.ddp.register(make_ddp(), "fp16" if rank < world - 1 else "bf16")
             elif case == "bad-option":
                 commpress.ddp.register(make_ddp(), "fp16", warmup_steps=-1)
+            elif case == "bad-algorithm":  # rejected at registration, not at the first step
+                commpress.ddp.register(make_ddp(), "topk", ratio=0.01, algorithm="bogus")
+            elif case == "wrong-kind-algorithm":
+                commpress.ddp.register(make_ddp(), "topk", ratio=0.01, algorithm="two_phase")
             out[case] = None
         except Exception as exc:  # noqa: BLE001
             out[case] = (type(exc).__name__, str(exc))
@@ -435,13 +439,16 @@ BAD_INPUT = {
     "model-differs": ("ValueError", "params.0.weight"),
     "policy-differs": ("ValueError", "dense_params"),
     "bad-option": ("ValueError", "warmup_steps"),
+    "bad-algorithm": ("ValueError", "algorithm must be one of"),
+    "wrong-kind-algorithm": ("ValueError", "'sparse' compressor"),
     "compressor-differs": ("ValueError", "rank 2 vs rank 0"),
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world,cases", [
-    (2, ["not-ddp", "twice", "ratio-differs", "model-differs", "policy-differs", "bad-option"]),
+    (2, ["not-ddp", "twice", "ratio-differs", "model-differs", "policy-differs", "bad-option",
+         "bad-algorithm", "wrong-kind-algorithm"]),
     (3, ["compressor-differs"]),
 ])
 def test_bad_input_raises_on_every_rank(world, cases):

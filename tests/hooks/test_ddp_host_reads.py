@@ -114,3 +114,51 @@ def test_the_spy_sees_a_read():
     with HostReads() as reads:
         _util.seed_from_generator(torch.Generator().manual_seed(1))
     assert reads.calls and reads.calls[0].startswith("item")
+
+
+def _sync_free_worker(rank, world, cases):
+    """One steady-state step on CUDA under ``torch.cuda.set_sync_debug_mode("error")``."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    out = {}
+    for name, params in cases:
+        torch.manual_seed(0)
+        model = DDP(Net().cuda(), device_ids=[rank], bucket_cap_mb=0.01)
+        state = commpress.ddp.register(model, name, min_numel=256, **params)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(16, 32, device="cuda", generator=g)
+        y = torch.randint(0, 8, (16,), device="cuda", generator=g)
+
+        def step():
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            out[name] = "ok"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        state.close()
+        dist.barrier()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_steady_state_step_never_synchronizes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    world = min(2, torch.cuda.device_count())
+    res = run(_sync_free_worker, world, CASES, timeout=280, backend="nccl")
+    for rank_out in res:
+        assert all(v == "ok" for v in rank_out.values()), rank_out

@@ -48,3 +48,29 @@ def test_large_misc(large):
     out_ref, out_nb = large.clone(), large.clone()
     vals = torch.randn(idx.numel(), generator=torch.Generator().manual_seed(2))
     assert_bitwise(nb.scatter_add_(out_nb, idx, vals), R.scatter_add_(out_ref, idx, vals))
+
+
+def test_large_minifloat_level_and_sign_feedback(large):
+    for fmt, block, sto in (("e4m3", 128, False), ("e5m2", 1000, True)):
+        want = R.fp8_quantize(large, fmt, block, sto, 5)
+        assert_bitwise(nb.fp8_quantize(large, fmt, block, sto, 5), want, f"fp8 {fmt}")
+        assert_bitwise(nb.fp8_dequantize(*want, fmt, block, N_LARGE), R.fp8_dequantize(*want, fmt, block, N_LARGE))
+    for element, sto in (("fp8_e4m3", True), ("fp6_e2m3", False), ("fp4_e2m1", True)):
+        want = R.mx_quantize(large, element, sto, 6)
+        assert_bitwise(nb.mx_quantize(large, element, sto, 6), want, f"mx {element}")
+        assert_bitwise(nb.mx_dequantize(*want, element, N_LARGE), R.mx_dequantize(*want, element, N_LARGE))
+    for bucket, levels in ((512, 7), (N_LARGE, 1)):
+        norms = R.bucket_norms(large, bucket)
+        assert_bitwise(nb.bucket_norms(large, bucket), norms, "norms")
+        packed = R.level_quantize(large, norms, bucket, levels, 7)
+        assert_bitwise(nb.level_quantize(large, norms, bucket, levels, 7), packed, f"levels {levels}")
+        assert_bitwise(nb.qsgd_quantize(large, levels, bucket, 7), (packed, norms), "fused qsgd")
+        assert_bitwise(nb.level_dequantize(packed, norms, bucket, levels, N_LARGE),
+                       R.level_dequantize(packed, norms, bucket, levels, N_LARGE))
+    finite = torch.nan_to_num(large, nan=0.0, posinf=1.0, neginf=-1.0)
+    r = torch.randn(N_LARGE, generator=torch.Generator().manual_seed(3))
+    o_ref, o_nb = torch.empty(N_LARGE), torch.empty(N_LARGE)
+    want = R.sign_pack_feedback(finite, r, 0.5, 1024, o_ref)
+    assert bool(want[2])
+    assert_bitwise(nb.sign_pack_feedback(finite, r, 0.5, 1024, o_nb), want, "sign feedback")
+    assert_bitwise(o_nb, o_ref, "sign feedback residual")

@@ -204,3 +204,110 @@ def test_sign_pack_sum_order_is_fixed():
     _, scales = R.sign_pack(x, 4)
     assert scales.item() == (2.0**24 + 2) / 4
     assert_bitwise(nb.sign_pack(x, 4), R.sign_pack(x, 4))
+
+
+# ---------------------------------------------------------------- minifloats (fp8, MX)
+@settings(max_examples=25)
+@given(a=f32_arrays(), fmt=st.sampled_from(["e4m3", "e5m2"]), block=st.integers(1, 70),
+       stochastic=st.booleans(), seed=st.integers(0, 2**64 - 1), scale=st.sampled_from([1.0, 1e-30, 1e30]))
+def test_fp8_quantize(a, fmt, block, stochastic, seed, scale):
+    with np.errstate(over="ignore", under="ignore"):
+        x = tensor(a * np.float32(scale))
+    want = R.fp8_quantize(x, fmt, block, stochastic, seed)
+    assert_bitwise(nb.fp8_quantize(x, fmt, block, stochastic, seed), want, "fp8_quantize")
+
+
+@settings(max_examples=25)
+@given(a=f32_arrays(), element=st.sampled_from(["fp8_e4m3", "fp6_e2m3", "fp4_e2m1"]),
+       stochastic=st.booleans(), seed=st.integers(0, 2**64 - 1), scale=st.sampled_from([1.0, 1e-38, 1e35]))
+def test_mx_quantize(a, element, stochastic, seed, scale):
+    with np.errstate(over="ignore", under="ignore"):
+        x = tensor(a * np.float32(scale))
+    want = R.mx_quantize(x, element, stochastic, seed)
+    assert_bitwise(nb.mx_quantize(x, element, stochastic, seed), want, "mx_quantize")
+
+
+@settings(max_examples=10)
+@given(a=f32_arrays(max_size=100), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float64]))
+def test_minifloat_quantize_other_dtypes(a, dtype):
+    with np.errstate(over="ignore"):
+        x = tensor(a).to(dtype)
+    assert_bitwise(nb.fp8_quantize(x, "e4m3", 16), R.fp8_quantize(x, "e4m3", 16))
+    assert_bitwise(nb.mx_quantize(x, "fp6_e2m3"), R.mx_quantize(x, "fp6_e2m3"))
+
+
+@settings(max_examples=25)
+@given(element=st.sampled_from(["fp8_e4m3", "fp6_e2m3", "fp4_e2m1", "e4m3", "e5m2"]),
+       block=st.integers(1, 70), data=st.data())
+def test_minifloat_dequantize(element, block, data):
+    """Random wire bytes (NaN codes, scale byte 255 included), fresh and into ``out``."""
+    n = data.draw(st.integers(0, 300))
+    if element in ("e4m3", "e5m2"):
+        nbytes, nscales = n, (n + block - 1) // block
+        codes = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=nbytes, max_size=nbytes)),
+                             dtype=torch.uint8)
+        scales = tensor(data.draw(f32_arrays(nscales, nscales)))
+
+        def run(mod, *out):
+            return mod.fp8_dequantize(codes, scales, element, block, n, *out)
+    else:
+        bits = {"fp8_e4m3": 8, "fp6_e2m3": 6, "fp4_e2m1": 4}[element]
+        nbytes, nscales = (n * bits + 7) // 8, (n + 31) // 32
+        codes = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=nbytes, max_size=nbytes)),
+                             dtype=torch.uint8)
+        scales = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=nscales, max_size=nscales)),
+                              dtype=torch.uint8)
+
+        def run(mod, *out):
+            return mod.mx_dequantize(codes, scales, element, n, *out)
+    assert_bitwise(run(nb), run(R), "fresh")
+    base = tensor(data.draw(f32_arrays(n, n)))
+    for acc in (False, True):
+        o_ref, o_nb = base.clone(), base.clone()
+        r1, r2 = run(R, o_ref, acc), run(nb, o_nb, acc)
+        assert r2 is o_nb
+        assert_bitwise(r2, r1, f"out accumulate={acc}")
+
+
+def test_fp8_dequantize_takes_float8_codes():
+    x = torch.randn(300)
+    codes, scales = R.fp8_quantize(x, "e5m2", 64)
+    f8 = codes.view(torch.float8_e5m2)
+    assert_bitwise(nb.fp8_dequantize(f8, scales, "e5m2", 64, 300), R.fp8_dequantize(codes, scales, "e5m2", 64, 300))
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels, sign + EF
+@settings(max_examples=25)
+@given(a=f32_arrays(), bucket=st.sampled_from([1, 3, 8, 64, 10**9]), levels=st.sampled_from([1, 2, 3, 7, 8, 127]),
+       seed=st.integers(0, 2**64 - 1))
+def test_level_quantize_and_norms(a, bucket, levels, seed):
+    x = tensor(a)
+    with np.errstate(over="ignore"):
+        norms = R.bucket_norms(x, bucket)
+    assert_bitwise(nb.bucket_norms(x, bucket), norms, "norms")
+    packed = R.level_quantize(x, norms, bucket, levels, seed)
+    assert_bitwise(nb.level_quantize(x, norms, bucket, levels, seed), packed, "codes")
+    with np.errstate(over="ignore"):
+        assert_bitwise(nb.qsgd_quantize(x, levels, bucket, seed), (packed, norms), "fused qsgd")
+    n = x.numel()
+    assert_bitwise(nb.level_dequantize(packed, norms, bucket, levels, n),
+                   R.level_dequantize(packed, norms, bucket, levels, n), "decode")
+    for acc in (False, True):
+        o_ref, o_nb = x.clone(), x.clone()
+        assert_bitwise(nb.level_dequantize(packed, norms, bucket, levels, n, o_nb, acc),
+                       R.level_dequantize(packed, norms, bucket, levels, n, o_ref, acc), f"acc={acc}")
+
+
+@settings(max_examples=25)
+@given(a=f32_arrays(), chunk=st.sampled_from([8, 16, 1024]), beta=st.sampled_from([1.0, 0.5, 0.3]), data=st.data())
+def test_sign_pack_feedback(a, chunk, beta, data):
+    x = tensor(a)
+    n = x.numel()
+    r = tensor(data.draw(f32_arrays(n, n)))
+    out_ref, out_nb = torch.full_like(x, 3.0), torch.full_like(x, 3.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = R.sign_pack_feedback(x, r, beta, chunk, out_ref)
+        got = nb.sign_pack_feedback(x, r, beta, chunk, out_nb)
+    assert_bitwise(got, want, "sign_pack_feedback")
+    if bool(want[2]):
+        assert_bitwise(out_nb, out_ref, "new residual")
