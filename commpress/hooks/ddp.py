@@ -125,6 +125,8 @@ class DDPState(HookState):
         :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
         ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
         intra/inter cost model; flat otherwise).  Creates the node groups (collective).
+        Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
+        :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
 
     Registration exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
