@@ -9,6 +9,12 @@ concurrent runs never see each other.  It removes everything it created on
 exit, on exceptions and on SIGINT/SIGTERM, and at start removes namespaces left
 behind by dead runs (names ``cpbench-<pid>-...`` whose pid is gone).
 
+``topology=(nodes, local)`` (``--topology 2x2``) emulates nodes instead: the
+``local`` ranks of a node share one namespace (they talk over its loopback,
+unthrottled) and only the node's one veth link, shared by its ranks like a NIC,
+is rate limited.  :func:`nic_bytes` reads that link's counters from inside a rank
+(bytes crossing nodes, TCP/IP headers included).
+
 Without root, ``ip``/``tc`` or namespace support it says why (``Cluster.probe``)
 and :func:`launch` runs the ranks on loopback.
 
@@ -119,16 +125,23 @@ class Cluster:
 
     def __init__(self, world_size: int, net: NetSpec | str | None = None, *,
                  runner: Runner | None = None, list_out: Callable[[], str] | None = None,
-                 tag: str | None = None) -> None:
+                 tag: str | None = None, topology: tuple[int, int] | str | None = None) -> None:
         if not isinstance(world_size, int) or not 1 <= world_size <= 64:
             raise ValueError(f"world_size must be an int in [1, 64], got {world_size!r}")
+        self.topology = parse_topology(topology, world_size) if topology is not None else None
         self.world_size = world_size
         self.net = NetSpec.parse(net) if isinstance(net, str) else net
         self._runner = runner or _run
         self._list_out = list_out
         self.tag = tag or f"{PREFIX}{os.getpid()}-"
         self.bridge_ns = f"{self.tag}br"
-        self.rank_ns = [f"{self.tag}r{r}" for r in range(world_size)]
+        if self.topology is None:
+            self.hosts = [f"{self.tag}r{r}" for r in range(world_size)]
+            self.rank_ns = list(self.hosts)
+        else:
+            local = self.topology[1]
+            self.hosts = [f"{self.tag}n{i}" for i in range(self.topology[0])]
+            self.rank_ns = [self.hosts[r // local] for r in range(world_size)]
         self.ifname = IFNAME
         self.created: list[str] = []
         self.notes: list[str] = []
@@ -153,9 +166,10 @@ class Cluster:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         return None
 
-    def addr(self, rank: int) -> str:
-        """Rank ``rank``'s address (exists only inside the cluster's namespaces)."""
-        return f"{SUBNET}.{rank + 1}"
+    def addr(self, host: int) -> str:
+        """Host ``host``'s address (a rank, or a node with a topology; exists only inside
+        the cluster's namespaces)."""
+        return f"{SUBNET}.{host + 1}"
 
     def rank_command(self, rank: int) -> list[str]:
         return ["ip", "netns", "exec", self.rank_ns[rank]]
@@ -207,7 +221,7 @@ class Cluster:
         self._add_ns(self.bridge_ns)
         self._runner(["ip", "-n", self.bridge_ns, "link", "add", "cpbr0", "type", "bridge"])
         self._runner(["ip", "-n", self.bridge_ns, "link", "set", "cpbr0", "up"])
-        for r, ns in enumerate(self.rank_ns):
+        for r, ns in enumerate(self.hosts):
             self._add_ns(ns)
             peer = f"cpbp{r}"
             self._runner(["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -264,8 +278,40 @@ class Cluster:
 
     def describe(self) -> str:
         shaping = f"tc {self.net} on both ends of every veth" if self.net else "no rate limit"
+        if self.topology is not None:
+            nodes, local = self.topology
+            return (f"{nodes} nodes x {local} ranks: one network namespace per node ({self.tag}n*, ranks of "
+                    f"a node over its loopback, unthrottled) + bridge ns {self.bridge_ns}, {shaping} "
+                    f"(between nodes only)" + (f"; {'; '.join(self.notes)}" if self.notes else ""))
         return (f"{self.world_size} network namespaces ({self.tag}r*) + bridge ns {self.bridge_ns}, "
                 f"{shaping}" + (f"; {'; '.join(self.notes)}" if self.notes else ""))
+
+
+def parse_topology(text: tuple[int, int] | str, world_size: int) -> tuple[int, int]:
+    """``"2x2"`` (nodes x ranks per node) or a tuple; their product must be ``world_size``."""
+    if isinstance(text, str):
+        m = re.match(r"^(\d+)x(\d+)$", text.strip())
+        if not m:
+            raise ValueError(f"--topology must be NODESxRANKS like '2x2', got {text!r}")
+        nodes, local = int(m.group(1)), int(m.group(2))
+    else:
+        nodes, local = (int(v) for v in text)
+    if nodes < 1 or local < 1 or nodes * local != world_size:
+        raise ValueError(f"topology {nodes}x{local} does not describe {world_size} ranks")
+    return nodes, local
+
+
+def nic_bytes() -> int | None:
+    """Bytes sent by this namespace's cluster interface so far (``None`` off a cluster:
+    on loopback every byte is local).  Read from sysfs inside a rank process."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if name != IFNAME:
+        return None
+    try:
+        with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
 
 
 class Loopback:
@@ -291,8 +337,11 @@ class Loopback:
         return "loopback (no rate limit)" + (f": {self.reason}" if self.reason else "")
 
 
-def make_cluster(world_size: int, net: NetSpec | str | None) -> Cluster | Loopback:
+def make_cluster(world_size: int, net: NetSpec | str | None,
+                 topology: tuple[int, int] | str | None = None) -> Cluster | Loopback:
     """A :class:`Cluster` when ``net`` is given and namespaces work here, else :class:`Loopback`."""
+    if topology is not None:
+        parse_topology(topology, world_size)
     if net is None:
         return Loopback(world_size)
     spec = NetSpec.parse(net) if isinstance(net, str) else net
@@ -300,7 +349,7 @@ def make_cluster(world_size: int, net: NetSpec | str | None) -> Cluster | Loopba
     if reason is not None:
         log.warning("--net %s requested but %s: running on loopback without rate limits", spec, reason)
         return Loopback(world_size, f"--net {spec} requested but {reason}")
-    return Cluster(world_size, spec)
+    return Cluster(world_size, spec, topology=topology)
 
 
 # ---------------------------------------------------------------------------
@@ -337,7 +386,8 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
            cluster: Cluster | Loopback | None = None, kwargs: dict[str, Any] | None = None,
            timeout: float = 3600.0, pg_timeout: float = 120.0,
            on_message: Callable[[int, dict], None] | None = None, echo: bool = False,
-           grace: float = 10.0, env: dict[str, str] | None = None, pin: bool = False) -> list[Any]:
+           grace: float = 10.0, env: dict[str, str] | None = None, pin: bool = False,
+           topology: tuple[int, int] | str | None = None) -> list[Any]:
     """Run ``target`` (``"package.module:function"``) on ``world_size`` rank processes.
 
     Pass ``cluster`` (an entered :class:`Cluster`/:class:`Loopback`) to reuse one
@@ -351,7 +401,7 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
     if cluster is None:
-        with make_cluster(world_size, net) as made:
+        with make_cluster(world_size, net, topology) as made:
             return launch(target, world_size, cluster=made, kwargs=kwargs, timeout=timeout,
                           pg_timeout=pg_timeout, on_message=on_message, echo=echo, grace=grace, env=env,
                           pin=pin)
@@ -362,7 +412,7 @@ def launch(target: str, world_size: int, *, net: NetSpec | str | None = None,
         spec_path = os.path.join(tmp, "spec.pkl")
         with open(spec_path, "wb") as f:
             pickle.dump(spec, f)
-        base_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+        base_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",  # what torchrun sets; numba follows torch (no NUMBA_* needed)
                     "GLOO_SOCKET_IFNAME": cluster.ifname, "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         procs: list[subprocess.Popen] = []

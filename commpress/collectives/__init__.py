@@ -9,6 +9,8 @@
 * :func:`quantized_allreduce` / :func:`reduce_scatter` — two-phase quantized
   aggregation for ``"gather"`` compressors (and the reduce-scatter half for FSDP2).
 * :func:`powersgd_allreduce` — the PowerSGD protocol for ``"lowrank"`` compressors.
+* :class:`Hierarchy` — nodes of ``L`` ranks: ``allreduce(..., hierarchy=h)`` reduces
+  densely inside a node and compresses only between nodes (:mod:`.hierarchy`).
 * :class:`CommStats` — bytes / messages / algorithm per rank (see
   :mod:`commpress.collectives.accounting` for how bytes are counted).
 * :func:`set_cost_model`, :func:`calibrate`, :func:`get_cost_model` — the
@@ -25,13 +27,14 @@ from ._codec import fingerprint, unwrap
 from .accounting import CommStats
 from .core import allreduce
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
+from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from .wire import CollectiveInputError, flush_deferred
 
 __all__ = [
-    "CommStats", "CollectiveInputError", "CostModel", "ResidualTransaction", "SPARSE_ALGORITHMS", "allreduce",
+    "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "allreduce",
     "calibrate", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
     "reduce_scatter", "set_cost_model", "sparse_allreduce", "unwrap",
 ]

@@ -85,6 +85,15 @@ def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> t
     return out.reshape((p,) + tuple(t.shape))
 
 
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-gather ``t`` (contiguous, same size on every rank) into the flat ``out`` of ``P * t.numel()``."""
+    if world(group) == 1:
+        return out.copy_(t.reshape(-1))
+    _ALL_GATHER(out, t.reshape(-1), group=group)
+    _charge(stats, all_gather_cost(t.numel() * t.element_size(), world(group)))
+    return out
+
+
 def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=None) -> torch.Tensor:
     """In-place sum (or ``op``) all-reduce of a contiguous tensor; returns it."""
     p = world(group)
@@ -113,6 +122,19 @@ def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[
         sent = sum(s for r, s in enumerate(send_sizes) if r != me)
         recv = sum(s for r, s in enumerate(recv_sizes) if r != me)
         stats.add(sent, recv, p - 1)
+    return out
+
+
+def all_to_all_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """All-to-all of equal pieces: row ``r`` of ``send`` (``[P, m]``) goes to rank ``r``; row ``s``
+    of ``out`` comes from rank ``s``."""
+    p = world(group)
+    if p == 1:
+        return out.copy_(send)
+    dist.all_to_all_single(out, send, group=group)
+    if stats is not None:
+        b = (send.numel() // p) * send.element_size() * (p - 1)
+        stats.add(b, b, p - 1)
     return out
 
 

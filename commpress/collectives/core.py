@@ -53,7 +53,8 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               algorithm: str = "auto", stats: CommStats | None = None,
               generator: torch.Generator | None = None, validate: bool = True,
               transaction: ResidualTransaction | None = None,
-              shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None,
+              hierarchy=None, _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
     ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
@@ -66,8 +67,14 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     ``tensor`` is the flat concatenation of tensors of these shapes, all sent in one
     batched PowerSGD protocol.  Returns a tensor of ``tensor``'s shape and dtype;
     with ``out`` (same shape and dtype; may be ``tensor`` itself) the result is
-    written there and ``out`` is returned.
+    written there and ``out`` is returned.  ``hierarchy`` (a
+    :class:`~commpress.collectives.hierarchy.Hierarchy`): dense inside each node,
+    compressed between nodes (:mod:`.hierarchy`).
     """
+    if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
+        return hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
+                                   stats=stats, generator=generator, validate=validate, transaction=transaction,
+                                   shapes=shapes, out=out)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     inner = unwrap(compressor)
@@ -76,7 +83,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
         raise TypeError(f"allreduce: compressor must be a commpress Compressor with aggregation in "
                         f"{tuple(ALLREDUCE_ALGORITHMS)}, got {compressor!r}")
     wire.flush_deferred()
-    err = local_check(tensor, compressor, algorithm, ALLREDUCE_ALGORITHMS[kind])
+    err = _error or local_check(tensor, compressor, algorithm, ALLREDUCE_ALGORITHMS[kind])
     states = None
     if validate:
         facts = (kind, tensor.numel(), str(tensor.dtype), algorithm, fingerprint(compressor))

@@ -139,6 +139,14 @@ class DDPState(HookState):
         in the error feedback (``ErrorFeedback(..., momentum=)``); the parameters
         that go dense get plain momentum on their averaged gradient.  Pair it with
         ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
+    hierarchy:
+        ``None`` (flat), an int ``L`` (ranks per node: every unit reduces densely
+        inside its node and compresses only between nodes, see
+        :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
+        ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
+        intra/inter cost model; flat otherwise).  Creates the node groups (collective).
+        Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
+        :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
 
     Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -155,7 +163,8 @@ class DDPState(HookState):
                  min_numel: int = DEFAULT_MIN_NUMEL, skip: Callable[[str], bool] | None = None,
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
-                 overlap: bool = True, **compressor_params: Any) -> None:
+                 overlap: bool = True, hierarchy: int | str | None = None,
+                 **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
         if model is not None and not isinstance(model, DistributedDataParallel):
@@ -173,6 +182,9 @@ class DDPState(HookState):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         verify_every = _verify_every(verify_every)
+        if not (hierarchy is None or hierarchy == "auto"
+                or (isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1)):
+            raise ValueError(f"hierarchy must be None, 'auto' or a positive int (ranks per node), got {hierarchy!r}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
         self.inner = unwrap(self.codec)
@@ -190,6 +202,8 @@ class DDPState(HookState):
         self.dense_momentum = DenseMomentum(self.momentum) if self.momentum else None
         self._skip = skip
         self._want_overlap = overlap and not verify_every
+        self.hierarchy_arg = hierarchy
+        self.hierarchy = None
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
@@ -243,10 +257,13 @@ class DDPState(HookState):
         # After the fingerprint check (a collective on the model's group): the hook's own group.
         self.process_group, self.executor = _executor(self.process_group, self._want_overlap)
         self.overlap = isinstance(self.executor, _Overlapped)
+        self.hierarchy = _hierarchy(self.hierarchy_arg, self.process_group, self.world_size)
         if self.algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
             from ..collectives import get_cost_model
 
             get_cost_model(self.process_group)  # calibrate now (a collective), not inside a step
+        if self.hierarchy is not None and self.hierarchy.mode == "auto":
+            self.hierarchy.models()  # likewise for the intra-node and inter-node models
         setattr(model, _ATTR, self)
         self.bound = True
         if self._pending_load is not None:
@@ -277,6 +294,9 @@ class DDPState(HookState):
             params={n: list(s) for n, s in self._shapes.items()},
             dense_params=sorted(self.dense_param_names),
         )
+        if self.hierarchy_arg is not None:  # absent when flat: older checkpoints still load
+            cfg["hierarchy"] = self.hierarchy_arg
+        return cfg
         return cfg
 
     def layout(self, index: int, params: list[torch.Tensor]) -> Plan:
@@ -497,6 +517,22 @@ def _end_step(state: DDPState) -> None:
     state.stats.end_step()
 
 
+def _hierarchy(arg: int | str | None, group: dist.ProcessGroup | None, world: int):
+    """The :class:`~commpress.collectives.Hierarchy` for ``register(hierarchy=arg)`` (collective), or None."""
+    from ..collectives import Hierarchy
+
+    if arg is None or world == 1:
+        return None
+    if arg == "auto":
+        try:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        except ValueError:
+            local = 0
+        h = Hierarchy(local if 1 < local < world else world, group, mode="auto")  # agreed on every rank
+        return h if h.local_size < world else None
+    return Hierarchy(arg, group)
+
+
 def _executor(process_group: dist.ProcessGroup | None, overlap: bool):
     """The group the hook's collectives use and the executor that runs them."""
     if not overlap or not dist.is_initialized():
@@ -598,7 +634,8 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              min_numel: int = DEFAULT_MIN_NUMEL, skip: Callable[[str], bool] | None = None,
              algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
-             overlap: bool = True, **compressor_params: Any) -> DDPState:
+             overlap: bool = True, hierarchy: int | str | None = None,
+             **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
     ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
     ``state.state_dict()``, ``state.close()``).  Collective: call it on every rank
@@ -610,7 +647,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
-                     **compressor_params)
+                     hierarchy=hierarchy, **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 

@@ -126,7 +126,8 @@ class Step:
         shapes = unit.shapes if state.lowrank else None
         out = allreduce(t, state.codec, group=state.process_group, key=unit.key, step=state.step,
                         algorithm=state.algorithm, stats=cs, generator=state.noise_seed(unit.key),
-                        validate=False, transaction=self.transaction, shapes=shapes, out=t)
+                        validate=False, transaction=self.transaction, shapes=shapes, out=t,
+                        hierarchy=state.hierarchy)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)

@@ -89,6 +89,23 @@ all-gathered (one ``all_gather`` of ``payload.nbytes`` per rank, e.g.
 compute with identical (quantized) unsharded parameters while the sharded fp32
 parameters the optimizer updates stay exact.  Shards whose all-gather dtype the
 compressor does not support (a ``uint8`` mixed-dtype buffer) go dense.
+
+Hybrid sharding: a compressed all-reduce across replicas
+--------------------------------------------------------
+torch 2.13's FSDP2 cannot replace the replica all-reduce of *native* HSDP (a 2-D
+mesh): ``foreach_reduce`` calls ``dist.all_reduce`` on the replicate group
+unconditionally, ``set_all_reduce_hook`` runs *after* it, and
+``set_requires_all_reduce(False)`` returns before the hook (and before the
+gradients are assigned); ``_fsdp_api`` has no ``AllReduce`` extension point.
+What it does support is the "custom HSDP" it documents for that hook: shard each
+replica with a 1-D mesh (the shard dimension) and all-reduce across replicas in
+the hook.  ``register(model, compressor, replicate_group=pg)`` does that: every
+unit's reduce-scatter output (already averaged over the shard group by FSDP) is
+summed over ``pg`` by :func:`commpress.collectives.allreduce` (key
+``(unit, "replicas")``, error feedback per unit, residual updates in the step's
+transaction), then divided by the number of replicas.  The reduce-scatter inside
+the shard group stays FSDP's dense one unless ``reduce_scatter=True``.  With a
+2-D mesh, ``register`` raises and names this route.
 """
 
 from __future__ import annotations
@@ -220,6 +237,8 @@ class FSDPState(HookState):
         ag = self.all_gather_compressor
         cfg["all_gather"] = None if ag is None else {"compressor": ag.name, "params": ag.config()}
         cfg["units"] = {name: _unit_layout(u.module) for name, u in self.units.items()}
+        if getattr(self, "replicate", None):  # absent without replicas: older checkpoints still load
+            cfg["replicas"] = self.replicate
         return cfg
 
     # -- step accounting ----------------------------------------------------
@@ -357,6 +376,38 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             torch.mul(summed, scale, out=out)
 
 
+class ReplicaAllReduce:
+    """FSDP2 all-reduce hook (``FSDPModule.set_all_reduce_hook``): compressed sum of the unit's
+    reduce-scatter output over the replicate group, divided by its size (see the module doc).
+
+    Wire: one :func:`commpress.collectives.allreduce` of the shard's payload among the
+    ``R`` replicas (e.g. topk: one all-gather of ``capacity`` entries).
+    """
+
+    def __init__(self, state: FSDPState, unit: str, group: dist.ProcessGroup) -> None:
+        self.state = state
+        self.unit = unit
+        self.group = group
+        self.validated: tuple[int, torch.dtype] | None = None
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        st = self.state
+        replicas = self.group.size()
+        dense_bytes = 2 * reduce_output.numel() * reduce_output.element_size() * (replicas - 1) // replicas
+        st._touch_step(f"{self.unit}/replicas")
+        cs = CommStats()
+        facts = (reduce_output.numel(), reduce_output.dtype)
+        with Timer() as t:
+            summed = collectives.allreduce(reduce_output, st.codec, group=self.group, key=(self.unit, "replicas"),
+                                           step=st.step, stats=cs, generator=st.generator,
+                                           validate=self.validated != facts, transaction=st.transaction)
+            self.validated = facts
+            torch.mul(summed, 1.0 / replicas, out=reduce_output)
+        st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
+                        algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
+                        hook_seconds=t.seconds)
+
+
 class QuantizedAllGather(_CommBase, AllGather):
     """FSDP2 ``AllGather`` that sends each rank's parameter shard compressed (ZeRO++ qwZ style).
 
@@ -404,7 +455,8 @@ class QuantizedAllGather(_CommBase, AllGather):
 # ------------------------------------------------------------------ registration
 def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
-             recurse: bool = True, **compressor_params: Any) -> FSDPState:
+             recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
+             reduce_scatter: bool | None = None, **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
     ``module``: a model (or submodule) wrapped with ``fully_shard``; every
@@ -415,6 +467,11 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     ``"auto"`` (on for biased compressors).  ``all_gather``: ``None`` (dense
     parameter all-gather) or a fixed-size compressor (name or instance, e.g.
     ``"blockquant"``) used to all-gather parameters quantized.
+    ``replicate_group``: hybrid sharding with a 1-D shard mesh per replica: the
+    reduce-scatter output is all-reduced across this group compressed (see
+    "Hybrid sharding" in the module doc); then ``reduce_scatter`` (default
+    ``False``; ``True`` without ``replicate_group``) says whether the shard
+    group's reduce-scatter is compressed too.
 
     Collective: exchanges a configuration fingerprint over the units' process
     group (compressor, parameters, options, world size, unit names and
@@ -438,12 +495,24 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             raise RuntimeError(f"commpress.fsdp is already registered on FSDP unit {name or '<root>'!r} "
                                f"({type(m).__name__}); register once per model")
     groups = [g for _, m in units for g in _param_groups(m)]
+    if replicate_group is not None and any(g._is_hsdp for g in groups):
+        raise ValueError(
+            "replicate_group: the model is sharded with a 2-D (replicate x shard) mesh, whose replica "
+            "all-reduce torch 2.13's FSDP2 runs itself with no hook to replace it; shard each replica "
+            "with the 1-D shard mesh (mesh['shard']) and pass replicate_group=mesh['replicate'].get_group()")
+    if reduce_scatter is None:
+        reduce_scatter = replicate_group is None
     pg = groups[0]._reduce_scatter_process_group
     state = FSDPState(compressor, error_feedback=error_feedback, all_gather=all_gather,
-                      process_group=pg, units=units, **compressor_params)
+                      process_group=pg if replicate_group is None or reduce_scatter else dist.group.WORLD,
+                      units=units, **compressor_params)
+    state.replicate = None if replicate_group is None else replicate_group.size()
     state.check_config()
     for name, m in units:
-        m.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
+        if reduce_scatter:
+            m.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
+        if replicate_group is not None:
+            m.set_all_reduce_hook(ReplicaAllReduce(state, name, replicate_group))
         if state.all_gather_compressor is not None:
             m.set_custom_all_gather(QuantizedAllGather(state, name))
         setattr(m, _ATTR, state)

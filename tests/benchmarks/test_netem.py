@@ -145,3 +145,21 @@ def test_real_namespaces_rate_limited_allreduce_and_cleanup():
             launch("benchmarks.netem:echo_target", 2, cluster=c, kwargs={"fail_rank": 0},
                    timeout=60, pg_timeout=10, grace=5)
     assert not [ns for ns in netem.list_namespaces() if ns.startswith(tag)]
+
+
+def test_topology_puts_a_node_in_one_namespace_and_throttles_only_node_links():
+    fake = FakeIP()
+    c = Cluster(4, "1gbit", runner=fake, list_out=fake.list_out, tag="cpbench-999999-", topology="2x2")
+    with c:
+        assert c.rank_ns == ["cpbench-999999-n0", "cpbench-999999-n0", "cpbench-999999-n1", "cpbench-999999-n1"]
+        assert c.rank_command(1)[-1] == c.rank_command(0)[-1] != c.rank_command(2)[-1]
+        shaped = [cmd for cmd in fake.calls if "tc" in cmd]
+        assert len(shaped) == 4            # 2 node links x (egress + ingress)
+        assert "2 nodes x 2 ranks" in c.describe()
+    assert fake.namespaces == set()         # everything removed
+
+
+@pytest.mark.parametrize("bad", ["2x3", "4", "x2", "0x4"])
+def test_topology_must_describe_the_world(bad):
+    with pytest.raises(ValueError):
+        Cluster(4, "1gbit", runner=FakeIP(), topology=bad)

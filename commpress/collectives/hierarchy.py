@@ -1,0 +1,393 @@
+"""Two-level compressed allreduce: dense inside a node, compressed between nodes.
+
+A :class:`Hierarchy` cuts the ``P`` ranks of a group into ``P / L`` nodes of
+``L`` consecutive ranks (torchrun's layout: node ``i`` holds group ranks
+``iL .. iL+L-1``).  ``allreduce(tensor, compressor, hierarchy=h)`` then runs
+(BytePS two-level, Bagua hierarchical, ZeRO++ qgZ):
+
+1. **intra reduce-scatter, dense**: the flat tensor is cut into ``L`` shards
+   (:meth:`Hierarchy.bounds`); one ``all_to_all_single`` inside the node sends
+   shard ``j`` of every local rank to local rank ``j``, which adds the ``L``
+   pieces in fp32 (exact for fp32 input up to rounding; fp32 accumulation for
+   fp16/bf16 input, sent in its own dtype).  Each piece carries two status
+   slots: ``[ranks with bad input, ranks with a NaN/inf]``.
+2. **inter compressed allreduce** of shard ``j`` among the ``P / L`` ranks with
+   local rank ``j`` (:func:`commpress.collectives.allreduce` on the inter-node
+   group, every compressor kind), under the key ``("shard", key, j)``: error
+   feedback keeps one residual per shard, staged in the caller's
+   :class:`~commpress.feedback.ResidualTransaction`.
+3. **intra all-gather, dense** of the reduced shards (in the tensor's dtype).
+
+What crosses nodes: only step 2, the payload of ``numel / L`` elements per
+rank among ``P / L`` ranks, instead of a payload of ``numel`` among ``P``.
+
+Step 2's result is bitwise identical across the inter group, and step 3
+hands every rank of a node the same ``L`` shards, so every rank ends with
+bitwise the same sum.  A NaN/inf anywhere (with error feedback) poisons every
+shard before step 2, so the result is all-NaN on every rank and every residual
+keeps its value; bad input on any rank raises on every rank (through the
+status slots of step 1, then step 2's status).
+
+``Hierarchy(L, mode="auto")`` picks flat or two-level per tensor from two
+alpha-beta models (one calibrated inside the nodes, one between them; see
+:meth:`Hierarchy.plan`), a pure function of static facts: every rank decides
+alike with no exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..feedback import ResidualTransaction, nonfinite_flag
+from . import _comm, costmodel, wire
+from ._codec import fingerprint, has_feedback, local_check, unwrap
+from .core import ALLREDUCE_ALGORITHMS
+from .core import allreduce as flat_allreduce
+from .costmodel import CostModel
+from .quantized import alignment
+from .validate import check_once
+
+log = logging.getLogger("commpress")
+
+MODES = ("two_level", "auto")
+
+
+class Hierarchy:
+    """The node layout of ``group`` and its intra-node / inter-node process groups.
+
+    Collective: every rank of the default group constructs it, in the same
+    order relative to other group creations (``dist.new_group``'s rule); it
+    creates ``P / L`` intra groups then ``L`` inter groups.  ``local_size`` must
+    be a positive int dividing ``P`` and equal on every rank: otherwise
+    ``ValueError`` on every rank together (one small ``all_gather`` decides).
+    ``mode``: ``"two_level"`` always, or ``"auto"`` (per tensor, cost model).
+    """
+
+    def __init__(self, local_size: int, group=None, *, mode: str = "two_level") -> None:
+        if mode not in MODES:
+            raise ValueError(f"Hierarchy: mode must be one of {MODES}, got {mode!r}")
+        self.group = group
+        self.mode = mode
+        self.world = _comm.world(group)
+        me = _comm.rank(group)
+        ok = isinstance(local_size, int) and not isinstance(local_size, bool) and local_size >= 1
+        mine = int(local_size) if ok else -1
+        if self.world > 1:
+            dev = _comm.comm_device(group)
+            table = _comm.all_gather(torch.tensor([mine], dtype=torch.int64, device=dev),
+                                     group=group).reshape(-1).tolist()
+        else:
+            table = [mine]
+        if len(set(table)) > 1:
+            raise ValueError(f"Hierarchy: local_size differs across ranks: {table} (rank r gave entry r)")
+        if mine < 1:
+            raise ValueError(f"Hierarchy: local_size must be a positive int, got {local_size!r}")
+        if self.world % mine:
+            raise ValueError(f"Hierarchy: local_size={mine} must divide the group size {self.world}")
+        self.local_size = mine
+        self.nodes = self.world // mine
+        self.local_rank = me % mine
+        self.node = me // mine
+        self.intra = self.inter = None
+        self._models: tuple[CostModel, CostModel] | None = None
+        self._plans: dict[tuple, str] = {}
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if self.world > 1 and dist.is_initialized() and not (mode == "auto" and mine in (1, self.world)):
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            backend = dist.get_backend(group)
+            L = mine
+            for nd in range(self.nodes):
+                g = dist.new_group([ranks[nd * L + j] for j in range(L)], backend=backend)
+                if nd == self.node:
+                    self.intra = g
+            for j in range(L):
+                g = dist.new_group([ranks[nd * L + j] for nd in range(self.nodes)], backend=backend)
+                if j == self.local_rank:
+                    self.inter = g
+
+    @classmethod
+    def from_env(cls, group=None, *, mode: str = "two_level") -> "Hierarchy":
+        """``Hierarchy(int(os.environ["LOCAL_WORLD_SIZE"]))`` (set by torchrun); collective."""
+        raw = os.environ.get("LOCAL_WORLD_SIZE")
+        try:
+            local = int(raw) if raw is not None else -1
+        except ValueError:
+            local = -1
+        if local < 1:  # still a collective: let the constructor raise on every rank together
+            log.warning("commpress Hierarchy.from_env: LOCAL_WORLD_SIZE=%r is not a positive int", raw)
+        return cls(local if local >= 1 else 0, group, mode=mode)
+
+    def allreduce(self, tensor: torch.Tensor, compressor: Any, **kwargs: Any) -> torch.Tensor:
+        """``commpress.collectives.allreduce(tensor, compressor, hierarchy=self, **kwargs)``."""
+        return allreduce(tensor, compressor, self, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Hierarchy(local_size={self.local_size}, nodes={self.nodes}, mode={self.mode!r})"
+
+    def config(self) -> tuple:
+        """What must agree across ranks (for configuration fingerprints)."""
+        return ("hierarchy", self.local_size, self.nodes, self.mode)
+
+    # -- shards ------------------------------------------------------------
+    def scratch(self, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        """The reduce-scatter's send and receive buffers ``[rows, width]`` and its fp32 sum
+        ``[width]``: allocated once per size, reused by every later call (one call at a time)."""
+        k = (rows, width, dtype, device)
+        if k not in self._scratch:
+            if len(self._scratch) >= 16:
+                self._scratch.pop(next(iter(self._scratch)))
+            self._scratch[k] = (torch.empty(rows, width, dtype=dtype, device=device),
+                                torch.empty(rows, width, dtype=dtype, device=device),
+                                torch.empty(width, dtype=torch.float32, device=device))
+        return self._scratch[k]
+
+    def bounds(self, numel: int, compressor: Any = None, shape: tuple[int, ...] | None = None,
+               shapes: list[tuple[int, ...]] | None = None) -> list[int]:
+        """Shard ``j`` is ``[b[j], b[j+1])`` of the flat tensor: equal cuts, aligned to a
+        ``"gather"`` compressor's block; for ``"lowrank"`` cuts between the matrices of
+        ``shapes``, or between row blocks of a single matrix, so each shard stays matrices."""
+        L = self.local_size
+        kind = getattr(unwrap(compressor), "aggregation", None) if compressor is not None else None
+        if kind == "lowrank":
+            if shapes is not None:
+                ends, pos = [0], 0
+                for s in shapes:
+                    pos += _prod(s)
+                    ends.append(pos)
+                cuts = [0]
+                for j in range(1, L):  # the matrix boundary nearest to j*n/L, never going back
+                    target = j * numel / L
+                    best = min(ends, key=lambda e: (abs(e - target), e))
+                    cuts.append(max(best, cuts[-1]))
+                return cuts + [numel]
+            if shape is not None and len(shape) >= 2 and shape[0] > 0:
+                cols = numel // shape[0]
+                return [(j * shape[0] // L) * cols for j in range(L + 1)]
+        align = alignment(compressor) if kind == "gather" else 1
+        per = -(-numel // L)
+        per = -(-per // align) * align
+        return [min(numel, j * per) for j in range(L + 1)]
+
+    def shard_shapes(self, bounds: list[int], j: int, shape: tuple[int, ...],
+                     shapes: list[tuple[int, ...]] | None) -> list[tuple[int, ...]] | None:
+        """The ``shapes`` argument of shard ``j`` (lowrank only)."""
+        lo, hi = bounds[j], bounds[j + 1]
+        if shapes is not None:
+            out, pos = [], 0
+            for s in shapes:
+                if lo <= pos < hi:
+                    out.append(tuple(s))
+                pos += _prod(s)
+            return out
+        if len(shape) >= 2 and shape[0] > 0:
+            cols = _prod(shape) // shape[0]
+            return [((hi - lo) // cols,) + tuple(shape[1:])]
+        return None
+
+    # -- cost model ----------------------------------------------------------
+    def set_models(self, intra: CostModel | None, inter: CostModel | None = None) -> None:
+        """Fix the intra-node and inter-node models (``set_models(None)``: calibrate again).
+        Must be the same on every rank (the choice is not exchanged)."""
+        self._models = None if intra is None else (intra, inter if inter is not None else intra)
+        self._plans.clear()
+
+    def models(self) -> tuple[CostModel, CostModel]:
+        """``(intra, inter)``: :func:`~commpress.collectives.set_cost_model` numbers when set, else
+        a calibration on the intra group and one on the inter group (cached per group), made
+        equal on every rank by one max ``all_reduce`` over ``group``.  Collective the first time."""
+        if self._models is None:
+            a = costmodel.get_cost_model(self.intra) if self.intra is not None else costmodel.get_cost_model(None)
+            b = costmodel.get_cost_model(self.inter) if self.inter is not None else a
+            if self.world > 1 and costmodel._OVERRIDE is None:
+                v = torch.tensor([a.alpha, a.beta, a.gamma, a.delta, b.alpha, b.beta, b.gamma, b.delta],
+                                 dtype=torch.float64, device=_comm.comm_device(self.group))
+                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+                x = v.cpu().tolist()
+                a, b = CostModel(*x[:4]), CostModel(*x[4:])
+            self._models = (a, b)
+        return self._models
+
+    def predict(self, numel: int, compressor: Any, dtype: torch.dtype = torch.float32,
+                shape: tuple[int, ...] | None = None,
+                shapes: list[tuple[int, ...]] | None = None) -> dict[str, float]:
+        """Predicted seconds of ``{"flat", "two_level"}`` for one tensor.
+
+        Flat: the kind's collective over ``P`` ranks, its bytes split between the
+        ``P - L`` remote peers (inter model) and the ``L - 1`` local ones (intra model),
+        messages likewise.  Two-level: intra all-to-all of ``numel`` and
+        all-gather of ``numel / L`` (intra model), plus the kind's collective over
+        ``P / L`` ranks of the largest shard (inter model).
+        """
+        intra, inter = self.models()
+        P, L, M = self.world, self.local_size, self.nodes
+        es = torch.empty((), dtype=dtype).element_size()
+        m, b, e, d = _kind_terms(compressor, numel, P, dtype, shape, shapes)
+        remote = (P - L) / max(P - 1, 1)
+        flat = inter.time(m * remote, b * remote, e, d) + intra.time(m * (1 - remote), b * (1 - remote))
+        bnd = self.bounds(numel, compressor, shape, shapes)
+        big = max(range(L), key=lambda j: bnd[j + 1] - bnd[j])
+        s = bnd[big + 1] - bnd[big]
+        sm, sb, se, sd = _kind_terms(compressor, s, M, dtype, None,
+                                     self.shard_shapes(bnd, big, shape or (numel,), shapes))
+        local = intra.time(2 * (L - 1), (L - 1) * (s + 2) * es + (L - 1) * s * es, 0, 2 * numel)
+        return {"flat": flat, "two_level": local + inter.time(sm, sb, se, sd)}
+
+    def plan(self, numel: int, compressor: Any, dtype: torch.dtype = torch.float32,
+             shape: tuple[int, ...] | None = None, shapes: list[tuple[int, ...]] | None = None) -> str:
+        """``"flat"`` or ``"two_level"`` for one tensor (cached; identical on every rank)."""
+        if self.mode == "two_level":
+            return "two_level"
+        if self.local_size in (1, self.world):
+            return "flat"
+        k = (numel, fingerprint(compressor), str(dtype), shape, None if shapes is None else tuple(shapes))
+        if k not in self._plans:
+            c = self.predict(numel, compressor, dtype, shape, shapes)
+            self._plans[k] = min(("flat", "two_level"), key=lambda a: (c[a], a))
+        return self._plans[k]
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+_PROBES: dict[tuple, int] = {}
+
+
+def _payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
+    """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size)."""
+    k = (id(inner), numel, str(dtype))
+    if k not in _PROBES:
+        z = torch.zeros(numel, dtype=dtype if dtype in inner.supported_dtypes else torch.float32)
+        _PROBES[k] = inner.compress_fixed(z, key=("hierarchy-probe",)).nbytes if numel else 0
+    return _PROBES[k]
+
+
+def _kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, shapes
+                ) -> tuple[float, float, float, float]:
+    """(messages, bytes, entries, elements) of the kind's default collective on ``P`` ranks."""
+    if P <= 1 or numel == 0:
+        return 0.0, 0.0, 0.0, float(numel)
+    inner = unwrap(compressor)
+    kind = inner.aggregation
+    n = numel
+    if kind == "sparse":
+        c = inner.capacity(n)
+        w = 4 + torch.empty((), dtype=dtype).element_size()
+        ag = ((P - 1), (P - 1) * (w * c + 8), P * c, n)
+        dense = (2 * (P - 1), 2 * (n + 3) * 4 * (P - 1) / P, c, n)
+        return min(ag, dense, key=lambda t: t[1])   # the bytes decide on a slow link
+    if kind == "gather":
+        B = _payload_bytes(inner, n, dtype)
+        return 2 * (P - 1), 2 * B * (P - 1) / P, 3 * n, n
+    if kind == "lowrank":
+        words = 0
+        for s in (shapes if shapes is not None else [shape if shape is not None else (n,)]):
+            ms = inner.matrix_shape(torch.empty(s, device="meta")) if len(s) >= 2 else None
+            words += inner.rank * (ms[0] + ms[1]) if ms is not None else _prod(s)
+        return 4 * (P - 1), 2 * 4 * words * (P - 1) / P, 0, n
+    B = _payload_bytes(inner, n, dtype)  # "sum"
+    return 2 * (P - 1), 2 * B * (P - 1) / P, 0, n
+
+
+# ---------------------------------------------------------------- the collective
+def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, group=None, key: Any = 0,
+              step: int = 0, algorithm: str = "auto", stats=None, generator=None, validate: bool = True,
+              transaction=None, shapes=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`commpress.collectives.allreduce` through ``hierarchy`` (see the module doc)."""
+    h = hierarchy
+    if not isinstance(h, Hierarchy):
+        raise TypeError(f"allreduce: hierarchy must be a commpress.collectives.Hierarchy or None, "
+                        f"got {type(h).__name__}")
+    if group is not None and group is not h.group:
+        raise ValueError("allreduce: group must be None or the hierarchy's group when hierarchy is given")
+    args = dict(key=key, step=step, algorithm=algorithm, stats=stats, generator=generator)
+    shape = tuple(tensor.shape)
+    if h.world == 1 or h.plan(tensor.numel(), compressor, tensor.dtype, shape, shapes) == "flat":
+        return flat_allreduce(tensor, compressor, group=h.group, validate=validate, transaction=transaction,
+                              shapes=shapes, out=out, **args)
+    if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
+        raise ValueError(f"allreduce: out must have tensor's shape {tuple(tensor.shape)} and dtype "
+                         f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
+    inner = unwrap(compressor)
+    kind = inner.aggregation
+
+    wire.flush_deferred()
+    err = local_check(tensor, compressor, algorithm, ALLREDUCE_ALGORITHMS[kind])
+    n = tensor.numel()
+    if validate:
+        facts = ("two_level", kind, n, str(tensor.dtype), algorithm, fingerprint(compressor), h.config())
+        check_once(h.group, key, facts, device=_comm.comm_device(h.group, tensor), error=err[0], numel=n,
+                   dtype=tensor.dtype, algorithm=algorithm, kind=kind,
+                   config=wire.signature(fingerprint(compressor), h.config()), stats=stats,
+                   local_message=err[1], what="allreduce (two-level)")
+    tx = transaction if transaction is not None else ResidualTransaction()
+    L, j = h.local_size, h.local_rank
+    bnd = h.bounds(n, compressor, shape, shapes)
+    S = max(bnd[i + 1] - bnd[i] for i in range(L))
+    wdt = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) \
+        else torch.float32
+    flat = tensor.reshape(-1)
+    feedback = has_feedback(compressor)
+    # 1. intra reduce-scatter: row i goes to local rank i; [shard i | pad | error, non-finite]
+    send, recv, acc = h.scratch(L, S + wire.SUM_SLOTS, wdt, tensor.device)
+    for i in range(L):
+        m = bnd[i + 1] - bnd[i] if not err[0] else 0
+        if m:
+            send[i, :m].copy_(flat[bnd[i]:bnd[i + 1]])
+        send[i, m:S].zero_()
+    send[:, S].fill_(1.0 if err[0] else 0.0)
+    if feedback:
+        send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
+    _comm.all_to_all_(recv, send, group=h.intra, stats=stats)
+    if wdt == torch.float32:
+        torch.sum(recv, 0, out=acc)
+    else:
+        torch.sum(recv.float(), 0, out=acc)
+    mine = bnd[j + 1] - bnd[j]
+    shard = acc[:mine].to(wdt)
+    code, msg = err
+    if not code and acc.device.type == "cpu" and float(acc[S]) != 0.0:
+        code, msg = wire.E_MISUSE, f"bad input on {int(float(acc[S]))} rank(s) of node {h.node}"
+    if feedback:
+        wire.poison_(shard, acc[S + 1] != 0)
+    # 2. inter compressed allreduce of my shard (a shard every node holds alike: same sizes, same key)
+    if mine:
+        if code:
+            shard = torch.zeros(mine, dtype=torch.float32, device=tensor.device)
+        out_shard = flat_allreduce(shard, compressor, group=h.inter, validate=False, transaction=tx,
+                                   shapes=h.shard_shapes(bnd, j, shape, shapes) if kind == "lowrank" else None,
+                                   _error=(code, msg) if code else None,
+                                   **dict(args, key=("shard", key, j)))
+    else:
+        out_shard = shard
+    # 3. intra all-gather of the reduced shards (straight into the output when they are equal;
+    #    ``out`` may be ``tensor`` itself: the input is no longer read)
+    result = out if out is not None else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    if n == L * S and result.is_contiguous():
+        piece = out_shard.reshape(-1).to(tensor.dtype).contiguous()
+        _comm.all_gather_into(result.view(-1), piece, group=h.intra, stats=stats)
+        out = result
+    else:
+        piece = torch.zeros(S, dtype=tensor.dtype, device=tensor.device)
+        piece[:mine].copy_(out_shard.reshape(-1))
+        gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
+        flat_out = result.view(-1) if result.is_contiguous() else torch.empty(n, dtype=tensor.dtype,
+                                                                                device=tensor.device)
+        for i in range(L):
+            flat_out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
+        if flat_out.data_ptr() != result.data_ptr() or not result.is_contiguous():
+            result.copy_(flat_out.view(shape))
+        out = result
+    if stats is not None:
+        stats.add(algorithm=f"two_level+{stats.last_algorithm or kind}")
+    if transaction is None:
+        tx.commit()
+    return out.reshape(shape)

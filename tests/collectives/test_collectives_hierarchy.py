@@ -1,0 +1,181 @@
+"""Two-level allreduce (dense inside a node, compressed between nodes) on 4 gloo ranks as 2 nodes x 2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import run
+
+import commpress
+from commpress.collectives import CommStats, CostModel, Hierarchy, allreduce
+
+N = 1000
+
+
+def data(rank: int, step: int, n: int = N) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def identity_worker(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"   # as torchrun sets it
+    h = Hierarchy.from_env()
+    assert (h.local_size, h.nodes, h.local_rank, h.node) == (2, world // 2, rank % 2, rank // 2)
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        x = data(rank, 0).to(dtype)
+        got = allreduce(x, commpress.get("identity"), hierarchy=h, key=str(dtype))
+        want = sum(data(r, 0).double() for r in range(world))
+        out[str(dtype)] = (got.dtype, got.view(torch.int16 if dtype == torch.float16 else torch.int32).tolist(),
+                           float((got.double() - want).abs().max()))
+    return out
+
+
+def test_identity_two_level_is_the_sum_and_bitwise_equal():
+    res = run(identity_worker, 4, timeout=60)
+    for dtype, tol in (("torch.float32", 1e-5), ("torch.float16", 2e-2)):
+        dts, bits, err = zip(*(r[dtype] for r in res))
+        assert all(str(d) == dtype for d in dts)
+        assert all(b == bits[0] for b in bits), "ranks disagree bitwise"
+        assert max(err) < tol
+
+
+def _cases():
+    return {
+        "fp16": (commpress.get("fp16"), (N,), 2e-2),
+        "topk": (commpress.ErrorFeedback(commpress.get("topk", ratio=0.05)), (N,), None),
+        "blockquant": (commpress.ErrorFeedback(commpress.get("blockquant", bits=8)), (N,), 0.5),
+        "powersgd": (commpress.ErrorFeedback(commpress.get("powersgd", rank=2)), (40, 25), None),
+    }
+
+
+def kinds_worker(rank, world):
+    h = Hierarchy(2)
+    out = {}
+    for name, (c, shape, _) in _cases().items():
+        stats = CommStats()
+        res = []
+        for step in range(3):
+            x = data(rank, step).reshape(shape)
+            res.append(allreduce(x, c, hierarchy=h, key=name, step=step, stats=stats))
+        want = sum(data(r, 2) for r in range(world)).reshape(shape)
+        residual = c.residual(("shard", name, h.local_rank)) if isinstance(c, commpress.ErrorFeedback) else None
+        out[name] = (torch.stack(res).view(-1).view(torch.int32).tolist() if res[0].dtype == torch.float32
+                     else torch.stack(res).float().view(-1).view(torch.int32).tolist(),
+                     float((res[-1] - want).abs().max()), float(want.abs().max()),
+                     None if residual is None else residual.numel(), stats.last_algorithm)
+    return out
+
+
+def test_every_kind_through_two_level():
+    res = run(kinds_worker, 4, timeout=90)
+    for name, (_, shape, tol) in _cases().items():
+        bits = [r[name][0] for r in res]
+        assert all(b == bits[0] for b in bits), f"{name}: ranks disagree bitwise"
+        err, scale, rnumel, algo = res[0][name][1:]
+        assert algo.startswith("two_level"), algo
+        if tol is not None:
+            assert err < tol * max(1.0, scale)
+        else:
+            assert err < 4 * scale  # lossy but bounded; the sum is not garbage
+        if rnumel is not None:  # one residual per shard: half the tensor (2 ranks per node)
+            total = 1
+            for s in shape:
+                total *= s
+            assert rnumel < total
+
+
+def topk_exact_worker(rank, world):
+    """topk keeping everything is exact: the two-level path is the dense sum."""
+    h = Hierarchy(2)
+    c = commpress.ErrorFeedback(commpress.get("topk", ratio=1.0))
+    x = data(rank, 0)
+    got = allreduce(x, c, hierarchy=h, key="all")
+    want = sum(data(r, 0) for r in range(world))
+    return float((got - want).abs().max())
+
+
+def test_topk_full_capacity_is_exact():
+    assert max(run(topk_exact_worker, 4, timeout=60)) < 1e-5
+
+
+def nonfinite_worker(rank, world):
+    h = Hierarchy(2)
+    c = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1))
+    allreduce(data(rank, 0), c, hierarchy=h, key="k")
+    before = c.residual(("shard", "k", h.local_rank)).clone()
+    x = data(rank, 1)
+    if rank == 3:
+        x[7] = float("nan")
+    out = allreduce(x, c, hierarchy=h, key="k", step=1)
+    after = c.residual(("shard", "k", h.local_rank))
+    return bool(torch.isnan(out).all()), bool(torch.equal(before, after))
+
+
+def test_nan_anywhere_poisons_everything_and_keeps_residuals():
+    assert run(nonfinite_worker, 4, timeout=60) == [(True, True)] * 4
+
+
+def bad_topology_worker(rank, world, local):
+    Hierarchy(local(rank) if callable(local) else local)
+
+
+def _mismatch(rank):
+    return 2 if rank else 1
+
+
+@pytest.mark.parametrize("local", [3, _mismatch, 0])
+def test_bad_topology_raises_on_every_rank(local):
+    res = run(bad_topology_worker, 4, local, timeout=60, return_exceptions=True)
+    assert all(getattr(r, "type", None) == "ValueError" for r in res), res
+    assert len({r.message for r in res}) == 1
+
+
+def bad_input_worker(rank, world):
+    h = Hierarchy(2)
+    c = commpress.get("fp16")
+    x = data(rank, 0)
+    allreduce(x, c, hierarchy=h, key="x", validate=False)
+    if rank == 1:
+        x = x.to(torch.int32)
+    allreduce(x, c, hierarchy=h, key="x", validate=False)
+
+
+def test_bad_input_on_one_rank_raises_everywhere():
+    res = run(bad_input_worker, 4, timeout=60, return_exceptions=True)
+    assert all(getattr(r, "type", None) == "CollectiveInputError" for r in res), res
+
+
+def auto_worker(rank, world):
+    h = Hierarchy(2, mode="auto")
+    c = commpress.ErrorFeedback(commpress.get("topk", ratio=0.01))
+    plans = []
+    # fast inside a node, 100x slower between nodes: a big sparse tensor goes two-level;
+    # the same links everywhere (loopback): flat, which moves no dense bytes at all
+    for intra, inter in ((CostModel(1e-6, 1e-10), CostModel(1e-4, 1e-8)),
+                         (CostModel(1e-5, 1e-9), CostModel(1e-5, 1e-9))):
+        h.set_models(intra, inter)
+        plans.append(h.plan(1 << 20, c))
+        stats = CommStats()
+        allreduce(data(rank, 0), c, hierarchy=h, key=("a", len(plans)), stats=stats)
+        plans.append(stats.last_algorithm.split("+")[0])
+    return plans
+
+
+def test_auto_picks_per_tensor_from_the_two_models():
+    res = run(auto_worker, 4, timeout=60)
+    assert all(r == res[0] for r in res)
+    assert res[0][0] == "two_level" and res[0][1] == "two_level"
+    assert res[0][2] == "flat" and res[0][3] != "two_level"
+
+
+def test_auto_prediction_is_a_pure_function():
+    h = Hierarchy.__new__(Hierarchy)
+    h.world, h.local_size, h.nodes, h.mode, h._plans = 4, 2, 2, "auto", {}
+    h.set_models(CostModel(1e-6, 1e-10), CostModel(1e-4, 8e-9))
+    c = commpress.get("topk", ratio=0.01)
+    p = h.predict(1 << 22, c)
+    assert p["two_level"] < p["flat"]
+    assert h.predict(1 << 22, c) == p
