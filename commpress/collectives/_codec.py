@@ -65,3 +65,18 @@ def local_check(tensor: torch.Tensor, compressor: Any, algorithm: str, allowed: 
     if tensor.dtype not in inner.supported_dtypes:
         return E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}"
     return 0, ""
+
+
+def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
+                       generator, transaction: ResidualTransaction | None, error: tuple[int, str]
+                       ) -> tuple[Payload | None, int, str]:
+    """:func:`compress_fixed` unless ``error`` is already set; a compress that raises
+    becomes an error code (raised on every rank through the status, never here)."""
+    code, msg = error
+    if code:
+        return None, code, msg
+    try:
+        return compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                              transaction=transaction), 0, ""
+    except Exception as exc:  # noqa: BLE001 - reported through the status word
+        return None, E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"

@@ -37,7 +37,7 @@ import torch
 from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
-from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
+from ._codec import fingerprint, has_feedback, local_check, try_compress_fixed, unwrap
 from .accounting import CommStats
 from .validate import check_once
 
@@ -128,13 +128,8 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     cast_to = getattr(inner, "cast_to", False)
     if cast_to is not False and not has_feedback(compressor) and world > 1:
         return _cast_path(tensor, cast_to or tensor.dtype, group, stats, code, msg, out)
-    payload = None
-    if not code:
-        try:
-            payload = compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                     transaction=transaction)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
-            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                            transaction=transaction, error=(code, msg))
     if world == 1:
         if code:
             raise wire.CollectiveInputError(f"allreduce: {msg}")

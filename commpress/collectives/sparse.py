@@ -55,7 +55,7 @@ import torch
 from .. import ops
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, has_feedback, unwrap
+from ._codec import has_feedback, try_compress_fixed, unwrap
 from .accounting import CommStats
 from .wire import HASH_RANGE
 from .validate import (ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
@@ -463,14 +463,8 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
-    code, msg = error
-    payload = None
-    if not code:
-        try:
-            payload = compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                     transaction=transaction)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
-            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                            transaction=transaction, error=error)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
         cap = inner.capacity(n) if hasattr(inner, "capacity") else 0
