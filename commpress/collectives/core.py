@@ -54,7 +54,8 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               generator: torch.Generator | None = None, validate: bool = True,
               transaction: ResidualTransaction | None = None,
               shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None,
-              hierarchy=None, _error: tuple[int, str] | None = None) -> torch.Tensor:
+              hierarchy=None, prescale: float | None = None,
+              _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
     ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
@@ -69,8 +70,12 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     with ``out`` (same shape and dtype; may be ``tensor`` itself) the result is
     written there and ``out`` is returned.  ``hierarchy`` (a
     :class:`~commpress.collectives.hierarchy.Hierarchy`): dense inside each node,
-    compressed between nodes (:mod:`.hierarchy`).
+    compressed between nodes (:mod:`.hierarchy`).  ``prescale``: reduce ``tensor *
+    prescale`` instead (``tensor`` is not changed); identity / fp16 / bf16 fold it into
+    their cast, which is how the DDP hook averages at no extra pass.
     """
+    if prescale is not None and (hierarchy is not None or not _casts(compressor)):
+        tensor, prescale = tensor * prescale, None
     if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
         return hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
                                    stats=stats, generator=generator, validate=validate, transaction=transaction,
@@ -104,7 +109,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
                          f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
     result = out
     if kind == "sum":
-        out = _sum_path(tensor, compressor, out=result, **args)
+        out = _sum_path(tensor, compressor, out=result, prescale=prescale, **args)
     elif kind == "sparse":
         out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, **args)
     elif kind == "gather":
@@ -119,15 +124,21 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     return out
 
 
+def _casts(compressor) -> bool:
+    """identity / fp16 / bf16 without error feedback: the payload is the input, cast."""
+    return getattr(unwrap(compressor), "cast_to", False) is not False and not has_feedback(compressor)
+
+
 def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generator, transaction, error,
-              model, out=None) -> torch.Tensor:
+              model, out=None, prescale=None) -> torch.Tensor:
     """One ``all_reduce`` of the payload's tensors (one dtype) plus the status slots."""
     inner = unwrap(compressor)
     code, msg = error
     world = _comm.world(group)
-    cast_to = getattr(inner, "cast_to", False)
-    if cast_to is not False and not has_feedback(compressor) and world > 1:
-        return _cast_path(tensor, cast_to or tensor.dtype, group, stats, code, msg, out)
+    if _casts(compressor) and world > 1:
+        return _cast_path(tensor, inner.cast_to or tensor.dtype, group, stats, code, msg, out, prescale)
+    if prescale is not None:
+        tensor = tensor * prescale
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
                                             transaction=transaction, error=(code, msg))
     if world == 1:
@@ -164,15 +175,17 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     return out
 
 
-def _cast_path(tensor, wire_dtype, group, stats, code, msg, out) -> torch.Tensor:
+def _cast_path(tensor, wire_dtype, group, stats, code, msg, out, prescale=None) -> torch.Tensor:
     """identity / fp16 / bf16 without error feedback: the cast is written straight into the
     message and the sum cast back into ``out`` (no payload tensors in between)."""
     n = tensor.numel()
     message = torch.empty(n + wire.SUM_SLOTS, dtype=wire_dtype, device=tensor.device)
-    if not code:
-        message[:n].copy_(tensor.reshape(-1))
-    else:
+    if code:
         message[:n].zero_()
+    elif prescale is not None:  # computed in the input's dtype, rounded once into the message
+        torch.mul(tensor.reshape(-1), prescale, out=message[:n])
+    else:
+        message[:n].copy_(tensor.reshape(-1))
     world = _comm.world(group)
     wire.sum_slots(message, error=code, rank=_comm.rank(group), world=world)
     _comm.all_reduce_(message, group=group, stats=stats)

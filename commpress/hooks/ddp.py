@@ -204,6 +204,7 @@ class DDPState(HookState):
         self._want_overlap = overlap and not verify_every
         self.hierarchy_arg = hierarchy
         self.hierarchy = None
+        self.fused_scale = False  # decided at binding
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
@@ -258,6 +259,8 @@ class DDPState(HookState):
         self.process_group, self.executor = _executor(self.process_group, self._want_overlap)
         self.overlap = isinstance(self.executor, _Overlapped)
         self.hierarchy = _hierarchy(self.hierarchy_arg, self.process_group, self.world_size)
+        self.fused_scale = (self.hierarchy is None and not self.uses_error_feedback
+                            and getattr(self.inner, "cast_to", False) is not False)
         if self.algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
             from ..collectives import get_cost_model
 
@@ -598,6 +601,8 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
         state._bind_to_bucket(bucket)
     if state.step < state.warmup_steps or not state.compressed_param_names:
         return _dense_async(state, bucket)
+    if state.fused_scale and not state.verify_every:
+        return _dense_async(state, bucket, cast=state.inner.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     state.executor.submit(state, bucket, fut)
     return fut
@@ -607,21 +612,35 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
 hook.__annotations__.update(state=DDPState, bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def _dense_async(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _dense_async(state: DDPState, bucket: dist.GradBucket,
+                 cast: torch.dtype | None = None) -> torch.futures.Future[torch.Tensor]:
     """DDP's own path: one asynchronous ``all_reduce`` per bucket issued from the hook call.
-    The callback only returns the buffer (no collective)."""
+
+    With ``cast`` (fp16 / bf16 without error feedback; the steady state of those
+    compressors) the bucket is scaled by ``1/world`` and cast in one pass into the
+    message, as PyTorch's fp16 hook does; NaN/inf travel in the values and nothing
+    can fail to compress, so the message carries no status.  The callback only
+    copies the sum back (no collective)."""
     with Timer() as total:
         buf = bucket.buffer()
         plan = state.layout(bucket.index(), bucket.parameters())
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), state.world_size)
-        if state.world_size > 1:
+        sent, algorithm = dense_bytes, "dense"
+        if state.world_size > 1 and cast is not None:
+            message = torch.empty(buf.shape, dtype=cast, device=buf.device)
+            torch.mul(buf, 1.0 / state.world_size, out=message)  # computed in buf's dtype, rounded once
+            work = dist.all_reduce(message, group=state.process_group, async_op=True)
+            fut = work.get_future().then(lambda _: buf.copy_(message))
+            sent = all_reduce_bytes(message.numel() * message.element_size(), state.world_size)
+            algorithm = "allreduce"
+        elif state.world_size > 1:
             buf.mul_(1.0 / state.world_size)
             work = dist.all_reduce(buf, group=state.process_group, async_op=True)
             fut = work.get_future().then(lambda _: buf)
         else:
             fut = torch.futures.Future()
             fut.set_result(buf)
-    state.stats.record(plan.index, bytes_sent=dense_bytes, dense_bytes=dense_bytes, algorithm="dense",
+    state.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
                        compress_seconds=0.0, hook_seconds=total.seconds)
     if bucket.is_last():
         state.step += 1

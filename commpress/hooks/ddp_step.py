@@ -3,7 +3,8 @@ bucket, dropped at its end.
 
 Per bucket (:meth:`Step.run_bucket`):
 
-1. the bucket is scaled by ``1/world_size`` in place (as DDP's reducer does);
+1. every value is scaled by ``1/world_size`` before its sum (as DDP's reducer
+   does); identity/fp16/bf16 fold the scaling into their cast;
 2. its **dense part** (1-D, small and skipped parameters) is packed into one
    buffer and all-reduced *asynchronously*, concurrently with the payloads;
 3. every unit this bucket completes runs :func:`commpress.collectives.allreduce`
@@ -66,8 +67,6 @@ class Step:
         with Timer() as total:
             plan = state.layout(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
-            if world > 1:
-                buf.mul_(1.0 / world)
             dense, work = self._start_dense(plan, buf)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if dense is not None else 0
             state.assign_units(plan)
@@ -114,6 +113,7 @@ class Step:
         gather_slices(buf, plan.dense_slices, plan.dense_scratch)
         if self.state.world_size == 1:
             return plan.dense_scratch, None
+        plan.dense_scratch.mul_(1.0 / self.state.world_size)  # DDP averages: scale, then sum
         work = dist.all_reduce(plan.dense_scratch, group=self.state.process_group, async_op=True)
         return plan.dense_scratch, work
 
@@ -124,10 +124,17 @@ class Step:
         t, is_view = unit_input(unit, pieces)
         cs = CommStats()
         shapes = unit.shapes if state.lowrank else None
+        # DDP averages: 1/world before the sum, folded into the cast of identity/fp16/bf16
+        prescale = None
+        if state.world_size > 1:
+            if state.fused_scale:
+                prescale = 1.0 / state.world_size
+            else:
+                t.mul_(1.0 / state.world_size)
         out = allreduce(t, state.codec, group=state.process_group, key=unit.key, step=state.step,
                         algorithm=state.algorithm, stats=cs, generator=state.noise_seed(unit.key),
                         validate=False, transaction=self.transaction, shapes=shapes, out=t,
-                        hierarchy=state.hierarchy)
+                        hierarchy=state.hierarchy, prescale=prescale)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
