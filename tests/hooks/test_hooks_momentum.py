@@ -1,4 +1,4 @@
-"""register(..., momentum=m): DGC momentum correction in the error feedback, plain momentum
+"""register(..., momentum=m) in the DDP and FSDP2 hooks: DGC momentum correction in the error feedback,
 for the dense parameters, all of it in the checkpoint."""
 
 from __future__ import annotations
@@ -76,3 +76,26 @@ def test_momentum_needs_error_feedback():
         wrap_error_feedback(commpress.get("topk", ratio=0.1), False, momentum=0.9)
     codec, used = wrap_error_feedback(commpress.get("fp16"), "auto", momentum=0.5)
     assert used and codec.momentum == 0.5
+
+
+def fsdp_momentum_worker(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    state = commpress.fsdp.register(model, "topk", ratio=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        _step(model, opt, rank, step)
+    codec = state.codec
+    return codec.momentum, len(codec._velocity), all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_momentum_correction_through_the_fsdp2_hook():
+    for momentum, n_velocities, finite in run(fsdp_momentum_worker, 2, timeout=110):
+        assert momentum == 0.9 and n_velocities > 0 and finite
