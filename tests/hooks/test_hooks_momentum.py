@@ -1,5 +1,5 @@
-"""register(..., momentum=m) in the DDP and FSDP2 hooks: DGC momentum correction in the error feedback,
-for the dense parameters, all of it in the checkpoint."""
+"""register(..., momentum=m) in the DDP and FSDP2 hooks: DGC momentum correction in the error feedback, plain momentum
+for the parameters DDP sends dense, all of it in the checkpoint."""
 
 from __future__ import annotations
 
