@@ -187,7 +187,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     shape and dtype.  Called by :func:`commpress.collectives.allreduce`, which checks
     the arguments and owns the transaction.
     """
-    world, me = _comm.world(group), _comm.rank(group)
+    world = _comm.world(group)
     inner = unwrap(compressor)
     tx = transaction if transaction is not None else ResidualTransaction()
     if error == (0, ""):

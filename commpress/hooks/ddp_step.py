@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class Step:
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
                    fut: torch.futures.Future) -> list[Finished]:
         state = self.state
-        world, group = state.world_size, state.process_group
+        world = state.world_size
         with Timer() as total:
             plan = state.layout(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)

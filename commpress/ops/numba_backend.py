@@ -115,7 +115,6 @@ def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor 
     if not _cpu(x, residual) or x.dtype not in _FLOATS:
         return ref.threshold_compact(x, threshold, residual)
     flat = x.reshape(-1)
-    n = flat.numel()
     xf = _f32(flat)
     xi = _bits_view(xf)
     lo, hi = threshold_key_range(threshold)

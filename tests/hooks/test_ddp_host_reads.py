@@ -12,7 +12,6 @@ synchronizations; on CUDA the status is copied behind an event instead.)
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import pytest
