@@ -7,6 +7,8 @@ nothing (and charges nothing) in a one-rank group.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -54,16 +56,12 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
     """A reusable buffer of ``n`` elements (contents undefined), one per ``(tag, n, dtype,
     device)`` and thread, the last few kept: fresh large allocations cost page faults on
     every call.  Never return it to a caller: it is overwritten by the next call."""
-    import threading
-
     key = (tag, n, dtype, str(device), threading.get_ident())
     buf = _SCRATCH.pop(key, None)
     if buf is None:
         buf = torch.empty(n, dtype=dtype, device=device)
-    elif len(_SCRATCH) >= _SCRATCH_MAX:
-        _SCRATCH.pop(next(iter(_SCRATCH)))
     _SCRATCH[key] = buf  # most recently used last
-    while len(_SCRATCH) > _SCRATCH_MAX:
+    if len(_SCRATCH) > _SCRATCH_MAX:
         _SCRATCH.pop(next(iter(_SCRATCH)))
     return buf
 

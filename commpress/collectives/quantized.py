@@ -32,6 +32,7 @@ shards (FSDP2's layout): rank ``r`` gets the sum of shard ``r``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -94,29 +95,26 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
     return payloads, code, msg, bad
 
 
-_TEMPLATES: dict[tuple, list[Payload]] = {}
-
-
-def _template_key(inner, flat, bounds) -> tuple:
-    return (id(inner), tuple(bounds), str(flat.device))
+_TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[Payload]]]" = weakref.WeakKeyDictionary()
 
 
 def _remember(inner, flat, bounds, payloads) -> None:
     """Keep zero payloads of this layout: a rank whose compress fails later can still send
     messages of the right sizes (the others must not be left waiting)."""
-    key = _template_key(inner, flat, bounds)
-    if key not in _TEMPLATES:
-        if len(_TEMPLATES) >= 64:
-            _TEMPLATES.pop(next(iter(_TEMPLATES)))
-        _TEMPLATES[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
+    layouts = _TEMPLATES.setdefault(inner, {})
+    key = (tuple(bounds), str(flat.device))
+    if key not in layouts:
+        if len(layouts) >= 64:
+            layouts.pop(next(iter(layouts)))
+        layouts[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
 
 
 def _templates(inner, flat, bounds) -> list[Payload]:
     """Zero payloads of the right layout: remembered, else compressed from zeros (which
     raises when even that fails: then this rank cannot take part, and says why)."""
-    key = _template_key(inner, flat, bounds)
-    if key in _TEMPLATES:
-        return _TEMPLATES[key]
+    remembered = _TEMPLATES.get(inner, {}).get((tuple(bounds), str(flat.device)))
+    if remembered is not None:
+        return remembered
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
     return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(len(bounds) - 1)]
 

@@ -29,6 +29,13 @@ def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` must be ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_nonneg(name: str, value: Any) -> float:
     """``value`` must be a finite or infinite real number ``>= 0`` (not NaN)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -150,7 +157,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "check_ratio", "check_int", "check_nonneg", "num_keep", "stable_hash", "mix_seed",
+    "check_ratio", "check_int", "check_bool", "check_nonneg", "num_keep", "stable_hash", "mix_seed",
     "seed_from_generator", "uniform", "propagate_nonfinite", "all_finite", "encode_keyed", "decode_keyed",
     "ceil_div",
 ]

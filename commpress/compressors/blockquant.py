@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ._util import check_int, seed_from_generator
+from ._util import check_bool, check_int, seed_from_generator
 from .base import Compressor, Payload, register
 
 ALLOWED_BITS = (2, 4, 8)
@@ -31,9 +31,7 @@ class BlockQuant(Compressor):
             raise ValueError(f"bits must be one of {ALLOWED_BITS}, got {bits!r}")
         self.bits = int(bits)
         self.block = check_int("block", block, 1)
-        if not isinstance(stochastic, bool):
-            raise ValueError(f"stochastic must be True or False, got {stochastic!r}")
-        self.stochastic = stochastic
+        self.stochastic = check_bool("stochastic", stochastic)
         self.unbiased = stochastic
         self.deterministic = not stochastic
 

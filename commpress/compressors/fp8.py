@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ._util import check_int, seed_from_generator
+from ._util import check_bool, check_int, seed_from_generator
 from .base import Compressor, Payload, register
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -35,9 +35,7 @@ class FP8(Compressor):
         self.format = format
         self.wire_dtype = FORMATS[format]
         self.block = check_int("block", block, 1)
-        if not isinstance(stochastic, bool):
-            raise ValueError(f"stochastic must be True or False, got {stochastic!r}")
-        self.stochastic = stochastic
+        self.stochastic = check_bool("stochastic", stochastic)
         self.unbiased = stochastic
         self.deterministic = not stochastic
 

@@ -6,7 +6,7 @@ import torch
 
 from .. import ops
 from ..ops.reference import MX_BLOCK, MX_ELEMENTS
-from ._util import seed_from_generator
+from ._util import check_bool, seed_from_generator
 from .base import Compressor, Payload, register
 
 
@@ -39,9 +39,7 @@ class MX(Compressor):
             raise ValueError(f"element must be one of {tuple(MX_ELEMENTS)}, got {element!r}")
         self.element = element
         self.bits = MX_ELEMENTS[element][1]
-        if not isinstance(stochastic, bool):
-            raise ValueError(f"stochastic must be True or False, got {stochastic!r}")
-        self.stochastic = stochastic
+        self.stochastic = check_bool("stochastic", stochastic)
         self.deterministic = not stochastic
 
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:

@@ -496,7 +496,7 @@ def _run(state: DDPState, index: int, buf: torch.Tensor, params: list[torch.Tens
         for done in finished:
             done.fut.set_result(done.buf)
     except BaseException as exc:
-        waiting = state._step.abort(exc) if state._step is not None else []
+        waiting = state._step.abort() if state._step is not None else []
         state._step = None
         if errors is None:
             raise

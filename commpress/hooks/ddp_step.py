@@ -147,7 +147,7 @@ class Step:
             raise RuntimeError(f"commpress ddp: buckets {names} still wait for parameters at the end of the step")
         self.transaction.commit()
 
-    def abort(self, exc: BaseException) -> list[torch.futures.Future]:
+    def abort(self) -> list[torch.futures.Future]:
         """Drop the step's residual updates; return the futures still waiting."""
         self.transaction.rollback()
         return [w.fut for w in self.waiting]
