@@ -1,18 +1,35 @@
 """Error feedback: compress ``x + residual`` and remember what was not sent (Stich 2018, Karimireddy 2019).
 
+One residual memory, as GRACE's ``Memory``: :class:`ErrorFeedback` holds every
+piece of per-key state the gradient path keeps between steps (the residual, the
+momentum-correction velocity, and the plain momentum of the parameters a hook
+sends dense) behind one public protocol:
+
+* :meth:`ErrorFeedback.compensate` — ``m·u + g`` (momentum correction) plus ``beta·residual``;
+* :meth:`ErrorFeedback.stage` — the next residual ``compensated − sent``, pending;
+* :meth:`ErrorFeedback.commit` — live := pending for one key, unless a 0-d ``bad`` flag is set;
+* :meth:`ErrorFeedback.rollback` — drop a key's pending update.
+
 Residual changes are applied on the device, never decided on the host: a
 compress writes the next residual into a *pending* buffer, and a commit sets the
 live residual to it, or keeps the old one where a 0-d ``bad`` flag (a NaN/inf
 on some rank) says so, with one ``torch.where`` on CUDA (on the CPU, where the
 flag is host memory, by swapping the two buffers).  A :class:`ResidualTransaction`
 groups the commits of one collective call or one training step, so an overflow
-anywhere in a step leaves every residual as it was.
+anywhere in a step leaves every residual as it was.  Only the outermost caller
+owns a transaction: inner code receives it, or calls :func:`transaction_scope`,
+which opens one only when none was given.  The local non-finite verdict of a
+compress travels with its payload (:attr:`Payload.nonfinite
+<commpress.compressors.base.Payload>`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import logging
-from typing import Any
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -52,6 +69,21 @@ def _either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | No
     return a | b.to(a.device)
 
 
+class Memory(Protocol):
+    """What a :class:`ResidualTransaction` commits: one key's pending state at a time."""
+
+    def commit(self, key: Any, bad: torch.Tensor | None = None) -> None: ...
+
+    def rollback(self, key: Any) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+    """The key of a dense tensor's momentum in :class:`ErrorFeedback` (its own namespace)."""
+
+    name: str
+
+
 class ResidualTransaction:
     """The staged residual updates of one collective call or one training step.
 
@@ -69,8 +101,9 @@ class ResidualTransaction:
     def __len__(self) -> int:
         return len(self._staged)
 
-    def stage(self, feedback: "ErrorFeedback", key: Any, local_bad: torch.Tensor | None = None) -> None:
-        self._staged.append((feedback, key, local_bad))
+    def stage(self, memory: Memory, key: Any, local_bad: torch.Tensor | None = None) -> None:
+        """Remember that ``memory`` holds a pending update for ``key`` (committed by :meth:`commit`)."""
+        self._staged.append((memory, key, local_bad))
 
     def mark_bad(self, flag: torch.Tensor) -> None:
         """OR ``flag`` (0-d bool) into the transaction's bad flag."""
@@ -82,13 +115,49 @@ class ResidualTransaction:
 
     def commit(self, bad: torch.Tensor | None = None) -> None:
         flag = _either(self._bad, bad)
-        for feedback, key, local in self._staged:
-            feedback._apply(key, _either(flag, local))
-        self.rollback()
-
-    def rollback(self) -> None:
+        for memory, key, local in self._staged:
+            memory.commit(key, _either(flag, local))
         self._staged.clear()
         self._bad = None
+
+    def rollback(self) -> None:
+        """Drop every staged update (the live state keeps its value)."""
+        for memory, key, _ in self._staged:
+            memory.rollback(key)
+        self._staged.clear()
+        self._bad = None
+
+
+@contextlib.contextmanager
+def transaction_scope(transaction: ResidualTransaction | None) -> Iterator[ResidualTransaction]:
+    """``transaction`` itself when given (its owner commits it), else a new one that
+    commits when the block ends and rolls back when it raises.  The one place a
+    collective opens a transaction: only the outermost caller owns one."""
+    if transaction is not None:
+        yield transaction
+        return
+    tx = ResidualTransaction()
+    try:
+        yield tx
+    except BaseException:
+        tx.rollback()
+        raise
+    tx.commit()
+
+
+def owns_transaction(fn):
+    """Decorate a collective with a ``transaction=`` keyword: called without one, it runs in a
+    :func:`transaction_scope` of its own (committed when it returns); called with one (by an
+    outer collective or a hook's step), it only stages into it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, transaction: ResidualTransaction | None = None, **kwargs: Any):
+        if transaction is not None:
+            return fn(*args, transaction=transaction, **kwargs)
+        with transaction_scope(None) as tx:
+            return fn(*args, transaction=tx, **kwargs)
+
+    return wrapper
 
 
 class ErrorFeedback(Compressor):
@@ -152,9 +221,8 @@ class ErrorFeedback(Compressor):
         self._velocity: dict[Any, torch.Tensor] = {}
         self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        #: 0-d bool of the last compress: its compensated input held a NaN/inf (the
-        #: collectives put it in their status word instead of scanning the input again)
-        self.last_nonfinite: torch.Tensor | None = None
+        self._dense_velocity: dict[str, torch.Tensor] = {}   # plain momentum of dense tensors
+        self._dense_pending: dict[str, torch.Tensor] = {}
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -172,11 +240,16 @@ class ErrorFeedback(Compressor):
         return r
 
     def compensate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
-        """``tensor + beta * residual(key)`` in fp32, shaped like ``tensor``.
+        """``x + beta * residual(key)`` in fp32, shaped like ``tensor``, where ``x`` is
+        ``tensor`` or, with momentum correction, the pending velocity ``m·u + clip(tensor)``.
 
         Written into the key's pending buffer (no allocation after the first call):
-        valid until the next ``compensate`` / ``compress`` of the same key.
+        valid until the next ``compensate`` / ``compress`` of the same key.  Pair it
+        with :meth:`stage` (the residual of what was sent) and a commit.
         """
+        return self._add_residual(self._accumulate(tensor, key) if self.momentum else tensor, key)
+
+    def _add_residual(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
         pend = self._slot(self._pending, key, tensor)
         live = self._residuals.get(key)
         if live is None or live.numel() != tensor.numel() or live.device != tensor.device:
@@ -185,13 +258,16 @@ class ErrorFeedback(Compressor):
             torch.add(tensor, live.view(tensor.shape), alpha=self.beta, out=pend)
         return pend
 
-    def _apply(self, key: Any, bad: torch.Tensor | None) -> None:
-        """Live residual := pending, except where ``bad`` (0-d bool) is set.
+    def commit(self, key: Any, bad: torch.Tensor | None = None) -> None:
+        """Live residual (and velocity) of ``key`` := pending, except where ``bad`` (0-d bool) is set.
 
         On CUDA one ``torch.where`` decides on the device.  On the CPU the flag is
         already in host memory (reading it synchronizes nothing), so the two buffers
         are swapped instead of copied: the step costs no pass over the residual.
         """
+        if isinstance(key, _Dense):
+            self._commit_dense(key.name, bad)
+            return
         pend = self._pending[key]
         live = self._slot(self._residuals, key, pend)
         keep_old = _host_verdict(bad)
@@ -206,6 +282,56 @@ class ErrorFeedback(Compressor):
                 torch.where(bad, vlive, vpend, out=vlive)
             elif not keep_old:
                 vlive.copy_(vpend)
+
+    _apply = commit  # the name before the public protocol
+
+    def rollback(self, key: Any) -> None:
+        """Drop ``key``'s pending update: nothing to undo, the live buffers were not touched
+        (the pending ones are overwritten by the next compensate)."""
+
+    # -- plain momentum of the tensors that bypass compression ----------------
+    def dense_momentum(self, tensor: torch.Tensor, name: str,
+                       transaction: ResidualTransaction | None = None) -> None:
+        """Plain SGD momentum for a tensor sent dense (a hook's biases and small parameters):
+        pending ``v = m·v + tensor`` (fp32), then ``tensor := v`` in place; committed like a
+        residual (staged in ``transaction``, kept where the step saw a NaN/inf).
+
+        With momentum correction the optimizer runs without momentum, so the parameters
+        that bypass error feedback get theirs here, on the averaged gradient (the same on
+        every rank).  A no-op without ``momentum``.
+        """
+        if not self.momentum:
+            return
+        n = tensor.numel()
+        pend = self._dense_pending.get(name)
+        if pend is None or pend.numel() != n or pend.device != tensor.device:
+            pend = self._dense_pending[name] = torch.empty(n, dtype=torch.float32, device=tensor.device)
+        live = self._dense_velocity.get(name)
+        if live is None or live.numel() != n:
+            pend.copy_(tensor.reshape(-1))
+        else:
+            torch.add(tensor.reshape(-1), live, alpha=self.momentum, out=pend)
+        tensor.view(-1).copy_(pend)
+        if transaction is not None:
+            transaction.stage(self, _Dense(name))
+        else:
+            self._commit_dense(name, None)
+
+    def _commit_dense(self, name: str, bad: torch.Tensor | None) -> None:
+        pend = self._dense_pending[name]
+        live = self._dense_velocity.get(name)
+        if live is None or live.numel() != pend.numel():
+            live = self._dense_velocity[name] = torch.zeros_like(pend)
+        torch.where(bad, live, pend, out=live) if bad is not None else live.copy_(pend)
+
+    def dense_velocities(self) -> dict[str, torch.Tensor]:
+        """The live plain-momentum velocities of the dense tensors, by name (not copies)."""
+        return self._dense_velocity
+
+    def load_dense_velocities(self, velocities: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`dense_velocities` (copied to fp32)."""
+        self._dense_velocity = {str(k): v.float().clone() for k, v in velocities.items()}
+        self._dense_pending.clear()
 
     def velocity(self, key: Any) -> torch.Tensor | None:
         """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
@@ -259,14 +385,12 @@ class ErrorFeedback(Compressor):
         self.check_input(tensor)
         x = self._accumulate(tensor, key) if self.momentum else tensor
         inner = self.compressor
-        fused = getattr(inner, "compress_feedback", None)
-        if fused is not None and tensor.dtype == torch.float32:  # compensate + encode + residual, one pass
+        if inner.fused_feedback and tensor.dtype == torch.float32:  # compensate + encode + residual, one pass
             live = self._slot(self._residuals, key, x)
-            payload, finite = fused(x, live, self.beta, self._slot(self._pending, key, x))
-            self.last_nonfinite = ~finite
-            return self._stage(key, payload, self.last_nonfinite, transaction)
-        c = self.compensate(x, key)
-        local_bad = self.last_nonfinite = nonfinite_flag(c)
+            payload, finite = inner.compress_feedback(x, live, self.beta, self._slot(self._pending, key, x))
+            return self._stage(key, payload, ~finite, transaction)
+        c = self._add_residual(x, key)
+        local_bad = nonfinite_flag(c)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
@@ -285,20 +409,23 @@ class ErrorFeedback(Compressor):
         if transaction is not None:
             transaction.stage(self, key, local_bad)
         else:
-            self._apply(key, local_bad)
-        return payload
+            self.commit(key, local_bad)
+        return dataclasses.replace(payload, nonfinite=local_bad)
 
-    def update(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor,
-               transaction: ResidualTransaction | None = None) -> None:
-        """``residual(key) = compensated - sent`` (through the pending buffer), unless
-        either is non-finite; staged in ``transaction`` when given."""
+    def stage(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor,
+              transaction: ResidualTransaction | None = None) -> None:
+        """Pending residual of ``key`` := ``compensated - sent`` (what :meth:`compensate`
+        returned minus what was sent), kept as it was where either is non-finite; staged in
+        ``transaction`` when given, else committed at once."""
         pend = self._slot(self._pending, key, compensated)
         bad = nonfinite_flag(compensated) | nonfinite_flag(sent)
         torch.sub(compensated.reshape(pend.shape).float(), sent.reshape(pend.shape).float(), out=pend)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:
-            self._apply(key, bad)
+            self.commit(key, bad)
+
+    update = stage  # the name before the public protocol
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.compressor.decompress(payload, out=out)
@@ -310,6 +437,8 @@ class ErrorFeedback(Compressor):
         self._pending.clear()
         self._velocity.clear()
         self._velocity_pending.clear()
+        self._dense_velocity.clear()
+        self._dense_pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``, plus

@@ -1,5 +1,8 @@
 """Collectives for compressed gradients, on torch.distributed primitives.
 
+* :func:`all_gather` — every rank's tensor through a fixed-size compressor, status inside
+  (FSDP2's quantized parameter all-gather).
+* :func:`cast_message` — the one cast path of identity / fp16 / bf16 messages.
 * :func:`allreduce` — compress → the collective the compressor needs → decompress;
   returns the **sum** over ranks, bitwise identical on every rank.  In steady
   state a call costs its payload's messages and nothing more (:mod:`.wire`).
@@ -25,7 +28,7 @@ from __future__ import annotations
 from ..feedback import ResidualTransaction
 from ._codec import fingerprint, unwrap
 from .accounting import CommStats
-from .core import allreduce
+from .core import all_gather, allreduce, cast_message
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
 from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
@@ -34,7 +37,7 @@ from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from .wire import CollectiveInputError, flush_deferred
 
 __all__ = [
-    "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "allreduce",
-    "calibrate", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
+    "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
+    "calibrate", "cast_message", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
     "reduce_scatter", "set_cost_model", "sparse_allreduce", "unwrap",
 ]

@@ -22,7 +22,7 @@ def unwrap(compressor: Any) -> Any:
 
 
 def is_feedback(c: Any) -> bool:
-    return all(hasattr(c, a) for a in ("compressor", "compensate", "update"))
+    return isinstance(c, ErrorFeedback)
 
 
 def fingerprint(compressor: Any) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import Compressor, Payload
-from ..feedback import ResidualTransaction
+from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
 from ._codec import fingerprint, has_feedback, local_check, try_compress_fixed, unwrap
 from .accounting import CommStats
@@ -49,6 +49,7 @@ ALLREDUCE_ALGORITHMS = {
 }
 
 
+@owns_transaction
 def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: Any = 0, step: int = 0,
               algorithm: str = "auto", stats: CommStats | None = None,
               generator: torch.Generator | None = None, validate: bool = True,
@@ -101,7 +102,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
                  else costmodel.get_cost_model(group))
     else:
         model = None
-    tx = transaction if transaction is not None else ResidualTransaction()
+    tx = transaction
     args = dict(group=group, key=key, step=step, algorithm=algorithm, stats=stats, generator=generator,
                 transaction=tx, error=err, model=model)
     if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
@@ -116,8 +117,6 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
         out = quantized.quantized_allreduce(tensor, compressor, **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
-    if transaction is None:
-        tx.commit()
     if result is not None and out is not result:
         result.copy_(out)
         out = result
@@ -126,7 +125,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
 
 def _casts(compressor) -> bool:
     """identity / fp16 / bf16 without error feedback: the payload is the input, cast."""
-    return getattr(unwrap(compressor), "cast_to", False) is not False and not has_feedback(compressor)
+    return unwrap(compressor).casts and not has_feedback(compressor)
 
 
 def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generator, transaction, error,
@@ -156,7 +155,7 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     for t, n in zip(payload.tensors, sizes):
         msg_buf[pos:pos + n].copy_(t.reshape(-1))
         pos += n
-    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
+    bad_local = payload.nonfinite
     wire.sum_slots(msg_buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
     _comm.all_reduce_(msg_buf, group=group, stats=stats)
     wire.check_sum_slots(msg_buf, "allreduce", msg, world)
@@ -175,17 +174,28 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     return out
 
 
+def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
+                 slots: int = 0) -> torch.Tensor:
+    """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
+    ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
+    by ``slots`` elements left for the caller (the status slots of :mod:`.wire`)."""
+    n = tensor.numel()
+    message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
+    if scale is not None:
+        torch.mul(tensor.reshape(-1), scale, out=message[:n])
+    else:
+        message[:n].copy_(tensor.reshape(-1))
+    return message
+
+
 def _cast_path(tensor, wire_dtype, group, stats, code, msg, out, prescale=None) -> torch.Tensor:
     """identity / fp16 / bf16 without error feedback: the cast is written straight into the
     message and the sum cast back into ``out`` (no payload tensors in between)."""
     n = tensor.numel()
-    message = torch.empty(n + wire.SUM_SLOTS, dtype=wire_dtype, device=tensor.device)
     if code:
-        message[:n].zero_()
-    elif prescale is not None:  # computed in the input's dtype, rounded once into the message
-        torch.mul(tensor.reshape(-1), prescale, out=message[:n])
+        message = torch.zeros(n + wire.SUM_SLOTS, dtype=wire_dtype, device=tensor.device)
     else:
-        message[:n].copy_(tensor.reshape(-1))
+        message = cast_message(tensor, wire_dtype, prescale, slots=wire.SUM_SLOTS)
     world = _comm.world(group)
     wire.sum_slots(message, error=code, rank=_comm.rank(group), world=world)
     _comm.all_reduce_(message, group=group, stats=stats)
@@ -196,3 +206,60 @@ def _cast_path(tensor, wire_dtype, group, stats, code, msg, out, prescale=None) 
         return message[:n].to(tensor.dtype).reshape(tensor.shape)
     out.view(-1).copy_(message[:n])
     return out
+
+
+def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: Any = 0, step: int = 0,
+               stats: CommStats | None = None, out: torch.Tensor | None = None,
+               generator: torch.Generator | int | None = None, validate: bool = True) -> torch.Tensor:
+    """Every rank's ``tensor``, compressed on the wire, decoded: a ``[P, *tensor.shape]`` tensor
+    of ``tensor``'s dtype, row ``r`` from rank ``r`` (this rank's own row decoded too, so every
+    rank holds the same values).  FSDP2's quantized parameter all-gather is this call.
+
+    Wire: ONE ``all_gather`` of ``w`` bytes per rank: the 8-byte status word of :mod:`.wire`
+    (error code, signature of the static facts) and the fixed-size payload
+    (``compress_fixed``), each tensor 8-aligned; ``w = 8 + Σ align8(tensor bytes)``.  A rank
+    whose compress fails sends a zero payload of the same size, and every rank raises
+    :class:`~commpress.collectives.wire.CollectiveInputError` together.  ``validate`` agrees on
+    ``(numel, dtype, compressor)`` with one header exchange the first time a key is seen.
+    ``compressor``: a fixed-size kind (``"gather"`` or ``"sum"``).  ``out``: ``P * numel``
+    elements of ``tensor``'s dtype (any shape, contiguous), written and returned viewed as
+    ``[P, *tensor.shape]``.
+    """
+    inner = unwrap(compressor)
+    if getattr(inner, "aggregation", None) not in ("gather", "sum"):
+        raise TypeError(f"all_gather: compressor must be a fixed-size commpress Compressor (aggregation "
+                        f"'gather' or 'sum'), got {compressor!r}")
+    wire.flush_deferred()
+    world, n = _comm.world(group), tensor.numel()
+    err = local_check(tensor, compressor, "auto", ("auto",))
+    if validate:
+        check_once(group, key, ("all_gather", n, str(tensor.dtype), fingerprint(compressor)),
+                   device=_comm.comm_device(group, tensor), error=err[0], numel=n, dtype=tensor.dtype,
+                   algorithm="auto", kind="gather", config=fingerprint(compressor), stats=stats,
+                   local_message=err[1], what="all_gather")
+    payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                            transaction=None, error=err)
+    result = torch.empty(world * n, dtype=tensor.dtype, device=tensor.device) if out is None else out
+    rows_out = result.view(world, n)
+    if world == 1:
+        if code:
+            raise wire.CollectiveInputError(f"all_gather: {msg}")
+        rows_out[0].copy_(inner.decompress(payload).reshape(-1))
+        return result.view((world,) + tuple(tensor.shape))
+    flat = tensor.reshape(-1)
+    if payload is None:  # a zero payload of the right size: the other ranks are not left waiting
+        payload = quantized._templates(inner, flat, [0, n])[0]
+    else:
+        quantized._remember(inner, flat, [0, n], [payload])
+    layout = wire.Layout.of(payload.tensors)
+    sig = wire.signature("all_gather", n, str(tensor.dtype), layout.width, fingerprint(compressor))
+    message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
+    layout.write(message, payload.tensors, wire.status_word(tensor.device, error=code, sig=sig))
+    rows = _comm.all_gather(message, group, stats)
+    wire.check_byte_statuses(wire.read_status(rows), sig, "all_gather", msg)
+    for r in range(world):
+        got = Payload(tuple(layout.read(rows[r])), payload.shape, payload.dtype, payload.numel, payload.meta)
+        rows_out[r].copy_(inner.decompress(got).reshape(-1))
+    if stats is not None:
+        stats.add(calls=1, algorithm="all_gather")
+    return result.view((world,) + tuple(tensor.shape))

@@ -305,10 +305,8 @@ def gather_costs(payload_bytes: int, numel: int, world: int, model: CostModel) -
     }
 
 
-def choose_gather(payload_bytes: int, numel: int, world: int, group=None,
-                  states: list[int] | None = None) -> str:
-    """``"two_phase"`` or ``"gather_all"``, whichever the model predicts faster."""
-    model = agreed_cost_model(states, group) if states is not None else get_cost_model(group)
+def choose_gather(payload_bytes: int, numel: int, world: int, model: CostModel) -> str:
+    """``"two_phase"`` or ``"gather_all"``, whichever ``model`` predicts faster (ties: by name)."""
     costs = gather_costs(payload_bytes, numel, world, model)
     return min(("two_phase", "gather_all"), key=lambda a: (costs[a], a))
 

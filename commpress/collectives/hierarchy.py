@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import nonfinite_flag, owns_transaction
 from . import _comm, costmodel, wire
 from ._codec import fingerprint, has_feedback, local_check, unwrap
 from .core import ALLREDUCE_ALGORITHMS
@@ -298,6 +298,7 @@ def _kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, 
 
 
 # ---------------------------------------------------------------- the collective
+@owns_transaction
 def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, group=None, key: Any = 0,
               step: int = 0, algorithm: str = "auto", stats=None, generator=None, validate: bool = True,
               transaction=None, shapes=None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,7 +329,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
                    dtype=tensor.dtype, algorithm=algorithm, kind=kind,
                    config=wire.signature(fingerprint(compressor), h.config()), stats=stats,
                    local_message=err[1], what="allreduce (two-level)")
-    tx = transaction if transaction is not None else ResidualTransaction()
+    tx = transaction
     L, j = h.local_size, h.local_rank
     bnd = h.bounds(n, compressor, shape, shapes)
     S = max(bnd[i + 1] - bnd[i] for i in range(L))
@@ -388,6 +389,4 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
         out = result
     if stats is not None:
         stats.add(algorithm=f"two_level+{stats.last_algorithm or kind}")
-    if transaction is None:
-        tx.commit()
     return out.reshape(shape)

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import ResidualTransaction, nonfinite_flag, owns_transaction
 from . import _comm, wire
 from ._codec import has_feedback, local_check, unwrap
 from .accounting import CommStats
 
 
+@owns_transaction
 def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
                        algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                        transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
@@ -48,7 +49,7 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
-    tx = transaction if transaction is not None else ResidualTransaction()
+    tx = transaction
     if error == (0, ""):
         error = local_check(tensor, compressor, algorithm, ("auto", "powersgd"))
     code, msg = error
@@ -112,11 +113,9 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
             if not lowrank[i]:
                 sent[off:off + p.numel()] = p.reshape(-1)
             off += p.numel()
-        ef.update(key, m.view(src.shape), sent.view(src.shape), transaction=tx)
+        ef.stage(key, m.view(src.shape), sent.view(src.shape), transaction=tx)
         tx.mark_bad(bad)
         wire.poison_(out, bad)
-    if transaction is None:
-        tx.commit()
     if stats is not None:
         stats.add(calls=1, algorithm="powersgd" if world > 1 else "local")
     return out.to(tensor.dtype).reshape(tensor.shape)

@@ -38,23 +38,15 @@ from typing import Any
 import torch
 
 from ..compressors.base import Payload
-from ..feedback import ErrorFeedback, ResidualTransaction
+from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
 from . import _comm, costmodel, wire
 from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
 from .accounting import CommStats
 from .validate import check_once
 
-_ALIGN_ATTRS = ("alignment", "block", "block_size", "chunk", "chunk_size", "bucket_size")
-
-
 def alignment(compressor: Any) -> int:
-    """The compressor's block size (first positive int among ``alignment``, ``block``, ...), else 1."""
-    inner = unwrap(compressor)
-    for attr in _ALIGN_ATTRS:
-        v = getattr(inner, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return 1
+    """The chain's :attr:`~commpress.Compressor.alignment` (a block quantizer's block), at least 1."""
+    return max(1, int(unwrap(compressor).alignment))
 
 
 def chunk_bounds(numel: int, world: int, align: int = 1) -> list[int]:
@@ -80,11 +72,11 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
         try:
             payloads = []
             for r in range(world):
-                payloads.append(compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
-                                               key=(key, r), generator=generator, transaction=transaction))
-                if has_feedback(compressor):  # this rank's NaN/inf verdict, from the chunks' own scans
-                    last = compressor.last_nonfinite
-                    bad = last if bad is None else bad | last
+                p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
+                                   key=(key, r), generator=generator, transaction=transaction)
+                payloads.append(p)
+                if p.nonfinite is not None:  # this rank's NaN/inf verdict, from the chunks' own scans
+                    bad = p.nonfinite if bad is None else bad | p.nonfinite
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
             payloads, bad = None, None
@@ -172,6 +164,7 @@ def _verdict(statuses, sig, what, msg, out, compressor, transaction) -> None:
 
 
 # ---------------------------------------------------------------- public API
+@owns_transaction
 def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
                         algorithm: str = "auto", stats: CommStats | None = None,
                         generator: torch.Generator | None = None,
@@ -187,7 +180,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
-    tx = transaction if transaction is not None else ResidualTransaction()
+    tx = transaction
     if error == (0, ""):
         error = local_check(tensor, compressor, algorithm, ("auto", "two_phase", "gather_all"))
     flat = tensor.reshape(-1)
@@ -200,8 +193,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
-        algorithm = min(("two_phase", "gather_all"),
-                        key=lambda a: (costmodel.gather_costs(total, n, world, model)[a], a))
+        algorithm = costmodel.choose_gather(total, n, world, model)
     sig = wire.signature("gather", n, str(tensor.dtype), [p.nbytes for p in payloads], algorithm)
     if algorithm == "gather_all":
         out = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats)
@@ -210,8 +202,6 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                          generator, tx)
     statuses, out = out
     _verdict(statuses, sig, "allreduce", msg, out, compressor, tx)
-    if transaction is None:
-        tx.commit()
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
     return out.to(tensor.dtype).reshape(tensor.shape)
@@ -272,6 +262,7 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats):
     return wire.read_status(gathered), out
 
 
+@owns_transaction
 def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
                    stats: CommStats | None = None, generator: torch.Generator | None = None,
                    validate: bool = True, transaction: ResidualTransaction | None = None) -> torch.Tensor:
@@ -301,7 +292,7 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         err = (wire.E_SHAPE, f"tensor.numel()={n} must be divisible by the group size {world}")
     elif tensor.dtype not in inner.supported_dtypes:
         err = (wire.E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}")
-    tx = transaction if transaction is not None else ResidualTransaction()
+    tx = transaction
     if validate:
         check_once(group, key, ("reduce_scatter", n, str(tensor.dtype), fingerprint(compressor)),
                    device=flat.device, error=err[0], numel=n, dtype=tensor.dtype, algorithm="two_phase",
@@ -322,6 +313,4 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         out = out.to(tensor.dtype)
         if stats is not None:
             stats.add(calls=1, algorithm="reduce_scatter")
-    if transaction is None:
-        tx.commit()
     return out

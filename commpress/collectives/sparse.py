@@ -154,7 +154,7 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
     world = _comm.world(group)
     code, msg = _error if _error[0] else check_sparse_local(indices, values, numel, check_contents=validate)
     if code == 0 and algorithm not in SPARSE_ALGORITHMS + ("auto",):
-        code, msg = 6, f"algorithm must be one of {SPARSE_ALGORITHMS + ('auto',)}, got {algorithm!r}"
+        code, msg = wire.E_MISUSE, f"algorithm must be one of {SPARSE_ALGORITHMS + ('auto',)}, got {algorithm!r}"
     if world == 1:
         if code:
             raise CollectiveInputError(f"sparse_allreduce: {ERRORS[code]}: {msg}")
@@ -467,7 +467,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                                             transaction=transaction, error=error)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
-        cap = inner.capacity(n) if hasattr(inner, "capacity") else 0
+        cap = inner.capacity(n)
         idx = torch.full((cap,), n, dtype=wire_index_dtype(n + 1), device=tensor.device)
         vals = torch.zeros(cap, dtype=vdtype, device=tensor.device)
     else:
@@ -481,7 +481,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm == "auto":
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
-    bad_local = compressor.last_nonfinite if has_feedback(compressor) and payload is not None else None
+    bad_local = payload.nonfinite if payload is not None else None
     if algorithm == "allgather":
         acc = _comm.scratch("sparse_acc", n + 1, acc_dtype(vals.dtype), tensor.device).zero_()  # slot n: padding
         layout = wire.Layout.of((idx, vals))

@@ -33,7 +33,6 @@ reported bad input or any field differs between ranks, all ranks raise
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
@@ -41,10 +40,11 @@ import torch
 from . import _comm
 from .accounting import CommStats
 from .costmodel import model_state
-from .wire import ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError
+from .wire import (E_DTYPE, E_DUPLICATE, E_LENGTH, E_RANGE, E_SHAPE, ERRORS, HEADER_FIXED, SKETCH,
+                   CollectiveInputError)
 
 __all__ = ["ERRORS", "HEADER_FIXED", "SKETCH", "CollectiveInputError", "check_once", "exchange_header",
-           "make_header", "header_len", "check_sparse_local", "config_hash", "dtype_code"]
+           "make_header", "header_len", "check_sparse_local", "dtype_code"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
           torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
@@ -59,11 +59,6 @@ def dtype_code(dtype: Any) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else -1
 
 
-def config_hash(*parts: Any) -> int:
-    """A stable 32-bit hash of ``repr(parts)`` (identical across processes)."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
-
-
 def header_len(world: int) -> int:
     return HEADER_FIXED + 4 * world + SKETCH
 
@@ -74,26 +69,26 @@ def check_sparse_local(indices: Any, values: Any, numel: Any, check_contents: bo
     ``check_contents`` adds the O(k) range and uniqueness checks (one host sync).
     """
     if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
-        return 4, "indices and values must be torch.Tensor"
+        return E_DTYPE, "indices and values must be torch.Tensor"
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        return 5, f"numel must be a non-negative int, got {numel!r}"
+        return E_SHAPE, f"numel must be a non-negative int, got {numel!r}"
     if indices.dtype not in (torch.int32, torch.int64):
-        return 4, f"indices must be int32 or int64, got {indices.dtype}"
+        return E_DTYPE, f"indices must be int32 or int64, got {indices.dtype}"
     if values.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        return 4, f"values must be float32, float16, bfloat16 or float64, got {values.dtype}"
+        return E_DTYPE, f"values must be float32, float16, bfloat16 or float64, got {values.dtype}"
     if indices.dim() != 1 or values.dim() != 1:
-        return 5, f"indices and values must be 1-D, got shapes {tuple(indices.shape)} and {tuple(values.shape)}"
+        return E_SHAPE, f"indices and values must be 1-D, got shapes {tuple(indices.shape)} and {tuple(values.shape)}"
     if indices.numel() != values.numel():
-        return 3, f"len(indices)={indices.numel()} != len(values)={values.numel()}"
+        return E_LENGTH, f"len(indices)={indices.numel()} != len(values)={values.numel()}"
     if indices.device != values.device:
-        return 4, f"indices on {indices.device} but values on {values.device}"
+        return E_DTYPE, f"indices on {indices.device} but values on {values.device}"
     if check_contents and indices.numel():
         lo, hi = torch.aminmax(indices)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= numel:
-            return 1, f"indices must lie in [0, {numel}), got min {lo} max {hi}"
+            return E_RANGE, f"indices must lie in [0, {numel}), got min {lo} max {hi}"
         if torch.unique(indices).numel() != indices.numel():
-            return 2, "indices must be unique within a rank"
+            return E_DUPLICATE, "indices must be unique within a rank"
     return 0, ""
 
 

@@ -63,7 +63,7 @@ ERRORS = {
     6: "compressor misuse",
     7: "configuration differs across ranks",
 }
-E_DTYPE, E_SHAPE, E_MISUSE, E_CONFIG = 4, 5, 6, 7
+E_RANGE, E_DUPLICATE, E_LENGTH, E_DTYPE, E_SHAPE, E_MISUSE, E_CONFIG = 1, 2, 3, 4, 5, 6, 7
 
 
 class CollectiveInputError(ValueError):

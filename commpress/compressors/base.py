@@ -39,6 +39,10 @@ class Payload:
     bytes after bit packing.  ``shape``, ``dtype`` and ``numel`` describe the
     original tensor; ``meta`` holds small decode facts (never sent per element,
     derivable by every rank from the configuration and ``numel``).
+    ``nonfinite``: a 0-d bool set by :class:`~commpress.ErrorFeedback` when the
+    compensated input held a NaN/inf (``None`` when nobody scanned it); the
+    collectives put it in their status word instead of scanning the input again.
+    It is not sent as a tensor of its own.
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -46,6 +50,7 @@ class Payload:
     dtype: torch.dtype
     numel: int
     meta: dict[str, Any] = field(default_factory=dict)
+    nonfinite: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +83,37 @@ class Compressor(ABC):
     #: True when compress is a deterministic function of (tensor, step, key).
     deterministic: ClassVar[bool] = True
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+
+    # -- declared features: the collectives and hooks read these, nothing is sniffed --------
+    #: an elementwise cast (identity, fp16, bf16): the payload is the input cast to
+    #: :attr:`cast_to` (``None``: the input's own dtype), so a collective writes that cast
+    #: (scaled, when it averages) straight into its message buffer
+    casts: ClassVar[bool] = False
+    cast_to: torch.dtype | None = None
+    #: :meth:`compress_feedback` exists: error feedback runs as one fused pass
+    fused_feedback: ClassVar[bool] = False
+
+    @property
+    def alignment(self) -> int:
+        """Chunk boundaries of the two-phase collectives fall on multiples of this (a block
+        quantizer's block, so no block straddles two owners); 1 by default."""
+        return 1
+
+    def capacity(self, numel: int) -> int:
+        """Entries of the fixed-size wire format of a sparsifier for ``numel`` elements (0 for
+        the other kinds)."""
+        return 0
+
+    def is_compressed(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor of this shape is compressed at all (a low-rank compressor sends
+        vectors as they are); decided from the shape alone, so alike on every rank."""
+        return True
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, beta: float,
+                          pending: torch.Tensor) -> tuple["Payload", torch.Tensor]:
+        """With :attr:`fused_feedback`: compensate ``tensor + beta*residual``, encode it and write
+        the next residual into ``pending`` in one pass; returns ``(payload, finite)``."""
+        raise NotImplementedError(f"{self.name} has no fused error feedback (fused_feedback is False)")
 
     @abstractmethod
     def compress(

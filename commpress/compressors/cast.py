@@ -12,9 +12,8 @@ class Identity(Compressor):
     """Sends the tensor as it is (flattened, contiguous). Wire: ``numel`` elements of the input dtype."""
 
     aggregation = "sum"
-    #: the payload is the input cast to this dtype (``None``: its own dtype); the
-    #: collectives write that cast straight into their message buffer
-    cast_to: torch.dtype | None = None
+    casts = True
+    cast_to: torch.dtype | None = None   # the input's own dtype
 
     def __init__(self) -> None:
         pass
@@ -30,6 +29,7 @@ class Identity(Compressor):
 
 class _Cast(Compressor):
     aggregation = "sum"
+    casts = True
     wire_dtype: torch.dtype
 
     @property

@@ -39,6 +39,10 @@ class FP8(Compressor):
         self.unbiased = stochastic
         self.deterministic = not stochastic
 
+    @property
+    def alignment(self) -> int:
+        return self.block
+
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
         seed = seed_from_generator(generator) if self.stochastic else 0

@@ -26,6 +26,10 @@ class SignSGD(Compressor):
     def __init__(self, chunk: int = 1024) -> None:
         self.chunk = check_int("chunk", chunk, 1)
 
+    @property
+    def alignment(self) -> int:
+        return self.chunk
+
     def compress(self, tensor, *, step=0, key=0, generator=None) -> Payload:
         self.check_input(tensor)
         bits, scales = ops.sign_pack(tensor.reshape(-1), self.chunk)
@@ -35,6 +39,8 @@ class SignSGD(Compressor):
         bits, scales = payload.tensors
         vals = ops.sign_unpack(bits, scales, self.chunk, payload.numel, out=self.decode_target(payload, out))
         return self.finish_decode(payload, vals, out)
+
+    fused_feedback = True
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, beta: float,
                           new_residual: torch.Tensor) -> tuple[Payload, torch.Tensor]:

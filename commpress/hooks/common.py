@@ -399,11 +399,6 @@ class HookState:
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
         pass
 
-    # -- misc ----------------------------------------------------------------
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor in the codec state (for the memory-overhead figure)."""
-        yield from _tensors_in(self.codec.state_dict())
-
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):

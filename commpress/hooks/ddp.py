@@ -71,10 +71,10 @@ from torch.nn.parallel import DistributedDataParallel
 from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
-from ..collectives import unwrap
-from .common import HookState, Timer, all_reduce_bytes, tensor_bytes
-from .ddp_layout import Plan, Unit, goes_dense, make_plan, new_unit
-from .ddp_step import DenseMomentum, Step
+from ..collectives import cast_message, unwrap
+from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
+from .ddp_layout import ModelLayout, Plan, goes_dense
+from .ddp_step import HookConfig, Step, StepContext
 
 log = logging.getLogger("commpress")
 
@@ -90,6 +90,12 @@ _ATTR = "_commpress_ddp_state"
 
 class ReplicaMismatchError(RuntimeError):
     """The synchronized gradients differ across ranks (found by ``verify_every``)."""
+
+
+class HookError(RuntimeError):
+    """A compressed bucket failed: names the bucket, the compressor and the cause
+    (the original exception is ``__cause__`` and ``state.last_error``).  Raised on
+    every rank: a failure inside a collective is judged on every rank alike."""
 
 
 class DDPState(HookState):
@@ -199,24 +205,15 @@ class DDPState(HookState):
         self.seed = seed
         self.dense_1d = bool(dense_1d)
         self.lowrank = self.inner.aggregation == "lowrank"
-        self.dense_momentum = DenseMomentum(self.momentum) if self.momentum else None
         self._skip = skip
         self._want_overlap = overlap and not verify_every
         self.hierarchy_arg = hierarchy
         self.hierarchy = None
-        self.fused_scale = False  # decided at binding
-        self._names: dict[int, str] = {}
-        self._shapes: dict[str, torch.Size] = {}
         self.dense_param_names: list[str] = []
         self.compressed_param_names: list[str] = []
-        self._dense_set: set[str] = set()
-        self._plans: dict[int, Plan] = {}
-        self.units: list[Unit] = []                 # fixed once created (or loaded)
-        self.unit_of: dict[str, int] = {}
-        self._step: Step | None = None
-        self._memory_shape: tuple[int, int] = (-1, -1)
-        self.last_error: BaseException | None = None
-        self.executor: _Inline | _Overlapped = _Inline()
+        self.layout = ModelLayout({}, {}, set())
+        self.frozen: HookConfig | None = None          # decided at binding, then never changed
+        self.executor: _Executor | None = None         # created at binding; owns the per-step state
         self.overlap = False
         self.bound = False
         self._pending_load: dict[str, Any] | None = None
@@ -243,24 +240,25 @@ class DDPState(HookState):
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(self.process_group)
             self.rank = dist.get_rank(self.process_group)
-        self._names, self._shapes = {}, {}          # from scratch: a failed binding may be retried
+        names, shapes = {}, {}          # from scratch: a failed binding may be retried
         self.dense_param_names, self.compressed_param_names = [], []
         for name, p in model.module.named_parameters():
             if not p.requires_grad:
                 continue
-            self._names[id(p)] = name
-            self._shapes[name] = p.shape
+            names[id(p)] = name
+            shapes[name] = p.shape
             dense = goes_dense(name, p, self.inner, dense_1d=self.dense_1d, min_numel=self.min_numel,
                                uses_error_feedback=self.uses_error_feedback, skip=self._skip)
             (self.dense_param_names if dense else self.compressed_param_names).append(name)
-        self._dense_set = set(self.dense_param_names)
+        self.layout = ModelLayout(names, shapes, set(self.dense_param_names))
         self.check_config()
         # After the fingerprint check (a collective on the model's group): the hook's own group.
-        self.process_group, self.executor = _executor(self.process_group, self._want_overlap)
-        self.overlap = isinstance(self.executor, _Overlapped)
+        self.process_group, overlapped = _executor_group(self.process_group, self._want_overlap)
         self.hierarchy = _hierarchy(self.hierarchy_arg, self.process_group, self.world_size)
-        self.fused_scale = (self.hierarchy is None and not self.uses_error_feedback
-                            and getattr(self.inner, "cast_to", False) is not False)
+        self.frozen = self._freeze()
+        executor_cls = _Overlapped if overlapped else _Inline
+        self.executor = executor_cls(self.frozen, self.layout, self.stats, step=self._step_count)
+        self.overlap = overlapped
         if self.algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
             from ..collectives import get_cost_model
 
@@ -273,6 +271,51 @@ class DDPState(HookState):
             pending, self._pending_load = self._pending_load, None
             self.load_state_dict(pending)
 
+    def _freeze(self) -> HookConfig:
+        """Every decision a step needs, taken once (scale-by-world and the cast among them)."""
+        cast = self.inner.casts and not self.uses_error_feedback
+        return HookConfig(
+            codec=self.codec, compressor_name=self.codec.name or type(self.codec).__name__,
+            group=self.process_group, world_size=self.world_size, rank=self.rank, algorithm=self.algorithm,
+            hierarchy=self.hierarchy, seed=self.seed, scale=1.0 / self.world_size,
+            fold_scale=cast and self.hierarchy is None, cast_to=self.inner.cast_to if cast else None,
+            feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self.lowrank,
+            verify_every=self.verify_every)
+
+    # -- what the executor owns, seen from here -------------------------------
+    @property
+    def step(self) -> int:
+        """Steps synchronized so far (dense warm-up steps included); checkpointed."""
+        return self.executor.step if self.executor is not None else self._step_count
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step_count = int(value)
+        if getattr(self, "executor", None) is not None:
+            self.executor.step = int(value)
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The original exception of the last failed bucket (the overlap worker's), or ``None``."""
+        return self.executor.last_error if self.executor is not None else None
+
+    @property
+    def units(self):
+        return self.layout.units
+
+    @property
+    def unit_of(self) -> dict[str, int]:
+        return self.layout.unit_of
+
+    @property
+    def _plans(self) -> dict[int, Plan]:
+        return self.layout.plans
+
+    @property
+    def dense_momentum(self):
+        """The plain momentum of the dense parameters (``.velocity`` by name), ``None`` without momentum."""
+        return _DenseVelocities(self.codec) if self.momentum else None
+
     def _bind_to_bucket(self, bucket: dist.GradBucket) -> None:
         """Bind to the DDP model holding ``bucket``'s parameters (the first hook call)."""
         self.bind(_model_of(bucket.parameters()))
@@ -280,7 +323,8 @@ class DDPState(HookState):
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
         """Stop the overlap worker and release its process group (the hook must not run afterwards)."""
-        self.executor.close()
+        if self.executor is not None:
+            self.executor.close()
 
     def __enter__(self) -> "DDPState":
         return self
@@ -294,29 +338,12 @@ class DDPState(HookState):
         cfg.update(
             warmup_steps=self.warmup_steps, min_numel=self.min_numel, algorithm=self.algorithm,
             verify_every=self.verify_every, seed=self.seed, dense_1d=self.dense_1d,
-            params={n: list(s) for n, s in self._shapes.items()},
+            params={n: list(s) for n, s in self.layout.shapes.items()},
             dense_params=sorted(self.dense_param_names),
         )
         if self.hierarchy_arg is not None:  # absent when flat: older checkpoints still load
             cfg["hierarchy"] = self.hierarchy_arg
         return cfg
-        return cfg
-
-    def layout(self, index: int, params: list[torch.Tensor]) -> Plan:
-        """The plan of bucket ``index`` (rebuilt when DDP changed the bucket's parameters)."""
-        plan = self._plans.get(index)
-        if plan is None or plan.param_ids != tuple(id(p) for p in params):
-            if plan is not None:
-                log.info("commpress ddp: bucket %d changed layout (DDP bucket rebuild)", index)
-            plan = self._plans[index] = make_plan(index, params, self._names, self._dense_set)
-        return plan
-
-    def assign_units(self, plan: Plan) -> None:
-        unit = new_unit(plan, self.unit_of, self._shapes)
-        if unit is not None:
-            for nm in unit.names:
-                self.unit_of[nm] = len(self.units)
-            self.units.append(unit)
 
     def noise_seed(self, key: Any) -> int:
         """The seed of this rank's stochastic rounding for ``key`` at this step: a pure
@@ -364,38 +391,21 @@ class DDPState(HookState):
         super().load_state_dict(state)
 
     def _extra_state_dict(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {
-            "units": [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]}
-        if self.dense_momentum is not None:
-            extra["dense_velocity"] = encode_keyed(self.dense_momentum.velocity)
+        extra: dict[str, Any] = {"units": self.layout.units_state()}
+        if self.momentum:
+            extra["dense_velocity"] = encode_keyed(self.codec.dense_velocities())
         return extra
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
-        units = []
-        for u in extra.get("units", []):
-            names, sizes = [str(n) for n in u["names"]], [int(n) for n in u["sizes"]]
-            for nm, n in zip(names, sizes):
-                if nm not in self._shapes or self._shapes[nm].numel() != n or nm in self._dense_set:
-                    raise ValueError(f"checkpoint unit for parameter {nm!r} ({n} elements) does not "
-                                     "match this model's compressed parameters")
-            units.append(Unit(key=u["key"], names=names, sizes=sizes,
-                              shapes=[tuple(self._shapes[nm]) for nm in names]))
-        self.units = units
-        self.unit_of = {nm: i for i, u in enumerate(units) for nm in u.names}
-        if self.dense_momentum is not None:
+        self.layout.load_units(extra.get("units", []))
+        if self.momentum:
             saved = decode_keyed(extra.get("dense_velocity", {"keys": [], "tensors": []}), "dense velocity")
-            self.dense_momentum.velocity = {k: v.float().clone() for k, v in saved.items()}
+            self.codec.load_dense_velocities(saved)
 
     # -- memory ----------------------------------------------------------
     def memory_bytes(self) -> int:
         """Bytes the hook keeps alive: residuals (live and pending), scratch, compressor state."""
-        def nb(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        scratch = sum(nb(p.dense_scratch) for p in self._plans.values())
-        scratch += sum(nb(u.scratch) for u in self.units)
-        pending = sum(nb(t) for t in getattr(self.codec, "_pending", {}).values())
-        return scratch + pending + tensor_bytes(self.codec.state_dict())
+        return _memory_bytes(self.codec, self.layout)
 
 
 def _verify_every(value: int | None) -> int:
@@ -431,30 +441,90 @@ def _model_of(params: list[torch.Tensor]) -> DistributedDataParallel:
 
 
 # ---------------------------------------------------------------------------- executors
-class _Inline:
-    """Runs each bucket inside the hook call; errors raise from the hook."""
+class _Executor:
+    """Owns the per-step state: the step counter, the step in progress, the last error.
 
-    def submit(self, state: DDPState, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
-        _run(state, bucket.index(), bucket.buffer(), bucket.parameters(), bucket.is_last(), fut, None)
+    Buckets go in through :meth:`submit` (run at once, or queued for the worker) and
+    come out through their futures.  What it reads is frozen at binding
+    (:class:`~.ddp_step.HookConfig`) or the model's layout; it never reads the hook's state.
+    """
+
+    def __init__(self, config: HookConfig, layout: ModelLayout, stats: Stats, step: int = 0) -> None:
+        self.config, self.layout, self.stats = config, layout, stats
+        self.step = step
+        self.current: Step | None = None
+        self.last_error: BaseException | None = None
+        self._memory_shape: tuple[int, int] = (-1, -1)
+
+    def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
 
+    def run(self, index: int, buf: torch.Tensor, params: list[torch.Tensor], last: bool,
+            fut: torch.futures.Future, *, inline: bool) -> None:
+        """One bucket of a compressed step; the one error path of both executors."""
+        try:
+            if self.current is None:
+                self.current = Step(StepContext(self.config, self.layout, self.stats, self.step))
+            finished = self.current.run_bucket(index, buf, params, fut)
+            cfg = self.config
+            if cfg.verify_every and cfg.world_size > 1 and self.step % cfg.verify_every == 0:
+                for done in finished:
+                    _verify(cfg, self.stats, self.step, done.plan, done.buf)
+            if last:
+                self._end_step()
+            for done in finished:
+                done.fut.set_result(done.buf)
+        except BaseException as exc:
+            waiting = self.current.abort() if self.current is not None else []
+            self.current = None
+            self.last_error = exc
+            err = hook_error(exc, index, self.config.compressor_name, self.layout.plans.get(index))
+            for f in {id(f): f for f in [fut, *waiting]}.values():
+                if not f.done():
+                    f.set_exception(err)
+            if inline:
+                raise err from exc
 
-class _Overlapped:
+    def _end_step(self) -> None:
+        self.current.commit()
+        self.current = None
+        self.step += 1
+        shape = (len(self.layout.units), len(self.layout.plans))
+        if shape != self._memory_shape:  # buffers are allocated once: count them when they change
+            self._memory_shape = shape
+            self.stats.memory_overhead_bytes = _memory_bytes(self.config.codec, self.layout)
+        self.stats.end_step()
+
+
+class _Inline(_Executor):
+    """Runs each bucket inside the hook call; errors raise from the hook."""
+
+    queued = False
+
+    def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
+        self.run(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.is_last(), fut, inline=True)
+
+
+class _Overlapped(_Executor):
     """One daemon thread runs the buckets in DDP's order on the hook's own group;
     errors fail the bucket's future (DDP raises them from ``backward()``)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    queued = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group = self.config.group    # the hook's own group, released by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
         self._thread.start()
 
-    def submit(self, state: DDPState, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
+    def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         buf = bucket.buffer()
         stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
-        self._queue.put((state, bucket.index(), buf, bucket.parameters(), bucket.is_last(), fut, stream))
+        self._queue.put((bucket.index(), buf, bucket.parameters(), bucket.is_last(), fut, stream))
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -465,59 +535,62 @@ class _Overlapped:
             *args, stream = item
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    _run(*args, errors=self)
+                    self.run(*args, inline=False)
             else:
-                _run(*args, errors=self)
+                self.run(*args, inline=False)
 
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)
-        if self.group is not None:
+        if self._group is not None:
             try:
-                dist.destroy_process_group(self.group)
+                dist.destroy_process_group(self._group)
             except Exception:  # noqa: BLE001 - already gone with the default group
                 log.debug("commpress ddp: the overlap group was already destroyed")
-            self.group = None
+            self._group = None
 
 
-def _run(state: DDPState, index: int, buf: torch.Tensor, params: list[torch.Tensor], last: bool,
-         fut: torch.futures.Future, errors: _Overlapped | None) -> None:
-    """One bucket of a compressed step; the one error path of both executors."""
-    try:
-        if state._step is None:
-            state._step = Step(state)
-        finished = state._step.run_bucket(index, buf, params, fut)
-        if state.verify_every and state.world_size > 1 and state.step % state.verify_every == 0:
-            for done in finished:
-                _verify(state, done.plan, done.buf)
-        if last:
-            _end_step(state)
-        for done in finished:
-            done.fut.set_result(done.buf)
-    except BaseException as exc:
-        waiting = state._step.abort() if state._step is not None else []
-        state._step = None
-        if errors is None:
-            raise
-        state.last_error = exc
-        # DDP re-raises a future's exception from backward() as a RuntimeError; keep
-        # the original type and message readable in it (the object is state.last_error).
-        err = RuntimeError(f"commpress ddp hook failed on bucket {index}: {type(exc).__name__}: {exc}")
-        for f in {id(f): f for f in [fut, *waiting]}.values():
-            if not f.done():
-                f.set_exception(err)
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.value()
 
 
-def _end_step(state: DDPState) -> None:
-    state._step.commit()
-    state._step = None
-    state.step += 1
-    shape = (len(state.units), len(state._plans))
-    if shape != state._memory_shape:  # buffers are allocated once: count them when they change
-        state._memory_shape = shape
-        state.stats.memory_overhead_bytes = state.memory_bytes()
-    state.stats.end_step()
+_TYPED: dict[type, type] = {}
+
+
+def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | None) -> BaseException:
+    """The error a failed bucket surfaces with: its message names the bucket (and its first
+    parameters), the compressor and the cause.  It is a :class:`HookError`; for a
+    ``ValueError`` / ``TypeError`` / ``RuntimeError`` cause it is also an instance of the
+    cause's own type (same class name), so ``except CollectiveInputError`` still works."""
+    where = f"bucket {index}"
+    if plan is not None:
+        where += " (parameters " + ", ".join(plan.names[:4]) + (" ..." if len(plan.names) > 4 else "") + ")"
+    msg = f"commpress ddp hook failed on {where} with compressor {compressor}: {type(exc).__name__}: {exc}"
+    cls = type(exc)
+    if isinstance(exc, HookError):
+        return exc
+    if not issubclass(cls, (ValueError, TypeError, RuntimeError)):
+        return HookError(msg)
+    typed = _TYPED.get(cls)
+    if typed is None:
+        typed = _TYPED[cls] = type(cls.__name__, (cls, HookError), {"__module__": cls.__module__,
+                                                                    "__init__": BaseException.__init__,
+                                                                    "__str__": BaseException.__str__})
+    return typed(msg)
+
+
+def _memory_bytes(codec: Compressor, layout: ModelLayout) -> int:
+    """Bytes the hook keeps alive: residuals (live and pending), scratch, compressor state."""
+    pending = sum(t.numel() * t.element_size() for t in getattr(codec, "_pending", {}).values())
+    return layout.scratch_bytes() + pending + tensor_bytes(codec.state_dict())
+
+
+class _DenseVelocities:
+    """``state.dense_momentum.velocity``: the dense parameters' plain momentum, kept in the codec."""
+
+    def __init__(self, codec: Any) -> None:
+        self.velocity = codec.dense_velocities()
 
 
 def _hierarchy(arg: int | str | None, group: dist.ProcessGroup | None, world: int):
@@ -536,20 +609,19 @@ def _hierarchy(arg: int | str | None, group: dist.ProcessGroup | None, world: in
     return Hierarchy(arg, group)
 
 
-def _executor(process_group: dist.ProcessGroup | None, overlap: bool):
-    """The group the hook's collectives use and the executor that runs them."""
+def _executor_group(process_group: dist.ProcessGroup | None, overlap: bool):
+    """``(group, overlapped)``: the group the hook's collectives use, and whether a worker runs them."""
     if not overlap or not dist.is_initialized():
-        return process_group, _Inline()
+        return process_group, False
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_world_size(group) == 1:
-        return process_group, _Inline()
+        return process_group, False
     if dist.get_world_size(group) != dist.get_world_size():
         log.info("commpress ddp: overlap needs a process group spanning the world (a dedicated "
                  "group is created on every rank); running synchronously")
-        return process_group, _Inline()
+        return process_group, False
     ranks = dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=_group_timeout(group))
-    return own, _Overlapped(own)
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=_group_timeout(group)), True
 
 
 def _group_timeout(group: dist.ProcessGroup) -> Any:
@@ -566,23 +638,23 @@ def _group_timeout(group: dist.ProcessGroup) -> Any:
         return None
 
 
-def _verify(state: DDPState, plan: Plan, buf: torch.Tensor) -> None:
+def _verify(cfg: HookConfig, stats: Stats, step: int, plan: Plan, buf: torch.Tensor) -> None:
     """Hash the synchronized bucket on every rank; raise on a mismatch (reads on the host)."""
     data = buf.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
     h = torch.tensor([digest], dtype=torch.int64, device=buf.device)
-    out = [torch.empty_like(h) for _ in range(state.world_size)]
-    dist.all_gather(out, h, group=state.process_group)
+    out = [torch.empty_like(h) for _ in range(cfg.world_size)]
+    dist.all_gather(out, h, group=cfg.group)
     hashes = [int(x.item()) for x in out]
     bad = [r for r, x in enumerate(hashes) if x != hashes[0]]
     if bad:
         shown = ", ".join(plan.names[:6]) + (" ..." if len(plan.names) > 6 else "")
         raise ReplicaMismatchError(
             f"commpress verify: synchronized gradients of DDP bucket {plan.index} "
-            f"(parameters {shown}) differ across ranks at step {state.step}: ranks {bad} "
+            f"(parameters {shown}) differ across ranks at step {step}: ranks {bad} "
             "disagree with rank 0"
         )
-    state.stats.record(plan.index, bytes_sent=8 * (state.world_size - 1), dense_bytes=0, algorithm="verify")
+    stats.record(plan.index, bytes_sent=8 * (cfg.world_size - 1), dense_bytes=0, algorithm="verify")
 
 
 # ---------------------------------------------------------------------------- hook
@@ -594,57 +666,65 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     executor; the returned future holds the bucket buffer overwritten with the
     average, completed when the bucket's units are done (normally with the bucket
     itself, at the latest with the last bucket of the step).
+
+    Example::
+
+        >>> state = commpress.ddp.DDPState("topk", ratio=0.01)
+        >>> ddp_model.register_comm_hook(state, commpress.ddp.hook)
     """
     if not isinstance(state, DDPState):
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
     if not state.bound:  # the first bucket of the first step, on every rank: bind (collective)
         state._bind_to_bucket(bucket)
-    if state.step < state.warmup_steps or not state.compressed_param_names:
-        return _dense_async(state, bucket)
-    if state.fused_scale and not state.verify_every:
-        return _dense_async(state, bucket, cast=state.inner.cast_to)
+    executor, cfg = state.executor, state.frozen
+    if executor.step < state.warmup_steps or not state.compressed_param_names:
+        return _dense_async(executor, bucket)
+    if cfg.fold_scale and not cfg.verify_every:
+        return _dense_async(executor, bucket, cast=cfg.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state.executor.submit(state, bucket, fut)
-    return fut
+    executor.submit(bucket, fut)
+    # A Python future's exception is only a value to DDP's C++ side ("Unable to cast ... to
+    # Tensor"); raised from a callback it becomes the child future's error, which DDP raises.
+    return fut.then(_value) if executor.queued else fut
 
 
 # DDP inspects the annotations (which `from __future__ import annotations` turns into strings).
 hook.__annotations__.update(state=DDPState, bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def _dense_async(state: DDPState, bucket: dist.GradBucket,
+def _dense_async(executor: _Executor, bucket: dist.GradBucket,
                  cast: torch.dtype | None = None) -> torch.futures.Future[torch.Tensor]:
     """DDP's own path: one asynchronous ``all_reduce`` per bucket issued from the hook call.
 
     With ``cast`` (fp16 / bf16 without error feedback; the steady state of those
-    compressors) the bucket is scaled by ``1/world`` and cast in one pass into the
-    message, as PyTorch's fp16 hook does; NaN/inf travel in the values and nothing
-    can fail to compress, so the message carries no status.  The callback only
-    copies the sum back (no collective)."""
+    compressors) the bucket is scaled and cast in one pass into the message
+    (:func:`commpress.collectives.cast_message`), as PyTorch's fp16 hook does;
+    NaN/inf travel in the values and nothing can fail to compress, so the message
+    carries no status.  The callback only copies the sum back (no collective)."""
+    cfg = executor.config
     with Timer() as total:
         buf = bucket.buffer()
-        plan = state.layout(bucket.index(), bucket.parameters())
-        dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), state.world_size)
+        plan = executor.layout.plan(bucket.index(), bucket.parameters())
+        dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
         sent, algorithm = dense_bytes, "dense"
-        if state.world_size > 1 and cast is not None:
-            message = torch.empty(buf.shape, dtype=cast, device=buf.device)
-            torch.mul(buf, 1.0 / state.world_size, out=message)  # computed in buf's dtype, rounded once
-            work = dist.all_reduce(message, group=state.process_group, async_op=True)
+        if cfg.world_size > 1 and cast is not None:
+            message = cast_message(buf, cast, cfg.scale)
+            work = dist.all_reduce(message, group=cfg.group, async_op=True)
             fut = work.get_future().then(lambda _: buf.copy_(message))
-            sent = all_reduce_bytes(message.numel() * message.element_size(), state.world_size)
+            sent = all_reduce_bytes(message.numel() * message.element_size(), cfg.world_size)
             algorithm = "allreduce"
-        elif state.world_size > 1:
-            buf.mul_(1.0 / state.world_size)
-            work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+        elif cfg.world_size > 1:
+            buf.mul_(cfg.scale)
+            work = dist.all_reduce(buf, group=cfg.group, async_op=True)
             fut = work.get_future().then(lambda _: buf)
         else:
             fut = torch.futures.Future()
             fut.set_result(buf)
-    state.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                       compress_seconds=0.0, hook_seconds=total.seconds)
+    executor.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
+                          compress_seconds=0.0, hook_seconds=total.seconds)
     if bucket.is_last():
-        state.step += 1
-        state.stats.end_step()
+        executor.step += 1
+        executor.stats.end_step()
     return fut
 
 
@@ -671,5 +751,5 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     return state
 
 
-__all__ = ["DDPState", "ReplicaMismatchError", "hook", "register", "DEFAULT_MIN_NUMEL",
+__all__ = ["DDPState", "HookError", "ReplicaMismatchError", "hook", "register", "DEFAULT_MIN_NUMEL",
            "DEFAULT_WARMUP_STEPS"]

@@ -17,26 +17,72 @@ Per bucket (:meth:`Step.run_bucket`):
 At the step's end the transaction commits: every residual takes its new value,
 or keeps the old one when any rank saw a NaN/inf anywhere in the step, decided
 on the device.  On an error the transaction rolls back and the step is dropped.
+
+A step reads only its :class:`StepContext`: the :class:`HookConfig` frozen at
+binding, the model's :class:`~.ddp_layout.ModelLayout`, the stats it records
+into and the step's number.  It never calls back into the hook's state.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import CommStats, allreduce
+from ..compressors import Compressor
+from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ResidualTransaction, nonfinite_flag
-from .common import Timer, all_reduce_bytes
-from .ddp_layout import Plan, gather_slices, scatter_slices, unit_input, unit_store
-
-if TYPE_CHECKING:
-    from .ddp import DDPState
+from .common import Stats, Timer, all_reduce_bytes
+from .ddp_layout import ModelLayout, Plan, gather_slices, scatter_slices, unit_input, unit_store
 
 log = logging.getLogger("commpress")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """What binding decided, frozen: every fact a step reads (nothing else is consulted).
+
+    ``scale`` is the one place the hook decides how it averages: every value is
+    multiplied by it before its sum (``1/world``; 1 with one rank), as DDP's reducer
+    does.  ``fold_scale``: the compressor folds that multiplication into its cast
+    (identity / fp16 / bf16 without error feedback, flat), to the dtype ``cast_to``.
+    """
+
+    codec: Compressor
+    compressor_name: str
+    group: Any
+    world_size: int
+    rank: int
+    algorithm: str
+    hierarchy: Any
+    seed: int
+    scale: float
+    fold_scale: bool
+    cast_to: torch.dtype | None
+    feedback: bool
+    momentum: bool
+    lowrank: bool
+    verify_every: int
+
+    def noise_seed(self, step: int, key: Any) -> int:
+        """The seed of this rank's stochastic rounding for ``key`` at ``step``: a pure function
+        of ``(seed, rank, step, key)`` (nothing to read, nothing to checkpoint)."""
+        return mix_seed(self.seed, self.rank, step, stable_hash(key))
+
+
+@dataclass
+class StepContext:
+    """The small context a :class:`Step` gets: the frozen configuration, the model's layout,
+    where to record, and the step's number."""
+
+    config: HookConfig
+    layout: ModelLayout
+    stats: Stats
+    step: int
 
 
 @dataclass
@@ -52,8 +98,8 @@ class Finished:
 class Step:
     """The moving parts of one step (see the module doc)."""
 
-    def __init__(self, state: "DDPState") -> None:
-        self.state = state
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
         self.transaction = ResidualTransaction()
         self.ready: dict[str, tuple[torch.Tensor, int, int]] = {}   # name -> (bucket buffer, offset, numel)
         self.waiting: list[Finished] = []                          # buckets whose units span later buckets
@@ -62,20 +108,20 @@ class Step:
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
                    fut: torch.futures.Future) -> list[Finished]:
-        state = self.state
-        world = state.world_size
+        cfg, layout = self.ctx.config, self.ctx.layout
+        world = cfg.world_size
         with Timer() as total:
-            plan = state.layout(index, params)
+            plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
             dense, work = self._start_dense(plan, buf)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if dense is not None else 0
-            state.assign_units(plan)
+            layout.assign_units(plan)
             for nm, off, n in plan.compressed:
                 self.ready[nm] = (buf, off, n)
-            mine = {state.unit_of[nm] for nm, _, _ in plan.compressed}
+            mine = {layout.unit_of[nm] for nm, _, _ in plan.compressed}
             self.waiting.append(Finished(plan, buf, fut, mine - self.done_units))
             runnable = sorted(i for i in mine if i not in self.done_units
-                              and all(nm in self.ready for nm in state.units[i].names))
+                              and all(nm in self.ready for nm in layout.units[i].names))
             algorithms = []
             with Timer() as t_c:
                 for i in runnable:
@@ -85,21 +131,17 @@ class Step:
             if work is not None:
                 work.wait()
             if dense is not None:
-                if state.uses_error_feedback:
-                    self.transaction.mark_bad(nonfinite_flag(dense))
-                if state.dense_momentum is not None:
-                    state.dense_momentum.apply(plan, dense, self.transaction)
-                scatter_slices(buf, plan.dense_slices, dense)
+                self._finish_dense(plan, buf, dense)
             finished = []
             for w in list(self.waiting):
                 w.units -= self.done_units
                 if not w.units:
                     self.waiting.remove(w)
                     finished.append(w)
-        state.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes,
-                           algorithm="+".join(sorted(set(algorithms))) or ("waiting" if plan.compressed
-                                                                           else "dense"),
-                           compress_seconds=t_c.seconds, hook_seconds=total.seconds)
+        self.ctx.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes,
+                              algorithm="+".join(sorted(set(algorithms))) or ("waiting" if plan.compressed
+                                                                              else "dense"),
+                              compress_seconds=t_c.seconds, hook_seconds=total.seconds)
         return finished
 
     def _start_dense(self, plan: Plan, buf: torch.Tensor):
@@ -111,34 +153,46 @@ class Step:
                 or plan.dense_scratch.device != buf.device):
             plan.dense_scratch = torch.empty(n, dtype=buf.dtype, device=buf.device)
         gather_slices(buf, plan.dense_slices, plan.dense_scratch)
-        if self.state.world_size == 1:
+        cfg = self.ctx.config
+        if cfg.world_size == 1:
             return plan.dense_scratch, None
-        plan.dense_scratch.mul_(1.0 / self.state.world_size)  # DDP averages: scale, then sum
-        work = dist.all_reduce(plan.dense_scratch, group=self.state.process_group, async_op=True)
+        plan.dense_scratch.mul_(cfg.scale)  # DDP averages: scale, then sum
+        work = dist.all_reduce(plan.dense_scratch, group=cfg.group, async_op=True)
         return plan.dense_scratch, work
 
+    def _finish_dense(self, plan: Plan, buf: torch.Tensor, dense: torch.Tensor) -> None:
+        """The summed dense part: its NaN/inf verdict, plain momentum, back into the bucket."""
+        cfg = self.ctx.config
+        if cfg.feedback:
+            self.transaction.mark_bad(nonfinite_flag(dense))
+        if cfg.momentum:  # momentum correction: the dense parameters get plain momentum here
+            pos = 0
+            for name, (_, n) in zip(plan.dense_names, plan.dense_slices):
+                cfg.codec.dense_momentum(dense[pos:pos + n], name, self.transaction)
+                pos += n
+        scatter_slices(buf, plan.dense_slices, dense)
+
     def _run_unit(self, i: int) -> tuple[int, str]:
-        state = self.state
-        unit = state.units[i]
+        cfg = self.ctx.config
+        unit = self.ctx.layout.units[i]
         pieces = [self.ready[nm] for nm in unit.names]
         t, is_view = unit_input(unit, pieces)
         cs = CommStats()
-        shapes = unit.shapes if state.lowrank else None
-        # DDP averages: 1/world before the sum, folded into the cast of identity/fp16/bf16
         prescale = None
-        if state.world_size > 1:
-            if state.fused_scale:
-                prescale = 1.0 / state.world_size
+        if cfg.world_size > 1:
+            if cfg.fold_scale:
+                prescale = cfg.scale
             else:
-                t.mul_(1.0 / state.world_size)
-        out = allreduce(t, state.codec, group=state.process_group, key=unit.key, step=state.step,
-                        algorithm=state.algorithm, stats=cs, generator=state.noise_seed(unit.key),
-                        validate=False, transaction=self.transaction, shapes=shapes, out=t,
-                        hierarchy=state.hierarchy, prescale=prescale)
+                t.mul_(cfg.scale)
+        out = allreduce(t, cfg.codec, group=cfg.group, key=unit.key, step=self.ctx.step,
+                        algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
+                        validate=False, transaction=self.transaction,
+                        shapes=unit.shapes if cfg.lowrank else None, out=t,
+                        hierarchy=cfg.hierarchy, prescale=prescale)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
-        return cs.bytes_sent, cs.last_algorithm or state.inner.aggregation
+        return cs.bytes_sent, cs.last_algorithm or cfg.codec.aggregation
 
     # -- the step's end -----------------------------------------------------
     def commit(self) -> None:
@@ -151,42 +205,3 @@ class Step:
         """Drop the step's residual updates; return the futures still waiting."""
         self.transaction.rollback()
         return [w.fut for w in self.waiting]
-
-
-class DenseMomentum:
-    """SGD momentum for the parameters that travel dense when momentum correction is on.
-
-    Momentum correction moves the momentum from the optimizer into error feedback
-    (pair it with plain SGD), but dense parameters (biases, small ones) bypass error
-    feedback.  They get ``v = m v + g; g = v`` here, on the averaged gradient (so
-    identically on every rank), staged in the step's transaction like the residuals.
-    """
-
-    def __init__(self, momentum: float) -> None:
-        self.momentum = momentum
-        self.velocity: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, torch.Tensor] = {}
-
-    def apply(self, plan: Plan, dense: torch.Tensor, transaction: ResidualTransaction) -> None:
-        pos = 0
-        for name, (_, n) in zip(plan.dense_names, plan.dense_slices):
-            g = dense[pos:pos + n]
-            pos += n
-            pend = self._pending.get(name)
-            if pend is None or pend.numel() != n:
-                pend = self._pending[name] = torch.empty(n, dtype=torch.float32, device=g.device)
-            live = self.velocity.get(name)
-            if live is None or live.numel() != n:
-                pend.copy_(g)
-            else:
-                torch.add(g, live, alpha=self.momentum, out=pend)
-            g.copy_(pend)
-            transaction.stage(self, name)
-
-    def _apply(self, name: str, bad: torch.Tensor | None) -> None:
-        """Commit (the transaction's protocol): velocity := pending unless ``bad``."""
-        pend = self._pending[name]
-        live = self.velocity.get(name)
-        if live is None or live.numel() != pend.numel():
-            live = self.velocity[name] = torch.zeros_like(pend)
-        torch.where(bad, live, pend, out=live) if bad is not None else live.copy_(pend)

@@ -82,10 +82,12 @@ Host reads: none in the steady state.  Nothing in the hook path calls
 judged by the collectives (free on CPU tensors, deferred on CUDA).
 
 The optional quantized all-gather (``all_gather="blockquant"``): each rank
-compresses its flat parameter shard (fixed-size payload), the packed codes are
-all-gathered (one ``all_gather`` of ``payload.nbytes`` per rank, e.g.
-``n + 4·ceil(n/256)`` for 8-bit blockquant of ``n`` fp32 elements instead of
-``4n``) and every rank, itself included, decodes all ``P`` shards, so all ranks
+compresses its flat parameter shard (fixed-size payload), and
+:func:`commpress.collectives.all_gather` sends it behind the status word (one
+``all_gather`` of ``8 + Σ align8(tensor bytes)`` per rank, e.g.
+``8 + align8(n) + align8(4·ceil(n/256))`` for 8-bit blockquant of ``n`` fp32
+elements instead of ``4n``; a rank that fails to compress makes every rank raise
+:class:`~commpress.collectives.CollectiveInputError`) and every rank, itself included, decodes all ``P`` shards, so all ranks
 compute with identical (quantized) unsharded parameters while the sharded fp32
 parameters the optimizer updates stay exact.  Shards whose all-gather dtype the
 compressor does not support (a ``uint8`` mixed-dtype buffer) go dense.
@@ -120,7 +122,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import collectives
-from ..collectives import _comm
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor, Payload
 from ..feedback import ResidualTransaction
@@ -411,15 +412,18 @@ class ReplicaAllReduce:
 class QuantizedAllGather(_CommBase, AllGather):
     """FSDP2 ``AllGather`` that sends each rank's parameter shard compressed (ZeRO++ qwZ style).
 
-    Wire: one ``all_gather`` of the packed payload bytes (``payload.nbytes`` per
-    rank, e.g. ``n + 4·ceil(n/256)`` for 8-bit blockquant of ``n`` fp32
-    elements instead of ``4n``).  Every rank decodes all shards, its own too.
+    Wire: :func:`commpress.collectives.all_gather`, one ``all_gather`` of the status
+    word and the packed payload (``8 + Σ align8(tensor bytes)`` per rank, e.g.
+    ``8 + align8(n) + align8(4·ceil(n/256))`` for 8-bit blockquant of ``n`` fp32
+    elements instead of ``4n``; the first call of a unit adds one validation header).
+    Every rank decodes all shards, its own too.
     No host reads: the payload's size depends only on ``n`` and the configuration.
     """
 
     def __init__(self, state: FSDPState, unit: str) -> None:
         self.state = state
         self.unit = unit
+        self.validated: tuple[int, torch.dtype] | None = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
@@ -437,15 +441,11 @@ class QuantizedAllGather(_CommBase, AllGather):
                 cs.add(dense_bytes)
                 algorithm = "dense"
             else:
-                payload = comp.compress_fixed(input_tensor, step=st.step, key=(self.unit, "all_gather"),
-                                              generator=st.generator)
-                rows = _comm.all_gather(_comm.to_bytes(*payload.tensors), group, cs)
-                specs = [(x.dtype, tuple(x.shape)) for x in payload.tensors]
-                out = output_tensor.view(world, n)
-                for r in range(world):
-                    got = Payload(tuple(_comm.from_bytes(rows[r], specs)), payload.shape, payload.dtype,
-                                  payload.numel, dict(payload.meta))
-                    out[r].copy_(comp.decompress(got).reshape(-1))
+                facts = (n, input_tensor.dtype)
+                collectives.all_gather(input_tensor, comp, group=group, key=(self.unit, "all_gather"),
+                                       step=st.step, stats=cs, out=output_tensor, generator=st.generator,
+                                       validate=self.validated != facts)
+                self.validated = facts
                 algorithm = f"{comp.name}:all_gather"
         st.stats.record(name, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds)
