@@ -14,6 +14,7 @@
 * :func:`powersgd_allreduce` — the PowerSGD protocol for ``"lowrank"`` compressors.
 * :class:`Hierarchy` — nodes of ``L`` ranks: ``allreduce(..., hierarchy=h)`` reduces
   densely inside a node and compresses only between nodes (:mod:`.hierarchy`).
+* :func:`set_fault_hook` — for tests: a callback before every torch.distributed call.
 * :class:`CommStats` — bytes / messages / algorithm per rank (see
   :mod:`commpress.collectives.accounting` for how bytes are counted).
 * :func:`set_cost_model`, :func:`calibrate`, :func:`get_cost_model` — the
@@ -34,10 +35,11 @@ from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
+from ._comm import set_fault_hook
 from .wire import CollectiveInputError, flush_deferred
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
     "calibrate", "cast_message", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
-    "reduce_scatter", "set_cost_model", "sparse_allreduce", "unwrap",
+    "reduce_scatter", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
 ]

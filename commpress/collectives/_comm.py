@@ -3,11 +3,17 @@
 Every wrapper charges :class:`~commpress.collectives.accounting.CommStats` by the
 convention documented in :mod:`commpress.collectives.accounting`, and does
 nothing (and charges nothing) in a one-rank group.
+
+Every wrapper first calls the fault hook (:func:`set_fault_hook`, public as
+``commpress.collectives.set_fault_hook``) with its name, so tests can make a rank
+raise, hang or die at a chosen point of a protocol without replacing these
+functions.  The torch.distributed functions are looked up at call time.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,12 +50,67 @@ def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def gather_into(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+    """torch's all-gather into one flat tensor (``all_gather_single`` since torch 2.13,
+    ``all_gather_into_tensor`` before), looked up at call time."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-_SCRATCH_MAX = 16
+_FAULT_HOOK: Callable[[str], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """For tests: call ``hook(name)`` before every torch.distributed call of the
+    collectives (``name`` is the wrapper's: ``"all_gather"``, ``"all_gather_into"``,
+    ``"all_reduce_"``, ``"all_to_all_bytes"``, ``"all_to_all_"``, ``"exchange"``), in this
+    process; ``hook`` may raise, block or end the process.  ``None`` removes it.  Returns
+    the previous hook."""
+    global _FAULT_HOOK
+    previous, _FAULT_HOOK = _FAULT_HOOK, hook
+    return previous
+
+
+def _enter(name: str) -> None:
+    if _FAULT_HOOK is not None:
+        _FAULT_HOOK(name)
+
+
+class BoundedCache:
+    """A dict of at most ``limit`` entries (the least recently used evicted), safe across
+    threads.  Every module-level cache of the collectives is one, keyed by what it depends
+    on (the group's :func:`group_key` where it depends on the group)."""
+
+    def __init__(self, limit: int) -> None:
+        self._d: dict = {}
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, key, default=None):
+        with self._lock:
+            value = self._d.pop(key, None)
+            if value is None:
+                return default
+            self._d[key] = value   # most recently used last
+            return value
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._d.pop(key, None)
+            self._d[key] = value
+            while len(self._d) > self._limit:
+                self._d.pop(next(iter(self._d)))
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._d
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+
+_SCRATCH = BoundedCache(16)
 
 
 def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -57,12 +118,10 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
     device)`` and thread, the last few kept: fresh large allocations cost page faults on
     every call.  Never return it to a caller: it is overwritten by the next call."""
     key = (tag, n, dtype, str(device), threading.get_ident())
-    buf = _SCRATCH.pop(key, None)
+    buf = _SCRATCH.get(key)
     if buf is None:
         buf = torch.empty(n, dtype=dtype, device=device)
-    _SCRATCH[key] = buf  # most recently used last
-    if len(_SCRATCH) > _SCRATCH_MAX:
-        _SCRATCH.pop(next(iter(_SCRATCH)))
+        _SCRATCH.put(key, buf)
     return buf
 
 
@@ -73,27 +132,30 @@ def _charge(stats: CommStats | None, cost: tuple[int, int, int]) -> None:
 
 def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """All-gather a same-shape tensor from every rank: returns ``[P, *t.shape]``."""
+    _enter("all_gather")
     p = world(group)
     t = t.contiguous()
     if p == 1:
         return t.unsqueeze(0).clone()
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
-    _ALL_GATHER(out, t.reshape(-1), group=group)
+    gather_into(out, t.reshape(-1), group=group)
     _charge(stats, all_gather_cost(t.numel() * t.element_size(), p))
     return out.reshape((p,) + tuple(t.shape))
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """All-gather ``t`` (contiguous, same size on every rank) into the flat ``out`` of ``P * t.numel()``."""
+    _enter("all_gather_into")
     if world(group) == 1:
         return out.copy_(t.reshape(-1))
-    _ALL_GATHER(out, t.reshape(-1), group=group)
+    gather_into(out, t.reshape(-1), group=group)
     _charge(stats, all_gather_cost(t.numel() * t.element_size(), world(group)))
     return out
 
 
 def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=None) -> torch.Tensor:
     """In-place sum (or ``op``) all-reduce of a contiguous tensor; returns it."""
+    _enter("all_reduce_")
     p = world(group)
     if p == 1:
         return t
@@ -108,6 +170,7 @@ def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[
 
     Returns the received buffer: ``recv_sizes[r]`` bytes from each rank ``r``, in rank order.
     """
+    _enter("all_to_all_bytes")
     p = world(group)
     me = rank(group)
     out = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=buf.device)
@@ -126,6 +189,7 @@ def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[
 def all_to_all_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """All-to-all of equal pieces: row ``r`` of ``send`` (``[P, m]``) goes to rank ``r``; row ``s``
     of ``out`` comes from rank ``s``."""
+    _enter("all_to_all_")
     p = world(group)
     if p == 1:
         return out.copy_(send)
@@ -139,6 +203,7 @@ def all_to_all_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommSt
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None,
              stats: CommStats | None = None, do_send: bool = True, do_recv: bool = True) -> None:
     """Point-to-point: send ``send`` to ``peer`` and/or receive ``recv`` from it (group ranks)."""
+    _enter("exchange")
     gpeer = peer if group is None else dist.get_global_rank(group, peer)
     ops = []
     if do_send:

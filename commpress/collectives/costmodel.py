@@ -74,7 +74,7 @@ class CostModel:
         return self.alpha * messages + self.beta * nbytes + self.gamma * entries + self.delta * elements
 
 
-_CACHE: dict[tuple, CostModel] = {}
+_CACHE = _comm.BoundedCache(1024)   # group key -> calibrated model
 _OVERRIDE: CostModel | None = None
 
 
@@ -112,9 +112,13 @@ def agreed_cost_model(states: list[int], group=None) -> CostModel:
                                        "(or are set on some ranks only)")
         return _OVERRIDE
     key = _comm.group_key(group)
+    model = _CACHE.get(key)
     if min(states) == 0:
-        _CACHE[key] = calibrate(group)
-    return _CACHE[key]
+        model = calibrate(group)
+        _CACHE.put(key, model)
+    elif model is None:  # every rank said it had one a moment ago: only another thread can evict it
+        raise RuntimeError("algorithm='auto': the cost model of this group was evicted while in use")
+    return model
 
 
 def get_cost_model(group=None) -> CostModel:
@@ -126,9 +130,11 @@ def get_cost_model(group=None) -> CostModel:
     if _OVERRIDE is not None:
         return _OVERRIDE
     key = _comm.group_key(group)
-    if key not in _CACHE:
-        _CACHE[key] = calibrate(group)
-    return _CACHE[key]
+    model = _CACHE.get(key)
+    if model is None:
+        model = calibrate(group)
+        _CACHE.put(key, model)
+    return model
 
 
 def _best_of(fn, reps: int = 3) -> float:
@@ -177,7 +183,7 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
                 sync()
 
             def ag():
-                _comm._ALL_GATHER(out, t, group=group)
+                _comm.gather_into(out, t, group=group)
                 sync()
 
             times.append(_best_of(ar))

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -258,16 +260,22 @@ def _prod(shape) -> int:
     return n
 
 
-_PROBES: dict[tuple, int] = {}
+_PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+_PROBES_LOCK = threading.Lock()
 
 
 def _payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
-    """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size)."""
-    k = (id(inner), numel, str(dtype))
-    if k not in _PROBES:
+    """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size;
+    keyed weakly by the compressor, so a new compressor never reuses a dead one's entry)."""
+    k = (numel, str(dtype))
+    with _PROBES_LOCK:
+        found = _PROBES.get(inner, {}).get(k)
+    if found is None:
         z = torch.zeros(numel, dtype=dtype if dtype in inner.supported_dtypes else torch.float32)
-        _PROBES[k] = inner.compress_fixed(z, key=("hierarchy-probe",)).nbytes if numel else 0
-    return _PROBES[k]
+        found = inner.compress_fixed(z, key=("hierarchy-probe",)).nbytes if numel else 0
+        with _PROBES_LOCK:
+            _PROBES.setdefault(inner, {})[k] = found
+    return found
 
 
 def _kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, shapes

@@ -32,6 +32,7 @@ shards (FSDP2's layout): rank ``r`` gets the sum of shard ``r``.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -90,12 +91,17 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
 _TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[Payload]]]" = weakref.WeakKeyDictionary()
 
 
+_TEMPLATES_LOCK = threading.Lock()
+
+
 def _remember(inner, flat, bounds, payloads) -> None:
     """Keep zero payloads of this layout: a rank whose compress fails later can still send
     messages of the right sizes (the others must not be left waiting)."""
-    layouts = _TEMPLATES.setdefault(inner, {})
     key = (tuple(bounds), str(flat.device))
-    if key not in layouts:
+    with _TEMPLATES_LOCK:
+        layouts = _TEMPLATES.setdefault(inner, {})
+        if key in layouts:
+            return
         if len(layouts) >= 64:
             layouts.pop(next(iter(layouts)))
         layouts[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
@@ -104,7 +110,8 @@ def _remember(inner, flat, bounds, payloads) -> None:
 def _templates(inner, flat, bounds) -> list[Payload]:
     """Zero payloads of the right layout: remembered, else compressed from zeros (which
     raises when even that fails: then this rank cannot take part, and says why)."""
-    remembered = _TEMPLATES.get(inner, {}).get((tuple(bounds), str(flat.device)))
+    with _TEMPLATES_LOCK:
+        remembered = _TEMPLATES.get(inner, {}).get((tuple(bounds), str(flat.device)))
     if remembered is not None:
         return remembered
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)

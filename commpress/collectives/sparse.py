@@ -89,7 +89,7 @@ def range_owner(indices: torch.Tensor, numel: int, world: int) -> torch.Tensor:
     return torch.bucketize(indices, inner, right=True)
 
 
-_DOMAINS: dict[tuple, tuple[torch.Tensor, list[int]]] = {}
+_DOMAINS = _comm.BoundedCache(4)   # (numel, world, device) -> (order, offsets)
 
 
 def hash_domain(numel: int, world: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -98,15 +98,15 @@ def hash_domain(numel: int, world: int, device: torch.device) -> tuple[torch.Ten
     Computed once per ``(numel, world, device)`` (O(numel)) and cached (last 4).
     """
     key = (numel, world, str(device))
-    if key not in _DOMAINS:
-        if len(_DOMAINS) >= 4:
-            _DOMAINS.pop(next(iter(_DOMAINS)))
+    found = _DOMAINS.get(key)
+    if found is None:
         counts, order = ops.hash_partition(torch.arange(numel, device=device, dtype=torch.int64), world)
         offs = [0]
         for c in counts.tolist():
             offs.append(offs[-1] + int(c))
-        _DOMAINS[key] = (order.to(torch.int64), offs)
-    return _DOMAINS[key]
+        found = (order.to(torch.int64), offs)
+        _DOMAINS.put(key, found)
+    return found
 
 
 def _range_counts(idx: torch.Tensor, numel: int, world: int, owners: dict) -> torch.Tensor:

@@ -143,8 +143,7 @@ def check_table(table: torch.Tensor, *, local_message: str = "", what: str = "co
 
 
 # ---------------------------------------------------------------- once per signature
-_CHECKED: dict[tuple, list[int]] = {}
-_CHECKED_MAX = 4096
+_CHECKED = _comm.BoundedCache(4096)   # (group key, key, facts) -> every rank's cost-model state
 
 
 def check_once(group, key: Any, facts: tuple, *, device: torch.device, error: int = 0, numel: int = 0,
@@ -169,8 +168,6 @@ def check_once(group, key: Any, facts: tuple, *, device: torch.device, error: in
     h = make_header(_comm.world(group), device, error=error, numel=numel, dtype=dtype, algorithm=algorithm,
                     kind=kind, config=config, group=group)
     table = exchange_header(h, group=group, stats=stats, local_message=local_message, what=what)
-    if len(_CHECKED) >= _CHECKED_MAX:
-        _CHECKED.pop(next(iter(_CHECKED)))
     states = table[:, 7].tolist()
-    _CHECKED[k] = states
+    _CHECKED.put(k, states)
     return states

@@ -29,11 +29,13 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
 Reading a status is the one host read of a call, and only where it is free:
 on CPU tensors (host memory, no synchronization).  CUDA statuses are copied
 to pinned memory behind an event and checked by :func:`flush_deferred` (at the
-next call or the end of a step) without waiting for the device.
+next call of the same thread, or the end of the step that made them) without
+waiting for the device.
 """
 
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -216,7 +218,15 @@ def _judge_sum(slot, exact: bool, what: str, local: str) -> None:
 
 
 # ---------------------------------------------------------------- CUDA: deferred checks
-_DEFERRED: list[tuple[torch.Tensor, Any, tuple]] = []
+class _Deferred(threading.local):
+    """Each thread's own pending statuses: the DDP worker's are judged by the worker, never
+    by a call of another thread (an error must not surface in an unrelated call)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[torch.Tensor, Any, tuple]] = []
+
+
+_DEFERRED = _Deferred()
 
 
 def _defer(t: torch.Tensor, how: tuple) -> None:
@@ -224,18 +234,20 @@ def _defer(t: torch.Tensor, how: tuple) -> None:
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    _DEFERRED.append((host, event, how))
+    _DEFERRED.items.append((host, event, how))
 
 
 def flush_deferred(wait: bool = False) -> None:
-    """Judge the CUDA statuses whose copies have landed (all of them with ``wait``);
-    raises :class:`CollectiveInputError` like the CPU path, one or more calls later."""
-    while _DEFERRED:
-        host, event, (kind, extra, what, local) = _DEFERRED[0]
+    """Judge this thread's CUDA statuses whose copies have landed (all of them with ``wait``);
+    raises :class:`CollectiveInputError` like the CPU path, one or more calls later.  The
+    hooks call it at the end of each step (and the collectives at their start)."""
+    pending = _DEFERRED.items
+    while pending:
+        host, event, (kind, extra, what, local) = pending[0]
         if not wait and not event.query():
             return
         event.synchronize()
-        _DEFERRED.pop(0)
+        pending.pop(0)
         if kind == "bytes":
             _judge_bytes(host.numpy(), extra, what, local)
         else:

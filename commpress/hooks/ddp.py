@@ -71,6 +71,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
+from .. import collectives
 from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
 from .ddp_layout import ModelLayout, Plan, goes_dense
@@ -491,6 +492,7 @@ class _Executor:
     def _end_step(self) -> None:
         self.current.commit()
         self.current = None
+        collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
         self.step += 1
         shape = (len(self.layout.units), len(self.layout.plans))
         if shape != self._memory_shape:  # buffers are allocated once: count them when they change

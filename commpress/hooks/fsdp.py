@@ -270,6 +270,7 @@ class FSDPState(HookState):
         self._step_open = False
         self._reduced.clear()
         self.transaction.commit()
+        collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
         self.step += 1
         # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
         self.stats.memory_overhead_bytes = tensor_bytes(list(getattr(self.codec, "_residuals", {}).values()))

@@ -62,3 +62,28 @@ def test_nothing_outside_collectives_imports_its_private_modules():
                     if "collectives" in parts and any(p.startswith("_") for p in parts[parts.index("collectives") + 1:]):
                         offenders.append((os.path.relpath(path, root), m))
     assert offenders == []
+
+
+def test_bounded_cache_is_lru_and_safe_across_threads():
+    import threading
+
+    from commpress.collectives._comm import BoundedCache
+
+    cache = BoundedCache(3)
+    for k in "abc":
+        cache.put(k, k.upper())
+    assert cache.get("a") == "A"          # "a" is now the most recently used
+    cache.put("d", "D")                   # evicts "b", the least recently used
+    assert "b" not in cache and all(k in cache for k in "acd")
+
+    def hammer(tag):
+        for i in range(2000):
+            cache.put((tag, i % 7), i)
+            cache.get((tag, (i + 3) % 7))
+
+    threads = [threading.Thread(target=hammer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cache._d) == 3

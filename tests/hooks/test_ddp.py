@@ -208,16 +208,12 @@ class ByteCounter:
     """
 
     def __init__(self, rank, world):
-        from commpress.collectives import _comm
-
         self.rank, self.world, self.bytes = rank, world, 0
-        self._comm = _comm
         self._orig = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "all_gather_into_tensor",
                                                     "all_to_all_single", "batch_isend_irecv")
                       if hasattr(dist, n)}
         if hasattr(dist, "all_gather_single"):
             self._orig["all_gather_single"] = dist.all_gather_single
-        self._orig_comm_ag = _comm._ALL_GATHER
 
     @staticmethod
     def nb(t):
@@ -259,14 +255,11 @@ class ByteCounter:
         dist.all_gather_into_tensor = gather_into("all_gather_into_tensor")
         if "all_gather_single" in o:
             dist.all_gather_single = gather_into("all_gather_single")
-        self._comm._ALL_GATHER = gather_into(
-            "all_gather_single" if self._orig_comm_ag is o.get("all_gather_single") else "all_gather_into_tensor")
         return self
 
     def __exit__(self, *exc):
         for n, f in self._orig.items():
             setattr(dist, n, f)
-        self._comm._ALL_GATHER = self._orig_comm_ag
 
 
 def _count_bytes(rank, world, compressor, params, skip_fc2):

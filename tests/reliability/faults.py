@@ -5,7 +5,8 @@ changes only that process: a function of a module is replaced by a wrapper that,
 at its ``nth`` call, kills the process (``os._exit`` or ``SIGKILL`` of itself),
 raises :class:`InjectedFault`, or perturbs the function's result.
 
->>> inject(commpress.collectives._comm, "all_to_all_bytes", "sigkill", nth=1)
+>>> inject(commpress.collectives._comm, "all_to_all_bytes", "sigkill", nth=1)   # a module's function
+>>> inject_comm("all_to_all_bytes", "sigkill", nth=1)     # the collectives: through their fault hook
 """
 
 from __future__ import annotations
@@ -59,6 +60,32 @@ def inject(obj: Any, attr: str, action: str | Callable[[Any], Any], *, nth: int 
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(obj, attr, wrapper)
+    return seen
+
+
+def inject_comm(name: str, action: str | Callable[[], Any], *, nth: int = 1) -> dict[str, int]:
+    """Make the ``nth`` call (1-based) of the collectives' primitive ``name`` misbehave, through
+    the public :func:`commpress.collectives.set_fault_hook` (the collectives' code is not
+    replaced).  ``action``: ``"exit"`` / ``"sigkill"`` / ``"raise"`` as :func:`inject`, or a
+    callable run in place of the call's start (e.g. one that blocks: a hung rank).
+    Returns a dict whose ``"calls"`` counts the calls of ``name`` seen so far."""
+    from commpress.collectives import set_fault_hook
+
+    seen = {"calls": 0}
+
+    def hook(called: str) -> None:
+        if called != name:
+            return
+        seen["calls"] += 1
+        if seen["calls"] != nth:
+            return
+        if action in ("exit", "sigkill"):
+            die(action)
+        if action == "raise":
+            raise InjectedFault(f"injected fault in {name} (call {nth})")
+        action()
+
+    set_fault_hook(hook)
     return seen
 
 

@@ -26,7 +26,7 @@ from torch import nn
 import commpress
 from commpress.collectives import CollectiveInputError
 from distributed import RankError, run
-from faults import EXIT_CODE, InjectedFault, inject, torch_kernels
+from faults import EXIT_CODE, InjectedFault, inject, inject_comm, torch_kernels
 
 pytestmark = pytest.mark.reliability
 
@@ -76,8 +76,6 @@ COLLECTIVE_FAULTS = {
 
 
 def _die_in_collective(rank, world, case, how):
-    from commpress.collectives import _comm
-
     name, params, algorithm, attr, nth = COLLECTIVE_FAULTS[case]
     pg = _short_group()
     codec = commpress.ErrorFeedback(commpress.get(name, **params))
@@ -86,7 +84,7 @@ def _die_in_collective(rank, world, case, how):
     # one healthy call first: connections are up, the fault hits a running job
     commpress.collectives.allreduce(x, codec, group=pg, algorithm=algorithm, key="warm")
     if rank == VICTIM:
-        inject(_comm, attr, how, nth=nth)
+        inject_comm(attr, how, nth=nth)
     return _outcome(lambda: commpress.collectives.allreduce(x, codec, group=pg, algorithm=algorithm, key="b"))
 
 
@@ -150,14 +148,12 @@ def _stall_in_collective(rank, world, tmp):
     """The victim stays alive but stops taking part (a hung rank) until every survivor
     has raised (each touches a file), then exits: EXIT_CODE if they all raised while it
     was alive, EXIT_CODE + 1 if it gave up waiting."""
-    from commpress.collectives import _comm
-
     pg = _short_group()
     codec = commpress.ErrorFeedback(commpress.get("blockquant", bits=8))
     x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
     commpress.collectives.allreduce(x, codec, group=pg, algorithm="two_phase", key="warm")
     if rank == VICTIM:
-        _comm.all_to_all_bytes = _hang_until_peers_raised(tmp, world)
+        inject_comm("all_to_all_bytes", _hang_until_peers_raised(tmp, world))
     out = _outcome(lambda: commpress.collectives.allreduce(x, codec, group=pg, algorithm="two_phase", key="b"))
     open(os.path.join(tmp, f"raised-{rank}"), "w").close()
     return out
@@ -222,8 +218,6 @@ class _Net(nn.Module):
 def _ddp_fault(rank, world, name, params, attr, action, tmp=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from commpress.collectives import _comm
-
     pg = _short_group()
     torch.manual_seed(0)
     model = DDP(_Net(), bucket_cap_mb=0.001, process_group=pg)
@@ -234,9 +228,9 @@ def _ddp_fault(rank, world, name, params, attr, action, tmp=None):
         model(torch.randn(4, 32, generator=g)).sum().backward()
     if rank == VICTIM:   # inside the hook: after the bucket's dense all_reduce, at the header exchange
         if action == "hang":
-            setattr(_comm, attr, _hang_until_peers_raised(tmp, world))
+            inject_comm(attr, _hang_until_peers_raised(tmp, world))
         else:
-            inject(_comm, attr, action)
+            inject_comm(attr, action)
     model.zero_grad()
     out = _outcome(lambda: model(torch.randn(4, 32, generator=g)).sum().backward())
     if tmp is not None:
