@@ -345,21 +345,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
         else torch.float32
     flat = tensor.reshape(-1)
     feedback = has_feedback(compressor)
-    # 1. intra reduce-scatter: row i goes to local rank i; [shard i | pad | error, non-finite]
-    send, recv, acc = h.scratch(L, S + wire.SUM_SLOTS, wdt, tensor.device)
-    for i in range(L):
-        m = bnd[i + 1] - bnd[i] if not err[0] else 0
-        if m:
-            send[i, :m].copy_(flat[bnd[i]:bnd[i + 1]])
-        send[i, m:S].zero_()
-    send[:, S].fill_(1.0 if err[0] else 0.0)
-    if feedback:
-        send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
-    _comm.all_to_all_(recv, send, group=h.intra, stats=stats)
-    if wdt == torch.float32:
-        torch.sum(recv, 0, out=acc)
-    else:
-        torch.sum(recv.float(), 0, out=acc)
+    acc = _intra_reduce_scatter(h, flat, bnd, S, wdt, bool(err[0]), feedback, stats)
     mine = bnd[j + 1] - bnd[j]
     shard = acc[:mine].to(wdt)
     code, msg = err
@@ -377,24 +363,51 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
                                    **dict(args, key=("shard", key, j)))
     else:
         out_shard = shard
-    # 3. intra all-gather of the reduced shards (straight into the output when they are equal;
-    #    ``out`` may be ``tensor`` itself: the input is no longer read)
+    # 3. intra all-gather of the reduced shards (``out`` may be ``tensor`` itself: no longer read)
     result = out if out is not None else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    if n == L * S and result.is_contiguous():
-        piece = out_shard.reshape(-1).to(tensor.dtype).contiguous()
-        _comm.all_gather_into(result.view(-1), piece, group=h.intra, stats=stats)
-        out = result
-    else:
-        piece = torch.zeros(S, dtype=tensor.dtype, device=tensor.device)
-        piece[:mine].copy_(out_shard.reshape(-1))
-        gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
-        flat_out = result.view(-1) if result.is_contiguous() else torch.empty(n, dtype=tensor.dtype,
-                                                                                device=tensor.device)
-        for i in range(L):
-            flat_out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
-        if flat_out.data_ptr() != result.data_ptr() or not result.is_contiguous():
-            result.copy_(flat_out.view(shape))
-        out = result
+    out = _intra_all_gather(h, out_shard, bnd, S, mine, result, stats)
     if stats is not None:
         stats.add(algorithm=f"two_level+{stats.last_algorithm or kind}")
     return out.reshape(shape)
+
+
+def _intra_reduce_scatter(h: Hierarchy, flat: torch.Tensor, bnd: list[int], S: int, wdt: torch.dtype,
+                          error: bool, feedback: bool, stats) -> torch.Tensor:
+    """1. Row ``i`` (``[shard i | pad | error, non-finite]``) goes to local rank ``i``; returns
+    this rank's fp32 sum over the node, status slots at ``S`` and ``S + 1``."""
+    L = h.local_size
+    send, recv, acc = h.scratch(L, S + wire.SUM_SLOTS, wdt, flat.device)
+    for i in range(L):
+        m = bnd[i + 1] - bnd[i] if not error else 0
+        if m:
+            send[i, :m].copy_(flat[bnd[i]:bnd[i + 1]])
+        send[i, m:S].zero_()
+    send[:, S].fill_(1.0 if error else 0.0)
+    if feedback:
+        send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
+    _comm.all_to_all_(recv, send, group=h.intra, stats=stats)
+    if wdt == torch.float32:
+        torch.sum(recv, 0, out=acc)
+    else:
+        torch.sum(recv.float(), 0, out=acc)
+    return acc
+
+
+def _intra_all_gather(h: Hierarchy, out_shard: torch.Tensor, bnd: list[int], S: int, mine: int,
+                      result: torch.Tensor, stats) -> torch.Tensor:
+    """3. Every local rank's reduced shard into ``result`` (straight into it when the shards
+    are equal and it is contiguous)."""
+    L, n, dtype, dev = h.local_size, result.numel(), result.dtype, result.device
+    if n == L * S and result.is_contiguous():
+        piece = out_shard.reshape(-1).to(dtype).contiguous()
+        _comm.all_gather_into(result.view(-1), piece, group=h.intra, stats=stats)
+        return result
+    piece = torch.zeros(S, dtype=dtype, device=dev)
+    piece[:mine].copy_(out_shard.reshape(-1))
+    gathered = _comm.all_gather(piece, group=h.intra, stats=stats)
+    flat_out = result.view(-1) if result.is_contiguous() else torch.empty(n, dtype=dtype, device=dev)
+    for i in range(L):
+        flat_out[bnd[i]:bnd[i + 1]].copy_(gathered[i, :bnd[i + 1] - bnd[i]])
+    if flat_out.data_ptr() != result.data_ptr() or not result.is_contiguous():
+        result.copy_(flat_out.view(result.shape))
+    return result

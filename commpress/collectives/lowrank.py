@@ -106,16 +106,22 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
             d += 1
         off += n
     if ef is not None:
-        bad = round1[-1] != 0
-        sent = out / world
-        off = 0
-        for i, p in enumerate(pieces):  # pieces sent as they are leave no residual
-            if not lowrank[i]:
-                sent[off:off + p.numel()] = p.reshape(-1)
-            off += p.numel()
-        ef.stage(key, m.view(src.shape), sent.view(src.shape), transaction=tx)
-        tx.mark_bad(bad)
-        wire.poison_(out, bad)
+        _stage_residual(ef, key, m.view(src.shape), out, pieces, lowrank, world, round1[-1] != 0, tx)
     if stats is not None:
         stats.add(calls=1, algorithm="powersgd" if world > 1 else "local")
     return out.to(tensor.dtype).reshape(tensor.shape)
+
+
+def _stage_residual(ef, key, compensated: torch.Tensor, out: torch.Tensor, pieces, lowrank: list[bool],
+                    world: int, bad: torch.Tensor, tx: ResidualTransaction) -> None:
+    """Residual ``M - aggregate / P`` staged in ``tx`` (pieces sent as they are leave none); a
+    NaN/inf on any rank (``bad``) marks ``tx`` and makes ``out`` all-NaN."""
+    sent = out / world
+    off = 0
+    for i, p in enumerate(pieces):
+        if not lowrank[i]:
+            sent[off:off + p.numel()] = p.reshape(-1)
+        off += p.numel()
+    ef.stage(key, compensated, sent.view(compensated.shape), transaction=tx)
+    tx.mark_bad(bad)
+    wire.poison_(out, bad)

@@ -328,15 +328,23 @@ def _recursive_doubling(idx, vals, numel, table, counts, group, stats):
 
 
 def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, owner=None, grouped=False):
+    """SparCML split (range owners) or Zen hashed (hash owners): each entry to its owner, the
+    owner reduces and encodes its partition, every rank gathers every partition."""
     world = len(counts)
-    me = _comm.rank(group)
-    dev = vals.device
-    vdtype = vals.dtype
-    ib, vb = idx.element_size(), vals.element_size()
-    w = ib + vb
     base = HEADER_FIXED + (world if hashed else 0)
     cmat = table[:, base:base + world].tolist()  # cmat[src][owner]
-    # 1. all-to-all: each entry to its owner
+    r_idx, r_val = _route_to_owners(idx, vals, numel, cmat, group, stats, hashed, owner, grouped)
+    uniq, sums = _owner_reduce(r_idx, r_val, numel, world, _comm.rank(group), hashed)
+    payload, fmt, domain = _encode_partition(uniq, sums.to(vals.dtype), idx.dtype, numel, world,
+                                             _comm.rank(group), hashed)
+    return _gather_partitions(payload, fmt, uniq.numel(), domain, idx.dtype, vals.dtype, numel, world,
+                              group, stats, hashed)
+
+
+def _route_to_owners(idx, vals, numel, cmat, group, stats, hashed, owner, grouped):
+    """1. All-to-all: each entry to its owner; returns the entries this rank owns."""
+    world, me = len(cmat), _comm.rank(group)
+    w = idx.element_size() + vals.element_size()
     if hashed:
         order = ops.hash_partition(idx, world)[1]
     elif grouped or (idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all())):
@@ -348,20 +356,27 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, ow
             else _comm.rows_to_bytes(idx[order], vals[order])).reshape(-1)
     recv = _comm.all_to_all_bytes(send, [c * w for c in cmat[me]], [cmat[r][me] * w for r in range(world)],
                                   group=group, stats=stats)
-    r_idx, r_val = _comm.bytes_to_rows(recv, idx.dtype, vdtype)
-    # 2. owner reduces (contributions in rank order)
+    return _comm.bytes_to_rows(recv, idx.dtype, vals.dtype)
+
+
+def _owner_reduce(r_idx, r_val, numel, world, me, hashed):
+    """2. The owner sums its entries (contributions in rank order): ``(indices, sums)``."""
     bounds = range_bounds(numel, world)
     lo, span = (0, numel) if hashed else (bounds[me], bounds[me + 1] - bounds[me])
     if r_idx.numel() * 32 >= span:  # dense scratch over my range: cheaper than sorting
         uniq, sums = _reduce_dense(r_idx.to(torch.int64) - lo, r_val, span)
-        uniq += lo
-    else:
-        uniq, sums = reduce_by_index(r_idx.to(torch.int64), r_val)
-    sums = sums.to(vdtype)
+        return uniq + lo, sums
+    return reduce_by_index(r_idx.to(torch.int64), r_val)
+
+
+def _encode_partition(uniq, sums, index_dtype, numel, world, me, hashed):
+    """3. This rank's partition as dense / bitmap / COO bytes, whichever is smallest:
+    ``(payload bytes, format, hash domain or None)``."""
+    dev, vb = sums.device, sums.element_size()
     u = uniq.numel()
-    # 3. encode my partition: dense / bitmap / COO, whichever is smallest
+    bounds = range_bounds(numel, world)
     dom_len = (bounds[me + 1] - bounds[me]) if not hashed else None
-    coo_bytes = u * w
+    coo_bytes = u * (torch.empty((), dtype=index_dtype).element_size() + vb)
     domain = None
     if hashed and coo_bytes * 8 * world * 10 >= 9 * numel:  # a bitmap might win: need the domain
         domain = hash_domain(numel, world, dev)
@@ -373,20 +388,24 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, ow
         sizes = {FMT_DENSE: dom_len * vb, FMT_BITMAP: (dom_len + 7) // 8 + u * vb, FMT_COO: coo_bytes}
         fmt = min(sizes, key=lambda f: (sizes[f], f))
     if fmt == FMT_COO:
-        payload = _comm.rows_to_bytes(uniq.to(idx.dtype), sums).reshape(-1)
+        return _comm.rows_to_bytes(uniq.to(index_dtype), sums).reshape(-1), fmt, domain
+    if hashed:
+        members = domain[0][domain[1][me]:domain[1][me + 1]]
+        pos = torch.searchsorted(members, uniq)
     else:
-        if hashed:
-            members = domain[0][domain[1][me]:domain[1][me + 1]]
-            pos = torch.searchsorted(members, uniq)
-        else:
-            pos = uniq - bounds[me]
-        if fmt == FMT_DENSE:
-            d = torch.zeros(dom_len, dtype=vdtype, device=dev)
-            d[pos] = sums
-            payload = _comm.to_bytes(d)
-        else:
-            payload = _comm.to_bytes(ops.bitmap_encode(pos, dom_len), sums)
-    # 4. all-gather: sizes + formats first, then the padded payloads
+        pos = uniq - bounds[me]
+    if fmt == FMT_DENSE:
+        d = torch.zeros(dom_len, dtype=sums.dtype, device=dev)
+        d[pos] = sums
+        return _comm.to_bytes(d), fmt, domain
+    return _comm.to_bytes(ops.bitmap_encode(pos, dom_len), sums), fmt, domain
+
+
+def _gather_partitions(payload, fmt, u, domain, index_dtype, vdtype, numel, world, group, stats, hashed):
+    """4. All-gather: sizes and formats first, then the padded partitions, decoded into the sum."""
+    dev = payload.device
+    vb = torch.empty((), dtype=vdtype).element_size()
+    bounds = range_bounds(numel, world)
     info = _comm.all_gather(torch.tensor([payload.numel(), fmt, u], dtype=torch.int64, device=dev),
                             group=group, stats=stats).tolist()
     maxb = max(i[0] for i in info)
@@ -404,13 +423,10 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, ow
             continue
         piece = gathered[r, :nbytes]
         if f == FMT_COO:
-            gi, gv = _comm.bytes_to_rows(piece, idx.dtype, vdtype)
+            gi, gv = _comm.bytes_to_rows(piece, index_dtype, vdtype)
             out[gi.to(torch.int64)] = gv
             continue
-        if hashed:
-            members = domain[0][domain[1][r]:domain[1][r + 1]]
-        else:
-            members = None
+        members = domain[0][domain[1][r]:domain[1][r + 1]] if hashed else None
         lo, L = (bounds[r], bounds[r + 1] - bounds[r]) if not hashed else (0, members.numel())
         if f == FMT_DENSE:
             d = piece.clone().view(vdtype)
