@@ -236,7 +236,13 @@ def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compu
     each of ``candidates`` (max; a candidate missing from a bucket's ``codec_s`` on any rank
     stays out of that bucket), norm change (max); then
     compute seconds (max).  ``network`` must already be agreed (the cost model's
-    calibration is).  ``ValueError`` on every rank when the bucket layouts differ.
+    calibration is).
+
+    The vector's length is ``2 + len(buckets) * (4 + 2 * len(candidates)) + 1``: the number of
+    buckets and of candidates must be the same on every rank before the call (the hook's
+    bind-time configuration check guarantees it; a different length cannot be detected inside
+    one collective).  With equal lengths, bucket sizes that differ raise ``ValueError`` on
+    every rank together.
     """
     vals: list[float] = [float(len(buckets)), -float(len(buckets))]
     ops: list[str] = ["max", "max"]
