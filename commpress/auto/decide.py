@@ -41,8 +41,8 @@ norm changed by a fraction ``>= critical`` over the last window may only use
 dense, bf16 and the least aggressive member of each family.
 
 Search: coordinate descent (one bucket at a time, best option given the others,
-until no bucket moves) from the all-dense plan and from each uniform plan; the
-lowest ``J`` wins; ties go to the earlier start and option (dense first).
+until no bucket moves) from the all-dense plan and from the three uniform plans
+(one option for every bucket) of lowest ``J``; the lowest ``J`` wins; ties go to the earlier start and option (dense first).
 Python floats only, a fixed order: bitwise the same plan for the same inputs.
 
 Hysteresis (:class:`Decider`): the plan in use is replaced only when the new
@@ -243,6 +243,7 @@ class _Problem:
         net = m.network
         paths = ("flat", "two_level") if net.hierarchical else ("flat",)
         self.m = m
+        self.hidden = [b.hidden_s for b in m.buckets]
         total = sum(b.numel for b in m.buckets) or 1
         self.options: list[list[Choice]] = []
         self.codec: list[list[float]] = []
@@ -250,10 +251,9 @@ class _Problem:
         self.dprice: list[list[float]] = []
         for b in m.buckets:
             allowed = gentlest(candidates) if b.norm_change >= critical else candidates
-            opts = [Choice(c, p) for c in allowed for p in paths
-                    if c.kind == "dense" or c in b.codec_s]
-            if not any(o.candidate.kind == "dense" for o in opts):
-                opts = [Choice(Candidate("dense"), p) for p in paths] + opts
+            # dense first (flat at index 0: the all-dense start), whether or not it was offered
+            opts = [Choice(Candidate("dense"), p) for p in paths]
+            opts += [Choice(c, p) for c in allowed if c.kind != "dense" and c in b.codec_s for p in paths]
             self.options.append(opts)
             self.codec.append([codec_seconds(o, b, net) for o in opts])
             self.comm.append([comm_seconds(o, b, net) for o in opts])
@@ -266,12 +266,14 @@ class _Problem:
             return None
 
     def parts(self, plan: list[int]) -> tuple[float, float]:
-        hidden = [b.hidden_s for b in self.m.buckets]
-        codec = [self.codec[b][i] for b, i in enumerate(plan)]
-        comm = [self.comm[b][i] for b, i in enumerate(plan)]
-        step = self.m.compute_s + exposed_seconds(hidden, codec, comm)
-        price = 1.0 + sum(self.dprice[b][i] for b, i in enumerate(plan))
-        return step, price
+        """``(T, Π)`` of ``plan``: :func:`exposed_seconds` inlined (called in the search loop)."""
+        shift, finish, price = 0.0, -math.inf, 1.0
+        for b, i in enumerate(plan):
+            shift += self.codec[b][i]
+            start = shift - self.hidden[b]
+            finish = (start if start > finish else finish) + self.comm[b][i]
+            price += self.dprice[b][i]
+        return self.m.compute_s + max(shift, finish, 0.0), price
 
     def objective(self, plan: list[int]) -> float:
         step, price = self.parts(plan)
@@ -305,6 +307,9 @@ class _Problem:
                         step, price, step * price)
 
 
+_UNIFORM_STARTS = 3
+
+
 def _best(p: _Problem) -> list[int]:
     dense = [0] * len(p.options)  # options are built dense first
     starts = [dense]
@@ -313,8 +318,9 @@ def _best(p: _Problem) -> list[int]:
         for o in opts:
             if o not in kinds:
                 kinds.append(o)
-    for o in kinds:  # uniform plans (dense where the bucket does not offer o)
-        starts.append([p.index(b, o) or 0 for b in range(len(p.options))])
+    uniform = [[p.index(b, o) or 0 for b in range(len(p.options))] for o in kinds]  # dense where not offered
+    ranked = sorted(range(len(uniform)), key=lambda k: (p.objective(uniform[k]), k))
+    starts += [uniform[k] for k in ranked[:_UNIFORM_STARTS]]
     best, best_j = None, math.inf
     for s in starts:
         plan = p.descend(s)
