@@ -19,6 +19,10 @@ queues behind the previous one on the one communication channel::
     shift += codec_b;  start_b = max(shift - hidden_b, finish_{b-1});  finish_b = start_b + comm_b
     exposed = max(shift, finish_last)
 
+With ``Measurements.codec_inline=False`` (DDP's overlap thread compresses, sends and
+decodes each bucket in turn) the codec is queued with its collective instead:
+``finish_b = max(-hidden_b, finish_{b-1}) + codec_b + comm_b``.
+
 ``comm_b`` is the collective's predicted seconds from the cost model of
 :mod:`commpress.collectives.costmodel` (messages, bytes, entries and elements of
 the kind's collective, :func:`commpress.collectives.hierarchy.predict_paths` for
@@ -90,6 +94,17 @@ class Network:
     def hierarchical(self) -> bool:
         return 1 < self.local_size < self.world
 
+    def scaled(self, factor: float) -> "Network":
+        """Every model's seconds per byte times ``factor``: the bind-time calibration corrected
+        by the measured / predicted collective seconds of the last window (agreed first)."""
+        if not (isinstance(factor, (int, float)) and factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"Network.scaled: factor must be a finite number > 0, got {factor!r}")
+
+        def sc(mod: CostModel | None) -> CostModel | None:
+            return None if mod is None else CostModel(mod.alpha, mod.beta * factor, mod.gamma, mod.delta)
+
+        return Network(self.world, sc(self.flat), self.local_size, sc(self.intra), sc(self.inter))
+
 
 @dataclass(frozen=True)
 class BucketMeasure:
@@ -124,13 +139,18 @@ class BucketMeasure:
 class Measurements:
     """Everything the decision reads: ``buckets`` in hook arrival order, the ``network``,
     and ``compute_s``, the step's seconds without communication (forward, backward,
-    optimizer; max over ranks)."""
+    optimizer; max over ranks).  ``codec_inline``: the codec runs in the hook on the
+    backward's thread (True), or on the communication thread before its collective
+    (False: DDP's ``overlap=True`` executor); see :func:`exposed_seconds`."""
 
     network: Network
     buckets: tuple[BucketMeasure, ...]
     compute_s: float
+    codec_inline: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.codec_inline, bool):
+            raise ValueError(f"Measurements: codec_inline must be a bool, got {self.codec_inline!r}")
         if not (isinstance(self.compute_s, (int, float)) and self.compute_s >= 0 and math.isfinite(self.compute_s)):
             raise ValueError(f"Measurements: compute_s must be a finite number >= 0, got {self.compute_s!r}")
 
@@ -212,12 +232,19 @@ def codec_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> fl
     return t / network.local_size if choice.path == "two_level" else t
 
 
-def exposed_seconds(hidden: list[float], codec: list[float], comm: list[float]) -> float:
-    """The pipeline of the module doc: seconds the step waits beyond the backward pass."""
+def exposed_seconds(hidden: list[float], codec: list[float], comm: list[float], inline: bool = True) -> float:
+    """The pipeline of the module doc: seconds the step waits beyond the backward pass.
+
+    ``inline=False``: the codec runs on the communication thread, queued with its collective
+    (``start_b = max(-hidden_b, finish_{b-1})``, ``finish_b = start_b + codec_b + comm_b``) and
+    the backward pass is not delayed."""
     shift, finish = 0.0, -math.inf
     for h, k, m in zip(hidden, codec, comm):
-        shift += k
-        finish = max(shift - h, finish) + m
+        if inline:
+            shift += k
+            finish = max(shift - h, finish) + m
+        else:
+            finish = max(-h, finish) + k + m
     return max(shift, finish, 0.0)
 
 
@@ -268,10 +295,14 @@ class _Problem:
     def parts(self, plan: list[int]) -> tuple[float, float]:
         """``(T, Π)`` of ``plan``: :func:`exposed_seconds` inlined (called in the search loop)."""
         shift, finish, price = 0.0, -math.inf, 1.0
+        inline = self.m.codec_inline
         for b, i in enumerate(plan):
-            shift += self.codec[b][i]
+            k = self.codec[b][i]
+            if inline:
+                shift += k
+                k = 0.0
             start = shift - self.hidden[b]
-            finish = (start if start > finish else finish) + self.comm[b][i]
+            finish = (start if start > finish else finish) + k + self.comm[b][i]
             price += self.dprice[b][i]
         return self.m.compute_s + max(shift, finish, 0.0), price
 
@@ -340,7 +371,7 @@ def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDI
     candidate gone) is always replaced.
     """
     if not m.buckets:
-        return Decision((), (), m.compute_s, 1.0, m.compute_s)
+        return Decision((), (), float(m.compute_s), 1.0, float(m.compute_s))
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ValueError(f"decide: margin must be a number in [0, 1), got {margin!r}")
     if not (isinstance(critical, (int, float)) and critical > 0):

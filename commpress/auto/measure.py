@@ -229,7 +229,7 @@ def agree(values: Sequence[float], ops: Sequence[str], group=None) -> list[float
 
 
 def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compute_s: float,
-                       candidates: Sequence[Candidate], group=None) -> Measurements:
+                       candidates: Sequence[Candidate], group=None, *, codec_inline: bool = True) -> Measurements:
     """This rank's measurements made identical on every rank (one :func:`agree`).
 
     Per bucket: numel (max and min: must match), hidden window (min), codec seconds of
@@ -276,7 +276,7 @@ def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compu
             if missing[bi * len(candidates) + ci] == 0.0:
                 codec[c] = t
         agreed.append(BucketMeasure(b.name, b.numel, b.shapes, max(0.0, hidden), codec, max(0.0, change), b.dtype))
-    return Measurements(network, tuple(agreed), out[pos])
+    return Measurements(network, tuple(agreed), out[pos], codec_inline)
 
 
 def network_from_models(world: int, flat: CostModel, local_size: int = 1, intra: CostModel | None = None,

@@ -51,6 +51,8 @@ def test_fast_network_stays_dense_or_bf16_and_never_slower():
     assert set(kinds(d)) <= {"dense", "bf16"}, d.describe()
     assert d.step_s <= dense_step(m) + 1e-15
     assert d.objective <= dense_step(m) + 1e-15
+    queued = Measurements(m.network, m.buckets, m.compute_s, codec_inline=False)
+    assert decide(queued).step_s <= dense_step(queued) + 1e-15
 
 
 def test_slow_network_compresses_aggressively():
@@ -81,6 +83,9 @@ def test_exposed_seconds_queue():
     # codec in the hook delays every later arrival and the backward end
     assert exposed_seconds([5.0, 0.0], [0.5, 0.25], [0.0, 0.0]) == pytest.approx(0.75)
     assert exposed_seconds([], [], []) == 0.0
+    # codec queued on the communication thread: hidden too when the window is long enough
+    assert exposed_seconds([5.0, 0.0], [0.5, 0.25], [0.0, 0.0], inline=False) == pytest.approx(0.25)
+    assert exposed_seconds([2.5, 2.0, 1.0], [0.5] * 3, [0.5] * 3, inline=False) == pytest.approx(0.5)
 
 
 def test_two_by_two_picks_two_level_when_it_pays():
@@ -134,6 +139,7 @@ def test_decider_schedule_drift_and_state():
     assert dec.due(110, faster)                                                # every N steps
     loopback = measures(LOOPBACK, [0.02, 0.0])
     assert dec.due(60, loopback)                                               # bandwidth moved
+    assert dec.due(60, Measurements(m.network.scaled(1.5), m.buckets, m.compute_s))
     assert dec.due(60, measures(MBIT100, [0.02 + 0.3 * 0.05, 0.0]))            # overlap moved
     new, switched = dec.update(60, loopback)
     assert set(kinds(new)) <= {"dense", "bf16"} and switched
@@ -152,11 +158,13 @@ def test_determinism_and_never_slower_on_random_measurements():
         codec = {c: rng.uniform(1e-4, 1e-2) for c in CODEC}
         m = measures(model, sorted(hidden, reverse=True), compute=rng.uniform(0.01, 0.2), codec=codec,
                      change=rng.choice([0.0, 0.7]), numel=rng.choice([4096, N]))
+        m = Measurements(m.network, m.buckets, m.compute_s, codec_inline=rng.random() < 0.5)
         d = decide(m)
         assert d == decide(m)
         shuffled = Measurements(m.network, tuple(BucketMeasure(b.name, b.numel, b.shapes, b.hidden_s,
                                                                dict(reversed(list(b.codec_s.items()))),
-                                                               b.norm_change) for b in m.buckets), m.compute_s)
+                                                               b.norm_change) for b in m.buckets), m.compute_s,
+                                m.codec_inline)
         assert decide(shuffled) == d
         assert d.step_s <= dense_step(m) * (1 + 1e-12)
 
