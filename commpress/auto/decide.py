@@ -168,12 +168,14 @@ class Prices:
     * blockquant: 8 bits 1.03, 4 bits 1.10.  The demo's 4-bit runs reach the target at step
       102 against DDP's 100 (digits) and 108 against 104 (LM) (docs/results/demo/summary.md);
       the 100 Mbit/s sweep's LM needs 36 steps against 30 (1.19); 8 bits loses half as much.
-    * topk: ``topk_base + topk_per_decade * log10(0.1 / ratio)``: 1.3 at 10 %, 2.0 at 1 %.
-      At 1 % the 100 Mbit/s sweep's digits need 1.7x DDP's steps and its LM 4.4x; the
-      loopback LM misses the target at every ratio (docs/results/sweep.md).
-    * powersgd: ``powersgd_base + powersgd_per_halving * log2(4 / rank)``: 1.5 at rank 4,
-      1.8 at rank 1.  Rank 4 needs 1.1x (digits) and 1.7x (LM) DDP's steps at 100 Mbit/s;
-      the demo's LM rank 2 about 1.9x, PyTorch's rank 1 hook 1.2x (digits) and 1.7x (LM).
+    * topk: ``topk_base + topk_per_decade * log10(0.1 / ratio)``: 1.5 at 10 %, 2.5 at 1 %.
+      At 1 % the 100 Mbit/s sweep's digits need 1.7x DDP's steps and its LM 4.4x; at 10 %
+      the loopback digits need 0.9x, and the loopback LM misses the target at every ratio
+      (docs/results/sweep.md).  Between the two tasks, leaning to the worse.
+    * powersgd: ``powersgd_base + powersgd_per_halving * log2(4 / rank)``: 1.7 at rank 4,
+      1.9 at rank 2, 2.1 at rank 1.  Rank 4 needs 1.1x (digits) and 1.7x (LM) DDP's steps at
+      100 Mbit/s; the demo's LM rank 2 about 1.9x; PyTorch's rank 1 hook 1.2x (digits) and
+      1.7x (LM) in the demo, and its loopback LM misses the target.
 
     They are priors, not measurements of the user's model: override any field.
     """
@@ -182,10 +184,10 @@ class Prices:
     blockquant8: float = 1.03
     blockquant4: float = 1.10
     blockquant2: float = 1.4
-    topk_base: float = 1.3
-    topk_per_decade: float = 0.7
-    powersgd_base: float = 1.5
-    powersgd_per_halving: float = 0.15
+    topk_base: float = 1.5
+    topk_per_decade: float = 1.0
+    powersgd_base: float = 1.7
+    powersgd_per_halving: float = 0.2
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

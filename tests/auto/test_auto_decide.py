@@ -172,8 +172,9 @@ def test_determinism_and_never_slower_on_random_measurements():
 def test_prices_and_describe():
     p = Prices()
     assert p.price(Candidate("dense")) == 1.0
-    assert p.price(Candidate("topk", 0.1)) == pytest.approx(1.3)
-    assert p.price(Candidate("topk", 0.01)) == pytest.approx(2.0)
+    assert p.price(Candidate("topk", 0.1)) == pytest.approx(1.5)
+    assert p.price(Candidate("topk", 0.01)) == pytest.approx(2.5)
+    assert p.price(Candidate("powersgd", 2)) == pytest.approx(1.9)
     assert p.price(Candidate("powersgd", 1)) > p.price(Candidate("powersgd", 4)) > 1
     assert describe(Choice(Candidate("topk", 0.01))) == "topk(ratio=0.01)"
     assert describe(Choice(Candidate("blockquant", 4), "two_level")) == "blockquant(bits=4)+two_level"
