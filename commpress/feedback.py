@@ -430,6 +430,30 @@ class ErrorFeedback(Compressor):
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.compressor.decompress(payload, out=out)
 
+    def take(self, key: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Remove ``key``'s live residual and velocity and return them (fp32, or ``None``):
+        what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
+        self._pending.pop(key, None)
+        self._velocity_pending.pop(key, None)
+        return self._residuals.pop(key, None), self._velocity.pop(key, None)
+
+    def absorb(self, key: Any, residual: torch.Tensor | None, velocity: torch.Tensor | None = None) -> None:
+        """Add ``residual`` (and ``velocity``, with momentum correction) to ``key``'s live
+        buffers, creating them: the next compress of ``key`` sends it (``beta`` applies).
+        Shapes follow the next input (same numel); ``ValueError`` when a velocity comes
+        without momentum correction (it would be lost)."""
+        if velocity is not None and not self.momentum:
+            raise ValueError("ErrorFeedback.absorb: a velocity needs momentum correction (momentum > 0)")
+        for table, t in ((self._residuals, residual), (self._velocity, velocity)):
+            if t is None:
+                continue
+            live = table.get(key)
+            src = t.detach().float()
+            if live is None or live.numel() != src.numel() or live.device != src.device:
+                table[key] = src.clone()
+            else:
+                live.add_(src.view(live.shape))
+
     # -- state ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every residual (the inner compressor's state is kept)."""

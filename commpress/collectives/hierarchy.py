@@ -153,43 +153,12 @@ class Hierarchy:
         """Shard ``j`` is ``[b[j], b[j+1])`` of the flat tensor: equal cuts, aligned to a
         ``"gather"`` compressor's block; for ``"lowrank"`` cuts between the matrices of
         ``shapes``, or between row blocks of a single matrix, so each shard stays matrices."""
-        L = self.local_size
-        kind = getattr(unwrap(compressor), "aggregation", None) if compressor is not None else None
-        if kind == "lowrank":
-            if shapes is not None:
-                ends, pos = [0], 0
-                for s in shapes:
-                    pos += _prod(s)
-                    ends.append(pos)
-                cuts = [0]
-                for j in range(1, L):  # the matrix boundary nearest to j*n/L, never going back
-                    target = j * numel / L
-                    best = min(ends, key=lambda e: (abs(e - target), e))
-                    cuts.append(max(best, cuts[-1]))
-                return cuts + [numel]
-            if shape is not None and len(shape) >= 2 and shape[0] > 0:
-                cols = numel // shape[0]
-                return [(j * shape[0] // L) * cols for j in range(L + 1)]
-        align = alignment(compressor) if kind == "gather" else 1
-        per = -(-numel // L)
-        per = -(-per // align) * align
-        return [min(numel, j * per) for j in range(L + 1)]
+        return shard_bounds(numel, self.local_size, compressor, shape, shapes)
 
     def shard_shapes(self, bounds: list[int], j: int, shape: tuple[int, ...],
                      shapes: list[tuple[int, ...]] | None) -> list[tuple[int, ...]] | None:
         """The ``shapes`` argument of shard ``j`` (lowrank only)."""
-        lo, hi = bounds[j], bounds[j + 1]
-        if shapes is not None:
-            out, pos = [], 0
-            for s in shapes:
-                if lo <= pos < hi:
-                    out.append(tuple(s))
-                pos += _prod(s)
-            return out
-        if len(shape) >= 2 and shape[0] > 0:
-            cols = _prod(shape) // shape[0]
-            return [((hi - lo) // cols,) + tuple(shape[1:])]
-        return None
+        return shard_shapes(bounds, j, shape, shapes)
 
     # -- cost model ----------------------------------------------------------
     def set_models(self, intra: CostModel | None, inter: CostModel | None = None) -> None:
@@ -226,18 +195,7 @@ class Hierarchy:
         ``P / L`` ranks of the largest shard (inter model).
         """
         intra, inter = self.models()
-        P, L, M = self.world, self.local_size, self.nodes
-        es = torch.empty((), dtype=dtype).element_size()
-        m, b, e, d = _kind_terms(compressor, numel, P, dtype, shape, shapes)
-        remote = (P - L) / max(P - 1, 1)
-        flat = inter.time(m * remote, b * remote, e, d) + intra.time(m * (1 - remote), b * (1 - remote))
-        bnd = self.bounds(numel, compressor, shape, shapes)
-        big = max(range(L), key=lambda j: bnd[j + 1] - bnd[j])
-        s = bnd[big + 1] - bnd[big]
-        sm, sb, se, sd = _kind_terms(compressor, s, M, dtype, None,
-                                     self.shard_shapes(bnd, big, shape or (numel,), shapes))
-        local = intra.time(2 * (L - 1), (L - 1) * (s + 2) * es + (L - 1) * s * es, 0, 2 * numel)
-        return {"flat": flat, "two_level": local + inter.time(sm, sb, se, sd)}
+        return predict_paths(numel, compressor, self.world, self.local_size, intra, inter, dtype, shape, shapes)
 
     def plan(self, numel: int, compressor: Any, dtype: torch.dtype = torch.float32,
              shape: tuple[int, ...] | None = None, shapes: list[tuple[int, ...]] | None = None) -> str:
@@ -260,6 +218,67 @@ def _prod(shape) -> int:
     return n
 
 
+def shard_bounds(numel: int, local_size: int, compressor: Any = None, shape: tuple[int, ...] | None = None,
+                 shapes: list[tuple[int, ...]] | None = None) -> list[int]:
+    """:meth:`Hierarchy.bounds` for ``local_size`` ranks per node (a pure function)."""
+    L = local_size
+    kind = getattr(unwrap(compressor), "aggregation", None) if compressor is not None else None
+    if kind == "lowrank":
+        if shapes is not None:
+            ends, pos = [0], 0
+            for s in shapes:
+                pos += _prod(s)
+                ends.append(pos)
+            cuts = [0]
+            for j in range(1, L):  # the matrix boundary nearest to j*n/L, never going back
+                target = j * numel / L
+                best = min(ends, key=lambda e: (abs(e - target), e))
+                cuts.append(max(best, cuts[-1]))
+            return cuts + [numel]
+        if shape is not None and len(shape) >= 2 and shape[0] > 0:
+            cols = numel // shape[0]
+            return [(j * shape[0] // L) * cols for j in range(L + 1)]
+    align = alignment(compressor) if kind == "gather" else 1
+    per = -(-numel // L)
+    per = -(-per // align) * align
+    return [min(numel, j * per) for j in range(L + 1)]
+
+
+def shard_shapes(bounds: list[int], j: int, shape: tuple[int, ...],
+                 shapes: list[tuple[int, ...]] | None) -> list[tuple[int, ...]] | None:
+    """:meth:`Hierarchy.shard_shapes` (a pure function)."""
+    lo, hi = bounds[j], bounds[j + 1]
+    if shapes is not None:
+        out, pos = [], 0
+        for s in shapes:
+            if lo <= pos < hi:
+                out.append(tuple(s))
+            pos += _prod(s)
+        return out
+    if len(shape) >= 2 and shape[0] > 0:
+        cols = _prod(shape) // shape[0]
+        return [((hi - lo) // cols,) + tuple(shape[1:])]
+    return None
+
+
+def predict_paths(numel: int, compressor: Any, world: int, local_size: int, intra: CostModel, inter: CostModel,
+                  dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None,
+                  shapes: list[tuple[int, ...]] | None = None) -> dict[str, float]:
+    """:meth:`Hierarchy.predict` from the two models (a pure function: no group, no collective)."""
+    P, L, M = world, local_size, world // local_size
+    es = torch.empty((), dtype=dtype).element_size()
+    m, b, e, d = kind_terms(compressor, numel, P, dtype, shape, shapes)
+    remote = (P - L) / max(P - 1, 1)
+    flat = inter.time(m * remote, b * remote, e, d) + intra.time(m * (1 - remote), b * (1 - remote))
+    bnd = shard_bounds(numel, local_size, compressor, shape, shapes)
+    big = max(range(L), key=lambda j: bnd[j + 1] - bnd[j])
+    s = bnd[big + 1] - bnd[big]
+    sm, sb, se, sd = kind_terms(compressor, s, M, dtype, None,
+                                 shard_shapes(bnd, big, shape or (numel,), shapes))
+    local = intra.time(2 * (L - 1), (L - 1) * (s + 2) * es + (L - 1) * s * es, 0, 2 * numel)
+    return {"flat": flat, "two_level": local + inter.time(sm, sb, se, sd)}
+
+
 _PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _PROBES_LOCK = threading.Lock()
 
@@ -278,7 +297,7 @@ def _payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
     return found
 
 
-def _kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, shapes
+def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, shapes
                 ) -> tuple[float, float, float, float]:
     """(messages, bytes, entries, elements) of the kind's default collective on ``P`` ranks."""
     if P <= 1 or numel == 0:

@@ -1,0 +1,20 @@
+"""``"auto"``: a compressor per bucket, chosen from measured network, overlap and codec cost.
+
+Phase 1 (this package): the pure decision (:func:`decide`, :class:`Decider`), the
+measurements it reads (:mod:`commpress.auto.measure`) and switching a bucket's
+compressor without losing its error-feedback residual (:mod:`commpress.auto.switch`).
+The hooks call it; see each module's doc.
+"""
+
+from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, gentlest
+from .decide import (BucketMeasure, Decider, Decision, Measurements, Network, Prices, decide, exposed_seconds,
+                     stats_record)
+from .measure import OverlapRecorder, agree, agree_measurements, codec_cost, norm_change, overlap
+from .switch import fold_residual, take_residual
+
+__all__ = [
+    "BucketMeasure", "Candidate", "Choice", "DEFAULT_CANDIDATES", "DENSE", "Decider", "Decision",
+    "Measurements", "Network", "OverlapRecorder", "Prices", "agree", "agree_measurements", "codec_cost",
+    "decide", "describe", "exposed_seconds", "fold_residual", "gentlest", "norm_change", "overlap",
+    "stats_record", "take_residual",
+]

@@ -1,0 +1,512 @@
+"""The decision of ``"auto"``: one :class:`Choice` per bucket, a pure function of agreed measurements.
+
+Inputs (:class:`Measurements`): the α-β model of each group (:class:`Network`),
+and per bucket in hook arrival order (:class:`BucketMeasure`) its size, its
+parameter shapes, the backward time still to run after its hook fires (the
+window that can hide its communication), each candidate's codec seconds at
+its size, and its gradient-norm change.  Every number must already be agreed
+across ranks (:func:`commpress.auto.measure.agree`): then every rank computes
+the same plan, with no exchange.
+
+Predicted step time
+-------------------
+``T(plan) = compute_s + exposed(plan)``.  Buckets are taken in arrival order;
+bucket ``b`` arrives ``hidden_b`` seconds before the backward pass ends (time 0);
+its codec runs in the hook on the critical path (it delays every later arrival
+and the backward end: conservative, decode included), then its collective
+queues behind the previous one on the one communication channel::
+
+    shift += codec_b;  start_b = max(shift - hidden_b, finish_{b-1});  finish_b = start_b + comm_b
+    exposed = max(shift, finish_last)
+
+With ``Measurements.codec_inline=False`` (DDP's overlap thread compresses, sends and
+decodes each bucket in turn) the codec is queued with its collective instead:
+``finish_b = max(-hidden_b, finish_{b-1}) + codec_b + comm_b``.
+
+``comm_b`` is the collective's predicted seconds from the cost model of
+:mod:`commpress.collectives.costmodel` (messages, bytes, entries and elements of
+the kind's collective, :func:`commpress.collectives.hierarchy.predict_paths` for
+flat against two-level).  A bucket that arrives early enough is hidden and
+costs nothing dense; the last bucket, which nothing hides, is exposed whole.
+
+Convergence price
+-----------------
+Each candidate has a prior ``price(c) >= 1``: the steps to reach a target
+relative to dense (:class:`Prices`).  A plan's price weighs each bucket by its
+share of the gradient's elements: ``Π(plan) = 1 + Σ_b (n_b / N) (price(c_b) - 1)``.
+
+Objective: **minimise** ``J(plan) = T(plan) × Π(plan)``, the predicted time to
+reach a target.  Since dense has price 1 and is always a candidate, a plan
+is only chosen when ``J <= J(all dense)``, so its predicted step is never slower
+than not compressing.
+
+Critical regimes (Accordion, Agarwal et al. 2021): a bucket whose gradient
+norm changed by a fraction ``>= critical`` over the last window may only use
+dense, bf16 and the least aggressive member of each family.
+
+Search: coordinate descent (one bucket at a time, best option given the others,
+until no bucket moves) from the all-dense plan and from the three uniform plans
+(one option for every bucket) of lowest ``J``; the lowest ``J`` wins; ties go to the earlier start and option (dense first).
+Python floats only, a fixed order: bitwise the same plan for the same inputs.
+
+Hysteresis (:class:`Decider`): the plan in use is replaced only when the new
+one's ``J`` is lower by more than ``margin × J(current)``.  It is
+re-evaluated ``every`` steps, or sooner when the agreed bandwidth, latency or
+overlap moved by more than ``drift`` (relative) since the last decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..collectives.costmodel import CostModel
+from ..collectives.hierarchy import kind_terms, predict_paths
+from .candidates import DEFAULT_CANDIDATES, Candidate, Choice, describe, gentlest, prototype
+
+
+# ---------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Network:
+    """The α-β(-γ-δ) models of the group: ``flat`` for the whole group of ``world`` ranks;
+    with ``local_size`` ranks per node (``1 < local_size < world``) also ``intra`` (inside a
+    node) and ``inter`` (between nodes), and the two-level path is a candidate path."""
+
+    world: int
+    flat: CostModel
+    local_size: int = 1
+    intra: CostModel | None = None
+    inter: CostModel | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"Network: world must be an int >= 1, got {self.world!r}")
+        L = self.local_size
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or self.world % L:
+            raise ValueError(f"Network: local_size must be a positive int dividing world={self.world}, got {L!r}")
+        if self.hierarchical and (self.intra is None or self.inter is None):
+            raise ValueError("Network: local_size between 1 and world needs both intra and inter models")
+
+    @property
+    def hierarchical(self) -> bool:
+        return 1 < self.local_size < self.world
+
+    def scaled(self, factor: float) -> "Network":
+        """Every model's seconds per byte times ``factor``: the bind-time calibration corrected
+        by the measured / predicted collective seconds of the last window (agreed first)."""
+        if not (isinstance(factor, (int, float)) and factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"Network.scaled: factor must be a finite number > 0, got {factor!r}")
+
+        def sc(mod: CostModel | None) -> CostModel | None:
+            return None if mod is None else CostModel(mod.alpha, mod.beta * factor, mod.gamma, mod.delta)
+
+        return Network(self.world, sc(self.flat), self.local_size, sc(self.intra), sc(self.inter))
+
+
+@dataclass(frozen=True)
+class BucketMeasure:
+    """One bucket, agreed across ranks.
+
+    ``hidden_s``: backward seconds still to run after the bucket's hook fires, with the
+    hooks' own time taken out (min over ranks; 0 for the last bucket).  ``codec_s``:
+    compress + decompress seconds of each candidate at ``numel`` (max over ranks; a
+    candidate missing here is not considered for this bucket; dense may be missing: 0).
+    ``norm_change``: relative change of the gradient norm over the last window (max
+    over ranks; see :func:`commpress.auto.measure.norm_change`).
+    """
+
+    name: str
+    numel: int
+    shapes: tuple[tuple[int, ...], ...] = ()
+    hidden_s: float = 0.0
+    codec_s: Mapping[Candidate, float] = field(default_factory=dict)
+    norm_change: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
+            raise ValueError(f"BucketMeasure {self.name!r}: numel must be an int >= 0, got {self.numel!r}")
+        for what, v in (("hidden_s", self.hidden_s), ("norm_change", self.norm_change),
+                        *((f"codec_s[{describe(c)}]", t) for c, t in self.codec_s.items())):
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"BucketMeasure {self.name!r}: {what} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything the decision reads: ``buckets`` in hook arrival order, the ``network``,
+    and ``compute_s``, the step's seconds without communication (forward, backward,
+    optimizer; max over ranks).  ``codec_inline``: the codec runs in the hook on the
+    backward's thread (True), or on the communication thread before its collective
+    (False: DDP's ``overlap=True`` executor); see :func:`exposed_seconds`."""
+
+    network: Network
+    buckets: tuple[BucketMeasure, ...]
+    compute_s: float
+    codec_inline: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codec_inline, bool):
+            raise ValueError(f"Measurements: codec_inline must be a bool, got {self.codec_inline!r}")
+        if not (isinstance(self.compute_s, (int, float)) and self.compute_s >= 0 and math.isfinite(self.compute_s)):
+            raise ValueError(f"Measurements: compute_s must be a finite number >= 0, got {self.compute_s!r}")
+
+
+# ---------------------------------------------------------------- convergence price
+@dataclass(frozen=True)
+class Prices:
+    """Prior steps-to-target of each kind relative to dense (>= 1: a conservative prior).
+
+    Where the numbers come from (step counts to the target = time to target / median step,
+    2 or 4 ranks, README and docs/results):
+
+    * bf16: 1.00. LM at 100 Mbit/s, PyTorch fp16 reaches the target in the same number of
+      steps as DDP (docs/results/sweep-100mbit.md: 28.6 s / 958 ms against 55.6 s / 1858 ms).
+    * blockquant: 8 bits 1.03, 4 bits 1.10.  The demo's 4-bit runs reach the target at step
+      102 against DDP's 100 (digits) and 108 against 104 (LM) (docs/results/demo/summary.md);
+      the 100 Mbit/s sweep's LM needs 36 steps against 30 (1.19); 8 bits loses half as much.
+    * topk: ``topk_base + topk_per_decade * log10(0.1 / ratio)``: 1.5 at 10 %, 2.5 at 1 %.
+      At 1 % the 100 Mbit/s sweep's digits need 1.7x DDP's steps and its LM 4.4x; at 10 %
+      the loopback digits need 0.9x, and the loopback LM misses the target at every ratio
+      (docs/results/sweep.md).  Between the two tasks, leaning to the worse.
+    * powersgd: ``powersgd_base + powersgd_per_halving * log2(4 / rank)``: 1.7 at rank 4,
+      1.9 at rank 2, 2.1 at rank 1.  Rank 4 needs 1.1x (digits) and 1.7x (LM) DDP's steps at
+      100 Mbit/s; the demo's LM rank 2 about 1.9x; PyTorch's rank 1 hook 1.2x (digits) and
+      1.7x (LM) in the demo, and its loopback LM misses the target.
+
+    They are priors, not measurements of the user's model: override any field.
+    """
+
+    bf16: float = 1.0
+    blockquant8: float = 1.03
+    blockquant4: float = 1.10
+    blockquant2: float = 1.4
+    topk_base: float = 1.5
+    topk_per_decade: float = 1.0
+    powersgd_base: float = 1.7
+    powersgd_per_halving: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Prices: {name} must be a finite number >= 0, got {v!r}")
+
+    def price(self, c: Candidate) -> float:
+        """The candidate's price, never below 1 (dense is 1)."""
+        if c.kind == "dense":
+            p = 1.0
+        elif c.kind == "bf16":
+            p = self.bf16
+        elif c.kind == "blockquant":
+            p = {8: self.blockquant8, 4: self.blockquant4, 2: self.blockquant2}[int(c.param)]
+        elif c.kind == "topk":
+            p = self.topk_base + self.topk_per_decade * math.log10(0.1 / c.param)
+        else:
+            p = self.powersgd_base + self.powersgd_per_halving * math.log2(4.0 / c.param)
+        return max(1.0, p)
+
+
+# ---------------------------------------------------------------- prediction
+def comm_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
+    """Predicted seconds of the bucket's collective for ``choice`` (the cost model's terms)."""
+    c, n = choice.candidate, bucket.numel
+    if network.world <= 1 or n == 0:
+        return 0.0
+    proto = prototype(c)
+    shapes = [tuple(s) for s in bucket.shapes] if c.kind == "powersgd" and bucket.shapes else None
+    shape = None if shapes is not None else (n,)
+    if network.hierarchical:
+        paths = predict_paths(n, proto, network.world, network.local_size, network.intra, network.inter,
+                              bucket.dtype, shape, shapes)
+        return paths[choice.path]
+    if choice.path != "flat":
+        raise ValueError(f"comm_seconds: path {choice.path!r} needs a hierarchical network")
+    return network.flat.time(*kind_terms(proto, n, network.world, bucket.dtype, shape, shapes))
+
+
+def codec_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
+    """The measured codec seconds; on the two-level path a rank codes one shard (``1/L``)."""
+    t = bucket.codec_s.get(choice.candidate, 0.0)
+    return t / network.local_size if choice.path == "two_level" else t
+
+
+def exposed_seconds(hidden: list[float], codec: list[float], comm: list[float], inline: bool = True) -> float:
+    """The pipeline of the module doc: seconds the step waits beyond the backward pass.
+
+    ``inline=False``: the codec runs on the communication thread, queued with its collective
+    (``start_b = max(-hidden_b, finish_{b-1})``, ``finish_b = start_b + codec_b + comm_b``) and
+    the backward pass is not delayed."""
+    shift, finish = 0.0, -math.inf
+    for h, k, m in zip(hidden, codec, comm):
+        if inline:
+            shift += k
+            finish = max(shift - h, finish) + m
+        else:
+            finish = max(-h, finish) + k + m
+    return max(shift, finish, 0.0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A plan and its predictions: ``choices[b]`` for bucket ``b``; ``predicted_s[b]`` is its
+    codec + collective seconds; ``step_s`` = ``T``, ``price`` = ``Π``, ``objective`` = ``J``."""
+
+    choices: tuple[Choice, ...]
+    predicted_s: tuple[float, ...]
+    step_s: float
+    price: float
+    objective: float
+
+    def describe(self) -> list[str]:
+        return [describe(c) for c in self.choices]
+
+
+class _Problem:
+    """Per-bucket option tables and ``J`` of a plan (an index per bucket)."""
+
+    def __init__(self, m: Measurements, candidates: tuple[Candidate, ...], prices: Prices, critical: float):
+        net = m.network
+        paths = ("flat", "two_level") if net.hierarchical else ("flat",)
+        self.m = m
+        self.hidden = [b.hidden_s for b in m.buckets]
+        total = sum(b.numel for b in m.buckets) or 1
+        self.options: list[list[Choice]] = []
+        self.codec: list[list[float]] = []
+        self.comm: list[list[float]] = []
+        self.dprice: list[list[float]] = []
+        for b in m.buckets:
+            allowed = gentlest(candidates) if b.norm_change >= critical else candidates
+            # dense first (flat at index 0: the all-dense start), whether or not it was offered
+            opts = [Choice(Candidate("dense"), p) for p in paths]
+            opts += [Choice(c, p) for c in allowed if c.kind != "dense" and c in b.codec_s for p in paths]
+            self.options.append(opts)
+            self.codec.append([codec_seconds(o, b, net) for o in opts])
+            self.comm.append([comm_seconds(o, b, net) for o in opts])
+            self.dprice.append([(b.numel / total) * (prices.price(o.candidate) - 1.0) for o in opts])
+
+    def index(self, b: int, choice: Choice) -> int | None:
+        try:
+            return self.options[b].index(choice)
+        except ValueError:
+            return None
+
+    def parts(self, plan: list[int]) -> tuple[float, float]:
+        """``(T, Π)`` of ``plan``: :func:`exposed_seconds` inlined (called in the search loop)."""
+        shift, finish, price = 0.0, -math.inf, 1.0
+        inline = self.m.codec_inline
+        for b, i in enumerate(plan):
+            k = self.codec[b][i]
+            if inline:
+                shift += k
+                k = 0.0
+            start = shift - self.hidden[b]
+            finish = (start if start > finish else finish) + k + self.comm[b][i]
+            price += self.dprice[b][i]
+        return self.m.compute_s + max(shift, finish, 0.0), price
+
+    def objective(self, plan: list[int]) -> float:
+        step, price = self.parts(plan)
+        return step * price
+
+    def descend(self, plan: list[int]) -> list[int]:
+        """Coordinate descent: move one bucket at a time to its best option (strictly lower
+        ``J``; first option on ties) until no bucket moves (bounded passes)."""
+        plan = list(plan)
+        for _ in range(4 * len(plan) + 4):
+            moved = False
+            for b in range(len(plan)):
+                keep = plan[b]
+                best, best_j = keep, self.objective(plan)
+                for i in range(len(self.options[b])):
+                    if i != keep:
+                        plan[b] = i
+                        j = self.objective(plan)
+                        if j < best_j:
+                            best, best_j = i, j
+                plan[b] = best
+                moved = moved or best != keep
+            if not moved:
+                break
+        return plan
+
+    def decision(self, plan: list[int]) -> Decision:
+        step, price = self.parts(plan)
+        return Decision(tuple(self.options[b][i] for b, i in enumerate(plan)),
+                        tuple(self.codec[b][i] + self.comm[b][i] for b, i in enumerate(plan)),
+                        step, price, step * price)
+
+
+_UNIFORM_STARTS = 3
+
+
+def _best(p: _Problem) -> list[int]:
+    dense = [0] * len(p.options)  # options are built dense first
+    starts = [dense]
+    kinds = []
+    for opts in p.options:
+        for o in opts:
+            if o not in kinds:
+                kinds.append(o)
+    uniform = [[p.index(b, o) or 0 for b in range(len(p.options))] for o in kinds]  # dense where not offered
+    ranked = sorted(range(len(uniform)), key=lambda k: (p.objective(uniform[k]), k))
+    starts += [uniform[k] for k in ranked[:_UNIFORM_STARTS]]
+    best, best_j = None, math.inf
+    for s in starts:
+        plan = p.descend(s)
+        j = p.objective(plan)
+        if j < best_j:
+            best, best_j = plan, j
+    return best
+
+
+def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDIDATES,
+           prices: Prices | None = None, critical: float = 0.5, current: tuple[Choice, ...] | None = None,
+           margin: float = 0.0) -> Decision:
+    """The plan minimising ``J = T × Π`` for ``m`` (see the module doc); a pure function.
+
+    With ``current`` (the plan in use), it is kept unless the best plan's ``J`` is lower by
+    more than ``margin × J(current)``; a current choice no longer allowed (critical regime,
+    candidate gone) is always replaced.
+    """
+    if not m.buckets:
+        return Decision((), (), float(m.compute_s), 1.0, float(m.compute_s))
+    if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+        raise ValueError(f"decide: margin must be a number in [0, 1), got {margin!r}")
+    if not (isinstance(critical, (int, float)) and critical > 0):
+        raise ValueError(f"decide: critical must be a number > 0, got {critical!r}")
+    cands = tuple(candidates)
+    if not cands:
+        raise ValueError("decide: candidates must not be empty")
+    p = _Problem(m, cands, prices if prices is not None else Prices(), float(critical))
+    best = _best(p)
+    if current is not None:
+        if len(current) != len(m.buckets):
+            raise ValueError(f"decide: current has {len(current)} choices for {len(m.buckets)} buckets")
+        cur = [p.index(b, c) for b, c in enumerate(current)]
+        if all(i is not None for i in cur):
+            if p.objective(cur) - p.objective(best) <= margin * p.objective(cur):
+                return p.decision(cur)
+    return p.decision(best)
+
+
+# ---------------------------------------------------------------- re-evaluation and hysteresis
+@dataclass(frozen=True)
+class Signature:
+    """What re-evaluation watches: each model's latency and seconds per byte (``network``)
+    and each bucket's hidden window as a fraction of the step's compute (``overlap``)."""
+
+    network: tuple[float, ...]
+    overlap: tuple[float, ...]
+
+
+def signature(m: Measurements) -> Signature:
+    net = m.network
+    numbers = [net.flat.alpha, net.flat.beta]
+    for mod in (net.intra, net.inter):
+        if mod is not None:
+            numbers += [mod.alpha, mod.beta]
+    scale = m.compute_s if m.compute_s > 0 else 1.0
+    return Signature(tuple(float(x) for x in numbers), tuple(float(b.hidden_s / scale) for b in m.buckets))
+
+
+def drifted(old: Signature, new: Signature, fraction: float) -> bool:
+    """True when a network number moved by more than ``fraction`` of itself, or a bucket's
+    hidden window by more than ``fraction`` of the compute (or the layout changed)."""
+    if len(old.network) != len(new.network) or len(old.overlap) != len(new.overlap):
+        return True
+    if any(abs(b - a) > fraction * abs(a) for a, b in zip(old.network, new.network)):
+        return True
+    return any(abs(b - a) > fraction for a, b in zip(old.overlap, new.overlap))
+
+
+class Decider:
+    """The plan in use, with hysteresis and a re-evaluation schedule (same on every rank).
+
+    Feed it agreed :class:`Measurements` with :meth:`update` at check points; it re-decides
+    when ``every`` steps passed since the last decision, when :func:`drifted` by more than
+    ``drift``, or at the first call; a new plan replaces the current one only when it is
+    predicted better by more than ``margin`` (relative ``J``).  Everything it keeps is in
+    :meth:`state_dict` (Python numbers and strings: a resume decides bitwise alike).
+    """
+
+    def __init__(self, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDIDATES, prices: Prices | None = None,
+                 margin: float = 0.05, every: int = 1000, drift: float = 0.25, critical: float = 0.5) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Decider: every must be an int >= 1, got {every!r}")
+        if not (isinstance(drift, (int, float)) and drift > 0):
+            raise ValueError(f"Decider: drift must be a number > 0, got {drift!r}")
+        if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+            raise ValueError(f"Decider: margin must be a number in [0, 1), got {margin!r}")
+        self.candidates = tuple(candidates)
+        self.prices = prices if prices is not None else Prices()
+        self.margin, self.every, self.drift, self.critical = float(margin), every, float(drift), float(critical)
+        self.current: Decision | None = None
+        self.decided_at: int | None = None
+        self.watched: Signature | None = None
+
+    def due(self, step: int, m: Measurements) -> bool:
+        """Whether :meth:`update` at ``step`` with ``m`` re-decides."""
+        if self.current is None or self.decided_at is None or self.watched is None:
+            return True
+        if step - self.decided_at >= self.every:
+            return True
+        return drifted(self.watched, signature(m), self.drift)
+
+    def update(self, step: int, m: Measurements) -> tuple[Decision, tuple[int, ...]]:
+        """``(plan in use, indices of the buckets that switched)``; the plan is unchanged when
+        not :meth:`due` or the predicted gain is within the margin."""
+        if not self.due(step, m):
+            return self.current, ()
+        old = self.current.choices if self.current is not None else None
+        if old is not None and len(old) != len(m.buckets):
+            old = None
+        new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
+                     current=old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets),
+                     margin=self.margin)
+        switched = tuple(b for b, c in enumerate(new.choices) if old is None or c != old[b])
+        if old is None:  # everything starts dense: only non-dense buckets switch
+            switched = tuple(b for b, c in enumerate(new.choices) if c.candidate.kind != "dense" or c.path != "flat")
+        self.current, self.decided_at, self.watched = new, int(step), signature(m)
+        return new, switched
+
+    # -- state -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        cur = self.current
+        return {
+            "decided_at": self.decided_at,
+            "choices": None if cur is None else [[c.candidate.kind, c.candidate.param, c.path] for c in cur.choices],
+            "predicted_s": None if cur is None else list(cur.predicted_s),
+            "step_s": None if cur is None else cur.step_s,
+            "price": None if cur is None else cur.price,
+            "watched": None if self.watched is None else [list(self.watched.network), list(self.watched.overlap)],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        keys = {"decided_at", "choices", "predicted_s", "step_s", "price", "watched"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"Decider state must have keys {sorted(keys)}")
+        if state["choices"] is None:
+            self.current = None
+        else:
+            choices = tuple(Choice(Candidate(k, p), path) for k, p, path in state["choices"])
+            self.current = Decision(choices, tuple(float(x) for x in state["predicted_s"]), float(state["step_s"]),
+                                    float(state["price"]), float(state["step_s"]) * float(state["price"]))
+        self.decided_at = state["decided_at"]
+        w = state["watched"]
+        self.watched = None if w is None else Signature(tuple(w[0]), tuple(w[1]))
+
+
+def stats_record(names: list[str] | tuple[str, ...], decision: Decision,
+                 measured_s: Mapping[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """The ``state.stats.as_dict()["auto"]`` entry: ``{bucket: {"choice": "topk(ratio=0.01)",
+    "predicted_ms": codec + collective, "measured_ms": the hook's measured ms or None}}``."""
+    if len(names) != len(decision.choices):
+        raise ValueError(f"stats_record: {len(names)} names for {len(decision.choices)} choices")
+    measured_s = measured_s or {}
+    return {str(n): {"choice": describe(c), "predicted_ms": 1e3 * p,
+                     "measured_ms": None if measured_s.get(n) is None else 1e3 * measured_s[n]}
+            for n, c, p in zip(names, decision.choices, decision.predicted_s)}

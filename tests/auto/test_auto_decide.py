@@ -1,0 +1,195 @@
+"""The pure decision of ``"auto"`` on synthetic measurements, one regime per test."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from commpress.auto import (DEFAULT_CANDIDATES, BucketMeasure, Candidate, Choice, Decider, Measurements, Network,
+                            Prices, decide, describe, exposed_seconds, gentlest, stats_record)
+from commpress.auto.decide import comm_seconds
+from commpress.collectives import CostModel
+
+N = 1 << 18                       # 1 MB fp32 buckets
+SHAPES = ((512, 512),)
+# synthetic codec seconds per candidate at N elements (the order of a loaded 2-core CPU)
+CODEC = {c: t / 4 for c, t in {
+    Candidate("bf16"): 1e-3, Candidate("blockquant", 8): 4e-3, Candidate("blockquant", 4): 4e-3,
+    Candidate("topk", 0.1): 8e-3, Candidate("topk", 0.01): 5e-3, Candidate("powersgd", 4): 6e-3,
+    Candidate("powersgd", 1): 3e-3}.items()}
+LOOPBACK = CostModel(alpha=5e-5, beta=5e-10)          # ~2 GB/s
+GBIT = CostModel(alpha=1e-4, beta=8e-9)               # 1 Gbit/s
+MBIT100 = CostModel(alpha=2e-4, beta=8e-8)            # 100 Mbit/s
+
+
+@pytest.fixture(autouse=True)
+def _torch_ops(monkeypatch):
+    # the cost model probes payload sizes by compressing zeros: the reference ops give the
+    # same bytes without the numba backend's JIT compilation
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+
+
+def buckets(hidden, codec=CODEC, change=0.0, numel=N):
+    return tuple(BucketMeasure(f"b{i}", numel, SHAPES, h, dict(codec), change) for i, h in enumerate(hidden))
+
+
+def measures(model, hidden, compute=0.05, world=2, **kw):
+    return Measurements(Network(world, model), buckets(hidden, **kw), compute)
+
+
+def dense_step(m):
+    return decide(m, candidates=(Candidate("dense"),)).step_s
+
+
+def kinds(d):
+    return [c.candidate.kind for c in d.choices]
+
+
+def test_fast_network_stays_dense_or_bf16_and_never_slower():
+    m = measures(LOOPBACK, [0.03, 0.02, 0.01, 0.0])
+    d = decide(m)
+    assert set(kinds(d)) <= {"dense", "bf16"}, d.describe()
+    assert d.step_s <= dense_step(m) + 1e-15
+    assert d.objective <= dense_step(m) + 1e-15
+    queued = Measurements(m.network, m.buckets, m.compute_s, codec_inline=False)
+    assert decide(queued).step_s <= dense_step(queued) + 1e-15
+
+
+def test_slow_network_compresses_aggressively():
+    m = measures(MBIT100, [0.003, 0.002, 0.001, 0.0])   # almost nothing hidden
+    d = decide(m)
+    assert not set(kinds(d)) & {"dense", "bf16"}, d.describe()
+    dense = Choice(Candidate("dense"))
+    for c, b in zip(d.choices, m.buckets):   # each sends at most a quarter of dense's time
+        assert comm_seconds(c, b, m.network) < 0.25 * comm_seconds(dense, b, m.network), d.describe()
+    assert d.step_s < 0.25 * dense_step(m)
+
+
+def test_hidden_buckets_stay_dense_exposed_bucket_compressed():
+    m = measures(GBIT, [0.3, 0.2, 0.0], compute=0.1)
+    d = decide(m)
+    assert kinds(d)[:2] == ["dense", "dense"], d.describe()
+    assert kinds(d)[2] not in ("dense",), d.describe()
+    # the model: a hidden dense bucket costs nothing, the exposed one all of its collective
+    comm = [comm_seconds(Choice(Candidate("dense")), b, m.network) for b in m.buckets]
+    assert exposed_seconds([0.3, 0.2, 0.0], [0.0] * 3, comm) == pytest.approx(comm[2])
+
+
+def test_exposed_seconds_queue():
+    # 3 collectives of 1 s arriving 2.5, 2, 1 s before the backward end: each alone would be
+    # hidden, but the third waits for the second until 0.5 s before the end
+    assert exposed_seconds([2.5, 2.0, 1.0], [0, 0, 0], [1.0, 1.0, 1.0]) == pytest.approx(0.5)
+    assert exposed_seconds([2.5, 1.0, 0.0], [0, 0, 0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    # codec in the hook delays every later arrival and the backward end
+    assert exposed_seconds([5.0, 0.0], [0.5, 0.25], [0.0, 0.0]) == pytest.approx(0.75)
+    assert exposed_seconds([], [], []) == 0.0
+    # codec queued on the communication thread: hidden too when the window is long enough
+    assert exposed_seconds([5.0, 0.0], [0.5, 0.25], [0.0, 0.0], inline=False) == pytest.approx(0.25)
+    assert exposed_seconds([2.5, 2.0, 1.0], [0.5] * 3, [0.5] * 3, inline=False) == pytest.approx(0.5)
+
+
+def test_two_by_two_picks_two_level_when_it_pays():
+    quant = (Candidate("dense"), Candidate("bf16"), Candidate("blockquant", 8), Candidate("blockquant", 4))
+    hidden = [0.0, 0.0]
+    slow_inter = Network(4, GBIT, local_size=2, intra=LOOPBACK, inter=MBIT100)
+    d = decide(Measurements(slow_inter, buckets(hidden), 0.05), candidates=quant)
+    assert [c.path for c in d.choices] == ["two_level", "two_level"], d.describe()
+    uniform = Network(4, LOOPBACK, local_size=2, intra=LOOPBACK, inter=LOOPBACK)
+    d = decide(Measurements(uniform, buckets(hidden), 0.05), candidates=quant)
+    assert [c.path for c in d.choices] == ["flat", "flat"], d.describe()
+    flat_only = decide(Measurements(Network(4, MBIT100), buckets(hidden), 0.05), candidates=quant)
+    assert {c.path for c in flat_only.choices} == {"flat"}
+
+
+def test_critical_regime_keeps_the_gentlest():
+    # the gentle members code slowly here, so a calm bucket takes an aggressive one
+    codec = dict(CODEC)
+    codec[Candidate("powersgd", 4)] = codec[Candidate("topk", 0.1)] = 0.03
+    m = measures(MBIT100, [0.0, 0.0], change=0.6, codec=codec)
+    d = decide(m)
+    allowed = set(gentlest(DEFAULT_CANDIDATES))
+    assert all(c.candidate in allowed for c in d.choices), d.describe()
+    calm = decide(measures(MBIT100, [0.0, 0.0], change=0.1, codec=codec))
+    assert any(c.candidate not in allowed for c in calm.choices), calm.describe()
+
+
+def test_hysteresis_margin():
+    m1 = measures(MBIT100, [0.02, 0.0])
+    cur = decide(m1)
+    # the chosen candidate's codec gets dearer: another plan becomes better by some gain
+    dear = {c: (t * 3 if c in {x.candidate for x in cur.choices} else t) for c, t in CODEC.items()}
+    m2 = measures(MBIT100, [0.02, 0.0], codec=dear)
+    best = decide(m2)
+    kept = decide(m2, current=cur.choices, margin=0.99)
+    assert kept.choices == cur.choices
+    gain = (kept.objective - best.objective) / kept.objective
+    assert gain > 0 and best.choices != cur.choices
+    assert decide(m2, current=cur.choices, margin=gain * 1.01).choices == cur.choices
+    assert decide(m2, current=cur.choices, margin=gain * 0.99).choices == best.choices
+
+
+def test_decider_schedule_drift_and_state():
+    dec = Decider(every=100, drift=0.25, margin=0.05)
+    m = measures(MBIT100, [0.02, 0.0])
+    plan, switched = dec.update(10, m)
+    assert switched == (0, 1) and dec.decided_at == 10
+    faster = measures(CostModel(alpha=2e-4, beta=8e-8 * 0.9), [0.02, 0.0])   # 10%: not a drift
+    assert not dec.due(50, faster)
+    assert dec.update(50, faster) == (plan, ())
+    assert dec.due(110, faster)                                                # every N steps
+    loopback = measures(LOOPBACK, [0.02, 0.0])
+    assert dec.due(60, loopback)                                               # bandwidth moved
+    assert dec.due(60, Measurements(m.network.scaled(1.5), m.buckets, m.compute_s))
+    assert dec.due(60, measures(MBIT100, [0.02 + 0.3 * 0.05, 0.0]))            # overlap moved
+    new, switched = dec.update(60, loopback)
+    assert set(kinds(new)) <= {"dense", "bf16"} and switched
+    again = Decider(every=100, drift=0.25, margin=0.05)
+    again.load_state_dict(dec.state_dict())
+    assert again.current == dec.current and again.decided_at == 60 and again.watched == dec.watched
+    assert again.update(70, loopback) == dec.update(70, loopback)
+
+
+def test_determinism_and_never_slower_on_random_measurements():
+    rng = random.Random(0)
+    for _ in range(12):
+        model = CostModel(alpha=rng.uniform(1e-5, 1e-3), beta=10 ** rng.uniform(-10, -7))
+        nb = rng.randint(1, 5)
+        hidden = [rng.uniform(0, 0.05) for _ in range(nb)]
+        codec = {c: rng.uniform(1e-4, 1e-2) for c in CODEC}
+        m = measures(model, sorted(hidden, reverse=True), compute=rng.uniform(0.01, 0.2), codec=codec,
+                     change=rng.choice([0.0, 0.7]), numel=rng.choice([4096, N]))
+        m = Measurements(m.network, m.buckets, m.compute_s, codec_inline=rng.random() < 0.5)
+        d = decide(m)
+        assert d == decide(m)
+        shuffled = Measurements(m.network, tuple(BucketMeasure(b.name, b.numel, b.shapes, b.hidden_s,
+                                                               dict(reversed(list(b.codec_s.items()))),
+                                                               b.norm_change) for b in m.buckets), m.compute_s,
+                                m.codec_inline)
+        assert decide(shuffled) == d
+        assert d.step_s <= dense_step(m) * (1 + 1e-12)
+
+
+def test_prices_and_describe():
+    p = Prices()
+    assert p.price(Candidate("dense")) == 1.0
+    assert p.price(Candidate("topk", 0.1)) == pytest.approx(1.5)
+    assert p.price(Candidate("topk", 0.01)) == pytest.approx(2.5)
+    assert p.price(Candidate("powersgd", 2)) == pytest.approx(1.9)
+    assert p.price(Candidate("powersgd", 1)) > p.price(Candidate("powersgd", 4)) > 1
+    assert describe(Choice(Candidate("topk", 0.01))) == "topk(ratio=0.01)"
+    assert describe(Choice(Candidate("blockquant", 4), "two_level")) == "blockquant(bits=4)+two_level"
+    assert describe(Candidate("dense")) == "dense"
+    with pytest.raises(ValueError, match="ratio"):
+        Candidate("topk", 2.0)
+    with pytest.raises(ValueError, match="margin"):
+        decide(measures(GBIT, [0.0]), margin=1.5)
+
+
+def test_stats_record_shape():
+    d = decide(measures(MBIT100, [0.0]))
+    rec = stats_record(["bucket0"], d, {"bucket0": 0.012})
+    assert list(rec) == ["bucket0"]
+    assert rec["bucket0"]["choice"] == describe(d.choices[0])
+    assert rec["bucket0"]["predicted_ms"] == pytest.approx(1e3 * d.predicted_s[0])
+    assert rec["bucket0"]["measured_ms"] == pytest.approx(12.0)

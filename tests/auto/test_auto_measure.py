@@ -1,0 +1,85 @@
+"""Measurement helpers of ``"auto"``: codec cost, overlap, norm change, agreement across ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run
+
+from commpress.auto import (BucketMeasure, Candidate, Network, OverlapRecorder, agree_measurements,
+                            codec_cost, decide, norm_change, overlap)
+from commpress.auto.measure import clear_codec_cache
+from commpress.collectives import CostModel
+
+
+def test_overlap_takes_hook_time_out():
+    # backward 0..10 s; hooks fire at 2 (busy 1), 6 (busy 1), 9.5 (busy 0.5); backward ends at 10
+    # backward compute alone: 7.5 s; arrivals net of earlier hooks' time: 2, 5, 7.5
+    assert overlap(0.0, [2.0, 6.0, 9.5], [1.0, 1.0, 0.5], 10.0) == pytest.approx([5.5, 2.5, 0.0])
+    assert overlap(1.0, [], [], 3.0) == []
+    with pytest.raises(ValueError, match="busy"):
+        overlap(0.0, [1.0], [], 2.0)
+
+
+def test_overlap_recorder_averages_steps():
+    rec = OverlapRecorder()
+    for shift in (0.0, 100.0):
+        rec.begin(shift)
+        rec.arrive("a", shift + 2.0)
+        rec.leave("a", shift + 3.0)
+        rec.arrive("b", shift + 7.0)
+        rec.leave("b", shift + 7.0)
+        # backward compute 8 - 1 s (hook a's time out); b arrives at 7 - 1 = 6 of it
+        assert rec.finish(shift + 8.0) == pytest.approx([5.0, 1.0])
+    assert rec.order() == ["a", "b"]
+    assert rec.mean_hidden() == pytest.approx({"a": 5.0, "b": 1.0})
+    with pytest.raises(RuntimeError, match="begin"):
+        rec.finish(1.0)
+
+
+def test_norm_change():
+    assert norm_change([1.0, 2.0, 0.0, 0.0], [1.5, 2.0, 0.0, 3.0]) == pytest.approx([0.5, 0.0, 0.0, 1.0])
+    assert norm_change([float("nan")], [1.0]) == [1.0]
+
+
+def test_codec_cost_cached_per_size(monkeypatch):
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    clear_codec_cache()
+    for c in (Candidate("bf16"), Candidate("blockquant", 4), Candidate("topk", 0.01)):
+        t = codec_cost(c, 4096)
+        assert t > 0 and codec_cost(c, 4096) == t      # second call: the cached number
+    assert codec_cost(Candidate("dense"), 4096) == 0.0
+    assert codec_cost(Candidate("powersgd", 1), 4096 + 8, shapes=((64, 64), (8,))) > 0
+    assert codec_cost(Candidate("powersgd", 1), 8, shapes=((8,),)) == 0.0   # nothing compressed
+    with pytest.raises(ValueError, match="numel"):
+        codec_cost(Candidate("bf16"), -1)
+
+
+def _agree_and_decide(rank, world):
+    import os
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    c8, c4 = Candidate("blockquant", 8), Candidate("blockquant", 4)
+    # rank-dependent local numbers; rank 1 did not measure 4-bit for bucket 1
+    local = (BucketMeasure("b0", 1 << 16, (), 0.01 * (rank + 1), {c8: 1e-3 * (rank + 1), c4: 2e-3}, 0.1 * rank),
+             BucketMeasure("b1", 1 << 16, (), 0.0, {c8: 1e-3} if rank else {c8: 1e-3, c4: 5e-4}, 0.0))
+    net = Network(world, CostModel(alpha=1e-4, beta=8e-8))
+    m = agree_measurements(net, local, 0.02 * (rank + 1), (c8, c4))
+    d = decide(m, candidates=(Candidate("dense"), c8, c4))
+    bad = None
+    other = (local[0], BucketMeasure("b1", (1 << 16) + rank, (), 0.0, {c8: 1e-3}))
+    try:
+        agree_measurements(net, other, 0.02, (c8, c4))
+    except ValueError as exc:
+        bad = str(exc)
+    return m, d, bad
+
+
+def test_agreement_makes_every_rank_decide_alike():
+    (m0, d0, bad0), (m1, d1, bad1) = run(_agree_and_decide, 2)
+    assert m0 == m1 and d0 == d1                 # bitwise the same inputs and plan on both ranks
+    b0, b1 = m0.buckets
+    assert b0.hidden_s == 0.01                    # min over ranks
+    assert b0.codec_s[Candidate("blockquant", 8)] == 2e-3   # max over ranks
+    assert b0.norm_change == 0.1 and m0.compute_s == 0.04
+    assert Candidate("blockquant", 4) not in b1.codec_s      # unmeasured on rank 1: left out
+    assert bad0 and bad0 == bad1 and "elements" in bad0      # a size mismatch raises on every rank
