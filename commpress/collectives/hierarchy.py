@@ -279,6 +279,15 @@ def predict_paths(numel: int, compressor: Any, world: int, local_size: int, intr
     return {"flat": flat, "two_level": local + inter.time(sm, sb, se, sd)}
 
 
+def _host_status(t: torch.Tensor) -> bool:
+    """Whether the node's status may be read on the host now: only where that is free (CPU)."""
+    return t.device.type == "cpu"
+
+
+#: How the node's intra status is judged: on the host (``_host_status``: CPU tensors) or on the
+#: device through the inter call's status.  Tests set ``lambda t: False`` to run the CUDA logic on CPU.
+HOST_STATUS = _host_status
+
 _PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _PROBES_LOCK = threading.Lock()
 
@@ -368,18 +377,24 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     mine = bnd[j + 1] - bnd[j]
     shard = acc[:mine].to(wdt)
     code, msg = err
-    if not code and acc.device.type == "cpu" and float(acc[S]) != 0.0:
+    node_bad = None   # the node's verdict, on the device (CUDA: no host read)
+    if not code and HOST_STATUS(acc) and float(acc[S]) != 0.0:
         code, msg = wire.E_MISUSE, f"bad input on {int(float(acc[S]))} rank(s) of node {h.node}"
+    elif not code:
+        node_bad = acc[S] != 0
     if feedback:
         wire.poison_(shard, acc[S + 1] != 0)
     # 2. inter compressed allreduce of my shard (a shard every node holds alike: same sizes, same key)
     if mine:
         if code:
             shard = torch.zeros(mine, dtype=torch.float32, device=tensor.device)
-        out_shard = flat_allreduce(shard, compressor, group=h.inter, validate=False, transaction=tx,
-                                   shapes=h.shard_shapes(bnd, j, shape, shapes) if kind == "lowrank" else None,
-                                   _error=(code, msg) if code else None,
-                                   **dict(args, key=("shard", key, j)))
+        # a node's bad rank rides in every status of the inter call (every inter group holds one
+        # rank of that node, so every rank of every node raises together, here or deferred)
+        with wire.device_error(node_bad):
+            out_shard = flat_allreduce(shard, compressor, group=h.inter, validate=False, transaction=tx,
+                                       shapes=h.shard_shapes(bnd, j, shape, shapes) if kind == "lowrank" else None,
+                                       _error=(code, msg) if code else None,
+                                       **dict(args, key=("shard", key, j)))
     else:
         out_shard = shard
     # 3. intra all-gather of the reduced shards (``out`` may be ``tensor`` itself: no longer read)

@@ -35,10 +35,11 @@ waiting for the device.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -134,7 +135,30 @@ def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
     w[1].fill_(int(sig))
     if nonfinite is not None:
         w[0:1].add_(nonfinite.to(torch.int32).reshape(1))
+    extra = _DEVICE_ERROR.flag
+    if extra is not None and not error:
+        w[0:1].add_(extra.to(torch.int32).reshape(1) * (E_MISUSE << 8))
     return w
+
+
+class _DeviceError(threading.local):
+    flag: torch.Tensor | None = None
+
+
+_DEVICE_ERROR = _DeviceError()
+
+
+@contextlib.contextmanager
+def device_error(flag: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, every status this thread writes (:func:`status_word`, :func:`sum_slots`)
+    also reports an error (:data:`E_MISUSE`) where the 0-d bool ``flag`` is set, decided on the
+    device: how a verdict known only on the device (a node's, in the two-level protocol) reaches
+    every rank of the next collective without a host read.  ``None``: nothing added."""
+    previous, _DEVICE_ERROR.flag = _DEVICE_ERROR.flag, flag
+    try:
+        yield
+    finally:
+        _DEVICE_ERROR.flag = previous
 
 
 #: ranks whose error bits an all_reduce slot of this dtype adds exactly (2**rank each)
@@ -148,6 +172,9 @@ def sum_slots(buf: torch.Tensor, *, error: int = 0, nonfinite: torch.Tensor | No
     powers of two exactly), this rank's NaN/inf flag in the other."""
     exact = world <= _EXACT_RANKS.get(buf.dtype, 0)
     buf[-2].fill_(0 if not error else (float(2 ** rank) if exact else 1.0))
+    extra = _DEVICE_ERROR.flag
+    if extra is not None and not error:
+        buf[-2:-1].add_(extra.to(buf.dtype).reshape(1) * (float(2 ** rank) if exact else 1.0))
     if nonfinite is None:
         buf[-1].fill_(0)
     else:

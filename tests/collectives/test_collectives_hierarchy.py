@@ -133,19 +133,32 @@ def test_bad_topology_raises_on_every_rank(local):
     assert len({r.message for r in res}) == 1
 
 
-def bad_input_worker(rank, world):
+def bad_input_worker(rank, world, device_path):
+    os.environ["COMMPRESS_BACKEND"] = "torch"   # a protocol test: no JIT in each of the 4 ranks
+    if device_path:  # judge the node's status as on CUDA: on the device, through the inter call
+        from commpress.collectives import hierarchy
+
+        hierarchy.HOST_STATUS = lambda t: False
     h = Hierarchy(2)
-    c = commpress.get("fp16")
-    x = data(rank, 0)
-    allreduce(x, c, hierarchy=h, key="x", validate=False)
-    if rank == 1:
-        x = x.to(torch.int32)
-    allreduce(x, c, hierarchy=h, key="x", validate=False)
+    raised = []
+    for name, params in (("fp16", {}), ("topk", {"ratio": 0.05})):   # an all_reduce status, a byte status
+        c = commpress.get(name, **params)
+        x = data(rank, 0)
+        allreduce(x, c, hierarchy=h, key=name, validate=False)
+        if rank == 1:
+            x = x.to(torch.int32)
+        try:
+            allreduce(x, c, hierarchy=h, key=name, validate=False)
+            raised.append(None)
+        except commpress.collectives.CollectiveInputError as exc:
+            raised.append(type(exc).__name__)
+    return raised
 
 
-def test_bad_input_on_one_rank_raises_everywhere():
-    res = run(bad_input_worker, 4, timeout=60, return_exceptions=True)
-    assert all(getattr(r, "type", None) == "CollectiveInputError" for r in res), res
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+def test_bad_input_on_one_rank_raises_everywhere(device_path):
+    res = run(bad_input_worker, 4, device_path, timeout=60, return_exceptions=True)
+    assert all(r == ["CollectiveInputError"] * 2 for r in res), res
 
 
 def auto_worker(rank, world):
