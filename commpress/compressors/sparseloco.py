@@ -22,7 +22,8 @@ class SparseLoCo(Compressor):
     and largest kept magnitude ``lo``, ``hi`` (fp32), decoded to the bin centre
     (deterministic; the error goes to the error-feedback residual).
 
-    Wire per chunk: ``k`` in-chunk indices (int16, int32 for chunks over 32768),
+    Wire per chunk: ``k`` in-chunk indices (uint8 for chunks up to 256, int16 up to 32768,
+    else int32),
     ``ceil(k*bits/8)`` bytes of packed codes, 8 bytes of ``lo``/``hi``.  At the
     defaults (4096, 3%, 2 bits) that is 283 bytes for 16 KiB of fp32: 58x.
     Aggregation ``"gather"`` (the codes are decoded before they are summed): a
@@ -79,7 +80,7 @@ class SparseLoCo(Compressor):
         mcode = torch.clamp(torch.floor(t * levels), 0, levels - 1).to(torch.uint8)
         codes = mcode | ((vals < 0).to(torch.uint8) << (self.bits - 1))
         packed = _pack(codes, self.bits)
-        itype = torch.int16 if c <= _MAX_INT16_CHUNK else torch.int32
+        itype = torch.uint8 if c <= 256 else torch.int16 if c <= _MAX_INT16_CHUNK else torch.int32
         scales = torch.cat([lo, hi], dim=1)
         return self.make_payload(tensor, (idx.to(itype), packed, scales))
 
