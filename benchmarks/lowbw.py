@@ -297,7 +297,8 @@ def goal_lines(rows: list[dict]) -> list[str]:
     ddp = by.get("ddp")
     if ddp:
         lines.append(f"- where the time goes: {best['config']} takes {best['ttt_step']} steps of "
-                     f"{best['step_ms']:.0f} ms (median: compute, the syncs are rare), DDP {ddp['steps']} steps of {ddp['step_ms']:.0f} ms "
+                     f"{best['step_ms']:.0f} ms (median: compute, the syncs are rare), DDP {ddp['steps']} steps "
+                     f"of {ddp['step_ms']:.0f} ms "
                      "(the 10 Mbit/s all_reduce); on a loaded machine compute slows and the DiLoCo ratios fall")
     fewer = best["ddp_bytes_per_step"] / best["bytes_per_step"] if best["bytes_per_step"] else float("inf")
     lines.append(f"- bytes per inner step: {fewer:.0f}x fewer than DDP, goal 500x: "
