@@ -46,8 +46,10 @@ class Exchange:
             raise RuntimeError(f"commpress diloco: the exchange of fragment {self.fragment} sent at "
                                f"inner step {self.sent_at} failed: {type(self.error).__name__}: "
                                f"{self.error}") from self.error
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        if self._event is not None:  # made on the worker's side stream: order it before its use here
+            stream = torch.cuda.current_stream(self.result.device)
+            stream.wait_event(self._event)
+            self.result.record_stream(stream)
             self._event = None
         assert self.result is not None
         return self.result

@@ -268,7 +268,7 @@ class DiLoCo:
         self._exchanges += 1
         self._skipped.append(bad)
         if len(self._skipped) > 64:
-            self._skipped = [torch.stack(self._skipped).sum()]
+            self._skipped = [torch.stack([f.to(torch.int64) for f in self._skipped]).sum()]
         self._bytes[0] += item.bytes_sent
         self._bytes[1] += item.bytes_received
 
