@@ -176,6 +176,21 @@ def diloco_worker(rank, world):
             res[f"raises {what}"] = None
         except ValueError as exc:
             res[f"raises {what}"] = str(exc)
+
+    # 6. a failure on one rank (its compressor raises on its data) raises on every rank, from the
+    # worker too (the collective sends a zero payload of the right size in its place)
+    class Failing(type(commpress.get("fp16"))):
+        def compress(self, tensor, **kw):
+            if dist.get_rank() == 1 and bool(tensor.abs().sum() > 0):
+                raise RuntimeError("rank 1's codec broke")
+            return super().compress(tensor, **kw)
+
+    for tau in (0, 1):
+        try:
+            model, _, dl = _train(rank, H + tau, overlap=tau, compressor=Failing())
+            res[f"failure tau{tau}"] = None
+        except Exception as exc:  # noqa: BLE001 - what every rank saw
+            res[f"failure tau{tau}"] = f"{type(exc).__name__}: {exc}"
     return res
 
 
@@ -195,6 +210,9 @@ def test_diloco_two_ranks():
         assert "rank 1" in out["raises local"] and "sync_every" in out["raises local"]
         assert "outer_lr" in out["raises differ"]
         assert "compressor" in out["raises compressor"]
+        for tau in (0, 1):
+            msg = out[f"failure tau{tau}"]  # rank 1 says why; rank 0 that rank 1 failed
+            assert msg and "CollectiveInputError" in msg and ("codec broke" in msg or "rank(s) [1]" in msg), msg
 
 
 def test_bad_arguments_name_the_argument():
