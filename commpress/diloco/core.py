@@ -113,7 +113,7 @@ class DiLoCo:
             groups of about equal size; fragment ``f`` is sent when the inner step
             count is ``(f+1)*H//F`` modulo H (staggered; F=1: every H steps).
         overlap: τ, the inner steps between sending a fragment and applying its
-            outer step (``True`` = 1, ``False`` = 0; ``0 <= τ < H``).  With τ > 0 and
+            outer step (``True`` = 1, or 0 when H = 1; ``False`` = 0; ``0 <= τ < H``).  With τ > 0 and
             more than one rank the exchange runs on a worker thread with a process
             group of its own (on a side stream on CUDA) during the next τ inner
             steps; when applied, the fragment's local parameters are replaced by the
@@ -165,6 +165,8 @@ class DiLoCo:
             errors.append(f"fragments must be at most the number of trainable parameters ({len(params)}) "
                           f"and sync_every ({sync_every}), got {fragments}")
         tau = int(overlap) if isinstance(overlap, (bool, numbers.Integral)) else -1
+        if overlap is True and sync_every == 1:
+            tau = 0  # nothing to overlap with: the next step is the next sync
         if tau < 0 or (_is_int(sync_every) and sync_every >= 1 and tau >= sync_every):
             errors.append(f"overlap must be True, False or an integer in [0, sync_every), got {overlap!r}")
         comp: ErrorFeedback | None = None
