@@ -1,6 +1,11 @@
 """commpress.diloco.DiLoCo: against a hand-written reference, replicas, resume, NaN, bad input.
 
 One 2-rank run makes every multi-process check (a process start costs more than the checks).
+
+Exactness is bitwise (``torch.equal``), not within a tolerance: with 2 ranks and compressor=None
+every number is computed by the same fp32 operations as in the reference (a sum of two values
+is the same in any order, the division by 2 is exact, and the outer step uses torch.optim.SGD's
+own formulas: ``buf*m + g``, ``g + m*buf``, ``θ - lr*update``).
 """
 
 from __future__ import annotations
