@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="parent folder of results/sweep-<timestamp>/")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before a task's ranks are killed")
+    # -- low-bandwidth part (benchmarks/lowbw.py) --
+    p.add_argument("--lowbw", choices=("auto", "on", "off", "only"), default="auto",
+                   help="the low-bandwidth part (LM at 10 Mbit/s: DDP, blockquant 4-bit, PostLocalSGD, DiLoCo "
+                   "dense / SparseLoCo / streaming); auto: with --demo")
     return p
 
 
@@ -491,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             NetSpec.parse(args.net)
         except ValueError as exc:
             raise SystemExit(str(exc))
-    legs = plan(args)
+    legs = [] if args.lowbw == "only" else plan(args)
     steps = _parse_steps(args.steps, args.quick or args.demo)
     size = "quick" if (args.quick or args.demo) else "full"
     out = results_dir("sweep", args.out)
@@ -517,9 +521,24 @@ def main(argv: list[str] | None = None) -> int:
         meta["goals"] += check_goals(leg, configs)
         meta["seconds"] = time.monotonic() - t0
         summary = finalize(out, rows_by_leg, meta)      # after every leg: partial results survive
+    summary = _lowbw_part(args, out, rows_by_leg, meta, t0) or summary
     print(summary)
     print(f"\nresults in {out}/ ({meta['seconds']:.0f} s)", file=sys.stderr)
     return 0 if not any("error" in r for rows in rows_by_leg.values() for r in rows) else 1
+
+
+# ---------------------------------------------------------------------------- low-bandwidth part
+def _lowbw_part(args, out: Path, rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], t0: float) -> str:
+    """Run :mod:`benchmarks.lowbw` when asked (``--lowbw on|only``, or ``auto`` with ``--demo``); its
+    rows and markdown go into ``meta["lowbw"]`` and the summary's last section.  Returns the new summary."""
+    if not (args.lowbw in ("on", "only") or (args.lowbw == "auto" and args.demo)):
+        return ""
+    from . import lowbw
+
+    rows, part, lines = lowbw.run_part(args, out)
+    meta["lowbw"] = {"rows": rows, "meta": part, "lines": lines}
+    meta["seconds"] = time.monotonic() - t0
+    return finalize(out, rows_by_leg, meta)
 
 
 def _git_state() -> str:
@@ -562,7 +581,7 @@ def finalize(out: Path, rows_by_leg: dict[str, list[dict]], meta: dict[str, Any]
     first = {k: [r for r in rows if r.get("seed", meta["seed"]) == meta["seed"]] for k, rows in rows_by_leg.items()}
     plot_meta = {"targets": {k: meta["legs"][k]["targets"].get(str(meta["seed"]), {}) for k in rows_by_leg},
                  "network": ""}
-    pngs = plots.make_all(out, first, plot_meta)
+    pngs = plots.make_all(out, first, plot_meta) if first else []  # none with --lowbw only
     summary = render_summary(rows_by_leg, meta, pngs)
     (out / "summary.md").write_text(summary)
     return summary
@@ -634,6 +653,7 @@ def render_summary(rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], png
     if pngs:
         lines += [f"![{pngs[0].stem.replace('_', ' ')}]({pngs[0].name})", "",
                   f"Plots (first seed of each part): {', '.join(p.name for p in pngs)}", ""]
+    lines += meta.get("lowbw", {}).get("lines", [])
     lines += [f"Command: `{meta['command']}`; commit {meta.get('git', '?')}; {meta.get('date', '')}; "
               f"{meta.get('cpu_cores', '?')} cores, load average {meta.get('load_average', 0):.1f} at the start; "
               f"{meta.get('seconds', 0):.0f} s in all.", ""]

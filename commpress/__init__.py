@@ -14,6 +14,7 @@ import sys
 from .compressors import Compressor, Payload, available, get, register
 from .feedback import ErrorFeedback
 from .hooks import ddp, fsdp
+from . import diloco  # noqa: E402 - after the compressors and collectives it builds on
 
 # `import commpress.ddp` / `from commpress.fsdp import register` work like attribute access.
 sys.modules[f"{__name__}.ddp"] = ddp
@@ -23,4 +24,4 @@ logging.getLogger("commpress").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-__all__ = ["Compressor", "ErrorFeedback", "ddp", "fsdp", "Payload", "available", "get", "register", "__version__"]
+__all__ = ["Compressor", "ErrorFeedback", "ddp", "diloco", "fsdp", "Payload", "available", "get", "register", "__version__"]

@@ -35,6 +35,8 @@ CASES = [
     ("mx", {}),
     ("mx", {"element": "fp6_e2m3", "stochastic": True}),
     ("mx", {"element": "fp4_e2m1"}),
+    ("sparseloco", {"ratio": 0.3, "chunk": 16}),
+    ("sparseloco", {"ratio": 0.05, "chunk": 300, "bits": 4}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in p.items())}".rstrip("-") for n, p in CASES]
 
@@ -105,6 +107,9 @@ def nbytes_bound(c: commpress.Compressor, x: torch.Tensor, payload) -> tuple[int
         return n + 4 * math.ceil(n / c.block), True
     if name == "mx":
         return math.ceil(n * c.bits / 8) + math.ceil(n / 32), True
+    if name == "sparseloco":
+        chunks, clen, kc = c.layout(n)
+        return chunks * (kc * (1 if clen <= 256 else 2 if clen <= 2 ** 15 else 4) + math.ceil(kc * c.bits / 8) + 8), True
     if name == "powersgd":
         if payload.meta["uncompressed"]:
             return n * it, True

@@ -116,6 +116,9 @@ def test_non_finite_input_propagates(case, bad, dtype):
     ("mx", {"element": "int8"}, "element"),
     ("mx", {"stochastic": "no"}, "stochastic"),
     ("powersgd", {"rank": True}, "rank"),
+    ("sparseloco", {"ratio": 0.0}, "ratio"),
+    ("sparseloco", {"chunk": 0}, "chunk"),
+    ("sparseloco", {"bits": 3}, "bits"),
 ])
 def test_bad_parameters_raise_value_error_naming_the_argument(name, params, arg):
     with pytest.raises(ValueError, match=arg):
