@@ -121,6 +121,38 @@ int main() {
         expect(scale[0] > 0.5f && scale[0] < 1.0f, "mean |x| of a normal sample");
     }
 
+    // fp8 (sub-warp groups and full warps) and MX (a warp per block, codes packed by shuffles)
+    {
+        int mbits = 3, emin = -6, sbit = 128, fmax_key = 0x43e00000, sto = 1;  // e4m3, max 448
+        unsigned k0 = 1, k1 = 2;
+        for (i64 block : {5, 128}) {
+            i64 nblocks = (n + block - 1) / block;
+            int width = block >= 32 ? 32 : 8;
+            std::vector<unsigned char> codes(n);
+            std::vector<float> scales(nblocks);
+            const float* in = x.data();
+            unsigned char* cp = codes.data();
+            float* sp = scales.data();
+            run("fp8_quantize_kernel", grid, threads, &in, &cp, &sp, (void*)&n, &block, &nblocks, &width,
+                &mbits, &emin, &sbit, &fmax_key, &sto, &k0, &k1);
+            float m = 0;
+            for (i64 j = 0; j < block; ++j) m = std::max(m, std::fabs(x[j]));
+            expect(scales[0] == m / 448.0f, "fp8 scale of block 0");
+        }
+        int bits = 4, emax = 2, fmin_key = 0x40c00000;  // fp4 e2m1, max 6
+        mbits = 1;
+        emin = 0;
+        sbit = 8;
+        i64 nbytes = (n * bits + 7) / 8;
+        std::vector<unsigned char> packed(nbytes), sbytes((n + 31) / 32);
+        const float* in = x.data();
+        unsigned char* pp = packed.data();
+        unsigned char* sp = sbytes.data();
+        run("mx_quantize_kernel", grid, threads, &in, &pp, &sp, (void*)&n, &nbytes, &bits, &emax, &mbits,
+            &emin, &sbit, &fmin_key, &sto, &k0, &k1);
+        expect(sbytes[0] > 100 && sbytes[0] < 140, "MX scale byte of block 0");
+    }
+
     // scatter-add with duplicate indices: compare-and-swap, no lost update
     {
         i64 m = 4096;
@@ -153,6 +185,6 @@ int main() {
     }
 
     if (failures) return 1;
-    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, scatter under TSan)\n");
+    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, fp8, MX, scatter under TSan)\n");
     return 0;
 }
