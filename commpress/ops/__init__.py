@@ -51,6 +51,9 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if _IMPLS.get(b)]
 
 
+#: The backend ``backend=None`` prefers per device type (the GPU check's dry run maps "cpu" to "cuda",
+#: the host build of the kernels).
+DEVICE_BACKENDS = {"cuda": "cuda", "cpu": "numba"}
 #: Why the cuda backend is not registered (set by cuda_backend), for the fallback log.
 cuda_unavailable_reason = "commpress.ops.cuda_backend not loaded"
 
@@ -66,7 +69,7 @@ def _resolve(op: str, device: torch.device, backend: str | None = None) -> tuple
             return backend, impls[op]
         if backend != "torch":
             raise NotImplementedError(f"op {op!r} has no {backend!r} backend (installed?)")
-    preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
+    preferred = DEVICE_BACKENDS.get(device.type, "torch")
     impl = _IMPLS.get(preferred, {}).get(op)
     if impl is not None:
         return preferred, impl
@@ -86,7 +89,7 @@ def backends_used(reset: bool = False) -> dict[str, str]:
     """``{op: backend}``: the backend (``"torch"``, ``"numba"`` or ``"cuda"``) that ran the last
     call of each op called through :mod:`commpress.ops` since the last ``reset=True``.
 
-    ``"torch"`` also marks a fast backend that handed the call to the reference (arguments no
+    ``"torch"`` also marks a call of the cuda backend handed to the reference (arguments no
     kernel covers, or no kernel for the op); each such fallback is logged once to
     ``logging.getLogger("commpress")``.  A training loop can read this after a step to check
     that its compressor's ops ran on the GPU kernels.
