@@ -141,7 +141,7 @@ def setup(dry_run: bool) -> Env:
         spec = importlib.util.spec_from_file_location("commpress_host_build", root / "kernels/host/build.py")
         build = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(build)
-        launcher = cb.HostLauncher(build.build(root / "kernels/host/build"), threads=64, max_grid=16)
+        launcher = cb.HostLauncher(build.build(root / "kernels/host/build"), threads=32, max_grid=8)
         launcher.reads_are_free = False
         cb._launcher = launcher
         ops.register_backend("cuda", cb.OPS)
