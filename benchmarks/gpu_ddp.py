@@ -35,6 +35,7 @@ from torch import nn
 
 #: (label, compressor, parameters): every registered compressor at least once.
 CONFIGS = [
+    ("plain DDP (no hook)", None, {}),  # baseline: a sync here is DDP's or torch's, not commpress's
     ("identity", "identity", {}),
     ("fp16", "fp16", {}),
     ("bf16", "bf16", {}),
@@ -98,7 +99,7 @@ def check_coverage() -> list[str]:
     """Registered compressors missing from :data:`CONFIGS` (a new one must be added there)."""
     from commpress.compressors import base
 
-    return sorted(set(base.available()) - {name for _, name, _ in CONFIGS})
+    return sorted(set(base.available()) - {name for _, name, _ in CONFIGS if name})
 
 
 def sync_check(env, warm: int = 3, steps: int = 2) -> dict:
@@ -117,7 +118,8 @@ def sync_check(env, warm: int = 3, steps: int = 2) -> dict:
                 state = None
                 try:
                     model = _ddp(_model(env.dry_run), env.device)
-                    state = commpress.ddp.register(model, name, overlap=True, **params)
+                    if name is not None:
+                        state = commpress.ddp.register(model, name, overlap=True, **params)
                     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
                     for s in range(warm):
                         _step(model, opt, *_batch(s, 0, env.device, 64))

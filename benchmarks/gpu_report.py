@@ -100,7 +100,8 @@ def build(out: Path, steps=STEPS) -> tuple[dict, list[str]]:
         lines.append("sync check: NO RESULT")
     else:
         lines.append("steady-state DDP step under torch.cuda.set_sync_debug_mode('error') (overlap on)")
-        lines.append(f"{'compressor':28s} {'result':10s} ops not on the cuda kernels")
+        lines.append(f"{'compressor':28s} {'result':10s} ops not on the cuda kernels "
+                     "(a sync of plain DDP is torch's own)")
         syncing = []
         for r in s["rows"]:
             if not r["ok"]:

@@ -23,10 +23,21 @@ index raises ``IndexError`` where reading the flag is free (the host launcher) o
 ``COMMPRESS_CUDA_CHECK=1``; otherwise the failure is recorded on the device and
 :func:`take_errors` returns (and clears) it.
 
+Passes over the data: fp8 and MX quantize in one kernel (a group of lanes per block takes the
+block's max, then codes it from cache; MX packs its codes with warp shuffles), every decode in one
+kernel (unpack, scale, accumulate); QSGD reads ``x`` twice (bucket norms, then codes and
+packing: the norm must be known first), TernGrad's scale is ``block_absmax(...).amax()``, and
+signsgd with error feedback runs three kernels (``c = x + beta*r`` and its sign bits; the chunk
+scales; ``new_residual = c -+ scale``).
+
 Without CuPy, without a CUDA device, or with an NVRTC that cannot compile (missing, or built
 for another CUDA major version) this module imports fine and registers nothing, so
 :mod:`commpress.ops` uses the torch reference on CUDA tensors.  Ops not covered here (bitmaps,
-hash partition, magnitude keys) run as the reference on the device.
+hash partition, magnitude keys) run as the reference on the device.  Every way to the reference
+on a CUDA tensor is logged once (``logging.getLogger("commpress")``): the backend not registered,
+an op without a kernel, arguments no kernel covers (:func:`_fallback`), or NVRTC failing on
+these sources at the first launch (:class:`KernelsUnavailable`: every op then falls back);
+:func:`commpress.ops.backends_used` names the backend each op last ran on.
 """
 
 from __future__ import annotations

@@ -242,3 +242,27 @@ def test_nvrtc_failure_at_first_launch_falls_back(target, caplog, monkeypatch):
         assert_bitwise(cuda_backend.topk_compact(x, 5), R.topk_compact(x, 5))
     assert "NVRTC could not compile" in caplog.text and caplog.text.count("every op now runs") == 1
     assert _usage.used()["topk_compact"] == "torch"
+
+
+@pytest.mark.gpu
+def test_new_ops_never_synchronize_on_gpu():
+    gpu_target()
+    x = _x(1_000_003).cuda()
+    r, new, out = torch.randn_like(x), torch.empty_like(x), torch.zeros_like(x)
+    with cuda_backend.use(cuda_backend.CupyLauncher()):
+        cb = cuda_backend
+        cb.fp8_quantize(x, "e4m3", 128)  # compile, make the decode tables
+        cb.mx_dequantize(*cb.mx_quantize(x, "fp4_e2m1"), "fp4_e2m1", x.numel())
+        cb.fp8_dequantize(*cb.fp8_quantize(x, "e5m2", 128), "e5m2", 128, x.numel())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cb.fp8_dequantize(*cb.fp8_quantize(x, "e4m3", 128, True, 1), "e4m3", 128, x.numel(), out, True)
+            cb.mx_dequantize(*cb.mx_quantize(x, "fp4_e2m1", True, 1), "fp4_e2m1", x.numel(), out, True)
+            cb.level_dequantize(*cb.qsgd_quantize(x, 7, 512, 1), 512, 7, x.numel(), out, True)
+            scale = cb.block_absmax(x, 1 << 16).amax().reshape(1)
+            cb.level_quantize(x, scale, x.numel(), 1, 2)
+            cb.sign_pack_feedback(x, r, 0.9, 1024, new)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
