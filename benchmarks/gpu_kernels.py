@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     warmup = 0 if args.dry_run else 2
     peak, source = env.hbm_peak_gbs()
     print(f"device {env.name}: HBM peak {peak:.0f} GB/s ({source})")
-    rows, topk_vs_torch = [], []
+    rows = []
     gen = torch.Generator(device=env.device).manual_seed(0)
     for log2 in args.sizes:
         n = 1 << log2
@@ -203,7 +203,6 @@ def main(argv=None) -> int:
                     kernel_breakdown(name, fn, n, peak)
                 except Exception as exc:  # profiler without CUPTI: the op figures stand
                     print(f"  (per-kernel breakdown unavailable: {exc!r})")
-        del x, dst
     write_json(args.out, {"device": env.name, "dry_run": args.dry_run, "hbm_peak_gbs": peak,
                           "hbm_peak_source": source, "sizes": args.sizes, "rows": rows})
     print(f"\nwrote {args.out}")

@@ -682,3 +682,65 @@ extern "C" __global__ void sign_residual_kernel(const u8* packed, const float* s
         c[j] = __fsub_rn(c[j], ((packed[j >> 3] >> (j & 7)) & 1) ? s : -s);
     }
 }
+
+// sign_pack_feedback in one pass over HBM, for chunks of whole bytes and at most 32 groups of 256
+// (chunk % 8 == 0, chunk <= 8192): one warp per chunk.  Pass 1 writes c = x + r * beta to c_out
+// and the sign bytes and sums |c| in groups of 256 exactly like tree256_kernel (lane g keeps group
+// g's sum), then reduces the group sums with the same shuffle tree (zero padding: the reference's
+// tree, see tree256_kernel); pass 2 rewrites c_out[j] = c - (c < 0 ? -s : s) where every lane
+// reads back only what it wrote itself.  c_out may alias r.
+extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const float* r, float beta,
+                                                      int use_beta, float* c_out, u8* packed,
+                                                      float* scales, i64 chunk, i64 n) {
+    int lane = threadIdx.x & 31;
+    i64 nchunks = (n + chunk - 1) / chunk;
+    i64 G = (chunk + 255) / 256;
+    for (i64 c = global_warp(); c < nchunks; c += grid_warps()) {  // warp-uniform
+        i64 a = c * chunk, len = min(chunk, n - a);
+        float mine = 0.0f;
+        for (i64 g = 0; g < G; ++g) {
+            i64 first = g * 256 + lane * 8;
+            float v[8];
+            u32 byte = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                i64 j = first + e;
+                float cj = 0.0f;
+                if (j < len) {
+                    cj = use_beta ? __fadd_rn(x[a + j], __fmul_rn(r[a + j], beta)) : __fadd_rn(x[a + j], r[a + j]);
+                    c_out[a + j] = cj;
+                    if (!(cj < 0.0f)) byte |= 1u << e;
+                }
+                v[e] = fabsf(cj);
+            }
+            if (first < len) packed[(a + first) >> 3] = (u8)byte;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
+            v[0] = __fadd_rn(v[0], v[1]);
+            v[1] = __fadd_rn(v[2], v[3]);
+            float s = __fadd_rn(v[0], v[1]);
+            for (int o = 1; o < 32; o <<= 1) {
+                float other = __shfl_down_sync(FULL, s, o);
+                if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
+            }
+            s = __shfl_sync(FULL, s, 0);
+            if (lane == g) mine = s;
+        }
+        for (int o = 1; o < 32; o <<= 1) {
+            float other = __shfl_down_sync(FULL, mine, o);
+            if ((lane & (2 * o - 1)) == 0) mine = __fadd_rn(mine, other);
+        }
+        float s = __fdiv_rn(__shfl_sync(FULL, mine, 0), (float)len);
+        if (lane == 0) scales[c] = s;
+        for (i64 g = 0; g < G; ++g) {
+            i64 first = g * 256 + lane * 8;
+            for (int e = 0; e < 8; ++e) {
+                i64 j = first + e;
+                if (j < len) {
+                    float cj = c_out[a + j];
+                    c_out[a + j] = __fsub_rn(cj, cj < 0.0f ? -s : s);
+                }
+            }
+        }
+    }
+}

@@ -27,8 +27,8 @@ Passes over the data: fp8 and MX quantize in one kernel (a group of lanes per bl
 block's max, then codes it from cache; MX packs its codes with warp shuffles), every decode in one
 kernel (unpack, scale, accumulate); QSGD reads ``x`` twice (bucket norms, then codes and
 packing: the norm must be known first), TernGrad's scale is ``block_absmax(...).amax()``, and
-signsgd with error feedback runs three kernels (``c = x + beta*r`` and its sign bits; the chunk
-scales; ``new_residual = c -+ scale``).
+signsgd with error feedback is one kernel (a warp per chunk, for chunks of whole bytes up to
+8192) or else three (``c = x + beta*r`` and its sign bits; the chunk scales; the residual).
 
 Without CuPy, without a CUDA device, or with an NVRTC that cannot compile (missing, or built
 for another CUDA major version) this module imports fine and registers nothing, so
@@ -72,6 +72,8 @@ SEG = 4096
 #: (shift, bits) of the three radix-select passes over the 31-bit magnitude key.
 RADIX_PASSES = ((20, 11), (10, 10), (0, 10))
 _RADIX_BINS = 2048
+#: Largest chunk (32 groups of 256) of the one-pass sign_pack_feedback kernel.
+FUSED_CHUNK_MAX = 8192
 _MAX_KEY = 0x7FFFFFFF
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _i32, _i64, _u32, _u64 = np.int32, np.int64, np.uint32, np.uint64
@@ -771,9 +773,10 @@ def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, le
 
 def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chunk: int,
                        new_residual: torch.Tensor):
-    """See :func:`commpress.ops.reference.sign_pack_feedback`: ``c`` and its sign bits (one
-    kernel, ``c`` written to ``new_residual``), the chunk scales (tree kernels), then
-    ``new_residual = c - (+-scale)`` (one kernel); ``finite`` stays on the device."""
+    """See :func:`commpress.ops.reference.sign_pack_feedback`.  Chunks of whole bytes up to
+    :data:`FUSED_CHUNK_MAX`: one kernel, a warp per chunk (one pass over memory).  Otherwise ``c``
+    and its sign bits (one kernel, ``c`` written to ``new_residual``), the chunk scales (tree
+    kernels), then ``new_residual = c - (+-scale)`` (one kernel).  ``finite`` stays on the device."""
     n = x.numel()
     ok = (_mine(x, residual, new_residual) and x.dtype in _FLOATS and valid_block(chunk)
           and all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n and not t.requires_grad
@@ -786,9 +789,12 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
     nbytes = (n + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // chunk), dtype=torch.float32, device=x.device)
-    if n:
-        use_beta = float(beta) != 1.0
-        _launch(x.device, "feedback_sign_kernel", nbytes, xf, r, np.float32(beta), _i32(use_beta), c, packed,
+    use_beta = _i32(float(beta) != 1.0)
+    if n and chunk % 8 == 0 and chunk <= FUSED_CHUNK_MAX:
+        _launch(x.device, "sign_feedback_fused_kernel", scales.numel() * 32, xf, r, np.float32(beta), use_beta,
+                c, packed, scales, _i64(chunk), _i64(n))
+    elif n:
+        _launch(x.device, "feedback_sign_kernel", nbytes, xf, r, np.float32(beta), use_beta, c, packed,
                 _i64(n), _i64(nbytes))
         _tree(c, chunk, 1, 1, scales)
         _launch(x.device, "sign_residual_kernel", n, packed, scales, c, _i64(chunk), _i64(n))

@@ -153,6 +153,21 @@ int main() {
         expect(sbytes[0] > 100 && sbytes[0] < 140, "MX scale byte of block 0");
     }
 
+    // signsgd error feedback in one pass (a warp per chunk, shuffle trees)
+    {
+        i64 chunk = 1024, nchunks = (n + chunk - 1) / chunk;
+        std::vector<float> r(n, 0.5f), c(n), scales(nchunks);
+        std::vector<unsigned char> packed((n + 7) / 8);
+        const float* in = x.data();
+        const float* rp = r.data();
+        float beta = 0.5f, *cp = c.data(), *sp = scales.data();
+        int use_beta = 1;
+        unsigned char* pp = packed.data();
+        run("sign_feedback_fused_kernel", grid, threads, &in, &rp, &beta, &use_beta, &cp, &pp, &sp, &chunk,
+            (void*)&n);
+        expect(scales[0] > 0.5f && scales[0] < 1.5f, "mean |x + r/2| of a normal sample");
+    }
+
     // scatter-add with duplicate indices: compare-and-swap, no lost update
     {
         i64 m = 4096;
@@ -185,6 +200,6 @@ int main() {
     }
 
     if (failures) return 1;
-    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, fp8, MX, scatter under TSan)\n");
+    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, fp8, MX, sign feedback, scatter under TSan)\n");
     return 0;
 }

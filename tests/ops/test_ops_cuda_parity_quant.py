@@ -128,6 +128,12 @@ def test_sign_pack_feedback(cb, target):
                 assert_bitwise(got, want, f"sign_pack_feedback n={n} chunk={chunk} beta={beta}")
                 assert_bitwise(new_dev, new_ref, "new residual")
                 assert _ran_kernels() or n == 0
+        for chunk in (64, 300):  # the new residual written over the old one (each element read, then written)
+            new_ref = torch.empty(n)
+            want = R.sign_pack_feedback(x, r, 0.5, chunk, new_ref)
+            r_dev = target.to(r)
+            assert_bitwise(cb.sign_pack_feedback(target.to(x), r_dev, 0.5, chunk, r_dev), want, "aliased")
+            assert_bitwise(r_dev, new_ref, f"aliased new residual chunk={chunk}")
 
 
 @settings(max_examples=15, deadline=None)
