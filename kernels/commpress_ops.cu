@@ -412,10 +412,9 @@ extern "C" __global__ void block_quantize_kernel(const float* x, const float* in
 
 // out[j] (+)= (code_j - qmax) * (scale / qmax); one thread per 8 elements (`bits` whole bytes),
 // the step divided once per block met.
-extern "C" __global__ void block_dequantize_kernel(const u8* packed, const float* scales, float* out,
-                                                   int bits, i64 block, i64 n, i64 nbytes,
-                                                   int accumulate) {
-    int qmax = (1 << (bits - 1)) - 1;
+__device__ __forceinline__ void dequantize_groups(const u8* packed, const float* scales, float* out,
+                                                  int bits, i64 block, i64 n, i64 nbytes,
+                                                  int accumulate, int qmax) {
     float fq = (float)qmax;
     u64 mask = (1ull << bits) - 1ull;
     i64 ngroups = (n + 7) / 8;
@@ -438,6 +437,19 @@ extern "C" __global__ void block_dequantize_kernel(const u8* packed, const float
     }
 }
 
+extern "C" __global__ void block_dequantize_kernel(const u8* packed, const float* scales, float* out,
+                                                   int bits, i64 block, i64 n, i64 nbytes,
+                                                   int accumulate) {
+    dequantize_groups(packed, scales, out, bits, block, n, nbytes, accumulate, (1 << (bits - 1)) - 1);
+}
+
+// level_dequantize: (code - levels) * (s_b / levels), same loop with the offset `levels`.
+extern "C" __global__ void level_dequantize_kernel(const u8* packed, const float* scales, float* out,
+                                                   int bits, i64 bucket, int levels, i64 n, i64 nbytes,
+                                                   int accumulate) {
+    dequantize_groups(packed, scales, out, bits, bucket, n, nbytes, accumulate, levels);
+}
+
 // ------------------------------------------------------------------ sign + scale
 // bit j = !(x_j < 0); one thread per byte.
 extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i64 nbytes) {
@@ -457,10 +469,11 @@ extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i
 // segment (8 adjacent values per lane in registers, then 5 shuffle levels), writing
 // out[c * G + g], G = ceil(seg / 256).  Because zero padding does not change a sum of
 // non-negative values, a group of 256 is a subtree of the reference's tree, and the host runs
-// levels until G == 1; the last (finalize) divides the root by the chunk's length
-// min(chunk, n_orig - c*chunk).  Warps loop over (segment, group) items, one per warp: no barriers.
+// levels until G == 1; the last (finalize 1) divides the root by the chunk's length
+// min(chunk, n_orig - c*chunk), or (finalize 2, bucket norms) takes its square root in fp64
+// rounded once to fp32.  Leaves (first level only) are y (leaf 0), |y| (1) or y*y (2).  Warps loop over (segment, group) items, one per warp: no barriers.
 extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i64 seg, i64 nseg,
-                                          int absval, int finalize, i64 chunk, i64 n_orig) {
+                                          int leaf, int finalize, i64 chunk, i64 n_orig) {
     int lane = threadIdx.x & 31;
     i64 G = (seg + 255) / 256;
     for (i64 it = global_warp(); it < nseg * G; it += grid_warps()) {  // warp-uniform
@@ -471,7 +484,7 @@ extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i6
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             float y = first + e < len ? in[base + first + e] : 0.0f;
-            v[e] = absval ? fabsf(y) : y;
+            v[e] = leaf == 1 ? fabsf(y) : leaf == 2 ? __fmul_rn(y, y) : y;
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
@@ -483,7 +496,8 @@ extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i6
             if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
         }
         if (lane == 0) {
-            if (finalize) out[c] = __fdiv_rn(s, (float)min(chunk, n_orig - c * chunk));
+            if (finalize == 2) out[c] = (float)sqrt((double)s);
+            else if (finalize) out[c] = __fdiv_rn(s, (float)min(chunk, n_orig - c * chunk));
             else out[it] = s;
         }
     }
@@ -496,5 +510,237 @@ extern "C" __global__ void sign_unpack_kernel(const u8* packed, const float* sca
         float s = scales[j / chunk];
         float v = ((packed[j >> 3] >> (j & 7)) & 1) ? s : -s;
         out[j] = accumulate ? __fadd_rn(out[j], v) : v;
+    }
+}
+
+// ------------------------------------------------------------------ minifloats: fp8 and MX
+// The code of fp32 y rounded to a minifloat with `mbits` mantissa bits, smallest normal exponent
+// `emin`, sign bit `sbit` and largest finite value of bit pattern `fmax_key` (saturating; see
+// reference.minifloat_codes): a = min(|y|, max) (as bit patterns: same order), e = max(exponent
+// of a, emin), r = a * 2**(M - e) (exact), q = floor(r), f = r - q; up by nearest-even or by the
+// counter noise of element j; NaN gives code 0.
+__device__ __forceinline__ u32 minifloat_code(float y, int mbits, int emin, int sbit, int fmax_key,
+                                              int stochastic, u32 j, u32 k0, u32 k1) {
+    int yi = __float_as_int(y);
+    int ab = yi & ABS_MASK;
+    if (ab > INF_KEY) return 0u;
+    int ak = min(ab, fmax_key);
+    int e = max((ak >> 23) - 127, emin);
+    float r = __fmul_rn(__int_as_float(ak), __int_as_float((mbits - e + 127) << 23));
+    float q = floorf(r);
+    float f = __fsub_rn(r, q);
+    int qi = (int)q;
+    int up = stochastic ? (uniform24(j, k0, k1) < f) : (f > 0.5f || (f == 0.5f && (qi & 1)));
+    u32 mag = (u32)(((e - emin) << mbits) + qi + up);
+    return yi < 0 ? mag | (u32)sbit : mag;
+}
+
+// fp8 codes (one byte per element) and scales[b] = amax_b / fmax in one kernel: a group of `width`
+// lanes (as block_absmax_kernel) takes the block's max |x|, then codes x * (fmax / amax) (0 unless
+// amax > 0), re-reading the block from cache.  The loop over groups is warp-uniform.
+extern "C" __global__ void fp8_quantize_kernel(const float* x, u8* codes, float* scales, i64 n,
+                                               i64 block, i64 nblocks, int width, int mbits, int emin,
+                                               int sbit, int fmax_key, int stochastic, u32 k0, u32 k1) {
+    const int* xi = (const int*)x;
+    int lane = threadIdx.x & 31;
+    int per_warp = 32 / width, sub = lane & (width - 1);
+    float fmax = __int_as_float(fmax_key);
+    for (i64 b0 = global_warp() * per_warp; b0 < nblocks; b0 += grid_warps() * per_warp) {
+        i64 b = b0 + lane / width;
+        i64 a = b * block, e = min(a + block, n);
+        int m = 0;
+        if (b < nblocks)
+            for (i64 j = a + sub; j < e; j += width) m = max(m, xi[j] & ABS_MASK);
+        for (int o = width >> 1; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+        if (b < nblocks) {
+            float amax = __int_as_float(m > INF_KEY ? NAN_BITS : m);
+            if (sub == 0) scales[b] = __fdiv_rn(amax, fmax);
+            float inv = amax > 0.0f ? __fdiv_rn(fmax, amax) : 0.0f;
+            for (i64 j = a + sub; j < e; j += width)
+                codes[j] = (u8)minifloat_code(__fmul_rn(x[j], inv), mbits, emin, sbit, fmax_key,
+                                              stochastic, (u32)j, k0, k1);
+        }
+    }
+}
+
+// OCP MX in one pass: one warp per block of 32 (lane = element).  The shared exponent
+// X = max(exponent of amax - emax, -127) (scale byte X + 127; 255 and factor 0 when the block
+// holds a NaN/inf), codes of x * 2**-X packed by groups of 8 lanes (`bits` whole bytes each).
+extern "C" __global__ void mx_quantize_kernel(const float* x, u8* packed, u8* scale_bytes, i64 n,
+                                              i64 nbytes, int bits, int emax, int mbits, int emin,
+                                              int sbit, int fmax_key, int stochastic, u32 k0, u32 k1) {
+    int lane = threadIdx.x & 31;
+    i64 nblocks = (n + 31) / 32;
+    for (i64 b = global_warp(); b < nblocks; b += grid_warps()) {  // warp-uniform
+        i64 j = b * 32 + lane;
+        bool in = j < n;
+        float v = in ? x[j] : 0.0f;
+        int m = __float_as_int(v) & ABS_MASK;
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+        float inv = 0.0f;
+        u32 byte = 255u;
+        if (m < INF_KEY) {
+            int shared = max((m >> 23) - 127 - emax, -127);
+            byte = (u32)(shared + 127);
+            inv = __int_as_float((127 - shared) << 23);
+        }
+        if (lane == 0) scale_bytes[b] = (u8)byte;
+        u32 code = in ? minifloat_code(__fmul_rn(v, inv), mbits, emin, sbit, fmax_key, stochastic,
+                                       (u32)j, k0, k1) : 0u;
+        u64 acc = (u64)code << ((lane & 7) * bits);
+        for (int o = 1; o < 8; o <<= 1) acc |= __shfl_xor_sync(FULL, acc, o);
+        if ((lane & 7) == 0 && j < n) write_group(packed, nbytes, j >> 3, bits, acc);
+    }
+}
+
+// out[j] (+)= table[code_j] * scale of j's block, one thread per 8 elements (`bits` whole bytes).
+// The scale is scales[b] (fp8) or, when scales is null, scale_table[scale_bytes[b]] (MX, E8M0).
+// `table` holds the value of every code (the reference's table: NaN codes included).
+extern "C" __global__ void table_dequantize_kernel(const u8* packed, const float* table,
+                                                   const float* scales, const u8* scale_bytes,
+                                                   const float* scale_table, float* out, int bits,
+                                                   i64 block, i64 n, i64 nbytes, int accumulate) {
+    u64 mask = (1ull << bits) - 1ull;
+    i64 ngroups = (n + 7) / 8;
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
+        i64 j0 = g * 8;
+        i64 b = j0 / block, next = (b + 1) * block;
+        float s = scales ? scales[b] : scale_table[scale_bytes[b]];
+        u64 acc = read_group(packed, nbytes, g, bits);
+        for (int e = 0; e < 8; ++e) {
+            i64 j = j0 + e;
+            if (j >= n) break;
+            if (j == next) {
+                ++b;
+                next += block;
+                s = scales ? scales[b] : scale_table[scale_bytes[b]];
+            }
+            float v = __fmul_rn(table[(acc >> (e * bits)) & mask], s);
+            out[j] = accumulate ? __fadd_rn(out[j], v) : v;
+        }
+    }
+}
+
+// ------------------------------------------------------------------ QSGD / TernGrad levels
+// Codes of level_quantize packed directly (one thread per 8 elements): for bucket b,
+// m = levels / (s_b > 0 ? s_b : 1); q = clamp(floor(|x| * m + u_j), 0, levels) (NaN -> 0);
+// code levels -+ q by x's sign bit.
+extern "C" __global__ void level_quantize_kernel(const float* x, const float* scales, u8* packed,
+                                                 int bits, i64 bucket, int levels, i64 n, i64 nbytes,
+                                                 u32 k0, u32 k1) {
+    float fl = (float)levels;
+    i64 ngroups = (n + 7) / 8;
+    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
+        i64 j0 = g * 8;
+        i64 b = j0 / bucket, next = (b + 1) * bucket;
+        float s = scales[b];
+        float mul = __fdiv_rn(fl, s > 0.0f ? s : 1.0f);
+        u64 acc = 0;
+        for (int e = 0; e < 8; ++e) {
+            i64 j = j0 + e;
+            if (j >= n) break;
+            if (j == next) {
+                ++b;
+                next += bucket;
+                s = scales[b];
+                mul = __fdiv_rn(fl, s > 0.0f ? s : 1.0f);
+            }
+            float v = x[j];
+            float q = floorf(__fadd_rn(__fmul_rn(fabsf(v), mul), uniform24((u32)j, k0, k1)));
+            if (q != q) q = 0.0f;
+            int qi = (int)fminf(fmaxf(q, 0.0f), fl);
+            u32 code = (u32)(__float_as_int(v) < 0 ? levels - qi : levels + qi);
+            acc |= (u64)code << (e * bits);
+        }
+        write_group(packed, nbytes, g, bits, acc);
+    }
+}
+
+// ------------------------------------------------------------------ sign + error feedback
+// c = x + r * beta (x + r when !use_beta) written to c, and its sign bits (bit j = !(c_j < 0));
+// one thread per byte.  c may alias r (each element is read, then written, by one thread).
+extern "C" __global__ void feedback_sign_kernel(const float* x, const float* r, float beta, int use_beta,
+                                                float* c, u8* packed, i64 n, i64 nbytes) {
+    for (i64 byte = global_thread(); byte < nbytes; byte += grid_threads()) {
+        u32 v = 0;
+        for (int t = 0; t < 8; ++t) {
+            i64 j = byte * 8 + t;
+            if (j >= n) break;
+            float cj = use_beta ? __fadd_rn(x[j], __fmul_rn(r[j], beta)) : __fadd_rn(x[j], r[j]);
+            c[j] = cj;
+            if (!(cj < 0.0f)) v |= 1u << t;
+        }
+        packed[byte] = (u8)v;
+    }
+}
+
+// c[j] -= (bit j ? scale : -scale) of j's chunk: the residual error feedback keeps.
+extern "C" __global__ void sign_residual_kernel(const u8* packed, const float* scales, float* c,
+                                                i64 chunk, i64 n) {
+    for (i64 j = global_thread(); j < n; j += grid_threads()) {
+        float s = scales[j / chunk];
+        c[j] = __fsub_rn(c[j], ((packed[j >> 3] >> (j & 7)) & 1) ? s : -s);
+    }
+}
+
+// sign_pack_feedback in one pass over HBM, for chunks of whole bytes and at most 32 groups of 256
+// (chunk % 8 == 0, chunk <= 8192): one warp per chunk.  Pass 1 writes c = x + r * beta to c_out
+// and the sign bytes and sums |c| in groups of 256 exactly like tree256_kernel (lane g keeps group
+// g's sum), then reduces the group sums with the same shuffle tree (zero padding: the reference's
+// tree, see tree256_kernel); pass 2 rewrites c_out[j] = c - (c < 0 ? -s : s) where every lane
+// reads back only what it wrote itself.  c_out may alias r.
+extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const float* r, float beta,
+                                                      int use_beta, float* c_out, u8* packed,
+                                                      float* scales, i64 chunk, i64 n) {
+    int lane = threadIdx.x & 31;
+    i64 nchunks = (n + chunk - 1) / chunk;
+    i64 G = (chunk + 255) / 256;
+    for (i64 c = global_warp(); c < nchunks; c += grid_warps()) {  // warp-uniform
+        i64 a = c * chunk, len = min(chunk, n - a);
+        float mine = 0.0f;
+        for (i64 g = 0; g < G; ++g) {
+            i64 first = g * 256 + lane * 8;
+            float v[8];
+            u32 byte = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                i64 j = first + e;
+                float cj = 0.0f;
+                if (j < len) {
+                    cj = use_beta ? __fadd_rn(x[a + j], __fmul_rn(r[a + j], beta)) : __fadd_rn(x[a + j], r[a + j]);
+                    c_out[a + j] = cj;
+                    if (!(cj < 0.0f)) byte |= 1u << e;
+                }
+                v[e] = fabsf(cj);
+            }
+            if (first < len) packed[(a + first) >> 3] = (u8)byte;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
+            v[0] = __fadd_rn(v[0], v[1]);
+            v[1] = __fadd_rn(v[2], v[3]);
+            float s = __fadd_rn(v[0], v[1]);
+            for (int o = 1; o < 32; o <<= 1) {
+                float other = __shfl_down_sync(FULL, s, o);
+                if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
+            }
+            s = __shfl_sync(FULL, s, 0);
+            if (lane == g) mine = s;
+        }
+        for (int o = 1; o < 32; o <<= 1) {
+            float other = __shfl_down_sync(FULL, mine, o);
+            if ((lane & (2 * o - 1)) == 0) mine = __fadd_rn(mine, other);
+        }
+        float s = __fdiv_rn(__shfl_sync(FULL, mine, 0), (float)len);
+        if (lane == 0) scales[c] = s;
+        for (i64 g = 0; g < G; ++g) {
+            i64 first = g * 256 + lane * 8;
+            for (int e = 0; e < 8; ++e) {
+                i64 j = first + e;
+                if (j < len) {
+                    float cj = c_out[a + j];
+                    c_out[a + j] = __fsub_rn(cj, cj < 0.0f ? -s : s);
+                }
+            }
+        }
     }
 }

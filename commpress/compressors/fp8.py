@@ -24,7 +24,7 @@ class FP8(Compressor):
     Wire: ``numel`` bytes of float8 codes (torch's float8 dtype) plus ``4*ceil(numel/block)``
     bytes of fp32 scales.  Aggregation ``"gather"``: owners decode and sum in fp32.
     A NaN/inf entry makes its block's scale non-finite and the decoded block NaN.
-    On CUDA tensors the torch reference ops run (no CUDA kernel yet).
+    On CUDA tensors the ops run as CUDA kernels (kernels/*.cu; not yet run on a GPU).
     """
 
     aggregation = "gather"

@@ -24,7 +24,7 @@ class MX(Compressor):
     Wire (:func:`commpress.ops.mx_quantize`): the element codes bit-packed,
     ``ceil(numel*bits/8)`` bytes (bits = 8, 6, 4), plus ``ceil(numel/32)`` scale bytes:
     8.25, 6.25 or 4.25 bits per entry.  Aggregation ``"gather"``.  On CUDA tensors the
-    torch reference ops run (no CUDA kernel yet).
+    ops run as CUDA kernels (kernels/*.cu; not yet run on a GPU).
     """
 
     aggregation = "gather"

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import _usage, reference
 
 BACKENDS = ("torch", "numba", "cuda")
 
@@ -51,19 +51,50 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if _IMPLS.get(b)]
 
 
-def resolve(op: str, device: torch.device, backend: str | None = None) -> Callable:
-    """The implementation of ``op`` for tensors on ``device``."""
+#: The backend ``backend=None`` prefers per device type (the GPU check's dry run maps "cpu" to "cuda",
+#: the host build of the kernels).
+DEVICE_BACKENDS = {"cuda": "cuda", "cpu": "numba"}
+#: Why the cuda backend is not registered (set by cuda_backend), for the fallback log.
+cuda_unavailable_reason = "commpress.ops.cuda_backend not loaded"
+
+
+def _resolve(op: str, device: torch.device, backend: str | None = None) -> tuple[str, Callable]:
+    """``(backend name, implementation)`` of ``op`` for tensors on ``device``."""
     backend = backend or os.environ.get("COMMPRESS_BACKEND") or None
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         impls = _IMPLS.get(backend, {})
         if op in impls:
-            return impls[op]
+            return backend, impls[op]
         if backend != "torch":
             raise NotImplementedError(f"op {op!r} has no {backend!r} backend (installed?)")
-    preferred = "cuda" if device.type == "cuda" else "numba" if device.type == "cpu" else "torch"
-    return _IMPLS.get(preferred, {}).get(op) or _IMPLS["torch"][op]
+    preferred = DEVICE_BACKENDS.get(device.type, "torch")
+    impl = _IMPLS.get(preferred, {}).get(op)
+    if impl is not None:
+        return preferred, impl
+    if preferred == "cuda":  # a CUDA tensor on the reference: say so once per op
+        why = ("the cuda backend has no kernel for this op" if _IMPLS.get("cuda")
+               else f"the cuda backend is not registered: {cuda_unavailable_reason}")
+        _usage.fallback(op, "cuda", why)
+    return "torch", _IMPLS["torch"][op]
+
+
+def resolve(op: str, device: torch.device, backend: str | None = None) -> Callable:
+    """The implementation of ``op`` for tensors on ``device``."""
+    return _resolve(op, device, backend)[1]
+
+
+def backends_used(reset: bool = False) -> dict[str, str]:
+    """``{op: backend}``: the backend (``"torch"``, ``"numba"`` or ``"cuda"``) that ran the last
+    call of each op called through :mod:`commpress.ops` since the last ``reset=True``.
+
+    ``"torch"`` also marks a call of the cuda backend handed to the reference (arguments no
+    kernel covers, or no kernel for the op); each such fallback is logged once to
+    ``logging.getLogger("commpress")``.  A training loop can read this after a step to check
+    that its compressor's ops ran on the GPU kernels.
+    """
+    return _usage.used(reset)
 
 
 def _dispatching(op: str) -> Callable:
@@ -75,7 +106,9 @@ def _dispatching(op: str) -> Callable:
         if device is None:  # ops without tensor arguments (counter_bits, ...) take a device
             device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), "cpu"))
             device = torch.device(device)
-        return resolve(op, device, backend)(*args, **kwargs)
+        name, impl = _resolve(op, device, backend)
+        _usage.note(op, name)
+        return impl(*args, **kwargs)
 
     return call
 
@@ -86,4 +119,5 @@ _load_optional_backends()
 for _name in reference.__all__:
     globals()[_name] = _dispatching(_name)
 
-__all__ = list(reference.__all__) + ["BACKENDS", "available_backends", "register_backend", "resolve"]
+__all__ = list(reference.__all__) + ["BACKENDS", "available_backends", "backends_used", "register_backend",
+                                     "resolve"]

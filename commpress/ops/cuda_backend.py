@@ -23,16 +23,28 @@ index raises ``IndexError`` where reading the flag is free (the host launcher) o
 ``COMMPRESS_CUDA_CHECK=1``; otherwise the failure is recorded on the device and
 :func:`take_errors` returns (and clears) it.
 
+Passes over the data: fp8 and MX quantize in one kernel (a group of lanes per block takes the
+block's max, then codes it from cache; MX packs its codes with warp shuffles), every decode in one
+kernel (unpack, scale, accumulate); QSGD reads ``x`` twice (bucket norms, then codes and
+packing: the norm must be known first), TernGrad's scale is ``block_absmax(...).amax()``, and
+signsgd with error feedback is one kernel (a warp per chunk, for chunks of whole bytes up to
+8192) or else three (``c = x + beta*r`` and its sign bits; the chunk scales; the residual).
+
 Without CuPy, without a CUDA device, or with an NVRTC that cannot compile (missing, or built
 for another CUDA major version) this module imports fine and registers nothing, so
 :mod:`commpress.ops` uses the torch reference on CUDA tensors.  Ops not covered here (bitmaps,
-hash partition, magnitude keys) run as the reference on the device.
+hash partition, magnitude keys) run as the reference on the device.  Every way to the reference
+on a CUDA tensor is logged once (``logging.getLogger("commpress")``): the backend not registered,
+an op without a kernel, arguments no kernel covers (:func:`_fallback`), or NVRTC failing on
+these sources at the first launch (:class:`KernelsUnavailable`: every op then falls back);
+:func:`commpress.ops.backends_used` names the backend each op last ran on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.resources
 import logging
 import os
@@ -42,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import _usage
 from . import reference as ref
 from ._args import codes_u8, threshold_key_range, valid_bits, valid_block
 
@@ -59,6 +72,8 @@ SEG = 4096
 #: (shift, bits) of the three radix-select passes over the 31-bit magnitude key.
 RADIX_PASSES = ((20, 11), (10, 10), (0, 10))
 _RADIX_BINS = 2048
+#: Largest chunk (32 groups of 256) of the one-pass sign_pack_feedback kernel.
+FUSED_CHUNK_MAX = 8192
 _MAX_KEY = 0x7FFFFFFF
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _i32, _i64, _u32, _u64 = np.int32, np.int64, np.uint32, np.uint64
@@ -102,8 +117,11 @@ class CupyLauncher:
                 mod = self._modules.get(index)
                 if mod is None:
                     src = "\n".join(read_source(s) for s in SOURCES)
-                    mod = cp.RawModule(code=src, options=("--std=c++14",))
-                    mod.compile()
+                    try:
+                        mod = cp.RawModule(code=src, options=("--std=c++14",))
+                        mod.compile()
+                    except Exception as exc:  # CompileException, NVRTCError, a driver too old
+                        raise KernelsUnavailable(f"NVRTC could not compile {SOURCES}: {exc!r}") from exc
                     self._modules[index] = mod
                 fn = self._kernels[(index, name)] = mod.get_function(name).kernel
         return fn
@@ -211,6 +229,44 @@ def _launch(device: torch.device, name: str, work: int, *args, threads: int | No
     _launcher.launch(device, name, grid, args, threads)
 
 
+def _fallback(op: str, *args, reason: str | None = None, **kwargs):
+    """Run the torch reference of ``op`` (no kernel covers these arguments), recorded and logged
+    once per op and reason (:mod:`commpress.ops._usage`)."""
+    if reason is None:
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        devices = sorted({str(a) for a in args if isinstance(a, torch.device)}
+                         | {str(t.device) for t in tensors})
+        reason = (f"arguments outside the kernels' range: devices {devices}, "
+                  f"dtypes {sorted({str(t.dtype) for t in tensors})}")
+    _usage.fallback(op, "cuda", reason)
+    return getattr(ref, op)(*args, **kwargs)
+
+
+class KernelsUnavailable(RuntimeError):
+    """NVRTC could not compile kernels/*.cu at the first launch (the ops fall back to the reference)."""
+
+
+_compile_failure: str | None = None
+
+
+def _guarded(name: str, fn):
+    """``fn``, falling back to the reference (logged) once NVRTC failed to compile the kernels."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        global _compile_failure
+        if _compile_failure is None:
+            try:
+                return fn(*args, **kwargs)
+            except KernelsUnavailable as exc:
+                _compile_failure = str(exc)
+                log.error("cuda backend: %s; every op now runs the torch reference on CUDA tensors",
+                          _compile_failure)
+        return _fallback(name, *args, reason=f"NVRTC failed: {_compile_failure}", **kwargs)
+
+    return call
+
+
 # ---------------------------------------------------------------- errors without host reads
 _errors: dict[torch.device, torch.Tensor] = {}
 
@@ -299,7 +355,7 @@ def _finish(x, flat, idx, val, residual, fused):
 def threshold_compact(x: torch.Tensor, threshold: float, residual: torch.Tensor | None = None):
     """See :func:`commpress.ops.reference.threshold_compact` (one host read: the output size)."""
     if not _mine(x, residual) or x.dtype not in _FLOATS:
-        return ref.threshold_compact(x, threshold, residual)
+        return _fallback("threshold_compact", x, threshold, residual)
     flat = x.reshape(-1)
     xf = _flat_f32(flat)
     lo, hi = threshold_key_range(threshold)
@@ -331,7 +387,7 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     compaction pass then write exactly ``k`` entries in index order, and the residual with them.
     """
     if not _mine(x, residual) or x.dtype not in _FLOATS:
-        return ref.topk_compact(x, k, residual)
+        return _fallback("topk_compact", x, k, residual)
     flat = x.reshape(-1)
     n = flat.numel()
     k = max(0, min(int(k), n))
@@ -357,7 +413,7 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     if (not _mine(out, indices, values) or out.dtype not in (torch.float32, torch.float64)
             or out.dim() != 1 or not out.is_contiguous() or indices.dim() != 1
             or indices.numel() != values.numel() or indices.is_floating_point() or out.requires_grad):
-        return ref.scatter_add_(out, indices, values)
+        return _fallback("scatter_add_", out, indices, values)
     idx = indices.to(torch.int64).contiguous()
     val = values.detach().reshape(-1).to(out.dtype).contiguous()
     m = idx.numel()
@@ -374,7 +430,7 @@ def counter_bits(seed: int, start: int, n: int, device="cpu") -> torch.Tensor:
     """See :func:`commpress.ops.reference.counter_bits`."""
     device = torch.device(device)
     if _launcher is None or not _launcher.owns(device):
-        return ref.counter_bits(seed, start, n, device)
+        return _fallback("counter_bits", seed, start, n, device)
     k0, k1 = ref.seed_words(seed)
     out = torch.empty(int(n), dtype=torch.int64, device=device)
     if n:
@@ -387,7 +443,7 @@ def counter_uniform(seed: int, start: int, n: int, device="cpu") -> torch.Tensor
     """See :func:`commpress.ops.reference.counter_uniform`."""
     device = torch.device(device)
     if _launcher is None or not _launcher.owns(device):
-        return ref.counter_uniform(seed, start, n, device)
+        return _fallback("counter_uniform", seed, start, n, device)
     k0, k1 = ref.seed_words(seed)
     out = torch.empty(int(n), dtype=torch.float32, device=device)
     if n:
@@ -400,7 +456,7 @@ def hash_owner(indices: torch.Tensor, world_size: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.hash_owner` (``world_size`` up to 2**64 - 1)."""
     if (not _mine(indices) or indices.is_floating_point()
             or not 1 <= int(world_size) <= 0xFFFFFFFFFFFFFFFF):
-        return ref.hash_owner(indices, world_size)
+        return _fallback("hash_owner", indices, world_size)
     idx = indices.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty_like(idx)
     if idx.numel():
@@ -413,7 +469,7 @@ def hash_owner(indices: torch.Tensor, world_size: int) -> torch.Tensor:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.pack_bits`."""
     if not _mine(codes) or not valid_bits(bits) or codes.is_complex():
-        return ref.pack_bits(codes, bits)
+        return _fallback("pack_bits", codes, bits)
     bits = int(bits)
     c = codes_u8(codes, bits)
     n = c.numel()
@@ -429,7 +485,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     numel = int(numel)
     if (not _mine(packed) or not valid_bits(bits) or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8):
-        return ref.unpack_bits(packed, bits, numel)
+        return _fallback("unpack_bits", packed, bits, numel)
     p = packed.reshape(-1).contiguous()
     codes = torch.empty(numel, dtype=torch.uint8, device=p.device)
     if numel:
@@ -455,14 +511,14 @@ def _absmax(xf: torch.Tensor, block: int, qmax: int = 0, want_inv: bool = False)
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     """See :func:`commpress.ops.reference.block_absmax`."""
     if not _mine(x) or x.dtype not in _FLOATS or not valid_block(block):
-        return ref.block_absmax(x, block)
+        return _fallback("block_absmax", x, block)
     return _absmax(_flat_f32(x), int(block))[0]
 
 
 def block_quantize(x: torch.Tensor, bits: int, block: int, stochastic: bool = False, seed: int = 0):
     """See :func:`commpress.ops.reference.block_quantize` (absmax + quantize-and-pack: 2 passes)."""
     if not _mine(x) or x.dtype not in _FLOATS or not valid_bits(bits) or not valid_block(block):
-        return ref.block_quantize(x, bits, block, stochastic, seed)
+        return _fallback("block_quantize", x, bits, block, stochastic, seed)
     bits, block = int(bits), int(block)
     xf = _flat_f32(x)
     n = xf.numel()
@@ -489,7 +545,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
             or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8
             or scales.numel() < -(-numel // int(block)) or not _out_ok(out, numel)):
-        return ref.block_dequantize(packed, scales, bits, block, numel, out, accumulate)
+        return _fallback("block_dequantize", packed, scales, bits, block, numel, out, accumulate)
     p = packed.reshape(-1).contiguous()
     s = scales.reshape(-1).float().contiguous()
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=p.device)
@@ -503,7 +559,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
 def sign_pack(x: torch.Tensor, chunk: int):
     """See :func:`commpress.ops.reference.sign_pack` (scales: pairwise tree in groups of 256)."""
     if not _mine(x) or x.dtype not in _FLOATS or not valid_block(chunk):
-        return ref.sign_pack(x, chunk)
+        return _fallback("sign_pack", x, chunk)
     chunk = int(chunk)
     xf = _flat_f32(x)
     n = xf.numel()
@@ -513,16 +569,7 @@ def sign_pack(x: torch.Tensor, chunk: int):
     scales = torch.empty(nchunks, dtype=torch.float32, device=x.device)
     if n:
         _launch(x.device, "sign_bits_kernel", nbytes, xf, packed, _i64(n), _i64(nbytes))
-        src, size, seg, absval = xf, n, chunk, 1
-        while True:  # one level per factor of 256 in the chunk's tree
-            groups = -(-seg // 256)
-            final = groups == 1
-            dst = scales if final else torch.empty(nchunks * groups, dtype=torch.float32, device=x.device)
-            _launch(x.device, "tree256_kernel", nchunks * groups * 32, src, dst, _i64(size), _i64(seg),
-                    _i64(nchunks), _i32(absval), _i32(final), _i64(chunk), _i64(n))
-            if final:
-                break
-            src, size, seg, absval = dst, nchunks * groups, groups, 0
+        _tree(xf, chunk, 1, 1, scales)
     return packed, scales
 
 
@@ -533,7 +580,7 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     if (not _mine(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
             or numel < 0 or bits.numel() < (numel + 7) // 8
             or scales.numel() < -(-numel // int(chunk)) or not _out_ok(out, numel)):
-        return ref.sign_unpack(bits, scales, chunk, numel, out, accumulate)
+        return _fallback("sign_unpack", bits, scales, chunk, numel, out, accumulate)
     b = bits.reshape(-1).contiguous()
     s = scales.reshape(-1).float().contiguous()
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=b.device)
@@ -541,6 +588,217 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
         _launch(b.device, "sign_unpack_kernel", numel, b, s, dst, _i64(int(chunk)), _i64(numel),
                 _i32(1 if (accumulate and out is not None) else 0))
     return dst
+
+
+# ---------------------------------------------------------------- minifloats: fp8 and MX
+def _minifloat_args(fmt: str) -> tuple:
+    """Kernel scalars ``(mbits, emin, sign bit, bits of max)`` of a minifloat format."""
+    e_bits, m_bits, fmax, emin = ref.minifloat_params(fmt)
+    key = int(np.array([fmax], np.float32).view(np.int32)[0])
+    return _i32(m_bits), _i32(emin), _i32(1 << (e_bits + m_bits)), _i32(key)
+
+
+_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(kind: str, device: torch.device) -> torch.Tensor:
+    """The reference's decoding table ``kind`` (a minifloat format or ``"e8m0"``) on ``device``,
+    made once per device (steady state: no copy)."""
+    t = _tables.get((kind, device))
+    if t is None:
+        t = ref.e8m0_table() if kind == "e8m0" else ref.minifloat_table(kind)
+        t = _tables[(kind, device)] = t.to(device).contiguous()
+    return t
+
+
+def fp8_quantize(x: torch.Tensor, fmt: str, block: int, stochastic: bool = False, seed: int = 0):
+    """See :func:`commpress.ops.reference.fp8_quantize` (one kernel: block max, then codes)."""
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_block(block) or fmt not in ("e4m3", "e5m2"):
+        return _fallback("fp8_quantize", x, fmt, block, stochastic, seed)
+    block = int(block)
+    xf = _flat_f32(x)
+    n = xf.numel()
+    nblocks = -(-n // block)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    k0, k1 = ref.seed_words(seed)
+    if n:
+        width = 32 if block >= 32 else 1 << (block - 1).bit_length()
+        _launch(x.device, "fp8_quantize_kernel", -(-nblocks // (32 // width)) * 32, xf, codes, scales,
+                _i64(n), _i64(block), _i64(nblocks), _i32(width), *_minifloat_args(fmt),
+                _i32(1 if stochastic else 0), _u32(k0), _u32(k1))
+    return codes, scales
+
+
+def _dequantize_table(packed, table, scales, scale_bytes, scale_table, out, bits, block, numel,
+                      accumulate) -> torch.Tensor:
+    p = packed.reshape(-1).contiguous()
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=p.device)
+    if numel:
+        _launch(p.device, "table_dequantize_kernel", -(-numel // 8), p, table, scales, scale_bytes,
+                scale_table, dst, _i32(bits), _i64(block), _i64(numel), _i64(p.numel()),
+                _i32(1 if (accumulate and out is not None) else 0))
+    return dst
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.fp8_dequantize` (decode, scale, accumulate: one kernel)."""
+    numel = int(numel)
+    if (not _mine(codes, scales, out) or not valid_block(block) or fmt not in ("e4m3", "e5m2")
+            or codes.element_size() != 1 or codes.is_complex() or numel < 0 or codes.numel() < numel
+            or scales.numel() < -(-numel // int(block)) or not _out_ok(out, numel)):
+        return _fallback("fp8_dequantize", codes, scales, fmt, block, numel, out, accumulate)
+    c = codes.reshape(-1)
+    c = c if c.dtype == torch.uint8 else c.view(torch.uint8)
+    s = scales.reshape(-1).float().contiguous()
+    return _dequantize_table(c, _table(fmt, c.device), s, None, None, out, 8, int(block), numel, accumulate)
+
+
+def mx_quantize(x: torch.Tensor, element: str, stochastic: bool = False, seed: int = 0):
+    """See :func:`commpress.ops.reference.mx_quantize` (one pass: a warp per block of 32)."""
+    if not _mine(x) or x.dtype not in _FLOATS or element not in ref.MX_ELEMENTS:
+        return _fallback("mx_quantize", x, element, stochastic, seed)
+    fmt, bits, emax = ref.MX_ELEMENTS[element]
+    xf = _flat_f32(x)
+    n = xf.numel()
+    nbytes = (n * bits + 7) // 8
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    scale_bytes = torch.empty(-(-n // ref.MX_BLOCK), dtype=torch.uint8, device=x.device)
+    k0, k1 = ref.seed_words(seed)
+    if n:
+        _launch(x.device, "mx_quantize_kernel", scale_bytes.numel() * 32, xf, packed, scale_bytes, _i64(n),
+                _i64(nbytes), _i32(bits), _i32(emax), *_minifloat_args(fmt), _i32(1 if stochastic else 0),
+                _u32(k0), _u32(k1))
+    return packed, scale_bytes
+
+
+def mx_dequantize(packed: torch.Tensor, scales: torch.Tensor, element: str, numel: int,
+                  out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.mx_dequantize` (unpack, scale, accumulate: one kernel)."""
+    numel = int(numel)
+    if (not _mine(packed, scales, out) or element not in ref.MX_ELEMENTS or packed.dtype != torch.uint8
+            or scales.dtype != torch.uint8 or numel < 0
+            or packed.numel() < (numel * ref.MX_ELEMENTS[element][1] + 7) // 8
+            or scales.numel() < -(-numel // ref.MX_BLOCK) or not _out_ok(out, numel)):
+        return _fallback("mx_dequantize", packed, scales, element, numel, out, accumulate)
+    fmt, bits, _ = ref.MX_ELEMENTS[element]
+    dev = packed.device
+    return _dequantize_table(packed, _table(fmt, dev), None, scales.reshape(-1).contiguous(),
+                             _table("e8m0", dev), out, bits, ref.MX_BLOCK, numel, accumulate)
+
+
+# ---------------------------------------------------------------- QSGD / TernGrad levels
+def _valid_levels(levels) -> bool:
+    return isinstance(levels, (int, np.integer)) and 1 <= int(levels) <= 127
+
+
+def _tree(xf: torch.Tensor, chunk: int, leaf: int, finalize: int, out: torch.Tensor) -> None:
+    """``out[c]`` = the reference's pairwise tree over chunk ``c`` of ``xf`` (leaves y, |y| or y*y:
+    ``leaf`` 0, 1, 2), then its mean (``finalize`` 1) or fp64 square root (2).  One launch of
+    tree256_kernel per factor of 256 in the chunk (module doc of the kernel)."""
+    n = xf.numel()
+    nchunks = out.numel()
+    src, size, seg = xf, n, chunk
+    while True:
+        groups = -(-seg // 256)
+        final = groups == 1
+        dst = out if final else torch.empty(nchunks * groups, dtype=torch.float32, device=xf.device)
+        _launch(xf.device, "tree256_kernel", nchunks * groups * 32, src, dst, _i64(size), _i64(seg),
+                _i64(nchunks), _i32(leaf), _i32(finalize if final else 0), _i64(chunk), _i64(n))
+        if final:
+            return
+        src, size, seg, leaf = dst, nchunks * groups, groups, 0
+
+
+def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.bucket_norms` (pairwise tree in groups of 256)."""
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_block(bucket):
+        return _fallback("bucket_norms", x, bucket)
+    xf = _flat_f32(x)
+    n = xf.numel()
+    b = max(1, min(int(bucket), n))
+    norms = torch.empty(-(-n // b), dtype=torch.float32, device=x.device)
+    if n:
+        _tree(xf, b, 2, 2, norms)
+    return norms
+
+
+def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, seed: int):
+    """See :func:`commpress.ops.reference.level_quantize` (codes and packing in one kernel)."""
+    n = x.numel()
+    b = max(1, min(int(bucket), n)) if valid_block(bucket) else 0
+    if (not _mine(x, scales) or x.dtype not in _FLOATS or not b or not _valid_levels(levels)
+            or scales.numel() < -(-n // b) or scales.is_complex()):
+        return _fallback("level_quantize", x, scales, bucket, levels, seed)
+    bits = ref.level_bits(int(levels))
+    xf = _flat_f32(x)
+    nbytes = (n * bits + 7) // 8
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    k0, k1 = ref.seed_words(seed)
+    if n:
+        s = scales.reshape(-1).float().contiguous()
+        _launch(x.device, "level_quantize_kernel", -(-n // 8), xf, s, packed, _i32(bits), _i64(b),
+                _i32(int(levels)), _i64(n), _i64(nbytes), _u32(k0), _u32(k1))
+    return packed
+
+
+def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
+    """See :func:`commpress.ops.reference.qsgd_quantize`: the bucket norms (tree kernels: one
+    read of ``x``), then codes and packing (a second read)."""
+    if not _mine(x) or x.dtype not in _FLOATS or not valid_block(bucket) or not _valid_levels(levels):
+        return _fallback("qsgd_quantize", x, levels, bucket, seed)
+    norms = bucket_norms(x, bucket)
+    return level_quantize(x, norms, bucket, levels, seed), norms
+
+
+def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
+                     out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.level_dequantize` (unpack, scale, accumulate: one kernel)."""
+    numel = int(numel)
+    b = max(1, min(int(bucket), numel)) if valid_block(bucket) else 0
+    if (not _mine(packed, scales, out) or not b or not _valid_levels(levels) or packed.dtype != torch.uint8
+            or numel < 0 or packed.numel() < (numel * ref.level_bits(int(levels)) + 7) // 8
+            or scales.numel() < -(-numel // b) or scales.is_complex() or not _out_ok(out, numel)):
+        return _fallback("level_dequantize", packed, scales, bucket, levels, numel, out, accumulate)
+    p = packed.reshape(-1).contiguous()
+    s = scales.reshape(-1).float().contiguous()
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32, device=p.device)
+    if numel:
+        _launch(p.device, "level_dequantize_kernel", -(-numel // 8), p, s, dst,
+                _i32(ref.level_bits(int(levels))), _i64(b), _i32(int(levels)), _i64(numel), _i64(p.numel()),
+                _i32(1 if (accumulate and out is not None) else 0))
+    return dst
+
+
+def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chunk: int,
+                       new_residual: torch.Tensor):
+    """See :func:`commpress.ops.reference.sign_pack_feedback`.  Chunks of whole bytes up to
+    :data:`FUSED_CHUNK_MAX`: one kernel, a warp per chunk (one pass over memory).  Otherwise ``c``
+    and its sign bits (one kernel, ``c`` written to ``new_residual``), the chunk scales (tree
+    kernels), then ``new_residual = c - (+-scale)`` (one kernel).  ``finite`` stays on the device."""
+    n = x.numel()
+    ok = (_mine(x, residual, new_residual) and x.dtype in _FLOATS and valid_block(chunk)
+          and all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n and not t.requires_grad
+                  for t in (residual, new_residual)))
+    if not ok:
+        return _fallback("sign_pack_feedback", x, residual, beta, chunk, new_residual)
+    chunk = int(chunk)
+    xf = _flat_f32(x)
+    r, c = residual.view(-1), new_residual.view(-1)
+    nbytes = (n + 7) // 8
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(-(-n // chunk), dtype=torch.float32, device=x.device)
+    use_beta = _i32(float(beta) != 1.0)
+    if n and chunk % 8 == 0 and chunk <= FUSED_CHUNK_MAX:
+        _launch(x.device, "sign_feedback_fused_kernel", scales.numel() * 32, xf, r, np.float32(beta), use_beta,
+                c, packed, scales, _i64(chunk), _i64(n))
+    elif n:
+        _launch(x.device, "feedback_sign_kernel", nbytes, xf, r, np.float32(beta), use_beta, c, packed,
+                _i64(n), _i64(nbytes))
+        _tree(c, chunk, 1, 1, scales)
+        _launch(x.device, "sign_residual_kernel", n, packed, scales, c, _i64(chunk), _i64(n))
+    return packed, scales, torch.isfinite(scales).all()
 
 
 OPS = {
@@ -557,7 +815,18 @@ OPS = {
     "block_dequantize": block_dequantize,
     "sign_pack": sign_pack,
     "sign_unpack": sign_unpack,
+    "fp8_quantize": fp8_quantize,
+    "fp8_dequantize": fp8_dequantize,
+    "mx_quantize": mx_quantize,
+    "mx_dequantize": mx_dequantize,
+    "bucket_norms": bucket_norms,
+    "level_quantize": level_quantize,
+    "qsgd_quantize": qsgd_quantize,
+    "level_dequantize": level_dequantize,
+    "sign_pack_feedback": sign_pack_feedback,
 }
+OPS = {name: _guarded(name, fn) for name, fn in OPS.items()}
+globals().update(OPS)  # internal calls and ``cuda_backend.<op>`` are the guarded ops too
 
 
 # ---------------------------------------------------------------- registration
@@ -587,10 +856,17 @@ def available() -> bool:
 
 def register() -> bool:
     """Register the backend when :func:`available`; otherwise log why and leave the reference."""
-    if cp is None or not torch.cuda.is_available():
+    import commpress.ops as ops
+
+    if cp is None:
+        ops.cuda_unavailable_reason = "CuPy is not installed (pip install commpress[cuda])"
+        return False
+    if not torch.cuda.is_available():
+        ops.cuda_unavailable_reason = "torch sees no CUDA device"
         return False
     problem = nvrtc_problem()
     if problem is not None:
+        ops.cuda_unavailable_reason = f"NVRTC cannot compile ({problem})"
         log.warning("cuda backend not registered, CUDA tensors use the torch reference: NVRTC "
                     "cannot compile (%s); install the nvidia-cuda-nvrtc matching CuPy's CUDA", problem)
         return False

@@ -121,6 +121,53 @@ int main() {
         expect(scale[0] > 0.5f && scale[0] < 1.0f, "mean |x| of a normal sample");
     }
 
+    // fp8 (sub-warp groups and full warps) and MX (a warp per block, codes packed by shuffles)
+    {
+        int mbits = 3, emin = -6, sbit = 128, fmax_key = 0x43e00000, sto = 1;  // e4m3, max 448
+        unsigned k0 = 1, k1 = 2;
+        for (i64 block : {5, 128}) {
+            i64 nblocks = (n + block - 1) / block;
+            int width = block >= 32 ? 32 : 8;
+            std::vector<unsigned char> codes(n);
+            std::vector<float> scales(nblocks);
+            const float* in = x.data();
+            unsigned char* cp = codes.data();
+            float* sp = scales.data();
+            run("fp8_quantize_kernel", grid, threads, &in, &cp, &sp, (void*)&n, &block, &nblocks, &width,
+                &mbits, &emin, &sbit, &fmax_key, &sto, &k0, &k1);
+            float m = 0;
+            for (i64 j = 0; j < block; ++j) m = std::max(m, std::fabs(x[j]));
+            expect(scales[0] == m / 448.0f, "fp8 scale of block 0");
+        }
+        int bits = 4, emax = 2, fmin_key = 0x40c00000;  // fp4 e2m1, max 6
+        mbits = 1;
+        emin = 0;
+        sbit = 8;
+        i64 nbytes = (n * bits + 7) / 8;
+        std::vector<unsigned char> packed(nbytes), sbytes((n + 31) / 32);
+        const float* in = x.data();
+        unsigned char* pp = packed.data();
+        unsigned char* sp = sbytes.data();
+        run("mx_quantize_kernel", grid, threads, &in, &pp, &sp, (void*)&n, &nbytes, &bits, &emax, &mbits,
+            &emin, &sbit, &fmin_key, &sto, &k0, &k1);
+        expect(sbytes[0] > 100 && sbytes[0] < 140, "MX scale byte of block 0");
+    }
+
+    // signsgd error feedback in one pass (a warp per chunk, shuffle trees)
+    {
+        i64 chunk = 1024, nchunks = (n + chunk - 1) / chunk;
+        std::vector<float> r(n, 0.5f), c(n), scales(nchunks);
+        std::vector<unsigned char> packed((n + 7) / 8);
+        const float* in = x.data();
+        const float* rp = r.data();
+        float beta = 0.5f, *cp = c.data(), *sp = scales.data();
+        int use_beta = 1;
+        unsigned char* pp = packed.data();
+        run("sign_feedback_fused_kernel", grid, threads, &in, &rp, &beta, &use_beta, &cp, &pp, &sp, &chunk,
+            (void*)&n);
+        expect(scales[0] > 0.5f && scales[0] < 1.5f, "mean |x + r/2| of a normal sample");
+    }
+
     // scatter-add with duplicate indices: compare-and-swap, no lost update
     {
         i64 m = 4096;
@@ -153,6 +200,6 @@ int main() {
     }
 
     if (failures) return 1;
-    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, scatter under TSan)\n");
+    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, fp8, MX, sign feedback, scatter under TSan)\n");
     return 0;
 }

@@ -370,6 +370,15 @@ def test_every_op_runs_kernels(cb, target):
         "block_dequantize": lambda: cb.block_dequantize(*cb.block_quantize(x, 4, 8), 4, 8, 100),
         "sign_pack": lambda: cb.sign_pack(x, 8),
         "sign_unpack": lambda: cb.sign_unpack(*cb.sign_pack(x, 8), 8, 100),
+        "fp8_quantize": lambda: cb.fp8_quantize(x, "e4m3", 8),
+        "fp8_dequantize": lambda: cb.fp8_dequantize(*R.fp8_quantize(x.cpu(), "e4m3", 8), "e4m3", 8, 100),
+        "mx_quantize": lambda: cb.mx_quantize(x, "fp4_e2m1"),
+        "mx_dequantize": lambda: cb.mx_dequantize(*R.mx_quantize(x.cpu(), "fp4_e2m1"), "fp4_e2m1", 100),
+        "bucket_norms": lambda: cb.bucket_norms(x, 16),
+        "level_quantize": lambda: cb.level_quantize(x, torch.ones(7), 16, 3, 1),
+        "qsgd_quantize": lambda: cb.qsgd_quantize(x, 3, 16, 1),
+        "level_dequantize": lambda: cb.level_dequantize(*R.qsgd_quantize(x.cpu(), 3, 16, 1), 16, 3, 100),
+        "sign_pack_feedback": lambda: cb.sign_pack_feedback(x, torch.zeros(100), 1.0, 8, torch.empty(100)),
     }
     assert set(calls) == set(cuda_backend.OPS)
     for name, call in calls.items():
