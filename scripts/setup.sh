@@ -10,4 +10,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+# the torch pin again: the hf extra (transformers, accelerate) must not move it
+.venv/bin/python -m pip install -q -e ".[test,bench,hf]" "torch==${TORCH_VERSION:-2.13.0}"

@@ -3,7 +3,8 @@
 The torchrun examples honour ``COMMPRESS_INIT_METHOD``: here a ``file://`` store (no
 ports), with ``RANK`` / ``WORLD_SIZE`` set as torchrun would.  The Lightning example
 runs only where Lightning is installed (``pip install lightning``; it launches its
-ranks itself, on loopback).
+ranks itself, on loopback); the Hugging Face examples only where the ``hf`` extra is
+(``pip install "commpress[hf]"``: transformers and accelerate).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2, timeout: float = 150) -> str:
+def run_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2, timeout: float = 150,
+              env: dict[str, str] | None = None) -> str:
     """Run ``examples/<script>`` on ``world`` ranks with a fresh file store; rank 0's stdout."""
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     procs = [subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=_env(COMMPRESS_INIT_METHOD=f"file://{store}", RANK=str(r), LOCAL_RANK=str(r),
-                                       WORLD_SIZE=str(world)))
+                                       WORLD_SIZE=str(world), **(env or {})))
              for r in range(world)]
     outs = []
     try:
@@ -85,3 +87,50 @@ def test_lightning_example_binds_the_hook_through_ddp_strategy():
     res = _result(out.stdout)
     assert res["bound"] == "True" and res["steps"] == "6"
     assert float(res["ratio"].rstrip("x")) > 2.0
+
+
+HF_MISSING = importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None
+needs_hf = pytest.mark.skipif(HF_MISSING, reason='the hf extra is not installed (pip install "commpress[hf]")')
+# as torchrun sets them (accelerate reads LOCAL_WORLD_SIZE); no hub access; small tensors: the reference ops
+HF_ENV = {"LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1", "COMMPRESS_BACKEND": "torch", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _hook_files_hold_residuals(folder: Path) -> None:
+    import torch
+
+    for r in range(2):
+        state = torch.load(folder / f"commpress_rank{r}.pt", weights_only=True)
+        assert state["rank"] == r and state["world_size"] == 2 and state["step"] > 0
+        residuals = state["codec"]["residuals"]["tensors"]
+        assert any(float(t.abs().sum()) > 0 for t in residuals), f"rank {r}: no non-zero residual saved"
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_hf_trainer_example_resumes_bitwise(tmp_path):
+    """One 2-rank launch: train 6 steps (checkpoints at 3 and 6, gradient accumulation 2,
+    find_unused_parameters), resume from step 3 in a fresh Trainer, and once more without the hook files."""
+    out = tmp_path / "out"
+    res = _result(run_ranks("hf_trainer.py", ["--steps", "6", "--save-steps", "3", "--grad-accum", "2",
+                                              "--find-unused", "--check-resume", "--out", str(out)],
+                            tmp_path, timeout=280, env=HF_ENV))
+    assert res["bound"] == "True" and res["step"] == "6"
+    assert float(res["ratio"].rstrip("x")) > 2.0                # blockquant 8-bit went compressed
+    assert res["replicas-identical"] == "True"
+    assert res["resumed-bitwise"] == "True"                     # residuals restored from checkpoint-3
+    assert res["zero-residuals-differ"] == "True"               # ... and they matter
+    for step in (3, 6):
+        _hook_files_hold_residuals(out / f"checkpoint-{step}")
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_accelerate_example_resumes_bitwise(tmp_path):
+    """One 2-rank launch: save_state at step 3 of 6, then load_state and train the second half again."""
+    ckpt = tmp_path / "ckpt"
+    res = _result(run_ranks("accelerate_train.py", ["--steps", "6", "--grad-accum", "2", "--check-resume",
+                                                    "--ckpt", str(ckpt)], tmp_path, timeout=280, env=HF_ENV))
+    assert float(res["ratio"].rstrip("x")) > 2.0
+    assert res["replicas-identical"] == "True"
+    assert res["resumed-bitwise"] == "True"
+    _hook_files_hold_residuals(ckpt)

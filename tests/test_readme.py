@@ -1,12 +1,16 @@
 """Every ```python block of README.md runs as written.
 
 A block preceded by ``<!-- readme-test: 2 ranks -->`` runs on 2 gloo ranks (the process
-group already initialized, as torchrun + ``init_process_group`` leave it); the others run
-in one process.  Each block runs alone, in a temporary working directory.
+group already initialized and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``
+set, as torchrun + ``init_process_group`` leave them); the others run in one process.
+``<!-- readme-test: 1 rank, needs transformers -->`` names modules of an optional extra:
+the block is skipped where one is missing.  Each block runs alone, in a temporary working
+directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -16,11 +20,11 @@ import pytest
 from distributed import run
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-MARKER = re.compile(r"<!--\s*readme-test:\s*(\d+)\s+ranks?\s*-->")
+MARKER = re.compile(r"<!--\s*readme-test:\s*(\d+)\s+ranks?\s*(?:,\s*needs\s+([\w. ]+?))?\s*-->")
 
 
-def snippets() -> list[tuple[int, int, str]]:
-    """``(line, ranks, code)`` of every python block (ranks 1 unless marked)."""
+def snippets() -> list[tuple[int, int, str, list[str]]]:
+    """``(line, ranks, code, needs)`` of every python block (ranks 1 unless marked)."""
     lines = README.read_text().splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -31,7 +35,8 @@ def snippets() -> list[tuple[int, int, str]]:
                 j += 1
             prev = next((ln for ln in reversed(lines[:i]) if ln.strip()), "")
             m = MARKER.search(prev)
-            out.append((start + 1, int(m.group(1)) if m else 1, "\n".join(lines[start:j])))
+            needs = m.group(2).split() if m and m.group(2) else []
+            out.append((start + 1, int(m.group(1)) if m else 1, "\n".join(lines[start:j]), needs))
             i = j
         i += 1
     return out
@@ -39,6 +44,8 @@ def snippets() -> list[tuple[int, int, str]]:
 
 def _exec(rank, world, code, line, workdir):
     os.environ["COMMPRESS_BACKEND"] = "torch"   # small tensors: the reference ops, no JIT in each rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")   # what torchrun sets (accelerate reads them)
     os.chdir(os.path.join(workdir, f"rank{rank}"))
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
     return True
@@ -48,7 +55,7 @@ SNIPPETS = snippets()
 
 
 def test_readme_has_snippets_and_speaks_of_itself():
-    assert len(SNIPPETS) >= 5 and sum(r > 1 for _, r, _ in SNIPPETS) >= 3
+    assert len(SNIPPETS) >= 5 and sum(r > 1 for _, r, _, _ in SNIPPETS) >= 3
     text = README.read_text()
     assert not re.search(r"\bissue \d+", text, re.I)          # no pointers to the tracker
     assert "](../" not in text and "../shared" not in text     # nothing outside the repository
@@ -56,8 +63,11 @@ def test_readme_has_snippets_and_speaks_of_itself():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("line,ranks,code", SNIPPETS, ids=[f"line{ln}" for ln, _, _ in SNIPPETS])
-def test_readme_snippet_runs(line, ranks, code, tmp_path, monkeypatch):
+@pytest.mark.parametrize("line,ranks,code,needs", SNIPPETS, ids=[f"line{ln}" for ln, _, _, _ in SNIPPETS])
+def test_readme_snippet_runs(line, ranks, code, needs, tmp_path, monkeypatch):
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (an optional extra)")
     for r in range(ranks):
         (tmp_path / f"rank{r}").mkdir()
     if ranks == 1:
