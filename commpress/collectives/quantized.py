@@ -89,34 +89,41 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
             payloads, bad = None, None
     if payloads is None:
-        payloads = _templates(inner, flat, bounds)
+        payloads = _templates(inner, flat, bounds, step)
     else:
-        _remember(inner, flat, bounds, payloads)
+        _remember(inner, flat, bounds, payloads, step)
     return payloads, code, msg, bad
 
 
 _TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[Payload]]]" = weakref.WeakKeyDictionary()
 
 
-def _remember(inner, flat, bounds, payloads) -> None:
+def _layout_key(inner, flat, bounds, step) -> tuple:
+    """What fixes the payloads' sizes: the chunks, the device and, for a compressor with a
+    density warm-up, its density at ``step``."""
+    ratio_at = getattr(inner, "ratio_at", None)
+    return (tuple(bounds), str(flat.device), None if ratio_at is None else ratio_at(step))
+
+
+def _remember(inner, flat, bounds, payloads, step) -> None:
     """Keep zero payloads of this layout: a rank whose compress fails later can still send
     messages of the right sizes (the others must not be left waiting)."""
     layouts = _TEMPLATES.setdefault(inner, {})
-    key = (tuple(bounds), str(flat.device))
+    key = _layout_key(inner, flat, bounds, step)
     if key not in layouts:
         if len(layouts) >= 64:
             layouts.pop(next(iter(layouts)))
         layouts[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
 
 
-def _templates(inner, flat, bounds) -> list[Payload]:
+def _templates(inner, flat, bounds, step) -> list[Payload]:
     """Zero payloads of the right layout: remembered, else compressed from zeros (which
     raises when even that fails: then this rank cannot take part, and says why)."""
-    remembered = _TEMPLATES.get(inner, {}).get((tuple(bounds), str(flat.device)))
+    remembered = _TEMPLATES.get(inner, {}).get(_layout_key(inner, flat, bounds, step))
     if remembered is not None:
         return remembered
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(len(bounds) - 1)]
+    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]], step=step) for r in range(len(bounds) - 1)]
 
 
 def _status(flat, code, sig, bad):

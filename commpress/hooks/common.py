@@ -315,6 +315,7 @@ class HookState:
                  **compressor_params: Any) -> None:
         self.compressor = resolve_compressor(compressor, compressor_params)
         self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum)
+        self.error_feedback_arg = error_feedback   # momentum taken over later rewraps with it
         self.momentum = float(getattr(self.codec, "momentum", 0.0))
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
