@@ -89,6 +89,8 @@ ALL: list[Config] = [
     _cp("randomk-1%", "randomk", ratio=0.01),
     Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
     Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
+    Config("topk-1%-w50", "commpress", "topk", {"ratio": 0.01, "density_warmup": 50}, takeover=True),
+    Config("topk-1%-w100", "commpress", "topk", {"ratio": 0.01, "density_warmup": 100}, takeover=True),
     _cp("blockquant-8bit", "blockquant", bits=8),
     _cp("blockquant-4bit", "blockquant", bits=4),
     _cp("blockquant-2bit", "blockquant", bits=2),
