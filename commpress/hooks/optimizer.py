@@ -185,7 +185,8 @@ class TakeoverMixin:
                 raise RuntimeError("attach_optimizer: the hook has compressed steps already (it holds "
                                    "residuals); attach the optimizer before the first compressed step")
             self.codec, self.uses_error_feedback = wrap_error_feedback(
-                self.compressor, getattr(self, "error_feedback_arg", "auto"), m)
+                self.compressor, getattr(self, "error_feedback_arg", "auto"), m,
+                getattr(self, "momentum_masking", True))
             self.momentum = m
             self._momentum_changed()
             if self.fingerprint is not None:
