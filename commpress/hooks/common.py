@@ -83,7 +83,8 @@ def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> 
 def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto",
                         momentum: float = 0.0, masking: bool = True) -> tuple[Compressor, bool]:
     """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when
-    wanted (always with ``momentum > 0``: DGC's momentum correction lives there)."""
+    wanted (always with ``momentum > 0``: DGC's momentum correction lives there, with momentum
+    factor masking when ``masking``)."""
     if momentum:
         if error_feedback is False:
             raise ValueError("momentum correction needs error feedback (error_feedback=False was given)")
@@ -312,8 +313,10 @@ class HookState:
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
-                 momentum_masking: bool = True, **compressor_params: Any) -> None:
+                 momentum_masking: bool = False, **compressor_params: Any) -> None:
         self.compressor = resolve_compressor(compressor, compressor_params)
+        if not isinstance(momentum_masking, bool):
+            raise TypeError(f"momentum_masking must be a bool, got {type(momentum_masking).__name__}")
         self.momentum_masking = momentum_masking
         self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum,
                                                                    momentum_masking)
@@ -339,7 +342,7 @@ class HookState:
             "error_feedback": self.uses_error_feedback,
             "momentum": self.momentum,
             "world_size": self.world_size,
-        } | ({"momentum_masking": False} if self.momentum and not self.momentum_masking else {})
+        } | ({"momentum_masking": self.momentum_masking} if self.momentum else {})
 
     def check_config(self) -> int:
         """Run :func:`check_same_config` on :meth:`config` (collective) and remember the fingerprint."""

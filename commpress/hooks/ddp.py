@@ -140,6 +140,10 @@ class DDPState(TakeoverMixin, HookState):
         in the error feedback (``ErrorFeedback(..., momentum=)``); the parameters
         that go dense get plain momentum on their averaged gradient.  Pair it with
         ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
+    momentum_masking:
+        (a keyword, with ``momentum`` or ``optimizer``) DGC's momentum factor masking:
+        zero the velocity where a coordinate was sent.  Off by default (see
+        :mod:`commpress.hooks.optimizer` for why).
     optimizer:
         a ``torch.optim.SGD`` whose momentum the hook takes over (DGC's recipe): its
         momentum ``m`` turns on ``momentum=m`` here and is set to 0 in the optimizer
