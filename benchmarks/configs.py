@@ -14,8 +14,7 @@ A configuration is one of
 * ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``; the
   sparsifiers (topk, dgc, randomk) also pass ``optimizer=`` (the hook takes over the
   optimizer's SGD momentum: DGC's momentum correction; nothing changes for AdamW) and keep
-  their default density warm-up.  ``<name>-nomc`` variants run the same compressor without
-  ``optimizer=`` (the optimizer keeps its momentum), for comparison.
+  their default density warm-up; the ``convergence`` group adds variants of topk 1% (``STUDY``).
 
 Bytes are counted per rank per step with commpress's convention
 (:mod:`commpress.collectives.accounting`): an ``all_reduce`` of ``n`` bytes
@@ -87,18 +86,6 @@ ALL: list[Config] = [
     _cp("dgc-1%", "dgc", ratio=0.01),
     _cp("dgc-0.1%", "dgc", ratio=0.001),
     _cp("randomk-1%", "randomk", ratio=0.01),
-    Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
-    Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
-    Config("topk-1%-w50", "commpress", "topk", {"ratio": 0.01, "density_warmup": 50}, takeover=True),
-    Config("topk-1%-nomask", "commpress", "topk", {"ratio": 0.01, "momentum_masking": False}, takeover=True),
-    Config("topk-1%-nomask-w0", "commpress", "topk", {"ratio": 0.01, "momentum_masking": False,
-                                                      "density_warmup": 0}, takeover=True),
-    Config("topk-1%-nomask-w50", "commpress", "topk", {"ratio": 0.01, "momentum_masking": False,
-                                                       "density_warmup": 50}, takeover=True),
-    Config("topk-1%-nomask-w100", "commpress", "topk", {"ratio": 0.01, "momentum_masking": False,
-                                                        "density_warmup": 100}, takeover=True),
-    Config("topk-1%-nomask-s10", "commpress", "topk", {"ratio": 0.01, "momentum_masking": False,
-                                                       "density_start": 0.1}, takeover=True),
     _cp("blockquant-8bit", "blockquant", bits=8),
     _cp("blockquant-4bit", "blockquant", bits=4),
     _cp("blockquant-2bit", "blockquant", bits=2),
@@ -112,7 +99,15 @@ ALL: list[Config] = [
     _cp("powersgd-r2", "powersgd", rank=2),
     _cp("powersgd-r4", "powersgd", rank=4),
 ]
-BY_NAME = {c.name: c for c in ALL}
+#: Variants of topk 1% for the convergence study (issue 17): by name or the "convergence" group,
+#: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
+#: warm-up; mask: DGC's momentum factor masking.
+STUDY: list[Config] = [
+    Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
+    Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
+    Config("topk-1%-mask", "commpress", "topk", {"ratio": 0.01, "momentum_masking": True}, takeover=True),
+]
+BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",
          "blockquant-4bit", "powersgd-r4"]
 GROUPS = {
@@ -120,6 +115,7 @@ GROUPS = {
     "quick": QUICK,
     "torch": [c.name for c in ALL if c.kind != "commpress"],
     "commpress": [c.name for c in ALL if c.kind == "commpress"],
+    "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY],
 }
 
 
@@ -133,7 +129,7 @@ def resolve(spec: str | None, quick: bool) -> list[Config]:
         group = GROUPS.get(item)
         if group is None and item not in BY_NAME:
             raise ValueError(f"unknown config {item!r}; choose from groups {sorted(GROUPS)} "
-                             f"or configs {[c.name for c in ALL]}")
+                             f"or configs {[c.name for c in ALL + STUDY]}")
         for n in group or [item]:
             if n not in names:
                 names.append(n)
