@@ -40,7 +40,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .common import markdown_table, results_dir, write_results
+from .common import markdown_table, results_dir, steady_params, write_results
 
 log = logging.getLogger("commpress.benchmarks")
 
@@ -158,7 +158,7 @@ def hierarchy_main(rank: int, world_size: int, *, report: Callable[[dict], None]
         for cname in compressors:
             name, params = HIER_COMPRESSORS[cname]
             for label, h in (("flat", None), ("two_level", two), ("auto", auto)):
-                codec = commpress.ErrorFeedback(commpress.get(name, **params))
+                codec = commpress.ErrorFeedback(commpress.get(name, **steady_params(name, params)))
                 variants[f"{cname}/{label}"] = (
                     lambda stats, c=codec, h=h, k=f"{cname}/{label}":
                     allreduce(x, c, key=k, hierarchy=h, stats=stats))

@@ -17,7 +17,7 @@ import torch
 
 import commpress
 
-from .common import markdown_table, memcpy_seconds, results_dir, time_call, write_results
+from .common import markdown_table, memcpy_seconds, results_dir, steady_params, time_call, write_results
 
 # (label, registry name, params, with error feedback)
 SUITE: list[tuple[str, str, dict[str, Any], bool]] = [
@@ -58,7 +58,7 @@ def matrix_shape(numel: int) -> tuple[int, ...]:
 
 def measure(label: str, name: str, params: dict, ef: bool, x: torch.Tensor, memcpy: float,
             repeat: int) -> dict[str, Any]:
-    inner = commpress.get(name, **params)
+    inner = commpress.get(name, **steady_params(name, params))
     c = commpress.ErrorFeedback(inner) if ef else inner
     steps = itertools.count()
     gen = torch.Generator().manual_seed(0)

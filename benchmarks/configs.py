@@ -11,7 +11,10 @@ A configuration is one of
   on new collectives inside future callbacks and deadlocks on gloo when DDP has
   several buckets, so these configurations run with ONE bucket
   (``bucket_cap_mb=10000``); every other configuration keeps DDP's default buckets;
-* ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``.
+* ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``; the
+  sparsifiers (topk, dgc, randomk) also pass ``optimizer=`` (the hook takes over the
+  optimizer's SGD momentum: DGC's momentum correction; nothing changes for AdamW) and keep
+  their default density warm-up; the ``convergence`` group adds variants of topk 1% (``STUDY``).
 
 Bytes are counted per rank per step with commpress's convention
 (:mod:`commpress.collectives.accounting`): an ``all_reduce`` of ``n`` bytes
@@ -41,6 +44,7 @@ class Config:
     kind: str                      # "ddp" | "torch_fp16" | "torch_bf16" | "torch_powersgd" | "commpress"
     compressor: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    takeover: bool = False         # commpress: register(..., optimizer=opt)
 
     @property
     def bucket_cap_mb(self) -> float | None:
@@ -48,7 +52,8 @@ class Config:
 
     def describe(self) -> str:
         if self.kind == "commpress":
-            args = ", ".join(f"{k}={v}" for k, v in self.params.items())
+            args = ", ".join([f"{k}={v}" for k, v in self.params.items()]
+                             + (["optimizer=opt"] if self.takeover else []))
             return f"commpress {self.compressor}({args})"
         if self.kind == "torch_powersgd":
             return f"torch powerSGD_hook rank {self.params['rank']} (one DDP bucket)"
@@ -56,8 +61,12 @@ class Config:
                 "torch_bf16": "torch bf16_compress_hook"}[self.kind]
 
 
+#: Compressors whose configs take over the optimizer's momentum (``optimizer=``) by default.
+TAKEOVER = ("topk", "dgc", "randomk")
+
+
 def _cp(name: str, compressor: str, **params: Any) -> Config:
-    return Config(name, "commpress", compressor, params)
+    return Config(name, "commpress", compressor, params, takeover=compressor in TAKEOVER)
 
 
 ALL: list[Config] = [
@@ -90,7 +99,15 @@ ALL: list[Config] = [
     _cp("powersgd-r2", "powersgd", rank=2),
     _cp("powersgd-r4", "powersgd", rank=4),
 ]
-BY_NAME = {c.name: c for c in ALL}
+#: Variants of topk 1% for the convergence study (issue 17): by name or the "convergence" group,
+#: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
+#: warm-up; mask: DGC's momentum factor masking.
+STUDY: list[Config] = [
+    Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
+    Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
+    Config("topk-1%-mask", "commpress", "topk", {"ratio": 0.01, "momentum_masking": True}, takeover=True),
+]
+BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",
          "blockquant-4bit", "powersgd-r4"]
 GROUPS = {
@@ -98,6 +115,7 @@ GROUPS = {
     "quick": QUICK,
     "torch": [c.name for c in ALL if c.kind != "commpress"],
     "commpress": [c.name for c in ALL if c.kind == "commpress"],
+    "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY],
 }
 
 
@@ -111,7 +129,7 @@ def resolve(spec: str | None, quick: bool) -> list[Config]:
         group = GROUPS.get(item)
         if group is None and item not in BY_NAME:
             raise ValueError(f"unknown config {item!r}; choose from groups {sorted(GROUPS)} "
-                             f"or configs {[c.name for c in ALL]}")
+                             f"or configs {[c.name for c in ALL + STUDY]}")
         for n in group or [item]:
             if n not in names:
                 names.append(n)
@@ -152,8 +170,10 @@ def unavailable_reason(cfg: Config) -> str | None:
 # attaching to a DDP model (runs inside a rank)
 # ---------------------------------------------------------------------------
 
-def attach(ddp: nn.parallel.DistributedDataParallel, cfg: Config, seed: int) -> Any:
-    """Register ``cfg``'s communication hook on ``ddp``; returns the hook state (or None)."""
+def attach(ddp: nn.parallel.DistributedDataParallel, cfg: Config, seed: int,
+           optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Register ``cfg``'s communication hook on ``ddp``; returns the hook state (or None).
+    ``optimizer`` is handed to commpress configs with ``takeover``."""
     if cfg.kind == "ddp":
         return None
     if cfg.kind == "torch_fp16":
@@ -178,7 +198,8 @@ def attach(ddp: nn.parallel.DistributedDataParallel, cfg: Config, seed: int) -> 
         mod = ddp_module()
         if mod is None:
             raise RuntimeError("commpress.ddp.register is not available")
-        return mod.register(ddp, cfg.compressor, **cfg.params)
+        extra = {"optimizer": optimizer} if cfg.takeover and optimizer is not None else {}
+        return mod.register(ddp, cfg.compressor, **cfg.params, **extra)
     raise ValueError(f"unknown config kind {cfg.kind!r}")
 
 

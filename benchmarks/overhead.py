@@ -49,7 +49,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .common import markdown_table, results_dir, write_results
+from .common import markdown_table, results_dir, steady_params, write_results
 
 SIZES = (64, 2048, 1024, 10)
 BATCH = 32
@@ -196,7 +196,7 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
                                      else psgd.batched_powerSGD_hook)
         elif name.startswith("cp_"):
             _, comp, params = table[name]
-            state = commpress.ddp.register(model, comp, **params)
+            state = commpress.ddp.register(model, comp, **steady_params(comp, params))
         elif name != "ddp":
             raise ValueError(f"unknown ddp config {name!r}")
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -264,7 +264,7 @@ def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, see
                 dist.all_reduce(buf)
                 stats.add(int(_ring_bytes(4 * numel, world)))
         else:
-            c = commpress.get(comp, **params)
+            c = commpress.get(comp, **steady_params(comp, params))
             if ef:
                 c = commpress.ErrorFeedback(c)
 
@@ -310,7 +310,7 @@ def _fsdp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, s
         state = None
         _, comp, params = FSDP_CONFIGS[name]
         if comp is not None:
-            state = commpress.fsdp.register(model, comp, **params)
+            state = commpress.fsdp.register(model, comp, **steady_params(comp, params))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         runs.append((name, model, opt, state, padded, numel))
 

@@ -130,6 +130,10 @@ def _median_time(fn: Callable[[], Any], repeat: int = 3) -> float:
     return statistics.median(ts)
 
 
+#: A step long after any warm-up (the sparsifiers' density warm-up): steady-state payloads.
+STEADY_STEP = 10**9
+
+
 def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> dict[str, float]:
     """Compress+decompress seconds of ``cfg``'s codec on these gradients, and the payload bytes.
 
@@ -162,7 +166,8 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
         return {"compression_s": _median_time(psgd)}
     import commpress
 
-    comp = commpress.get(cfg.compressor, **cfg.params)
+    hook_only = ("momentum", "momentum_masking")   # the hook's keywords, not the compressor's
+    comp = commpress.get(cfg.compressor, **{k: v for k, v in cfg.params.items() if k not in hook_only})
     # Mirror the hook's split: 1-D and small (< min_numel) gradients go dense (4 bytes/element); the
     # rest is one compressed unit (the whole model here; the hook does one per bucket), or one per
     # matrix for low-rank.
@@ -180,7 +185,8 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
         nonlocal payload_bytes
         payload_bytes = dense_bytes
         for i, t in enumerate(pieces):
-            pl = comp.compress(t, step=0, key=i, generator=torch.Generator().manual_seed(i))
+            # a step after any density warm-up: the steady state's payload
+            pl = comp.compress(t, step=STEADY_STEP, key=i, generator=torch.Generator().manual_seed(i))
             payload_bytes += pl.nbytes
             comp.decompress(pl)
     return {"compression_s": _median_time(run), "payload_bytes": payload_bytes}
@@ -196,8 +202,8 @@ def warm_up(task_name: str, size: str, cfg: C.Config, seed: int, rank: int, ddp_
     """
     task = make_task(task_name, size, seed)
     ddp = DDP(task.model, **ddp_kwargs)
-    C.attach(ddp, cfg, seed)
     opt = task.make_opt(ddp.parameters())
+    C.attach(ddp, cfg, seed, opt)
     gen = torch.Generator().manual_seed(seed * 1000 + 900 + rank)
     for _ in range(steps):
         x, y = task.batch(gen)
@@ -221,8 +227,8 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
     warm_up(task_name, size, cfg, seed, rank, kw)
     task = make_task(task_name, size, seed)
     ddp = DDP(task.model, **kw)
-    state = C.attach(ddp, cfg, seed)
     opt = task.make_opt(ddp.parameters())
+    state = C.attach(ddp, cfg, seed, opt)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     calib_gen = torch.Generator().manual_seed(seed * 1000 + 500 + rank)
     rank0 = rank == 0

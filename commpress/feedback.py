@@ -186,7 +186,8 @@ class ErrorFeedback(Compressor):
     velocity ``u = m*u + g`` is kept, where ``g`` is the input clipped to L2 norm
     ``clip`` when given (local gradient clipping); error feedback then runs on
     ``u`` (``c = u + beta*e``, ``e = c - sent``), and for sparsifiers ``u`` is zeroed
-    at the sent coordinates (momentum factor masking).  The momentum now lives
+    at the sent coordinates (momentum factor masking; ``masking=False`` keeps it, so
+    that a coordinate sent at every step sees exactly SGD's momentum).  The momentum now lives
     here: pair it with plain SGD, ``torch.optim.SGD(params, lr, momentum=0)``.
     The velocity commits with the residual (same non-finite rule and
     transactions), adds two fp32 buffers per key, and is in ``state_dict``.
@@ -195,7 +196,7 @@ class ErrorFeedback(Compressor):
     unbiased = False
 
     def __init__(self, compressor: Compressor, beta: float = 1.0, momentum: float = 0.0,
-                 clip: float | None = None) -> None:
+                 clip: float | None = None, masking: bool = True) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -211,11 +212,16 @@ class ErrorFeedback(Compressor):
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                                  or not clip > 0 or clip == float("inf")):
             raise ValueError(f"clip must be None or a finite number > 0, got {clip!r}")
+        if not isinstance(masking, bool):
+            raise TypeError(f"masking must be a bool, got {type(masking).__name__}")
         self.momentum = float(momentum)
         self.clip = None if clip is None else float(clip)
+        self.masking = masking
         self._config = {"compressor": compressor.name, "params": compressor.config(), "beta": beta}
         if self.momentum or self.clip is not None:
             self._config.update(momentum=self.momentum, clip=self.clip)
+        if self.momentum and not masking:  # absent by default: older fingerprints stay valid
+            self._config["masking"] = False
         self._residuals: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, torch.Tensor] = {}
         self._velocity: dict[Any, torch.Tensor] = {}
@@ -404,7 +410,7 @@ class ErrorFeedback(Compressor):
         return self._stage(key, payload, local_bad, transaction)
 
     def _stage(self, key, payload, local_bad, transaction) -> Payload:
-        if self.momentum:
+        if self.momentum and self.masking:
             self._mask_velocity(key, payload)
         if transaction is not None:
             transaction.stage(self, key, local_bad)

@@ -147,7 +147,8 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
             stats.add(calls=1, algorithm="local")
         return inner.decompress(payload).to(tensor.dtype).reshape(tensor.shape)
     if payload is None:  # send zeros of the right size so the other ranks are not left waiting
-        payload = inner.compress_fixed(torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device))
+        payload = inner.compress_fixed(torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device),
+                                       step=step)  # the step's size (density warm-up)
     dtype = payload.tensors[0].dtype
     sizes = [t.numel() for t in payload.tensors]
     msg_buf = torch.empty(sum(sizes) + wire.SUM_SLOTS, dtype=dtype, device=tensor.device)

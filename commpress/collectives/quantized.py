@@ -82,9 +82,9 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
             payloads, bad = None, None
     if payloads is None:
-        payloads = _templates(inner, flat, bounds)
+        payloads = _templates(inner, flat, bounds, step)
     else:
-        _remember(inner, flat, bounds, payloads)
+        _remember(inner, flat, bounds, payloads, step)
     return payloads, code, msg, bad
 
 
@@ -94,10 +94,16 @@ _TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[Payload]]]" = weakr
 _TEMPLATES_LOCK = threading.Lock()
 
 
-def _remember(inner, flat, bounds, payloads) -> None:
+def _layout_key(inner, flat, bounds, step) -> tuple:
+    """What fixes the payloads' sizes: the chunks, the device and, for a compressor with a
+    density warm-up, its density at ``step``."""
+    return (tuple(bounds), str(flat.device), inner.ratio_at(step))
+
+
+def _remember(inner, flat, bounds, payloads, step) -> None:
     """Keep zero payloads of this layout: a rank whose compress fails later can still send
     messages of the right sizes (the others must not be left waiting)."""
-    key = (tuple(bounds), str(flat.device))
+    key = _layout_key(inner, flat, bounds, step)
     with _TEMPLATES_LOCK:
         layouts = _TEMPLATES.setdefault(inner, {})
         if key in layouts:
@@ -107,15 +113,15 @@ def _remember(inner, flat, bounds, payloads) -> None:
         layouts[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
 
 
-def _templates(inner, flat, bounds) -> list[Payload]:
+def _templates(inner, flat, bounds, step) -> list[Payload]:
     """Zero payloads of the right layout: remembered, else compressed from zeros (which
     raises when even that fails: then this rank cannot take part, and says why)."""
     with _TEMPLATES_LOCK:
-        remembered = _TEMPLATES.get(inner, {}).get((tuple(bounds), str(flat.device)))
+        remembered = _TEMPLATES.get(inner, {}).get(_layout_key(inner, flat, bounds, step))
     if remembered is not None:
         return remembered
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]]) for r in range(len(bounds) - 1)]
+    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]], step=step) for r in range(len(bounds) - 1)]
 
 
 def _status(flat, code, sig, bad):

@@ -483,7 +483,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                                             transaction=transaction, error=error)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
-        cap = inner.capacity(n)
+        cap = inner.capacity(n, step)
         idx = torch.full((cap,), n, dtype=wire_index_dtype(n + 1), device=tensor.device)
         vals = torch.zeros(cap, dtype=vdtype, device=tensor.device)
     else:

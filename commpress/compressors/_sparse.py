@@ -32,8 +32,9 @@ class SparseCompressor(Compressor):
         """``(indices, values)`` of the entries of the 1-D ``flat`` to keep."""
         raise NotImplementedError
 
-    def capacity(self, numel: int) -> int:
-        """Slots of the fixed-size wire format for a ``numel``-element tensor."""
+    def capacity(self, numel: int, step: int | None = None) -> int:
+        """Slots of the fixed-size wire format for a ``numel``-element tensor at ``step``
+        (``None``: after any density warm-up, the steady state)."""
         raise NotImplementedError
 
     def select_with_residual(self, flat: torch.Tensor, residual: torch.Tensor, *, step: int, key
@@ -57,7 +58,7 @@ class SparseCompressor(Compressor):
 
     def select_fixed(self, flat: torch.Tensor, residual: torch.Tensor | None, *, step: int, key
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``capacity(numel)`` slots (padding: index ``numel``, value 0), sync-free;
+        """``capacity(numel, step)`` slots (padding: index ``numel``, value 0), sync-free;
         ``residual`` as in :meth:`select_with_residual`."""
         if residual is None:
             return self.select(flat, step=step, key=key)

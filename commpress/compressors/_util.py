@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import zlib
 from typing import Any
@@ -49,6 +50,38 @@ def num_keep(ratio: float, numel: int) -> int:
     if numel == 0:
         return 0
     return min(numel, max(1, round(ratio * numel)))
+
+
+# ---------------------------------------------------------------- density warm-up
+#: Steps of the sparsifiers' density warm-up by default (``density_warmup=``).
+DEFAULT_DENSITY_WARMUP = 200
+#: The density the warm-up starts from by default (``density_start=``), DGC's 25%.
+DEFAULT_DENSITY_START = 0.25
+#: Each stage of the warm-up divides the density by at most this (DGC: 25%, 6.25%, 1.5625%, 0.4%).
+WARMUP_STAGE_FACTOR = 4.0
+
+
+def check_warmup(steps: Any, start: Any) -> tuple[int, float]:
+    """Validate ``density_warmup`` (an int >= 0) and ``density_start`` (in (0, 1])."""
+    steps = check_int("density_warmup", steps, 0)
+    return steps, check_ratio(start, "density_start")
+
+
+def warmup_ratio(ratio: float, step: int, steps: int, start: float) -> float:
+    """The density at ``step`` of an exponential warm-up from ``start`` down to ``ratio`` over ``steps`` steps.
+
+    DGC's schedule (Lin et al. 2018), in stages: ``S = ceil(log_4(start/ratio))``
+    stages of ``steps/S`` steps each, stage ``s`` at ``start·(ratio/start)^(s/S)``
+    (a factor of at most 4 between stages), then ``ratio`` from ``step >= steps`` on.
+    ``ratio`` throughout when ``steps == 0`` or ``start <= ratio``.  A pure function
+    of its arguments (Python floats): every rank derives the same size at a step,
+    and a resumed run (its step restored) the same sizes as an uninterrupted one.
+    """
+    if steps <= 0 or step >= steps or start <= ratio:
+        return ratio
+    stages = max(1, math.ceil(math.log(start / ratio) / math.log(WARMUP_STAGE_FACTOR) - 1e-9))
+    stage = max(0, step) * stages // steps
+    return start * (ratio / start) ** (stage / stages)
 
 
 # ---------------------------------------------------------------- seeds

@@ -99,10 +99,15 @@ class Compressor(ABC):
         quantizer's block, so no block straddles two owners); 1 by default."""
         return 1
 
-    def capacity(self, numel: int) -> int:
-        """Entries of the fixed-size wire format of a sparsifier for ``numel`` elements (0 for
-        the other kinds)."""
+    def capacity(self, numel: int, step: int | None = None) -> int:
+        """Entries of the fixed-size wire format of a sparsifier for ``numel`` elements at
+        ``step`` (its density warm-up; ``None``: the target density); 0 for the other kinds."""
         return 0
+
+    def ratio_at(self, step: int) -> float | None:
+        """The density a sparsifier sends at ``step`` (its warm-up schedule); ``None`` for the
+        kinds whose payload size does not change with the step."""
+        return None
 
     def is_compressed(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor of this shape is compressed at all (a low-rank compressor sends

@@ -8,7 +8,8 @@ import torch
 
 from .. import ops
 from ._sparse import SparseCompressor, capped_by_threshold
-from ._util import check_ratio, mix_seed, num_keep, stable_hash
+from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, mix_seed,
+                    num_keep, stable_hash, warmup_ratio)
 from .base import register
 from .threshold import has_nan
 
@@ -40,14 +41,27 @@ class DGC(SparseCompressor):
     largest entries at or above the sampled threshold (computed on the device);
     no refinement round, so fewer than ``0.8 k`` may be sent when the estimate
     is high.  What is not sent stays in the error-feedback residual.
+
+    Density warm-up: as :class:`~commpress.compressors.topk.TopK`, ``k`` follows
+    ``ratio_at(step)`` during the first ``density_warmup`` steps (from
+    ``density_start`` down to ``ratio``); ``density_warmup=0`` turns it off.
     """
 
-    def __init__(self, ratio: float, sample_ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float, sample_ratio: float = 0.01, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+                 density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
+        self.density_warmup, self.density_start = check_warmup(density_warmup, density_start)
 
-    def capacity(self, numel: int) -> int:
-        k = num_keep(self.ratio, numel)
+    def ratio_at(self, step: int) -> float:
+        """The density at ``step`` (``ratio`` after the warm-up)."""
+        return warmup_ratio(self.ratio, step, self.density_warmup, self.density_start)
+
+    def _k(self, numel: int, step: int | None) -> int:
+        return num_keep(self.ratio if step is None else self.ratio_at(step), numel)
+
+    def capacity(self, numel: int, step: int | None = None) -> int:
+        k = self._k(numel, step)
         return min(numel, max(k, math.floor(1.25 * k)))
 
     def _sample(self, flat, k: int, step, key) -> tuple[torch.Tensor | None, int]:
@@ -62,8 +76,8 @@ class DGC(SparseCompressor):
 
     def select_fixed(self, flat, residual, *, step, key):
         n = flat.numel()
-        k = num_keep(self.ratio, n)
-        cap = self.capacity(n)
+        k = self._k(n, step)
+        cap = self.capacity(n, step)
         sample, hits = self._sample(flat, k, step, key) if k else (None, 0)
         if sample is None:  # small tensor: exact top-k, padded to the capacity
             idx, values = ops.topk_compact(flat, k, residual=residual)
@@ -76,7 +90,7 @@ class DGC(SparseCompressor):
 
     def select(self, flat, *, step, key):
         n = flat.numel()
-        k = num_keep(self.ratio, n)
+        k = self._k(n, step)
         if k == 0:
             return ops.topk_compact(flat, 0)
         sample, hits = self._sample(flat, k, step, key)

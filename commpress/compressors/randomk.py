@@ -8,7 +8,8 @@ import torch
 
 from .. import ops
 from ..ops.reference import index_dtype
-from ._util import check_int, check_ratio, mix_seed, num_keep, propagate_nonfinite, stable_hash
+from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_int, check_ratio, check_warmup, mix_seed,
+                    num_keep, propagate_nonfinite, stable_hash, warmup_ratio)
 from .base import Compressor, Payload, register
 
 _CACHE_SIZE = 32
@@ -61,20 +62,31 @@ class RandomK(Compressor):
     and scales by ``numel/k``, so ``E[decompress] = x``.  If the tensor holds a
     NaN/inf, every sent value becomes NaN (one extra reduction pass), so
     non-finite gradients are never hidden.
+
+    Density warm-up: as :class:`~commpress.compressors.topk.TopK`, ``k`` follows
+    ``ratio_at(step)`` during the first ``density_warmup`` steps (from
+    ``density_start`` down to ``ratio``; fewer early steps with a 100x variance);
+    ``density_warmup=0`` turns it off.
     """
 
     aggregation = "sum"
     unbiased = True
     deterministic = True
 
-    def __init__(self, ratio: float, seed: int = 0) -> None:
+    def __init__(self, ratio: float, seed: int = 0, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+                 density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
+        self.density_warmup, self.density_start = check_warmup(density_warmup, density_start)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def ratio_at(self, step: int) -> float:
+        """The density at ``step`` (``ratio`` after the warm-up)."""
+        return warmup_ratio(self.ratio, step, self.density_warmup, self.density_start)
 
     def indices(self, numel: int, *, step: int, key, device=torch.device("cpu")) -> torch.Tensor:
         """The shared indices for a ``numel``-element tensor at ``(step, key)``."""
-        k = num_keep(self.ratio, numel)
+        k = num_keep(self.ratio_at(step), numel)
         seed64 = mix_seed(self.seed, step, stable_hash(key))
         cache_key = (seed64, numel, k, str(device))
         idx = self._cache.get(cache_key)

@@ -41,7 +41,7 @@ class Threshold(SparseCompressor):
         self.threshold = check_nonneg("threshold", threshold)
         self.max_ratio = check_ratio(max_ratio, "max_ratio")
 
-    def capacity(self, numel: int) -> int:
+    def capacity(self, numel: int, step: int | None = None) -> int:
         return num_keep(self.max_ratio, numel)
 
     def select_fixed(self, flat, residual, *, step, key):

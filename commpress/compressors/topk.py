@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .. import ops
 from ._sparse import SparseCompressor
-from ._util import check_ratio, num_keep
+from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, num_keep,
+                    warmup_ratio)
 from .base import register
 
 
@@ -16,16 +17,29 @@ class TopK(SparseCompressor):
     ties to the lower index, so non-finite entries are always kept (up to ``k``).
     Wire: ``(indices int32, values)``, ``k * (4 + itemsize)`` bytes.  Biased: use
     with :class:`commpress.ErrorFeedback`.
+
+    Density warm-up (DGC): during the first ``density_warmup`` steps the ratio
+    is :func:`~commpress.compressors._util.warmup_ratio` of the step, falling
+    exponentially in stages from ``density_start`` (25%) to ``ratio``, so the
+    early steps, whose gradients change fastest, are not starved; ``k`` (and the
+    fixed wire's capacity) at a step is a pure function of ``(ratio, step, numel)``.
+    ``density_warmup=0`` turns it off.
     """
 
-    def __init__(self, ratio: float) -> None:
+    def __init__(self, ratio: float, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+                 density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
+        self.density_warmup, self.density_start = check_warmup(density_warmup, density_start)
 
-    def capacity(self, numel: int) -> int:
-        return num_keep(self.ratio, numel)
+    def ratio_at(self, step: int) -> float:
+        """The density at ``step`` (``ratio`` after the warm-up)."""
+        return warmup_ratio(self.ratio, step, self.density_warmup, self.density_start)
+
+    def capacity(self, numel: int, step: int | None = None) -> int:
+        return num_keep(self.ratio if step is None else self.ratio_at(step), numel)
 
     def select(self, flat, *, step, key):
-        return ops.topk_compact(flat, num_keep(self.ratio, flat.numel()))
+        return ops.topk_compact(flat, self.capacity(flat.numel(), step))
 
     def select_with_residual(self, flat, residual, *, step, key):
-        return ops.topk_compact(flat, num_keep(self.ratio, flat.numel()), residual=residual)
+        return ops.topk_compact(flat, self.capacity(flat.numel(), step), residual=residual)

@@ -81,9 +81,10 @@ def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> 
 
 
 def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto",
-                        momentum: float = 0.0) -> tuple[Compressor, bool]:
+                        momentum: float = 0.0, masking: bool = True) -> tuple[Compressor, bool]:
     """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when
-    wanted (always with ``momentum > 0``: DGC's momentum correction lives there)."""
+    wanted (always with ``momentum > 0``: DGC's momentum correction lives there, with momentum
+    factor masking when ``masking``)."""
     if momentum:
         if error_feedback is False:
             raise ValueError("momentum correction needs error feedback (error_feedback=False was given)")
@@ -99,7 +100,7 @@ def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "au
         if momentum and momentum != compressor.momentum:
             raise ValueError(f"momentum={momentum} given with an ErrorFeedback of momentum {compressor.momentum}")
         return compressor, True
-    return ErrorFeedback(compressor, momentum=momentum), True
+    return ErrorFeedback(compressor, momentum=momentum, masking=masking), True
 
 
 def all_reduce_bytes(nbytes: int, world: int) -> int:
@@ -312,9 +313,14 @@ class HookState:
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
-                 **compressor_params: Any) -> None:
+                 momentum_masking: bool = False, **compressor_params: Any) -> None:
         self.compressor = resolve_compressor(compressor, compressor_params)
-        self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum)
+        if not isinstance(momentum_masking, bool):
+            raise TypeError(f"momentum_masking must be a bool, got {type(momentum_masking).__name__}")
+        self.momentum_masking = momentum_masking
+        self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum,
+                                                                   momentum_masking)
+        self.error_feedback_arg = error_feedback   # momentum taken over later rewraps with it
         self.momentum = float(getattr(self.codec, "momentum", 0.0))
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
@@ -336,7 +342,12 @@ class HookState:
             "error_feedback": self.uses_error_feedback,
             "momentum": self.momentum,
             "world_size": self.world_size,
-        }
+        } | ({"momentum_masking": self.momentum_masking} if self.momentum else {})
+
+    def holds_state(self) -> bool:
+        """Whether the codec holds any tensor yet (residuals, velocities, factors): compressed
+        steps have run."""
+        return any(True for _ in _tensors_in(self.codec.state_dict()))
 
     def check_config(self) -> int:
         """Run :func:`check_same_config` on :meth:`config` (collective) and remember the fingerprint."""

@@ -76,6 +76,7 @@ from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
 from .ddp_layout import ModelLayout, Plan, goes_dense
 from .ddp_step import HookConfig, Step, StepContext
+from .optimizer import TakeoverMixin
 
 log = logging.getLogger("commpress")
 
@@ -99,7 +100,7 @@ class HookError(RuntimeError):
     every rank: a failure inside a collective is judged on every rank alike."""
 
 
-class DDPState(HookState):
+class DDPState(TakeoverMixin, HookState):
     """State of the commpress DDP hook (pass it with :func:`hook` to ``register_comm_hook``).
 
     Parameters
@@ -146,6 +147,16 @@ class DDPState(HookState):
         in the error feedback (``ErrorFeedback(..., momentum=)``); the parameters
         that go dense get plain momentum on their averaged gradient.  Pair it with
         ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
+    momentum_masking:
+        (a keyword, with ``momentum`` or ``optimizer``) DGC's momentum factor masking:
+        zero the velocity where a coordinate was sent.  Off by default (see
+        :mod:`commpress.hooks.optimizer` for why).
+    optimizer:
+        a ``torch.optim.SGD`` whose momentum the hook takes over (DGC's recipe): its
+        momentum ``m`` turns on ``momentum=m`` here and is set to 0 in the optimizer
+        until :meth:`close`; Adam and SGD without momentum are left as they are (one
+        log line); see :mod:`commpress.hooks.optimizer`.  An optimizer made after
+        the hook: :meth:`attach_optimizer`.
     hierarchy:
         ``None`` (flat), an int ``L`` (ranks per node: every unit reduces densely
         inside its node and compresses only between nodes, see
@@ -171,6 +182,7 @@ class DDPState(HookState):
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
                  **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
@@ -218,6 +230,8 @@ class DDPState(HookState):
         self.overlap = False
         self.bound = False
         self._pending_load: dict[str, Any] | None = None
+        if optimizer is not None:
+            self.attach_optimizer(optimizer)  # taken over at binding
         if model is not None:
             self.bind(model)
 
@@ -252,6 +266,7 @@ class DDPState(HookState):
                                uses_error_feedback=self.uses_error_feedback, skip=self._skip)
             (self.dense_param_names if dense else self.compressed_param_names).append(name)
         self.layout = ModelLayout(names, shapes, set(self.dense_param_names))
+        self._take_pending_optimizer()  # its momentum is part of the configuration
         self.check_config()
         # After the fingerprint check (a collective on the model's group): the hook's own group.
         self.process_group, overlapped = _executor_group(self.process_group, self._want_overlap)
@@ -317,15 +332,29 @@ class DDPState(HookState):
         """The plain momentum of the dense parameters (``.velocity`` by name), ``None`` without momentum."""
         return _DenseVelocities(self.codec) if self.momentum else None
 
+    # -- the optimizer's momentum (commpress.hooks.optimizer) -------------------
+    def _covered_parameter_ids(self) -> set[int] | None:
+        """The parameters whose momentum the hook takes over (``None`` before binding)."""
+        return set(self.layout.names) if (self.bound or self.layout.names) else None
+
+    def _momentum_changed(self) -> None:
+        """A momentum taken over after binding: freeze the configuration again (the codec
+        now has error feedback with momentum, so the cast path is off)."""
+        if self.frozen is not None:
+            self.frozen = self._freeze()
+            self.executor.config = self.frozen
+
     def _bind_to_bucket(self, bucket: dist.GradBucket) -> None:
         """Bind to the DDP model holding ``bucket``'s parameters (the first hook call)."""
         self.bind(_model_of(bucket.parameters()))
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
-        """Stop the overlap worker and release its process group (the hook must not run afterwards)."""
+        """Stop the overlap worker and release its process group (the hook must not run afterwards);
+        give a taken-over optimizer its momentum back."""
         if self.executor is not None:
             self.executor.close()
+        self.release_optimizer()
 
     def __enter__(self) -> "DDPState":
         return self
@@ -736,6 +765,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
              overlap: bool = True, hierarchy: int | str | None = None,
+             optimizer: torch.optim.Optimizer | None = None,
              **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
     ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
@@ -744,11 +774,17 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     every rank otherwise).  ``TypeError`` when ``model`` is not DDP; ``RuntimeError``
     when a commpress hook is already registered on it; ``ValueError`` for an
     algorithm the compressor's kind does not have.
+
+    ``optimizer=opt`` (a ``torch.optim.SGD`` with momentum): the hook takes over its
+    momentum, DGC's recipe for reaching DDP's step count with a sparsifier (momentum
+    correction here, the optimizer's momentum 0 until ``state.close()``; see
+    :mod:`commpress.hooks.optimizer`).  The sparsifiers' density warm-up
+    (``density_warmup=`` steps from ``density_start=``) is a compressor parameter.
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
-                     hierarchy=hierarchy, **compressor_params)
+                     hierarchy=hierarchy, optimizer=optimizer, **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 

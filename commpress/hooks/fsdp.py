@@ -126,6 +126,7 @@ from ..collectives.accounting import CommStats
 from ..compressors import Compressor, Payload
 from ..feedback import ResidualTransaction
 from .common import HookState, Timer, resolve_compressor, tensor_bytes
+from .optimizer import TakeoverMixin
 
 log = logging.getLogger("commpress")
 
@@ -187,7 +188,7 @@ class _Unit:
     validated: tuple[int, torch.dtype] | None = None   # (numel, dtype) agreed across ranks
 
 
-class FSDPState(HookState):
+class FSDPState(TakeoverMixin, HookState):
     """What :func:`register` returns: codec, units, step counter, :class:`~.common.Stats`.
 
     ``state.stats`` counts, per step (one backward pass) and cumulatively, the
@@ -231,6 +232,10 @@ class FSDPState(HookState):
         self.transaction = ResidualTransaction()
         self._step_open = False
         self._reduced: set[str] = set()
+
+    def _covered_parameter_ids(self) -> set[int]:
+        """The parameters whose momentum the hook takes over: every unit's."""
+        return {id(p) for u in self.units.values() for p in u.module.parameters()}
 
     # -- configuration ------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -457,7 +462,8 @@ class QuantizedAllGather(_CommBase, AllGather):
 def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
-             reduce_scatter: bool | None = None, **compressor_params: Any) -> FSDPState:
+             reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
+             **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
     ``module``: a model (or submodule) wrapped with ``fully_shard``; every
@@ -473,6 +479,12 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     "Hybrid sharding" in the module doc); then ``reduce_scatter`` (default
     ``False``; ``True`` without ``replicate_group``) says whether the shard
     group's reduce-scatter is compressed too.
+    ``optimizer``: a ``torch.optim.SGD`` whose momentum the hook takes over
+    (momentum correction in the error feedback, the optimizer's momentum 0 until
+    ``state.close()``; Adam or SGD without momentum: one log line, nothing changes;
+    see :mod:`commpress.hooks.optimizer`); ``state.attach_optimizer(opt)`` for an
+    optimizer made later.  The sparsifiers' density warm-up (``density_warmup=``,
+    ``density_start=``) is a compressor parameter.
 
     Collective: exchanges a configuration fingerprint over the units' process
     group (compressor, parameters, options, world size, unit names and
@@ -508,6 +520,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
                       process_group=pg if replicate_group is None or reduce_scatter else dist.group.WORLD,
                       units=units, **compressor_params)
     state.replicate = None if replicate_group is None else replicate_group.size()
+    if optimizer is not None:
+        state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it
     state.check_config()
     for name, m in units:
         if reduce_scatter:

@@ -136,7 +136,8 @@ def test_registry_errors():
 
 def test_defaults_and_config():
     assert commpress.get("blockquant").config() == {"bits": 8, "block": 256, "stochastic": False}
-    assert commpress.get("dgc", ratio=0.1).config() == {"ratio": 0.1, "sample_ratio": 0.01}
+    assert commpress.get("dgc", ratio=0.1).config() == {"ratio": 0.1, "sample_ratio": 0.01, "density_warmup": 200,
+                                                        "density_start": 0.25}
     for name in ("qsgd", "terngrad", "signsgd", "powersgd"):
         commpress.get(name)  # every parameter has a default
     assert commpress.get("randomk", ratio=0.5).config()["seed"] == 0

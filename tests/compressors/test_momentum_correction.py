@@ -49,6 +49,25 @@ def test_topk_matches_a_hand_written_dgc_loop():
         assert (ef.velocity("b")[idx] == 0).all()
 
 
+def test_without_masking_the_velocity_keeps_the_sent_coordinates():
+    """masking=False (the hooks' default): u = m*u + g everywhere; only v is cleared where sent."""
+    m = 0.9
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.05, density_warmup=0), momentum=m, masking=False)
+    topk = commpress.get("topk", ratio=0.05, density_warmup=0)
+    u, v = torch.zeros(300), torch.zeros(300)
+    for t, g in enumerate(_grads(5, (300,))):
+        u = g if t == 0 else torch.add(g, u, alpha=m)
+        v = u.clone() if t == 0 else v + u
+        want = topk.compress(v, step=t, key="b")
+        got = ef.compress(g, step=t, key="b")
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
+        v[want.tensors[0].long()] = 0
+        assert torch.equal(ef.velocity("b"), u) and torch.equal(ef.residual("b"), v)
+    assert ef.config()["masking"] is False
+    with pytest.raises(TypeError, match="masking"):
+        commpress.ErrorFeedback(topk, momentum=m, masking=1)
+
+
 def test_fixed_size_payload_masks_only_real_slots():
     ef = commpress.ErrorFeedback(commpress.get("threshold", threshold=1.0), momentum=0.5)
     g = torch.zeros(64)

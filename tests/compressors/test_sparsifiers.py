@@ -29,7 +29,7 @@ def test_topk_keeps_exactly_the_k_largest(n, ratio, seed, ties, dtype):
     if ties:
         x = torch.round(x * 2) / 2  # many equal magnitudes
     x = x.to(dtype)
-    p = commpress.get("topk", ratio=ratio).compress(x)
+    p = commpress.get("topk", ratio=ratio, density_warmup=0).compress(x)
     idx, values = p.tensors
     k = max(1, round(ratio * n))
     assert idx.numel() == k
@@ -41,7 +41,7 @@ def test_topk_keeps_exactly_the_k_largest(n, ratio, seed, ties, dtype):
 def test_topk_keeps_non_finite_first():
     x = torch.randn(100)
     x[[3, 50, 90]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
-    idx, _ = commpress.get("topk", ratio=0.03).compress(x).tensors
+    idx, _ = commpress.get("topk", ratio=0.03, density_warmup=0).compress(x).tensors
     assert idx.tolist() == [3, 50, 90]
 
 
@@ -81,7 +81,7 @@ def _distributions(n: int, seed: int):
 @pytest.mark.parametrize("n,ratio", [(10_000, 0.01), (10_000, 0.1), (200_003, 0.001),
                                      (200_003, 0.01)])
 def test_dgc_keeps_within_20_percent_of_k_and_a_top_set(n, ratio):
-    c = commpress.get("dgc", ratio=ratio)
+    c = commpress.get("dgc", ratio=ratio, density_warmup=0)
     k = max(1, round(ratio * n))
     for name, x in _distributions(n, seed=n):
         idx, values = c.compress(x, step=1, key=name).tensors
@@ -98,7 +98,7 @@ def test_dgc_keeps_within_20_percent_of_k_and_a_top_set(n, ratio):
 @given(n=st.integers(1, 3000), ratio=st.floats(0.001, 1.0), seed=st.integers(0, 100))
 def test_dgc_small_tensors_stay_in_range(n, ratio, seed):
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
-    idx, _ = commpress.get("dgc", ratio=ratio).compress(x).tensors
+    idx, _ = commpress.get("dgc", ratio=ratio, density_warmup=0).compress(x).tensors
     k = max(1, round(ratio * n))
     assert math.ceil(0.8 * k) <= idx.numel() <= math.floor(1.25 * k)
 
@@ -107,7 +107,7 @@ def test_dgc_keeps_nan_and_inf():
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     x[123] = float("nan")
     x[4567] = float("inf")
-    idx, _ = commpress.get("dgc", ratio=0.01).compress(x).tensors
+    idx, _ = commpress.get("dgc", ratio=0.01, density_warmup=0).compress(x).tensors
     assert {123, 4567} <= set(idx.tolist())
 
 
@@ -115,8 +115,8 @@ def test_dgc_keeps_nan_and_inf():
 @given(n=st.integers(1, 5000), ratio=st.floats(0.001, 1.0), seed=st.integers(0, 2**20),
        step=st.integers(0, 10**6), key=st.one_of(st.integers(), st.text(max_size=5)))
 def test_randomk_indices_are_a_function_of_seed_step_key(n, ratio, seed, step, key):
-    a = commpress.get("randomk", ratio=ratio, seed=seed)
-    b = commpress.get("randomk", ratio=ratio, seed=seed)  # another "rank"
+    a = commpress.get("randomk", ratio=ratio, seed=seed, density_warmup=0)
+    b = commpress.get("randomk", ratio=ratio, seed=seed, density_warmup=0)  # another "rank"
     ia = a.indices(n, step=step, key=key)
     ib = b.indices(n, step=step, key=key)
     k = max(1, round(ratio * n))
@@ -129,7 +129,7 @@ def test_randomk_indices_are_a_function_of_seed_step_key(n, ratio, seed, step, k
 
 
 def test_randomk_summed_payloads_decompress_to_the_sum():
-    c = commpress.get("randomk", ratio=0.1, seed=9)
+    c = commpress.get("randomk", ratio=0.1, seed=9, density_warmup=0)
     xs = [torch.randn(40, 25, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     payloads = [c.compress(x, step=4, key="b") for x in xs]
     summed = type(payloads[0])(tuple(sum(p.tensors[0] for p in payloads).reshape(1, -1)),
@@ -142,7 +142,7 @@ def test_randomk_summed_payloads_decompress_to_the_sum():
 def test_randomk_inclusion_is_uniform():
     # each index is kept with probability k/n: counts over 400 steps ~ Binomial(400, k/n)
     n, ratio, steps = 100, 0.2, 150
-    c = commpress.get("randomk", ratio=ratio)
+    c = commpress.get("randomk", ratio=ratio, density_warmup=0)
     counts = torch.zeros(n)
     for s in range(steps):
         counts[c.indices(n, step=s, key=0).long()] += 1

@@ -68,7 +68,7 @@ def _train(rank, world, configs):
 
 def _topk_dgc():
     # the momentum lives in the compressor: the optimizer is plain SGD (momentum=0)
-    return commpress.ErrorFeedback(commpress.get("topk", ratio=0.01), momentum=0.9)
+    return commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0), momentum=0.9)
 
 
 def _fp8():

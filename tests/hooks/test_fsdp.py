@@ -185,7 +185,7 @@ def test_compressed_reduce_scatter_trains_digits_like_default():
     # heavy momentum); that regime is not claimed.
     configs = [("dense", None, {}),
                ("blockquant8", "blockquant", {"bits": 8}),
-               ("topk1%+ef", "topk", {"ratio": 0.01})]
+               ("topk1%+ef", "topk", {"ratio": 0.01, "density_warmup": 0})]   # the steady state's bytes
     results = run(_train_digits, 2, configs, 150, 32, 0.5, 0.0, timeout=140)
     assert results[0] == results[1]          # every rank evaluates the same replicated model
     res = results[0]
@@ -243,7 +243,7 @@ def test_stats_bytes_match_payloads(world_size):
     # "sum" path (one reduce_scatter): the payload alone.
     cases = (("blockquant", {"bits": 8},   # uint8 codes + one fp32 scale per 256 entries
               lambda m: 8 + _align8(m) + _align8(4 * math.ceil(m / 256)), True),
-             ("topk", {"ratio": 0.1},      # k int32 indices + k fp32 values
+             ("topk", {"ratio": 0.1, "density_warmup": 0},      # k int32 indices + k fp32 values
               lambda m: 8 + 2 * _align8(4 * max(1, round(0.1 * m))), True),
              ("fp16", {}, lambda m: 2 * m, False))
     per_rank = run(_stats_bytes, world_size, [(name, params) for name, params, _, _ in cases])
