@@ -92,7 +92,8 @@ def test_lightning_example_binds_the_hook_through_ddp_strategy():
 HF_MISSING = importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None
 needs_hf = pytest.mark.skipif(HF_MISSING, reason='the hf extra is not installed (pip install "commpress[hf]")')
 # as torchrun sets them (accelerate reads LOCAL_WORLD_SIZE); no hub access; small tensors: the reference ops
-HF_ENV = {"LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1", "COMMPRESS_BACKEND": "torch", "TOKENIZERS_PARALLELISM": "false"}
+HF_ENV = {"LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1", "COMMPRESS_BACKEND": "torch",
+          "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _hook_files_hold_residuals(folder: Path) -> None:
