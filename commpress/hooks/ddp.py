@@ -572,13 +572,17 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
     cls = type(exc)
     if isinstance(exc, HookError):
         return exc
-    if not issubclass(cls, (ValueError, TypeError, RuntimeError)):
-        return HookError(msg)
+    if issubclass(HookError, cls) or not issubclass(cls, (ValueError, TypeError, RuntimeError)):
+        return HookError(msg)   # RuntimeError itself, and the rest: a HookError is one already
     typed = _TYPED.get(cls)
     if typed is None:
-        typed = _TYPED[cls] = type(cls.__name__, (cls, HookError), {"__module__": cls.__module__,
-                                                                    "__init__": BaseException.__init__,
-                                                                    "__str__": BaseException.__str__})
+        try:
+            typed = type(cls.__name__, (cls, HookError), {"__module__": cls.__module__,
+                                                          "__init__": BaseException.__init__,
+                                                          "__str__": BaseException.__str__})
+        except TypeError:  # no consistent MRO (or a class that cannot be subclassed)
+            typed = HookError
+        _TYPED[cls] = typed
     return typed(msg)
 
 
