@@ -7,12 +7,17 @@
 
 The pieces, each in its own module:
 
-* :mod:`.ddp_layout` — which parameters go dense, bucket plans and units (pure);
-* :mod:`.ddp_step` — one training step: the dense part, the units, the
-  residual transaction (what a bucket sends: its dense part in one concurrent
-  ``all_reduce`` and each completed unit's payload messages, nothing else);
-* the executor below — runs a bucket in the hook call (``overlap=False``) or
+* :mod:`.ddp_layout` — which parameters go dense, bucket plans and units
+  (:class:`~.ddp_layout.ModelLayout`);
+* :mod:`.ddp_step` — the :class:`~.ddp_step.HookConfig` that binding freezes (every
+  decision a step needs: scale-by-world and the cast among them) and one training
+  step: the dense part, the units, the residual transaction (what a bucket sends:
+  its dense part in one concurrent ``all_reduce`` and each completed unit's payload
+  messages, nothing else);
+* the executor below — owns the per-step state (step counter, the step in
+  progress, the last error); runs a bucket in the hook call (``overlap=False``) or
   on one worker thread with a process group of its own (``overlap=True``);
+  buckets go in through ``submit``, results come out through their futures;
 * :func:`hook` — one warm-up decision, then the executor.
 
 During the first ``warmup_steps`` steps (at least one) each bucket is one dense
@@ -25,7 +30,8 @@ on a group of its own, so its collectives never interleave with those DDP or the
 user issue.  On CUDA the worker runs on the stream that was current in the hook
 call, so its kernels are ordered after the backward kernels that produced the
 bucket; nothing in the steady state reads a tensor on the host.  A failure
-fails the bucket's future (DDP raises it from ``backward()``, the original in
+fails the bucket's future (DDP raises it from ``backward()`` as a :class:`HookError`
+naming the bucket, the compressor and the cause; the original in
 ``state.last_error``) and rolls the step's residual updates back.
 
 Binding
@@ -601,13 +607,17 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
     cls = type(exc)
     if isinstance(exc, HookError):
         return exc
-    if not issubclass(cls, (ValueError, TypeError, RuntimeError)):
-        return HookError(msg)
+    if issubclass(HookError, cls) or not issubclass(cls, (ValueError, TypeError, RuntimeError)):
+        return HookError(msg)   # RuntimeError itself, and the rest: a HookError is one already
     typed = _TYPED.get(cls)
     if typed is None:
-        typed = _TYPED[cls] = type(cls.__name__, (cls, HookError), {"__module__": cls.__module__,
-                                                                    "__init__": BaseException.__init__,
-                                                                    "__str__": BaseException.__str__})
+        try:
+            typed = type(cls.__name__, (cls, HookError), {"__module__": cls.__module__,
+                                                          "__init__": BaseException.__init__,
+                                                          "__str__": BaseException.__str__})
+        except TypeError:  # no consistent MRO (or a class that cannot be subclassed)
+            typed = HookError
+        _TYPED[cls] = typed
     return typed(msg)
 
 

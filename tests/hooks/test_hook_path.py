@@ -161,3 +161,17 @@ def test_the_default_backend_with_the_overlap_worker():
         s = out["fsdp"]
         assert s["replicas"] and s["finite"] and s["steps"] == 3, s
         assert "blockquant:all_gather" in s["algorithms"] and "topk:sparse_reduce_scatter" in s["algorithms"], s
+
+
+def test_hook_error_names_bucket_compressor_and_cause_for_any_cause():
+    from commpress.collectives import CollectiveInputError
+    from commpress.ddp import HookError, ReplicaMismatchError
+    from commpress.hooks.ddp import hook_error
+
+    for cause in (RuntimeError("gloo: connection closed"), KeyError("k"), ArithmeticError("a"),
+                  ReplicaMismatchError("r"), CollectiveInputError("c"), TypeError("t")):
+        err = hook_error(cause, 3, "ef(topk)", None)
+        assert isinstance(err, HookError), cause
+        assert isinstance(err, type(cause)) == isinstance(cause, (ValueError, TypeError, RuntimeError)), cause
+        msg = str(err)
+        assert "bucket 3" in msg and "ef(topk)" in msg and type(cause).__name__ in msg, msg
