@@ -67,6 +67,13 @@ def local_check(tensor: torch.Tensor, compressor: Any, algorithm: str, allowed: 
     return 0, ""
 
 
+def size_step(inner: Compressor, step: int) -> int:
+    """The step to compress a zero payload at when only its size matters: ``step`` for a
+    compressor whose size follows the step (a density warm-up, ``ratio_at``), else 0 (a
+    compressor that failed at ``step`` may fail there again)."""
+    return step if hasattr(inner, "ratio_at") else 0
+
+
 def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
                        generator, transaction: ResidualTransaction | None, error: tuple[int, str]
                        ) -> tuple[Payload | None, int, str]:

@@ -37,7 +37,7 @@ import torch
 from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
-from ._codec import fingerprint, has_feedback, local_check, try_compress_fixed, unwrap
+from ._codec import fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
 from .accounting import CommStats
 from .validate import check_once
 
@@ -148,7 +148,7 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
         return inner.decompress(payload).to(tensor.dtype).reshape(tensor.shape)
     if payload is None:  # send zeros of the right size so the other ranks are not left waiting
         payload = inner.compress_fixed(torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device),
-                                       step=step)  # the step's size (density warm-up)
+                                       step=size_step(inner, step))
     dtype = payload.tensors[0].dtype
     sizes = [t.numel() for t in payload.tensors]
     msg_buf = torch.empty(sum(sizes) + wire.SUM_SLOTS, dtype=dtype, device=tensor.device)

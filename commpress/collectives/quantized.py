@@ -41,7 +41,7 @@ import torch
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, fingerprint, has_feedback, local_check, unwrap
+from ._codec import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
 from .accounting import CommStats
 from .validate import check_once
 
@@ -121,7 +121,8 @@ def _templates(inner, flat, bounds, step) -> list[Payload]:
     if remembered is not None:
         return remembered
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]], step=step) for r in range(len(bounds) - 1)]
+    return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]], step=size_step(inner, step))
+            for r in range(len(bounds) - 1)]
 
 
 def _status(flat, code, sig, bad):

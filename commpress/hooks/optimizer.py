@@ -25,7 +25,7 @@ every step then sees exactly SGD's momentum, and a gradient's total effect,
 ``g/(1-m)``, is kept (only delayed) for the others.  With masking, a coordinate
 sent often loses its momentum, so the dense early steps of the density warm-up
 behave like SGD without momentum: on the digits task, topk 1% with masking took
-2.5-3.1x DDP's steps to the target, without 1.0-1.03x (both with the warm-up; see
+2.45-3.1x DDP's steps to the target, without 1.0-1.03x (both with the warm-up; see
 the notes of issue 17).  ``momentum_masking=True`` restores DGC's rule.
 
 The velocity is in the hook's ``state_dict()`` (the error-feedback codec's

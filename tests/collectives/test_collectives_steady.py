@@ -1,4 +1,5 @@
 """Steady-state allreduce: payload messages only, status inside the payload, device-side verdicts.
+(The sparsifiers run without their density warm-up here: these tests are about the steady state.)
 
 These workers run the product's real path: the default ops backend (numba on CPU),
 the default environment, one torch thread per rank.
@@ -39,9 +40,9 @@ def steady_bytes_worker(rank, world):
 
     assert ops.resolve("topk_compact", torch.device("cpu")).__module__.endswith("numba_backend")
     cases = {
-        "topk": (commpress.ErrorFeedback(commpress.get("topk", ratio=0.01)), "allgather"),
-        "dgc": (commpress.ErrorFeedback(commpress.get("dgc", ratio=0.01)), "allgather"),
-        "topk_dense": (commpress.ErrorFeedback(commpress.get("topk", ratio=0.01)), "dense"),
+        "topk": (commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "allgather"),
+        "dgc": (commpress.ErrorFeedback(commpress.get("dgc", ratio=0.01, density_warmup=0)), "allgather"),
+        "topk_dense": (commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "dense"),
         "blockquant": (commpress.ErrorFeedback(commpress.get("blockquant", bits=8)), "two_phase"),
         "gather_all": (commpress.get("blockquant", bits=4), "gather_all"),
         "fp16": (commpress.get("fp16"), "auto"),
@@ -97,7 +98,7 @@ def fixed_sparse_worker(rank, world, name, params, algorithm):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.02}), ("dgc", {"ratio": 0.02}),
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.02, "density_warmup": 0}), ("dgc", {"ratio": 0.02, "density_warmup": 0}),
                                          ("threshold", {"threshold": 1.5, "max_ratio": 0.05})])
 @pytest.mark.parametrize("algorithm", ["allgather", "dense"])
 def test_fixed_sparse_sum_is_exact_and_identical(name, params, algorithm):
@@ -149,8 +150,8 @@ def nonfinite_worker(rank, world, name, params, algorithm, shape):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name,params,algorithm,shape", [
-    ("topk", {"ratio": 0.01}, "allgather", (N,)),
-    ("topk", {"ratio": 0.01}, "dense", (N,)),
+    ("topk", {"ratio": 0.01, "density_warmup": 0}, "allgather", (N,)),
+    ("topk", {"ratio": 0.01, "density_warmup": 0}, "dense", (N,)),
     ("blockquant", {"bits": 8}, "two_phase", (N,)),
     ("signsgd", {}, "gather_all", (N,)),
     ("fp16", {}, "auto", (N,)),
@@ -188,7 +189,7 @@ def error_worker(rank, world, kind):
     if kind == "sum":
         c = Flaky(bad_rank=1, bad_step=1)
     elif kind == "sparse":
-        c = commpress.get("topk", ratio=0.1)
+        c = commpress.get("topk", ratio=0.1, density_warmup=0)
     else:
         c = commpress.get("blockquant", bits=8)
     outcomes = []
