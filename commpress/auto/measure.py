@@ -221,9 +221,9 @@ def agree(values: Sequence[float], ops: Sequence[str], group=None) -> list[float
     sign = [1.0 if o == "max" else -1.0 for o in ops]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [float(v) for v in values]
-    from ..collectives import _comm
+    from ..collectives import comm_device
     v = torch.tensor([s * float(x) for s, x in zip(sign, values)], dtype=torch.float64,
-                     device=_comm.comm_device(group))
+                     device=comm_device(group))
     dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
     return [s * x for s, x in zip(sign, v.cpu().tolist())]
 

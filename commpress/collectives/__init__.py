@@ -35,11 +35,11 @@ from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
-from ._comm import set_fault_hook
+from ._comm import comm_device, set_fault_hook
 from .wire import CollectiveInputError, flush_deferred
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
-    "calibrate", "cast_message", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
+    "calibrate", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
     "reduce_scatter", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
 ]

@@ -249,9 +249,9 @@ def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key:
         return result.view((world,) + tuple(tensor.shape))
     flat = tensor.reshape(-1)
     if payload is None:  # a zero payload of the right size: the other ranks are not left waiting
-        payload = quantized._templates(inner, flat, [0, n])[0]
+        payload = quantized._templates(inner, flat, [0, n], step)[0]
     else:
-        quantized._remember(inner, flat, [0, n], [payload])
+        quantized._remember(inner, flat, [0, n], [payload], step)
     layout = wire.Layout.of(payload.tensors)
     sig = wire.signature("all_gather", n, str(tensor.dtype), layout.width, fingerprint(compressor))
     message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
