@@ -99,7 +99,7 @@ ALL: list[Config] = [
     _cp("powersgd-r2", "powersgd", rank=2),
     _cp("powersgd-r4", "powersgd", rank=4),
 ]
-#: Variants of topk 1% for the convergence study (issue 17): by name or the "convergence" group,
+#: Variants of topk 1% for the convergence study (momentum correction, masking, density warm-up): by name or the "convergence" group,
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
 #: warm-up; mask: DGC's momentum factor masking.
 STUDY: list[Config] = [

@@ -53,6 +53,7 @@ CONFIGS = [
     ("dgc 1%", "dgc", {"ratio": 0.01}),
     ("threshold", "threshold", {"threshold": 0.01}),
     ("powersgd r4", "powersgd", {"rank": 4}),
+    ("sparseloco", "sparseloco", {}),
 ]
 #: The training runs of ``shared`` / ``nccl`` (None: plain DDP).
 RUNS = [("plain", None, {}), ("identity", "identity", {}), ("topk", "topk", {"ratio": 0.01}),

@@ -71,7 +71,7 @@ def size_step(inner: Compressor, step: int) -> int:
     """The step to compress a zero payload at when only its size matters: ``step`` for a
     compressor whose size follows the step (a density warm-up, ``ratio_at``), else 0 (a
     compressor that failed at ``step`` may fail there again)."""
-    return step if hasattr(inner, "ratio_at") else 0
+    return step if inner.ratio_at(step) is not None else 0
 
 
 def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,

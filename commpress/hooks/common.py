@@ -342,7 +342,8 @@ class HookState:
             "error_feedback": self.uses_error_feedback,
             "momentum": self.momentum,
             "world_size": self.world_size,
-        } | ({"momentum_masking": self.momentum_masking} if self.momentum else {})
+        } | ({"momentum_masking": False} if self.momentum and not self.momentum_masking else {})
+        # (absent with masking: checkpoints from before the option, which always masked, still load)
 
     def holds_state(self) -> bool:
         """Whether the codec holds any tensor yet (residuals, velocities, factors): compressed

@@ -10,8 +10,8 @@ when the optimizer is made after the hook, as in Lightning) does both halves:
 
 * reads the SGD momentum ``m`` of the parameter groups that hold the hook's
   parameters and turns on ``momentum=m`` in the hook (error feedback with momentum
-  correction for the compressed parameters, :class:`~.ddp_step.DenseMomentum` for
-  the ones DDP sends dense);
+  correction for the compressed parameters, plain momentum for
+  the ones DDP sends dense, kept in the same error-feedback memory);
 * sets those groups' ``momentum`` to 0 and drops their ``momentum_buffer`` state;
   the group remembers ``m`` under the key ``"commpress_momentum"`` (so an optimizer
   checkpoint saved during training, loaded before or after registration, is
@@ -25,8 +25,8 @@ every step then sees exactly SGD's momentum, and a gradient's total effect,
 ``g/(1-m)``, is kept (only delayed) for the others.  With masking, a coordinate
 sent often loses its momentum, so the dense early steps of the density warm-up
 behave like SGD without momentum: on the digits task, topk 1% with masking took
-2.45-3.1x DDP's steps to the target, without 1.0-1.03x (both with the warm-up; see
-the notes of issue 17).  ``momentum_masking=True`` restores DGC's rule.
+2.45-3.1x DDP's steps to the target, without 1.0-1.03x (both with the warm-up;
+2 seeds, ``python -m benchmarks sweep --tasks digits --configs convergence``).  ``momentum_masking=True`` restores DGC's rule.
 
 The velocity is in the hook's ``state_dict()`` (the error-feedback codec's
 ``velocities`` and DDP's ``dense_velocity``), so resume is bitwise.
