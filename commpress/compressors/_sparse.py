@@ -27,6 +27,9 @@ class SparseCompressor(Compressor):
 
     aggregation = "sparse"
     unbiased = False
+    #: True when every slot of :meth:`compress_fixed` holds an entry (no padding index
+    #: ``numel``): the collectives may then scatter the sum straight into the output
+    fills_capacity = False
 
     def select(self, flat: torch.Tensor, *, step: int, key) -> tuple[torch.Tensor, torch.Tensor]:
         """``(indices, values)`` of the entries of the 1-D ``flat`` to keep."""

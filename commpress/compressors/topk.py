@@ -18,6 +18,11 @@ class TopK(SparseCompressor):
     with :class:`commpress.ErrorFeedback`.
     """
 
+    #: every fixed-size slot holds a selected entry (never the padding index ``numel``)
+    fills_capacity = True
+    #: NaN/inf rank above every finite value, so a non-finite input always shows in the values
+    keeps_nonfinite = True
+
     def __init__(self, ratio: float) -> None:
         self.ratio = check_ratio(ratio)
 
