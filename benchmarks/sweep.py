@@ -288,6 +288,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "compute ms": f"{1000 * r['compute_s']:.0f}",
             "codec ms": f"{1000 * r['compression_s']:.1f}",
             "comm ms": f"{1000 * r['comm_s']:.0f}",
+            **_account_cells(r.get("account") or {}),
             "final": fmt.format(r.get("final_smoothed", r["final"])),
             "time to target s": f"{r['ttt_s']:.1f}" if r.get("ttt_s") else "not reached",
             "speedup vs ddp": f"{r['speedup']:.2f}x" if r.get("speedup") else "",
@@ -296,7 +297,20 @@ def table_rows(rows: list[dict]) -> list[dict]:
 
 
 COLUMNS = ["config", "seed", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "compute ms",
-           "codec ms", "comm ms", "final", "time to target s", "speedup vs ddp"]
+           "codec ms", "comm ms", "hook: rounds", "wire ms", "α·rounds ms", "peer wait ms", "framework ms",
+           "final", "time to target s", "speedup vs ddp"]
+
+
+def _account_cells(acc: dict) -> dict[str, str]:
+    """The hook's own step-time account (``state.stats``, median per steady step) as table cells:
+    collective rounds, bytes/β, rounds·α, waiting for the peer, and framework time (queue,
+    futures, copies).  Empty for the baselines, which have no account."""
+    if not acc:
+        return {"hook: rounds": "", "wire ms": "", "α·rounds ms": "", "peer wait ms": "", "framework ms": ""}
+    return {"hook: rounds": f"{acc.get('rounds', 0):.0f}", "wire ms": f"{1000 * acc.get('wire', 0.0):.1f}",
+            "α·rounds ms": f"{1000 * acc.get('latency', 0.0):.1f}",
+            "peer wait ms": f"{1000 * acc.get('comm_wait', 0.0):.1f}",
+            "framework ms": f"{1000 * acc.get('framework', 0.0):.1f}"}
 
 
 # ------------------------------------------------------------------------- verdict

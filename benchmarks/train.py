@@ -261,6 +261,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
     step_times, opt_times, train_time, last_loss = [], [], 0.0, float("nan")
     step, stop = 0, False
     sent_per_step: list[int] = []
+    accounts: list[dict | None] = []  # the hook's step-time account per step (commpress only)
     while not stop:
         step += 1
         x, y = task.batch(gen)
@@ -277,6 +278,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         last_loss = float(loss.detach())
         if state is not None and hasattr(state, "stats"):
             sent_per_step.append(int((state.stats.last_step or {}).get("bytes_sent", 0)))
+            accounts.append((state.stats.last_step or {}).get("account"))
         if step % eval_every == 0 or (time_budget is None and step == steps):
             curve.append(curve_point(step, train_time))
             stop = should_stop(step, train_time)
@@ -317,13 +319,27 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
                    dense_bytes=int(last.get("dense_bytes", 0)),
                    payload_bytes=codec.get("payload_bytes", 0),
                    hook_s_per_step=float(last.get("hook_seconds", 0.0)),
-                   algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0))
+                   algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0),
+                   account=_median_account(accounts[skip:]))
     else:
         out.update(C.hook_bytes(cfg, grads, world))
     out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else float("inf")
     out["comm_s"] = max(0.0, step_s - out["compute_s"] - out["compression_s"])
     if rank0:
         report({"event": "done", "config": cfg.name, "result": out})
+    return out
+
+
+def _median_account(accounts: list[dict | None]) -> dict[str, float]:
+    """Per part, the median over the steady steps of the hook's step-time account (seconds;
+    the median drops the steps whose interval holds an evaluation)."""
+    rows = [a for a in accounts if a]
+    if not rows:
+        return {}
+    out = {k: statistics.median(float(a[k]) for a in rows) for k, v in rows[0].items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for name in sorted({n for a in rows for n in a.get("codec", {})}):
+        out["codec." + name] = statistics.median(float(a.get("codec", {}).get(name, 0.0)) for a in rows)
     return out
 
 

@@ -396,12 +396,17 @@ class ErrorFeedback(Compressor):
             payload, finite = inner.compress_feedback(x, live, self.beta, self._slot(self._pending, key, x))
             return self._stage(key, payload, ~finite, transaction)
         c = self._add_residual(x, key)
-        local_bad = nonfinite_flag(c)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
+            # a selection that always keeps NaN/inf first (topk) shows them in its values:
+            # the verdict reads k values instead of a pass over c
+            local_bad = None if inner.keeps_nonfinite else nonfinite_flag(c)
             payload = run(c, c, step=step, key=key)
+            if local_bad is None:
+                local_bad = nonfinite_flag(payload.tensors[1])
         else:
+            local_bad = nonfinite_flag(c)
             src = c if tensor.dtype == torch.float32 else c.to(tensor.dtype)
             run = inner.compress_fixed if fixed else inner.compress
             payload = run(src, step=step, key=key, generator=generator)

@@ -10,6 +10,7 @@ import torch
 from ..compressors._util import mix_seed, stable_hash
 from ..compressors.base import Compressor, Payload
 from ..feedback import ErrorFeedback, ResidualTransaction
+from .accounting import codec_timer
 from .wire import E_DTYPE, E_MISUSE, signature
 
 
@@ -75,15 +76,17 @@ def size_step(inner: Compressor, step: int) -> int:
 
 
 def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
-                       generator, transaction: ResidualTransaction | None, error: tuple[int, str]
-                       ) -> tuple[Payload | None, int, str]:
+                       generator, transaction: ResidualTransaction | None, error: tuple[int, str],
+                       stats=None) -> tuple[Payload | None, int, str]:
     """:func:`compress_fixed` unless ``error`` is already set; a compress that raises
-    becomes an error code (raised on every rank through the status, never here)."""
+    becomes an error code (raised on every rank through the status, never here).
+    ``stats`` (a :class:`~.accounting.CommStats`): its ``"compress"`` pass is charged."""
     code, msg = error
     if code:
         return None, code, msg
     try:
-        return compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                              transaction=transaction), 0, ""
+        with codec_timer(stats, "compress"):
+            return compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                                  transaction=transaction), 0, ""
     except Exception as exc:  # noqa: BLE001 - reported through the status word
         return None, E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"

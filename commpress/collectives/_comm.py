@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from typing import Callable
+import time
 
 import torch
 import torch.distributed as dist
@@ -125,9 +126,10 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
     return buf
 
 
-def _charge(stats: CommStats | None, cost: tuple[int, int, int]) -> None:
+def _charge(stats: CommStats | None, cost: tuple[int, int, int], t0: float | None = None) -> None:
+    """Charge one round of ``cost`` (and the host seconds since ``t0``) to ``stats``."""
     if stats is not None:
-        stats.add(*cost)
+        stats.add(*cost, rounds=1, seconds=0.0 if t0 is None else time.perf_counter() - t0)
 
 
 def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
@@ -138,8 +140,9 @@ def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> t
     if p == 1:
         return t.unsqueeze(0).clone()
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
+    t0 = time.perf_counter()
     gather_into(out, t.reshape(-1), group=group)
-    _charge(stats, all_gather_cost(t.numel() * t.element_size(), p))
+    _charge(stats, all_gather_cost(t.numel() * t.element_size(), p), t0)
     return out.reshape((p,) + tuple(t.shape))
 
 
@@ -148,8 +151,9 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, stats: CommS
     _enter("all_gather_into")
     if world(group) == 1:
         return out.copy_(t.reshape(-1))
+    t0 = time.perf_counter()
     gather_into(out, t.reshape(-1), group=group)
-    _charge(stats, all_gather_cost(t.numel() * t.element_size(), world(group)))
+    _charge(stats, all_gather_cost(t.numel() * t.element_size(), world(group)), t0)
     return out
 
 
@@ -159,8 +163,9 @@ def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=
     p = world(group)
     if p == 1:
         return t
+    t0 = time.perf_counter()
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
-    _charge(stats, all_reduce_cost(t.numel() * t.element_size(), p))
+    _charge(stats, all_reduce_cost(t.numel() * t.element_size(), p), t0)
     return t
 
 
@@ -177,12 +182,13 @@ def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[
     if p == 1:
         out.copy_(buf)
         return out
+    t0 = time.perf_counter()
     dist.all_to_all_single(out, buf.contiguous(), output_split_sizes=list(recv_sizes),
                            input_split_sizes=list(send_sizes), group=group)
     if stats is not None:
         sent = sum(s for r, s in enumerate(send_sizes) if r != me)
         recv = sum(s for r, s in enumerate(recv_sizes) if r != me)
-        stats.add(sent, recv, p - 1)
+        stats.add(sent, recv, p - 1, rounds=1, seconds=time.perf_counter() - t0)
     return out
 
 
@@ -193,10 +199,11 @@ def all_to_all_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommSt
     p = world(group)
     if p == 1:
         return out.copy_(send)
+    t0 = time.perf_counter()
     dist.all_to_all_single(out, send, group=group)
     if stats is not None:
         b = (send.numel() // p) * send.element_size() * (p - 1)
-        stats.add(b, b, p - 1)
+        stats.add(b, b, p - 1, rounds=1, seconds=time.perf_counter() - t0)
     return out
 
 
@@ -210,12 +217,13 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group=None,
         ops.append(dist.P2POp(dist.isend, send.contiguous(), gpeer, group))
     if do_recv:
         ops.append(dist.P2POp(dist.irecv, recv, gpeer, group))
+    t0 = time.perf_counter()
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     if stats is not None:
         s = send.numel() * send.element_size() if do_send else 0
         r = recv.numel() * recv.element_size() if do_recv else 0
-        stats.add(s, r, int(do_send))
+        stats.add(s, r, int(do_send), rounds=1, seconds=time.perf_counter() - t0)
 
 
 def to_bytes(*tensors: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
 from ._codec import fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
-from .accounting import CommStats
+from .accounting import CommStats, codec_timer
 from .validate import check_once
 
 ALLREDUCE_ALGORITHMS = {
@@ -114,7 +114,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     elif kind == "sparse":
         out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, **args)
     elif kind == "gather":
-        out = quantized.quantized_allreduce(tensor, compressor, **args)
+        out = quantized.quantized_allreduce(tensor, compressor, out=result, **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if result is not None and out is not result:
@@ -139,7 +139,7 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     if prescale is not None:
         tensor = tensor * prescale
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=transaction, error=(code, msg))
+                                            transaction=transaction, error=(code, msg), stats=stats)
     if world == 1:
         if code:
             raise wire.CollectiveInputError(f"allreduce: {msg}")
@@ -168,7 +168,8 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     summed = Payload(tuple(wires), payload.shape, payload.dtype, payload.numel, payload.meta)
     if stats is not None:
         stats.add(calls=1, algorithm="allreduce")
-    out = inner.decompress(summed).to(tensor.dtype).reshape(tensor.shape)
+    with codec_timer(stats, "decompress"):
+        out = inner.decompress(summed).to(tensor.dtype).reshape(tensor.shape)
     if bad is not None:
         transaction.mark_bad(bad)
         wire.poison_(out, bad)

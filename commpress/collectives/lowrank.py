@@ -26,6 +26,7 @@ and keeps the residual.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from ..feedback import ResidualTransaction, nonfinite_flag, owns_transaction
 from . import _comm, wire
 from ._codec import has_feedback, local_check, unwrap
-from .accounting import CommStats
+from .accounting import CommStats, codec_timer
 
 
 @owns_transaction
@@ -71,7 +72,8 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
     lowrank = [inner.is_compressed(p) for p in pieces]
     wkeys = [key] if shapes is None else [(key, i) for i in range(len(pieces))]
     try:
-        ps = [inner.begin(p, wkeys[i]) for i, p in enumerate(pieces) if lowrank[i]]
+        with codec_timer(stats, "compress"):
+            ps = [inner.begin(p, wkeys[i]) for i, p in enumerate(pieces) if lowrank[i]]
     except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
         code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
         ps = [torch.zeros(p.shape[0], inner.rank, device=flat.device) for i, p in enumerate(pieces) if lowrank[i]]
@@ -88,12 +90,14 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
         pos += t.numel()
     p_sums, dense_sums = views1[:len(ps)], views1[len(ps):]
     mats = [(i, p) for i, p in enumerate(pieces) if lowrank[i]]
-    qs = [inner.middle(p, p_sum, wkeys[i]) for (i, p), p_sum in zip(mats, p_sums)]
+    with codec_timer(stats, "compress"):
+        qs = [inner.middle(p, p_sum, wkeys[i]) for (i, p), p_sum in zip(mats, p_sums)]
     if qs:
         round2 = torch.cat([q.reshape(-1) for q in qs])
         _comm.all_reduce_(round2, group=group, stats=stats)
     out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
     off, qpos, j, d = 0, 0, 0, 0
+    t_decode = time.perf_counter()
     for i, p in enumerate(pieces):
         n = p.numel()
         if lowrank[i]:
@@ -105,6 +109,8 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
             out[off:off + n] = dense_sums[d]
             d += 1
         off += n
+    if stats is not None:
+        stats.add_codec("decompress", time.perf_counter() - t_decode)
     if ef is not None:
         _stage_residual(ef, key, m.view(src.shape), out, pieces, lowrank, world, round1[-1] != 0, tx)
     if stats is not None:

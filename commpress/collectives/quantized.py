@@ -42,7 +42,7 @@ from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
 from . import _comm, costmodel, wire
 from ._codec import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
-from .accounting import CommStats
+from .accounting import CommStats, codec_timer
 from .validate import check_once
 
 def alignment(compressor: Any) -> int:
@@ -62,7 +62,7 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
     return Payload(tuple(tensors), template.shape, template.dtype, template.numel, template.meta)
 
 
-def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error):
+def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
     """Every chunk's fixed-size payload (zeros-payloads after a local error, so the
     message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
     inner = unwrap(compressor)
@@ -73,8 +73,9 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
         try:
             payloads = []
             for r in range(world):
-                p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
-                                   key=(key, r), generator=generator, transaction=transaction)
+                with codec_timer(stats, "compress"):
+                    p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
+                                       key=(key, r), generator=generator, transaction=transaction)
                 payloads.append(p)
                 if p.nonfinite is not None:  # this rank's NaN/inf verdict, from the chunks' own scans
                     bad = p.nonfinite if bad is None else bad | p.nonfinite
@@ -148,10 +149,23 @@ def _phase1(flat, payloads, code, sig, bad, group, stats):
 
 def _owner_sum(inner, received, layout, template) -> torch.Tensor:
     """Decode the P pieces of this rank's chunk and add them in rank order (fp32)."""
-    acc = torch.zeros(template.numel, dtype=torch.float32, device=received.device)
+    acc = torch.empty(template.numel, dtype=torch.float32, device=received.device)
     for s in range(received.shape[0]):
-        acc += inner.decompress(_piece(layout.read(received[s]), template)).float().reshape(-1)
+        _decode_into(inner, _piece(layout.read(received[s]), template), acc, add=s > 0)
     return acc
+
+
+def _decode_into(inner, piece: Payload, dst: torch.Tensor, add: bool) -> None:
+    """Decode ``piece`` straight into the flat fp32 ``dst`` (issue 17: no temporaries, no copy):
+    written, or added (``add``) in one pass when the compressor has ``decompress_add``."""
+    if not add and piece.dtype == torch.float32:
+        inner.decompress(piece, out=dst)
+    elif add and piece.dtype == torch.float32 and hasattr(inner, "decompress_add"):
+        inner.decompress_add(piece, dst)
+    elif add:
+        dst += inner.decompress(piece).float().reshape(-1)
+    else:
+        dst.copy_(inner.decompress(piece).reshape(-1))
 
 
 def _worst(statuses: torch.Tensor, sig: int, out: torch.Tensor) -> torch.Tensor:
@@ -183,14 +197,15 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         algorithm: str = "auto", stats: CommStats | None = None,
                         generator: torch.Generator | None = None,
                         transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
-                        model: costmodel.CostModel | None = None) -> torch.Tensor:
+                        model: costmodel.CostModel | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
     ``algorithm``: ``"two_phase"`` (all-to-all, owner decode+sum+re-encode,
     all-gather), ``"gather_all"`` (all-gather of every rank's payload, decode and
     sum everything locally) or ``"auto"`` (the cost model).  Returns ``tensor``'s
     shape and dtype.  Called by :func:`commpress.collectives.allreduce`, which checks
-    the arguments and owns the transaction.
+    the arguments and owns the transaction.  ``out`` (fp32, ``tensor``'s shape,
+    contiguous; may be ``tensor``): the sum is decoded straight into it and it is returned.
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
@@ -203,22 +218,24 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
         return _local("allreduce", error, compressor, flat, key, step, stats, generator,
                       tx).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
-    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error, stats)
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
         algorithm = costmodel.choose_gather(total, n, world, model)
     sig = wire.signature("gather", n, str(tensor.dtype), [p.nbytes for p in payloads], algorithm)
+    direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
+              and out.shape == tensor.shape)
+    dst = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=flat.device)
     if algorithm == "gather_all":
-        out = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats)
+        statuses = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, dst)
     else:
-        out = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
-                         generator, tx)
-    statuses, out = out
-    _verdict(statuses, sig, "allreduce", msg, out, compressor, tx)
+        statuses = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
+                              generator, tx, dst)
+    _verdict(statuses, sig, "allreduce", msg, dst, compressor, tx)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
-    return out.to(tensor.dtype).reshape(tensor.shape)
+    return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
 
 
 def _local(caller, err, compressor, flat, key, step, stats, generator, transaction) -> torch.Tensor:
@@ -232,16 +249,18 @@ def _local(caller, err, compressor, flat, key, step, stats, generator, transacti
 
 
 def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats, generator,
-               tx):
+               tx, out):
     world, me = _comm.world(group), _comm.rank(group)
     received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
-    acc = _owner_sum(inner, received, layout, payloads[me])
+    with codec_timer(stats, "decompress"):
+        acc = _owner_sum(inner, received, layout, payloads[me])
     src = acc.to(flat.dtype if flat.dtype in inner.supported_dtypes else torch.float32)
     owner_key = ("owner", key, me)
     status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
     try:
         codec = compressor if isinstance(compressor, ErrorFeedback) and not inner.unbiased else inner
-        p2 = compress_fixed(codec, src, step=step, key=owner_key, generator=generator, transaction=tx)
+        with codec_timer(stats, "compress"):
+            p2 = compress_fixed(codec, src, step=step, key=owner_key, generator=generator, transaction=tx)
     except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
         p2 = payloads[me]  # same layout as the owner's message must have; content unused
         status[0].fill_(wire.E_MISUSE << 8)
@@ -250,14 +269,14 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group,
     message = torch.zeros(width, dtype=torch.uint8, device=flat.device)
     layouts[me].write(message, p2.tensors, status)
     gathered = _comm.all_gather(message, group=group, stats=stats)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
-    for r in range(world):
-        piece = _piece(layouts[r].read(gathered[r]), payloads[r])
-        out[bounds[r]:bounds[r + 1]] = inner.decompress(piece).float().reshape(-1)
-    return wire.read_status(gathered), out
+    with codec_timer(stats, "decompress"):
+        for r in range(world):
+            piece = _piece(layouts[r].read(gathered[r]), payloads[r])
+            _decode_into(inner, piece, out[bounds[r]:bounds[r + 1]], add=False)
+    return wire.read_status(gathered)
 
 
-def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats):
+def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out):
     world = _comm.world(group)
     tensors = [t for p in payloads for t in p.tensors]
     layout = wire.Layout.of(tensors)
@@ -266,14 +285,13 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats):
     gathered = _comm.all_gather(message, group=group, stats=stats)
     per = [len(p.tensors) for p in payloads]
     starts = [sum(per[:r]) for r in range(world + 1)]
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
     decoded = [layout.read(gathered[s]) for s in range(world)]
-    for r in range(world):
-        acc = torch.zeros(bounds[r + 1] - bounds[r], dtype=torch.float32, device=flat.device)
-        for s in range(world):  # rank order on every rank
-            acc += inner.decompress(_piece(decoded[s][starts[r]:starts[r + 1]], payloads[r])).float().reshape(-1)
-        out[bounds[r]:bounds[r + 1]] = acc
-    return wire.read_status(gathered), out
+    with codec_timer(stats, "decompress"):
+        for r in range(world):
+            dst = out[bounds[r]:bounds[r + 1]]
+            for s in range(world):  # rank order on every rank, straight into out
+                _decode_into(inner, _piece(decoded[s][starts[r]:starts[r + 1]], payloads[r]), dst, add=s > 0)
+    return wire.read_status(gathered)
 
 
 @owns_transaction

@@ -56,7 +56,7 @@ from .. import ops
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
 from ._codec import has_feedback, try_compress_fixed, unwrap
-from .accounting import CommStats
+from .accounting import CommStats, codec_timer
 from .wire import HASH_RANGE
 from .validate import (ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
                        exchange_header, make_header)
@@ -480,7 +480,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=transaction, error=error)
+                                            transaction=transaction, error=error, stats=stats)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
         cap = inner.capacity(n, step)
@@ -498,8 +498,13 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
     bad_local = payload.nonfinite if payload is not None else None
+    # issue 17: decode straight into ``out`` when no slot can hold padding (index n) and the sum's
+    # dtype is out's: no scratch, no copy back (the payload was already taken from the input)
+    direct = (out is not None and payload is not None and inner.fills_capacity
+              and out.dtype == acc_dtype(vals.dtype) and out.is_contiguous())
     if algorithm == "allgather":
-        acc = _comm.scratch("sparse_acc", n + 1, acc_dtype(vals.dtype), tensor.device).zero_()  # slot n: padding
+        acc = None if direct else _comm.scratch("sparse_acc", n + 1, acc_dtype(vals.dtype),
+                                                tensor.device).zero_()  # slot n: padding
         layout = wire.Layout.of((idx, vals))
         sig = wire.signature("sparse", n, str(vals.dtype), idx.numel())
         message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
@@ -508,9 +513,12 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         gathered = _comm.all_gather(message, group=group, stats=stats)
         statuses = wire.read_status(gathered)
         wire.check_byte_statuses(statuses, sig, "allreduce", msg)
-        for r in range(world):  # rank order on every rank: bitwise identical sums
-            i, v = layout.read(gathered[r])
-            ops.scatter_add_(acc, i, v.to(acc.dtype))
+        with codec_timer(stats, "decompress"):
+            if acc is None:
+                acc = out.view(-1).zero_()
+            for r in range(world):  # rank order on every rank: bitwise identical sums
+                i, v = layout.read(gathered[r])
+                ops.scatter_add_(acc, i, v.to(acc.dtype))
         bad = wire.any_nonfinite(statuses)
     else:  # dense
         buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device).zero_()
@@ -520,10 +528,13 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         wire.check_sum_slots(buf, "allreduce", msg, world)
         acc = buf[:n + 1]
         bad = buf[-1] != 0
-    if out is None:  # acc is a reused scratch buffer: never hand it out
-        out = acc[:n].to(vals.dtype, copy=True).to(tensor.dtype).reshape(tensor.shape)
-    else:
-        out.view(-1).copy_(acc[:n] if acc.dtype == vals.dtype else acc[:n].to(vals.dtype))
+    with codec_timer(stats, "decompress"):
+        if out is None:  # acc is a reused scratch buffer: never hand it out
+            out = acc[:n].to(vals.dtype, copy=True).to(tensor.dtype).reshape(tensor.shape)
+        elif acc.data_ptr() == out.data_ptr():
+            pass  # decoded in place
+        else:
+            out.view(-1).copy_(acc[:n] if acc.dtype == vals.dtype else acc[:n].to(vals.dtype))
     if has_feedback(compressor):
         transaction.mark_bad(bad)
         wire.poison_(out, bad)

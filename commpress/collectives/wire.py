@@ -188,7 +188,14 @@ def any_nonfinite(statuses: torch.Tensor) -> torch.Tensor:
 
 
 def poison_(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """Make ``out`` all-NaN where the 0-d ``bad`` is set (so AMP skips the step); no host read."""
+    """Make ``out`` all-NaN where the 0-d ``bad`` is set (so AMP skips the step); no host read.
+
+    A CPU flag is host memory already: it is read (no synchronisation) and ``out`` is
+    only touched when it is set (issue 17: no pass over the result in the common case)."""
+    if bad.device.type == "cpu" and out.device.type == "cpu":
+        if bool(bad.numpy()):
+            out.fill_(float("nan"))
+        return out
     if out.numel():  # x + (-0.0) is x bitwise (signed zeros included); x + NaN is NaN
         nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
         out.add_(torch.where(bad, nan, torch.full((), -0.0, dtype=out.dtype, device=out.device)))

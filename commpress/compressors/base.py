@@ -92,6 +92,12 @@ class Compressor(ABC):
     cast_to: torch.dtype | None = None
     #: :meth:`compress_feedback` exists: error feedback runs as one fused pass
     fused_feedback: ClassVar[bool] = False
+    #: a sparsifier whose fixed-size payload always fills its capacity with selected entries
+    #: (never the padding index), so its sum can be scattered straight into the output
+    fills_capacity: ClassVar[bool] = False
+    #: a non-finite input always shows in the payload's values (so the NaN/inf verdict can
+    #: read the payload instead of scanning the whole input)
+    keeps_nonfinite: ClassVar[bool] = False
 
     @property
     def alignment(self) -> int:

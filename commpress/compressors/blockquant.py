@@ -51,3 +51,10 @@ class BlockQuant(Compressor):
         vals = ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel,
                                     out=self.decode_target(payload, out))
         return self.finish_decode(payload, vals, out)
+
+    def decompress_add(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:
+        """``out += decompress(payload)`` in one pass (``out``: flat contiguous fp32 of
+        ``payload.numel``); the added values are exactly :meth:`decompress`'s."""
+        packed, scales = payload.tensors
+        return ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel, out=out,
+                                    accumulate=True)

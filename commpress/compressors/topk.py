@@ -26,6 +26,11 @@ class TopK(SparseCompressor):
     ``density_warmup=0`` turns it off.
     """
 
+    #: every fixed-size slot holds a selected entry (never the padding index ``numel``)
+    fills_capacity = True
+    #: NaN/inf rank above every finite value, so a non-finite input always shows in the values
+    keeps_nonfinite = True
+
     def __init__(self, ratio: float, density_warmup: int = DEFAULT_DENSITY_WARMUP,
                  density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)

@@ -121,6 +121,29 @@ class Stats:
     (compress + collectives + decompress); ``hook_seconds``: time in the hook
     in total.  ``memory_overhead_bytes``: residuals, scratch buffers and
     compressor state the hook keeps alive.
+
+    **Step-time account** (``last_step["account"]``, and ``as_dict()["account"]``: the
+    mean per accounted step), in seconds, measured on the thread that runs the
+    buckets (the hook call, or the overlap worker) between the ends of two steps:
+
+    * ``step``: wall time from the previous step's end to this one's;
+    * ``compute_wait``: ``step`` minus the time in the hook: forward, backward and
+      optimizer (inline), or the worker waiting for its next bucket (overlap);
+    * ``codec``: host time per codec pass (``{"compress": s, "decompress": s}``), and
+      ``codec_total``;
+    * ``wire``: ``bytes_sent * beta`` and ``latency``: ``rounds * alpha``, by the
+      cost model calibrated at binding (:mod:`commpress.collectives.costmodel`);
+      ``rounds``: the ``torch.distributed`` calls of the step (dense part included);
+    * ``comm``: measured host time inside those calls; ``comm_wait``: what ``comm``
+      has beyond ``wire + latency`` (waiting for a slower peer), at least 0;
+    * ``framework``: the rest of the hook's time (scaling, packing, queue, futures,
+      copies, bookkeeping), at least 0;
+    * ``unexplained``: ``step`` minus every part above (negative when the model
+      predicts more wire time than the collectives took).
+
+    All times are ``time.perf_counter`` around host-side work: no timer adds a
+    host synchronisation.  On CUDA a kernel's time shows where the host waits for it
+    (a collective, the next bucket), not in ``codec``.
     """
 
     steps: int = 0
@@ -136,15 +159,29 @@ class Stats:
     _cur_compress: float = 0.0
     _cur_hook: float = 0.0
     _cur_units: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the calibrated :class:`~commpress.collectives.costmodel.CostModel` the account uses (set at binding)
+    cost_model: Any = None
+    account_steps: int = 0
+    _account_sum: dict[str, float] = field(default_factory=dict)
+    _cur_rounds: int = 0
+    _cur_comm: float = 0.0
+    _cur_codec: dict[str, float] = field(default_factory=dict)
+    _last_end: float | None = None
 
     def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
-               compress_seconds: float = 0.0, hook_seconds: float = 0.0) -> None:
-        """Add what one bucket / unit sent in the current step."""
+               compress_seconds: float = 0.0, hook_seconds: float = 0.0, rounds: int = 0,
+               comm_seconds: float = 0.0, codec_seconds: dict[str, float] | None = None) -> None:
+        """Add what one bucket / unit sent in the current step (``rounds``, ``comm_seconds`` and
+        ``codec_seconds`` feed the step-time account)."""
         u = str(unit)
         self._cur_sent += int(bytes_sent)
         self._cur_dense += int(dense_bytes)
         self._cur_compress += compress_seconds
         self._cur_hook += hook_seconds
+        self._cur_rounds += int(rounds)
+        self._cur_comm += float(comm_seconds)
+        for name, sec in (codec_seconds or {}).items():
+            self._cur_codec[name] = self._cur_codec.get(name, 0.0) + float(sec)
         entry = self._cur_units.setdefault(u, {"bytes_sent": 0, "dense_bytes": 0, "algorithm": algorithm})
         entry["bytes_sent"] += int(bytes_sent)
         entry["dense_bytes"] += int(dense_bytes)
@@ -154,6 +191,7 @@ class Stats:
 
     def end_step(self) -> None:
         """Close the current step: fold it into the totals and ``last_step``."""
+        now = time.perf_counter()
         self.steps += 1
         self.bytes_sent += self._cur_sent
         self.dense_bytes += self._cur_dense
@@ -165,11 +203,60 @@ class Stats:
             "compression_ratio": _ratio(self._cur_dense, self._cur_sent),
             "compress_seconds": self._cur_compress,
             "hook_seconds": self._cur_hook,
+            "rounds": self._cur_rounds,
             "units": self._cur_units,
         }
-        self._cur_sent = self._cur_dense = 0
-        self._cur_compress = self._cur_hook = 0.0
+        if self._last_end is not None:
+            account = self._account(now - self._last_end)
+            self.last_step["account"] = account
+            self.account_steps += 1
+            for k, v in account.items():
+                if isinstance(v, float):
+                    self._account_sum[k] = self._account_sum.get(k, 0.0) + v
+                elif k == "codec":
+                    for name, sec in v.items():
+                        self._account_sum["codec." + name] = self._account_sum.get("codec." + name, 0.0) + sec
+        self._last_end = now
+        self._cur_sent = self._cur_dense = self._cur_rounds = 0
+        self._cur_compress = self._cur_hook = self._cur_comm = 0.0
         self._cur_units = {}
+        self._cur_codec = {}
+
+    def _account(self, step: float) -> dict[str, Any]:
+        """The current step's time account (see the class doc)."""
+        model = self.cost_model
+        alpha = float(model.alpha) if model is not None else 0.0
+        beta = float(model.beta) if model is not None else 0.0
+        hook = self._cur_hook
+        codec = dict(self._cur_codec)
+        codec_total = sum(codec.values())
+        wire = self._cur_sent * beta
+        latency = self._cur_rounds * alpha
+        comm = self._cur_comm
+        comm_wait = max(0.0, comm - wire - latency)
+        framework = max(0.0, hook - codec_total - comm)
+        compute_wait = max(0.0, step - hook)
+        parts = compute_wait + codec_total + wire + latency + comm_wait + framework
+        return {"step": step, "compute_wait": compute_wait, "codec": codec, "codec_total": codec_total,
+                "wire": wire, "latency": latency, "rounds": float(self._cur_rounds), "comm": comm,
+                "comm_wait": comm_wait, "framework": framework, "unexplained": step - parts,
+                "calibrated": model is not None}
+
+    def reset_account(self) -> None:
+        """Start the account's mean afresh (e.g. after warm-up); the next step starts a new interval."""
+        self.account_steps = 0
+        self._account_sum = {}
+        self._last_end = None
+
+    def account(self) -> dict[str, Any]:
+        """Mean step-time account per accounted step, seconds (``{}`` before two steps)."""
+        if not self.account_steps:
+            return {}
+        mean = {k: v / self.account_steps for k, v in self._account_sum.items() if not k.startswith("codec.")}
+        mean["codec"] = {k[6:]: v / self.account_steps for k, v in self._account_sum.items()
+                         if k.startswith("codec.")}
+        mean["steps"] = self.account_steps
+        return mean
 
     @property
     def compression_ratio(self) -> float:
@@ -188,6 +275,7 @@ class Stats:
             "memory_overhead_bytes": self.memory_overhead_bytes,
             "algorithms": dict(self.algorithms),
             "last_step": dict(self.last_step),
+            "account": self.account(),
         }
 
 

@@ -281,10 +281,11 @@ class DDPState(TakeoverMixin, HookState):
         executor_cls = _Overlapped if overlapped else _Inline
         self.executor = executor_cls(self.frozen, self.layout, self.stats, step=self._step_count)
         self.overlap = overlapped
-        if self.algorithm == "auto" and self.inner.aggregation in ("sparse", "gather") and self.world_size > 1:
+        if self.world_size > 1:
             from ..collectives import get_cost_model
 
-            get_cost_model(self.process_group)  # calibrate now (a collective), not inside a step
+            # calibrate now (a collective), not inside a step: "auto" and the step account use it
+            self.stats.cost_model = get_cost_model(self.process_group)
         if self.hierarchy is not None and self.hierarchy.mode == "auto":
             self.hierarchy.models()  # likewise for the intra-node and inter-node models
         setattr(model, _ATTR, self)
@@ -762,7 +763,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
             fut = torch.futures.Future()
             fut.set_result(buf)
     executor.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                          compress_seconds=0.0, hook_seconds=total.seconds)
+                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=int(cfg.world_size > 1))
     if bucket.is_last():
         executor.step += 1
         executor.stats.end_step()

@@ -104,6 +104,7 @@ class Step:
         self.ready: dict[str, tuple[torch.Tensor, int, int]] = {}   # name -> (bucket buffer, offset, numel)
         self.waiting: list[Finished] = []                          # buckets whose units span later buckets
         self.done_units: set[int] = set()
+        self._dense_issue = 0.0                                    # seconds to issue the dense all_reduce
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
@@ -123,13 +124,17 @@ class Step:
             runnable = sorted(i for i in mine if i not in self.done_units
                               and all(nm in self.ready for nm in layout.units[i].names))
             algorithms = []
+            cs = CommStats()  # rounds, time in collectives and codec passes, for the step's account
+            if work is not None:
+                cs.add(rounds=1, seconds=self._dense_issue)
             with Timer() as t_c:
                 for i in runnable:
-                    nbytes, algorithm = self._run_unit(i)
-                    sent += nbytes
-                    algorithms.append(algorithm)
+                    algorithms.append(self._run_unit(i, cs))
+            sent += cs.bytes_sent
             if work is not None:
-                work.wait()
+                with Timer() as t_w:
+                    work.wait()
+                cs.add(seconds=t_w.seconds)
             if dense is not None:
                 self._finish_dense(plan, buf, dense)
             finished = []
@@ -141,7 +146,8 @@ class Step:
         self.ctx.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes,
                               algorithm="+".join(sorted(set(algorithms))) or ("waiting" if plan.compressed
                                                                               else "dense"),
-                              compress_seconds=t_c.seconds, hook_seconds=total.seconds)
+                              compress_seconds=t_c.seconds, hook_seconds=total.seconds, rounds=cs.rounds,
+                              comm_seconds=cs.comm_seconds, codec_seconds=cs.codec_seconds)
         return finished
 
     def _start_dense(self, plan: Plan, buf: torch.Tensor):
@@ -157,7 +163,9 @@ class Step:
         if cfg.world_size == 1:
             return plan.dense_scratch, None
         plan.dense_scratch.mul_(cfg.scale)  # DDP averages: scale, then sum
-        work = dist.all_reduce(plan.dense_scratch, group=cfg.group, async_op=True)
+        with Timer() as t:
+            work = dist.all_reduce(plan.dense_scratch, group=cfg.group, async_op=True)
+        self._dense_issue = t.seconds
         return plan.dense_scratch, work
 
     def _finish_dense(self, plan: Plan, buf: torch.Tensor, dense: torch.Tensor) -> None:
@@ -172,12 +180,13 @@ class Step:
                 pos += n
         scatter_slices(buf, plan.dense_slices, dense)
 
-    def _run_unit(self, i: int) -> tuple[int, str]:
+    def _run_unit(self, i: int, cs: CommStats) -> str:
+        """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm."""
         cfg = self.ctx.config
         unit = self.ctx.layout.units[i]
         pieces = [self.ready[nm] for nm in unit.names]
         t, is_view = unit_input(unit, pieces)
-        cs = CommStats()
+        cs.last_algorithm = ""
         prescale = None
         if cfg.world_size > 1:
             if cfg.fold_scale:
@@ -192,7 +201,7 @@ class Step:
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
-        return cs.bytes_sent, cs.last_algorithm or cfg.codec.aggregation
+        return cs.last_algorithm or cfg.codec.aggregation
 
     # -- the step's end -----------------------------------------------------
     def commit(self) -> None:

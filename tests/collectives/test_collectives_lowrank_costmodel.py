@@ -184,11 +184,14 @@ def test_auto_with_calibrated_model(world):
 def test_commstats():
     s = CommStats()
     s.add(10, 20, 1)
-    s.add(calls=1, algorithm="split")
+    s.add(calls=1, algorithm="split", rounds=2, seconds=0.5)
+    s.add_codec("compress", 0.25)
     assert s.as_dict() == {"bytes_sent": 10, "bytes_received": 20, "messages": 1, "calls": 1,
-                           "last_algorithm": "split"}
+                           "last_algorithm": "split", "rounds": 2, "comm_seconds": 0.5,
+                           "codec_seconds": {"compress": 0.25}}
     t = CommStats()
     t.merge(s)
     assert t == s
     s.reset()
     assert s.as_dict()["bytes_sent"] == 0 and s.last_algorithm == ""
+    assert s.rounds == 0 and s.comm_seconds == 0.0 and s.codec_seconds == {}

@@ -1,0 +1,33 @@
+"""topk's NaN/inf verdict read from its k selected values (issue 17) equals the full-pass verdict,
+and the payload and residual are bitwise those of the path that scans the whole tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import commpress
+from commpress.compressors.topk import TopK
+
+
+class ScanningTopK(TopK):
+    """TopK that does not claim to keep NaN/inf: error feedback scans the whole tensor."""
+
+    keeps_nonfinite = False
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
+def test_verdict_from_values_matches_the_full_scan(poison):
+    g = torch.Generator().manual_seed(3)
+    fast = commpress.ErrorFeedback(TopK(0.01))
+    slow = commpress.ErrorFeedback(ScanningTopK(0.01))
+    for step in range(3):
+        x = torch.randn(5000, generator=g)
+        if poison is not None and step == 1:
+            x[1234] = poison
+        a = fast.compress_fixed(x, step=step, key="k")
+        b = slow.compress_fixed(x, step=step, key="k")
+        assert bool(a.nonfinite) == bool(b.nonfinite) == (poison is not None and step == 1)
+        for ta, tb in zip(a.tensors, b.tensors):
+            assert torch.equal(ta.view(torch.int32), tb.view(torch.int32))
+        assert torch.equal(fast.residual("k").view(torch.int32), slow.residual("k").view(torch.int32))
