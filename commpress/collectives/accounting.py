@@ -26,7 +26,7 @@ are exact.  The data a rank keeps for itself is never counted.  With one rank
 nothing is sent and nothing is counted.  ``calls`` counts top-level collective
 calls (one ``allreduce`` / ``sparse_allreduce`` / ``reduce_scatter`` = 1).
 
-Step-time account (issue 17): ``rounds`` counts the ``torch.distributed`` calls
+Step-time account: ``rounds`` counts the ``torch.distributed`` calls
 themselves (one ``all_gather`` / ``all_reduce`` / ``all_to_all_single`` / one
 batched send-receive = 1 round, whatever its message count), ``comm_seconds`` the
 host time spent inside them, and ``codec_seconds`` the host time of each codec

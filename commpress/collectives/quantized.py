@@ -156,7 +156,7 @@ def _owner_sum(inner, received, layout, template) -> torch.Tensor:
 
 
 def _decode_into(inner, piece: Payload, dst: torch.Tensor, add: bool) -> None:
-    """Decode ``piece`` straight into the flat fp32 ``dst`` (issue 17: no temporaries, no copy):
+    """Decode ``piece`` straight into the flat fp32 ``dst`` (no temporaries, no copy):
     written, or added (``add``) in one pass when the compressor has ``decompress_add``."""
     if not add and piece.dtype == torch.float32:
         inner.decompress(piece, out=dst)

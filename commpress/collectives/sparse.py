@@ -498,7 +498,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
                                                   idx.element_size(), model)
     bad_local = payload.nonfinite if payload is not None else None
-    # issue 17: decode straight into ``out`` when no slot can hold padding (index n) and the sum's
+    # decode straight into ``out`` when no slot can hold padding (index n) and the sum's
     # dtype is out's: no scratch, no copy back (the payload was already taken from the input)
     direct = (out is not None and payload is not None and inner.fills_capacity
               and out.dtype == acc_dtype(vals.dtype) and out.is_contiguous())

@@ -191,7 +191,7 @@ def poison_(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """Make ``out`` all-NaN where the 0-d ``bad`` is set (so AMP skips the step); no host read.
 
     A CPU flag is host memory already: it is read (no synchronisation) and ``out`` is
-    only touched when it is set (issue 17: no pass over the result in the common case)."""
+    only touched when it is set (no pass over the result in the common case)."""
     if bad.device.type == "cpu" and out.device.type == "cpu":
         if bool(bad.numpy()):
             out.fill_(float("nan"))
