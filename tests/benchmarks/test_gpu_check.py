@@ -60,7 +60,7 @@ def test_dry_run_passes_and_reports_every_section(dry_run):
     assert sync["missing_configs"] == [] and all(r["ok"] for r in sync["rows"])
     for row in sync["rows"]:  # the compressors' ops ran on the (host-built) kernels where they exist
         ran = row["backends"]
-        assert ran or row["compressor"] in (None, "identity", "fp16", "bf16", "powersgd"), row  # torch ops only
+        assert ran or row["compressor"] in (None, "identity", "fp16", "bf16", "powersgd", "sparseloco"), row  # torch ops only
         for op in ("fp8_quantize", "mx_quantize", "qsgd_quantize", "level_quantize", "sign_pack_feedback",
                    "block_quantize", "topk_compact"):
             assert ran.get(op, "cuda") == "cuda", (row["config"], ran)

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distributed import run
 
 import commpress
-from commpress.collectives import _comm
 from commpress.collectives.accounting import all_gather_cost, all_reduce_cost
 
 PARTS = ("step", "compute_wait", "codec_total", "wire", "latency", "comm", "comm_wait", "framework")
@@ -29,7 +28,9 @@ class Calls:
         self.calls: list[tuple[str, int]] = []
 
     def __enter__(self):
-        self._ar, self._ag, self._a2a = dist.all_reduce, _comm._ALL_GATHER, dist.all_to_all_single
+        # torch's flat all-gather, as commpress.collectives looks it up at call time
+        self._ag_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        self._ar, self._ag, self._a2a = dist.all_reduce, getattr(dist, self._ag_name), dist.all_to_all_single
 
         def all_reduce(t, *a, **k):
             self.calls.append(("all_reduce", t.numel() * t.element_size()))
@@ -46,11 +47,13 @@ class Calls:
             self.calls.append(("all_to_all", sent))
             return self._a2a(out, t, *a, **k)
 
-        dist.all_reduce, _comm._ALL_GATHER, dist.all_to_all_single = all_reduce, all_gather, all_to_all
+        dist.all_reduce, dist.all_to_all_single = all_reduce, all_to_all
+        setattr(dist, self._ag_name, all_gather)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce, _comm._ALL_GATHER, dist.all_to_all_single = self._ar, self._ag, self._a2a
+        dist.all_reduce, dist.all_to_all_single = self._ar, self._a2a
+        setattr(dist, self._ag_name, self._ag)
 
     def bytes_sent(self, world: int) -> int:
         cost = {"all_reduce": all_reduce_cost, "all_gather": all_gather_cost, "all_to_all": lambda n, p: (n,)}
