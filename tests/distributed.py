@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import traceback
@@ -52,7 +53,9 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout,
         )
         try:
             out = fn(rank, world_size, *args, **kwargs)
-            results.put((rank, "ok", out))
+            # plain pickle bytes: torch's queue reductions would share tensor storage through
+            # a socket of this process, which may have exited before the parent reads it
+            results.put((rank, "ok", pickle.dumps(out)))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -93,7 +96,7 @@ def run(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
                     )
                 try:
                     rank, status, value = results.get(timeout=min(remaining, 1.0))
-                    collected[rank] = (status, value)
+                    collected[rank] = (status, pickle.loads(value) if status == "ok" else value)
                 except queue_mod.Empty:
                     dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in collected
                             and p.exitcode not in (0, None)]
