@@ -221,8 +221,15 @@ def run_task(task: str, size: str, cfgs: list[C.Config], steps: int, args, clust
 
 def smoothed_curve(curve: list[dict], metric: str, window: int = SMOOTH) -> list[tuple[dict, float]]:
     """``(point, mean of the metric over the last `window` evaluations)`` for every evaluation after
-    step 0 that has a full window (all of them when the run has fewer evaluations)."""
+    step 0 that has a full window (all of them when the run has fewer evaluations).
+
+    Only evaluations on the common grid (multiples of the first evaluated step) count: a run that
+    stops off the grid also evaluates its last step, and that extra point would give DDP, whose
+    final value sets the target, a window no other config has (a config with DDP's very curve
+    then missed the target by a hair)."""
     pts = [p for p in curve if p["step"] > 0]
+    grid = pts[0]["step"] if pts else 1
+    pts = [p for p in pts if p["step"] % grid == 0]
     w = max(1, min(window, len(pts)))
     return [(pts[i], statistics.fmean(p[metric] for p in pts[i - w + 1:i + 1])) for i in range(w - 1, len(pts))]
 

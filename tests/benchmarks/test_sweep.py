@@ -66,6 +66,19 @@ def test_time_to_target_reads_the_mean_of_the_last_three_evaluations():
     assert rows[3]["ttt_s"] is None
 
 
+def test_a_config_with_ddps_curve_reaches_the_target_when_ddp_stops_off_the_grid():
+    # evaluations every 3 steps; DDP also evaluates its last step (100), off the grid
+    grid = [0.1, 0.5, 0.8, 0.93, 0.96, 0.97, 0.92]                     # steps 0, 3, ..., 18
+    ddp = [{"step": 3 * i, "time": 3.0 * i, "accuracy": v} for i, v in enumerate(grid)]
+    ddp.append({"step": 19, "time": 19.0, "accuracy": 0.99})             # a lucky off-grid final
+    same = [dict(p) for p in ddp[:-1]] + [{"step": 21, "time": 21.0, "accuracy": 0.9}]
+    rows = [{"config": "ddp", "metric": "accuracy", "final": 0.99, "curve": ddp},
+            {"config": "same", "metric": "accuracy", "final": 0.9, "curve": same}]
+    sweep.time_to_target(rows)
+    assert rows[0]["final_smoothed"] == pytest.approx((0.96 + 0.97 + 0.92) / 3)
+    assert rows[1]["ttt_step"] is not None and rows[1]["ttt_step"] <= rows[0]["ttt_step"]
+
+
 def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030, final=0.9):
         return {"config": config, "kind": kind, "seed": seed, "curve": [], "ttt_s": ttt, "ttt_step": 10,
