@@ -423,6 +423,32 @@ class ErrorFeedback(Compressor):
             self.commit(key, local_bad)
         return dataclasses.replace(payload, nonfinite=local_bad)
 
+    def send_whole(self, tensor: torch.Tensor, key: Any, out: torch.Tensor,
+                   transaction: ResidualTransaction | None = None) -> torch.Tensor:
+        """Write the whole compensated tensor ``x + beta * residual(key)`` (fp32; ``x`` with
+        momentum correction as in :meth:`compensate`) into ``out`` (fp32, ``tensor.numel()``
+        elements), for a caller that sends it uncompressed: the key's pending residual is zero
+        and, with momentum factor masking, so is its pending velocity (every coordinate was
+        sent).  Staged in ``transaction`` when given, else committed at once; a non-finite
+        input keeps the old residual.  Returns the local non-finite flag (0-d bool)."""
+        self.check_input(tensor)
+        x = self._accumulate(tensor, key) if self.momentum else tensor
+        dst = out.view(x.shape)
+        live = self._residuals.get(key)
+        if live is None or live.numel() != x.numel() or live.device != x.device:
+            dst.copy_(x)
+        else:
+            torch.add(x, live.view(x.shape), alpha=self.beta, out=dst)
+        self._slot(self._pending, key, x).zero_()
+        if self.momentum and self.masking:
+            self._velocity_pending[key].zero_()
+        bad = nonfinite_flag(dst)
+        if transaction is not None:
+            transaction.stage(self, key, bad)
+        else:
+            self.commit(key, bad)
+        return bad
+
     def stage(self, key: Any, compensated: torch.Tensor, sent: torch.Tensor,
               transaction: ResidualTransaction | None = None) -> None:
         """Pending residual of ``key`` := ``compensated - sent`` (what :meth:`compensate`

@@ -479,6 +479,13 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
+    if world > 1 and has_feedback(compressor) and algorithm in ("auto", "dense"):
+        if algorithm == "auto":  # a pure function of (numel, capacity, P): every rank picks alike
+            vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
+            algorithm = costmodel.choose_fixed_sparse(n, inner.capacity(n, step), world, vsize,
+                                                      wire_index_dtype(n + 1).itemsize, model)
+        if algorithm == "dense":
+            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
                                             transaction=transaction, error=error, stats=stats)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
@@ -540,6 +547,41 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         wire.poison_(out, bad)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
+    return out
+
+
+def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out) -> torch.Tensor:
+    """The ``"dense"`` algorithm with error feedback: one all_reduce of the whole compensated
+    tensor (``x + beta * e``) instead of its densified selection.  The bytes are the same (a
+    dense fp32 message), the sum is exact and the residual becomes zero, and no selection runs:
+    when the cost model finds the sparse message no cheaper than the dense one (a density
+    warm-up's early stages, large ratios), nothing is gained by dropping coordinates."""
+    n, world = tensor.numel(), _comm.world(group)
+    code, msg = error
+    buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device)
+    bad_local = None
+    if not code:
+        try:
+            with codec_timer(stats, "compress"):
+                bad_local = ef.send_whole(tensor, key, buf[:n], transaction)
+        except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    if code:
+        buf[:n].zero_()
+    buf[n:].zero_()  # the padding slot of the selection's layout, then the status slots
+    wire.sum_slots(buf, error=code, nonfinite=bad_local, rank=_comm.rank(group), world=world)
+    _comm.all_reduce_(buf, group=group, stats=stats)
+    wire.check_sum_slots(buf, "allreduce", msg, world)
+    bad = buf[-1] != 0
+    with codec_timer(stats, "decompress"):
+        if out is None:  # buf is a reused scratch buffer: never hand it out
+            out = buf[:n].to(tensor.dtype, copy=True).reshape(tensor.shape)
+        else:
+            out.view(-1).copy_(buf[:n])
+    transaction.mark_bad(bad)
+    wire.poison_(out, bad)
+    if stats is not None:
+        stats.add(calls=1, algorithm="dense")
     return out
 
 

@@ -113,6 +113,38 @@ def test_fixed_sparse_sum_is_exact_and_identical(name, params, algorithm):
             np.testing.assert_allclose(res[r][0][step], expect, rtol=1e-6, atol=1e-6)
 
 
+def whole_dense_worker(rank, world):
+    out = {}
+    for momentum in (0.0, 0.9):
+        ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0), momentum=momentum,
+                                     masking=True)
+        allreduce(data(rank, 0), ef, key="w", step=0, algorithm="allgather")  # leaves a residual
+        e = ef.residual("w").clone()
+        u = ef.velocity("w").clone() if momentum else None
+        x = data(rank, 1)
+        v = torch.add(x, u, alpha=momentum) if momentum else x               # the velocity, as EF rounds it
+        sent = torch.add(v, e, alpha=1.0)                                     # what the rank sends whole
+        got = allreduce(x, ef, key="w", step=1, algorithm="dense")
+        again = allreduce(x, ef, key="w", step=2)                             # "auto" at 1%: the selection
+        out[momentum] = (sent, got, bool(e.abs().sum() > 0), bool(ef.residual("w").abs().sum() > 0),
+                         again)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_dense_with_error_feedback_sends_the_whole_compensated_tensor():
+    """With error feedback the "dense" algorithm all-reduces x + e itself (no bytes saved by
+    dropping coordinates): the sum is exact and the residual empties."""
+    res = run(whole_dense_worker, 2, timeout=55)
+    for momentum in (0.0, 0.9):
+        (s0, got0, had0, left0, a0), (s1, got1, had1, left1, a1) = res[0][momentum], res[1][momentum]
+        assert had0 and had1                                    # there was a residual to send
+        assert torch.equal(got0, got1) and torch.equal(got0, s0 + s1)
+        # the step after: the residual started from zero, so the selection's sum keeps <= 2k entries
+        assert torch.equal(a0, a1) and 0 < int((a0 != 0).sum()) <= 2 * 41
+        assert left0 and left1                                  # and left a new residual
+
+
 def capacity_worker(rank, world, steps):
     ef = commpress.ErrorFeedback(commpress.get("threshold", threshold=0.5, max_ratio=0.01))
     total = torch.zeros(N, dtype=torch.float64)
