@@ -35,7 +35,9 @@ Through :func:`commpress.collectives.allreduce` (the hooks' path) a sparsifier's
 fixed-size payload takes :func:`fixed_sparse_allreduce`: ``"allgather"`` is one
 all-gather of ``capacity`` slots per rank with the status word in front, and
 ``"dense"`` one all_reduce; no header, no size message.  ``"auto"`` picks
-between those two from the cost model alone.  The other algorithms need the
+between those two from the cost model alone.  With error feedback, ``"dense"``
+sends the whole compensated tensor rather than its densified selection: the
+same bytes, an exact sum, and the residual empties.  The other algorithms need the
 counts, so they run :func:`sparse_allreduce` below with its header.
 
 Every call of :func:`sparse_allreduce` first all-gathers one small header per rank
