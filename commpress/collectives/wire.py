@@ -26,6 +26,33 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
     reduction adds up: ``[sum of 2**rank over the ranks with an error (a count
     where the dtype cannot add that exactly), count of ranks with a NaN/inf input]``.
 
+The validation header (:mod:`commpress.collectives.validate`)
+    exchanged only where static facts must first be agreed (the first call of a
+    collective for a key, every call of the variable-size sparse algorithms):
+    one int64 row per rank, one ``all_gather``.
+
+    =======================  ==================================================
+    slot                     content
+    =======================  ==================================================
+    0 :data:`H_ERROR`        error code of this rank's local checks (0 = ok, see :data:`ERRORS`)
+    1 :data:`H_NUMEL`        ``numel``
+    2 :data:`H_DTYPE`        dtype code of the values / tensor (index in :data:`DTYPES`)
+    3 :data:`H_ALGORITHM`    algorithm code (index in :data:`ALGORITHM_CODES`)
+    4 :data:`H_KIND`         kind of collective (index in :data:`KINDS`)
+    5 :data:`H_CONFIG`       CRC32 of the compressor's name and configuration
+    6 :data:`H_COUNT`        this rank's entry count ``k`` (sparse) or payload size (gather)
+    7 :data:`H_MODEL`        cost-model state for ``"auto"``
+                             (:func:`~commpress.collectives.costmodel.model_state`)
+    8 .. 8+P                 per-owner range counts (``"split"``, ``"auto"``): :func:`header_split`
+    8+P .. 8+2P              per-owner hash counts (``"hashed"``, ``"auto"``): :func:`header_hashed`
+    8+2P .. 8+4P             reserved (zero)
+    8+4P .. 8+4P+SKETCH      union sketch of :data:`SKETCH` hashes (``"auto"``): :func:`header_sketch`
+    =======================  ==================================================
+
+    Its length, :func:`header_len` ``= HEADER_FIXED + 4*P + SKETCH``, depends only
+    on the group size, so ranks that disagree about everything else still
+    complete the exchange.
+
 Reading a status is the one host read of a call, and only where it is free:
 on CPU tensors (host memory, no synchronization).  CUDA statuses are copied
 to pinned memory behind an event and checked by :func:`flush_deferred` (at the
@@ -50,10 +77,48 @@ SUM_SLOTS = 2
 #: ``hash_owner(i, HASH_RANGE)`` is the full 32-bit hash (Zen partitions, union sketches)
 HASH_RANGE = 2**32
 
-# The validation header (:mod:`commpress.collectives.validate`): fixed slots, then 4 per rank,
-# then a union sketch of SKETCH hashes.
+# ---------------------------------------------------------------- the validation header
+#: fixed slots of the validation header (then 4 per rank, then the union sketch)
 HEADER_FIXED = 8
+#: hashes in the header's union sketch (k-minimum values)
 SKETCH = 16
+H_ERROR, H_NUMEL, H_DTYPE, H_ALGORITHM, H_KIND, H_CONFIG, H_COUNT, H_MODEL = range(HEADER_FIXED)
+
+#: header slot :data:`H_DTYPE` is the index in this tuple (-1: another dtype)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+          torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
+#: header slot :data:`H_ALGORITHM` is the index in this tuple (-1: unknown)
+ALGORITHM_CODES = ("auto", "allgather", "recursive_doubling", "split", "hashed", "dense",
+                   "two_phase", "gather_all", "allreduce", "powersgd", "local")
+#: header slot :data:`H_KIND` is the index in this tuple
+KINDS = ("sparse", "sum", "gather", "lowrank", "reduce_scatter")
+
+
+def header_len(world: int) -> int:
+    """Elements (int64) of one rank's validation header in a group of ``world`` ranks."""
+    return HEADER_FIXED + 4 * world + SKETCH
+
+
+def header_split(world: int) -> slice:
+    """The header's per-owner range counts (SparCML ``"split"``)."""
+    return slice(HEADER_FIXED, HEADER_FIXED + world)
+
+
+def header_hashed(world: int) -> slice:
+    """The header's per-owner hash counts (Zen ``"hashed"``)."""
+    return slice(HEADER_FIXED + world, HEADER_FIXED + 2 * world)
+
+
+def header_sketch(world: int) -> slice:
+    """The header's union sketch (:data:`SKETCH` smallest hashes, for ``"auto"``)."""
+    s = HEADER_FIXED + 4 * world
+    return slice(s, s + SKETCH)
+
+
+def dtype_code(dtype: Any) -> int:
+    """Header slot :data:`H_DTYPE` of ``dtype`` (-1 for a dtype not in :data:`DTYPES`)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
 
 #: error codes carried in bits 8..15 of the flags word
 ERRORS = {
