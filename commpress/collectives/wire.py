@@ -26,6 +26,11 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
     reduction adds up: ``[sum of 2**rank over the ranks with an error (a count
     where the dtype cannot add that exactly), count of ranks with a NaN/inf input]``.
 
+``reduce_scatter`` messages (``"sum"`` compressors: fp16 / bf16, shared-seed random-k)
+    ``P`` equal pieces, piece ``r`` for rank ``r``: the payload of shard ``r``
+    (its tensors, one dtype, back to back) followed by the same
+    :data:`SUM_SLOTS`, so every rank receives the summed status with its shard.
+
 The validation header (:mod:`commpress.collectives.validate`)
     exchanged only where static facts must first be agreed (the first call of a
     collective for a key, every call of the variable-size sparse algorithms):
@@ -89,7 +94,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
           torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
 #: header slot :data:`H_ALGORITHM` is the index in this tuple (-1: unknown)
 ALGORITHM_CODES = ("auto", "allgather", "recursive_doubling", "split", "hashed", "dense",
-                   "two_phase", "gather_all", "allreduce", "powersgd", "local")
+                   "two_phase", "gather_all", "allreduce", "powersgd", "local", "reduce_scatter")
 #: header slot :data:`H_KIND` is the index in this tuple
 KINDS = ("sparse", "sum", "gather", "lowrank", "reduce_scatter")
 
