@@ -27,7 +27,6 @@ together; with one rank nothing is sent.
 from __future__ import annotations
 
 from ..feedback import ResidualTransaction
-from ._codec import fingerprint, unwrap
 from .accounting import CommStats
 from .core import all_gather, allreduce, cast_message
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
@@ -36,7 +35,7 @@ from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from ._comm import comm_device, set_fault_hook
-from .wire import CollectiveInputError, flush_deferred
+from .wire import CollectiveInputError, fingerprint, flush_deferred, unwrap
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",

@@ -37,7 +37,7 @@ import torch
 from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
-from ._codec import fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
+from .wire import fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
 

@@ -41,7 +41,7 @@ import torch
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
+from .wire import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
 

@@ -55,10 +55,9 @@ import torch
 from .. import ops
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
-from ._codec import has_feedback, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
-from .wire import (ERRORS, H_COUNT, HASH_RANGE, SKETCH, CollectiveInputError, header_hashed, header_sketch,
-                   header_split)
+from .wire import (ERRORS, H_COUNT, HASH_RANGE, SKETCH, CollectiveInputError, has_feedback, header_hashed,
+                   header_sketch, header_split, try_compress_fixed, unwrap)
 from .validate import check_sparse_local, exchange_header, make_header
 
 log = logging.getLogger("commpress")

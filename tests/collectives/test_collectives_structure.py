@@ -1,5 +1,5 @@
 """The collectives package's modules import each other without cycles (one direction of
-dependency: wire → _codec → the protocols → core)."""
+dependency: wire → the protocols → core)."""
 
 import ast
 import os
