@@ -10,7 +10,8 @@
   variable-size ``(indices, values)`` (allgather, recursive doubling, SparCML
   split, Zen hashed, dense, ``"auto"``), with a header exchange per call.
 * :func:`quantized_allreduce` / :func:`reduce_scatter` — two-phase quantized
-  aggregation for ``"gather"`` compressors (and the reduce-scatter half for FSDP2).
+  aggregation for ``"gather"`` compressors (and the reduce-scatter half for FSDP2:
+  one ``all_to_all``, or one sum ``reduce_scatter`` for ``"sum"`` compressors).
 * :func:`powersgd_allreduce` — the PowerSGD protocol for ``"lowrank"`` compressors.
 * :class:`Hierarchy` — nodes of ``L`` ranks: ``allreduce(..., hierarchy=h)`` reduces
   densely inside a node and compresses only between nodes (:mod:`.hierarchy`).
