@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from ..feedback import ResidualTransaction
 from .accounting import CommStats
-from .core import all_gather, allreduce, cast_message
+from .core import all_gather, allreduce
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
 from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from ._comm import comm_device, set_fault_hook
-from .wire import CollectiveInputError, fingerprint, flush_deferred, unwrap
+from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferred, unwrap
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",

@@ -250,6 +250,20 @@ def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: in
             stats.add_codec("compress", time.perf_counter() - t0)
 
 
+def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
+                 slots: int = 0) -> torch.Tensor:
+    """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
+    ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
+    by ``slots`` elements left for the caller (the status slots of :mod:`.wire`)."""
+    n = tensor.numel()
+    message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
+    if scale is not None:
+        torch.mul(tensor.reshape(-1), scale, out=message[:n])
+    else:
+        message[:n].copy_(tensor.reshape(-1))
+    return message
+
+
 # ---------------------------------------------------------------- byte layouts
 @dataclass(frozen=True)
 class Layout:
