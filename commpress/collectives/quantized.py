@@ -373,18 +373,18 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
 def _sum_reduce_scatter(flat, compressor, inner, bounds, err, group, key, step, stats, generator, tx):
     """``algorithm="reduce_scatter"``: piece ``r`` of the message is shard ``r``'s payload and the
     status slots (:mod:`.wire`); one sum ``reduce_scatter``; this rank's summed piece decoded.
-    A cast (fp16 / bf16 / identity without error feedback) is written straight into the message."""
+    A cast (fp16 / bf16 / identity without error feedback) is written straight into the message
+    (:func:`~.wire.cast_message`, the one cast path)."""
     world, me = len(bounds) - 1, _comm.rank(group)
     per = bounds[1]
     if inner.casts and not has_feedback(compressor):
         code, msg, bad, template = err[0], err[1], None, None
         width = per + wire.SUM_SLOTS
         dtype = inner.cast_to or flat.dtype
-        send = torch.empty(world, width, dtype=dtype, device=flat.device)
         if code:
-            send.zero_()
+            send = torch.zeros(world, width, dtype=dtype, device=flat.device)
         else:
-            send[:, :per].copy_(flat.view(world, per))
+            send = wire.cast_message(flat, dtype, slots=wire.SUM_SLOTS, pieces=world).view(world, width)
     else:
         payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
         template = payloads[me]

@@ -251,16 +251,26 @@ def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: in
 
 
 def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
-                 slots: int = 0) -> torch.Tensor:
+                 slots: int = 0, pieces: int = 1) -> torch.Tensor:
     """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
     ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
-    by ``slots`` elements left for the caller (the status slots of :mod:`.wire`)."""
+    by ``slots`` elements left for the caller (the status slots, :data:`SUM_SLOTS`).
+    ``pieces``: ``tensor`` is that many equal shards, each followed by its own ``slots``
+    (a ``reduce_scatter`` message: ``pieces * (numel / pieces + slots)`` elements)."""
     n = tensor.numel()
-    message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
-    if scale is not None:
-        torch.mul(tensor.reshape(-1), scale, out=message[:n])
+    if pieces == 1:
+        message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
+        body, src = message[:n], tensor.reshape(-1)
     else:
-        message[:n].copy_(tensor.reshape(-1))
+        if n % pieces:
+            raise ValueError(f"cast_message: tensor.numel()={n} must be divisible by pieces={pieces}")
+        per = n // pieces
+        message = torch.empty(pieces * (per + slots), dtype=dtype, device=tensor.device)
+        body, src = message.view(pieces, per + slots)[:, :per], tensor.reshape(pieces, per)
+    if scale is not None:
+        torch.mul(src, scale, out=body)
+    else:
+        body.copy_(src)
     return message
 
 
