@@ -10,7 +10,8 @@
   variable-size ``(indices, values)`` (allgather, recursive doubling, SparCML
   split, Zen hashed, dense, ``"auto"``), with a header exchange per call.
 * :func:`quantized_allreduce` / :func:`reduce_scatter` — two-phase quantized
-  aggregation for ``"gather"`` compressors (and the reduce-scatter half for FSDP2).
+  aggregation for ``"gather"`` compressors (and the reduce-scatter half for FSDP2:
+  one ``all_to_all``, or one sum ``reduce_scatter`` for ``"sum"`` compressors).
 * :func:`powersgd_allreduce` — the PowerSGD protocol for ``"lowrank"`` compressors.
 * :class:`Hierarchy` — nodes of ``L`` ranks: ``allreduce(..., hierarchy=h)`` reduces
   densely inside a node and compresses only between nodes (:mod:`.hierarchy`).
@@ -27,16 +28,15 @@ together; with one rank nothing is sent.
 from __future__ import annotations
 
 from ..feedback import ResidualTransaction
-from ._codec import fingerprint, unwrap
 from .accounting import CommStats
-from .core import all_gather, allreduce, cast_message
+from .core import all_gather, allreduce
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
 from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from ._comm import comm_device, set_fault_hook
-from .wire import CollectiveInputError, flush_deferred
+from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferred, unwrap
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",

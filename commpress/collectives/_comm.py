@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .accounting import CommStats, all_gather_cost, all_reduce_cost
+from .accounting import CommStats, all_gather_cost, all_reduce_cost, reduce_scatter_cost
 
 
 def world(group=None) -> int:
@@ -167,6 +167,20 @@ def all_reduce_(t: torch.Tensor, group=None, stats: CommStats | None = None, op=
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
     _charge(stats, all_reduce_cost(t.numel() * t.element_size(), p), t0)
     return t
+
+
+def reduce_scatter_(out: torch.Tensor, send: torch.Tensor, group=None, stats: CommStats | None = None
+                    ) -> torch.Tensor:
+    """Sum reduce-scatter: ``send`` (contiguous) is P equal pieces, piece ``r`` for rank ``r``;
+    ``out`` (one piece) gets the sum over the ranks of this rank's piece.  Returns ``out``."""
+    _enter("reduce_scatter_")
+    p = world(group)
+    if p == 1:
+        return out.copy_(send.reshape(out.shape))
+    t0 = time.perf_counter()
+    dist.reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
+    _charge(stats, reduce_scatter_cost(out.numel() * out.element_size(), p), t0)
+    return out
 
 
 def all_to_all_bytes(buf: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],

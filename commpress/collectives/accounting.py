@@ -117,3 +117,9 @@ def all_reduce_cost(nbytes: int, world: int) -> tuple[int, int, int]:
         return 0, 0, 0
     b = (2 * nbytes * (world - 1)) // world
     return b, b, 2 * (world - 1)
+
+
+def reduce_scatter_cost(nbytes: int, world: int) -> tuple[int, int, int]:
+    """(sent, received, messages) of a reduce_scatter whose result is ``nbytes`` per rank
+    (an input of ``world * nbytes``): ``nbytes·(P−1)`` each way."""
+    return nbytes * (world - 1), nbytes * (world - 1), world - 1

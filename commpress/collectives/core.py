@@ -38,7 +38,7 @@ import torch
 from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
-from ._codec import fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
+from .wire import cast_message, fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
 
@@ -175,20 +175,6 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
         transaction.mark_bad(bad)
         wire.poison_(out, bad)
     return out
-
-
-def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
-                 slots: int = 0) -> torch.Tensor:
-    """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
-    ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
-    by ``slots`` elements left for the caller (the status slots of :mod:`.wire`)."""
-    n = tensor.numel()
-    message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
-    if scale is not None:
-        torch.mul(tensor.reshape(-1), scale, out=message[:n])
-    else:
-        message[:n].copy_(tensor.reshape(-1))
-    return message
 
 
 def _cast_path(tensor, wire_dtype, group, stats, code, msg, out, prescale=None) -> torch.Tensor:

@@ -56,7 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from . import _comm
-from .wire import HASH_RANGE, HEADER_FIXED, SKETCH, CollectiveInputError
+from .wire import (H_COUNT, H_MODEL, HASH_RANGE, SKETCH, CollectiveInputError, header_hashed, header_sketch,
+                   header_split)
 
 log = logging.getLogger("commpress")
 
@@ -229,12 +230,11 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
 def estimate_union(table: torch.Tensor, numel: int) -> float:
     """Estimated size of the union of the ranks' supports (see module doc)."""
     world = table.shape[0]
-    counts = table[:, 6].tolist()
+    counts = table[:, H_COUNT].tolist()
     lo, hi = max(counts), min(numel, sum(counts))
     if hi <= lo:
         return float(lo)
-    s = HEADER_FIXED + 4 * world
-    h = table[:, s:s + SKETCH].reshape(-1)
+    h = table[:, header_sketch(world)].reshape(-1)
     h = torch.unique(h[h < HASH_RANGE])
     if h.numel() < SKETCH:
         u = float(h.numel())
@@ -247,7 +247,7 @@ def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, 
                  model: CostModel) -> dict[str, float]:
     """Predicted seconds of every sparse algorithm for the gathered header ``table``."""
     P = world
-    counts = table[:, 6].tolist()
+    counts = table[:, H_COUNT].tolist()
     K = sum(counts)
     kmax = max(counts)
     n = numel
@@ -271,8 +271,8 @@ def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, 
     if p2 != P:
         msgs, nbytes = msgs + 2, nbytes + w * u
     c["recursive_doubling"] = model.time(msgs, nbytes, entries + u, n)
-    for name, base, dom in (("split", HEADER_FIXED, None), ("hashed", HEADER_FIXED + P, n / P)):
-        cm = table[:, base:base + P].double()
+    for name, cols, dom in (("split", header_split(P), None), ("hashed", header_hashed(P), n / P)):
+        cm = table[:, cols].double()
         sent = (cm.sum(1) - cm.diagonal()).max().item()
         recv_from_others = (cm.sum(0) - cm.diagonal()).max().item()
         owner_load = cm.sum(0)
@@ -290,7 +290,7 @@ def sparse_costs(table: torch.Tensor, numel: int, world: int, value_bytes: int, 
 def choose_sparse(table: torch.Tensor, numel: int, world: int, value_bytes: int, index_bytes: int,
                   group=None) -> str:
     """The cheapest sparse algorithm (identical on every rank: depends only on gathered data)."""
-    model = agreed_cost_model(table[:, 7].tolist(), group)
+    model = agreed_cost_model(table[:, H_MODEL].tolist(), group)
     costs = sparse_costs(table, numel, world, value_bytes, index_bytes, model)
     order = ("dense", "allgather", "split", "hashed", "recursive_doubling")  # tie-break
     return min(order, key=lambda a: (costs[a], order.index(a)))

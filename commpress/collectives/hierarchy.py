@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..feedback import nonfinite_flag, owns_transaction
 from . import _comm, costmodel, wire
-from ._codec import fingerprint, has_feedback, local_check, unwrap
+from .wire import fingerprint, has_feedback, local_check, unwrap
 from .core import ALLREDUCE_ALGORITHMS
 from .core import allreduce as flat_allreduce
 from .costmodel import CostModel

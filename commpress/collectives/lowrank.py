@@ -33,7 +33,7 @@ import torch
 
 from ..feedback import ResidualTransaction, nonfinite_flag, owns_transaction
 from . import _comm, wire
-from ._codec import has_feedback, local_check, unwrap
+from .wire import has_feedback, local_check, unwrap
 from .accounting import CommStats, codec_timer
 
 

@@ -41,7 +41,7 @@ import torch
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
 from . import _comm, costmodel, wire
-from ._codec import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
+from .wire import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
 
@@ -294,55 +294,124 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out
     return wire.read_status(gathered)
 
 
+REDUCE_SCATTER_ALGORITHMS = ("auto", "two_phase", "reduce_scatter")
+
+
 @owns_transaction
 def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
                    stats: CommStats | None = None, generator: torch.Generator | None = None,
-                   validate: bool = True, transaction: ResidualTransaction | None = None) -> torch.Tensor:
+                   validate: bool = True, transaction: ResidualTransaction | None = None,
+                   algorithm: str = "auto") -> torch.Tensor:
     """Compressed reduce-scatter: ``tensor`` (numel divisible by P) is P equal shards; rank ``r``
     gets the sum over ranks of shard ``r`` (1-D, ``tensor``'s dtype).
 
-    Shard ``r`` is compressed with ``key=(key, r)`` (fixed-size payload) and sent
-    to rank ``r`` behind the status word (one ``all_to_all_single``); rank ``r``
-    decodes the P pieces and sums them in fp32 in rank order.  Works for
-    ``"gather"``, ``"sum"`` and ``"sparse"`` compressors (everything whose payload
-    decodes on its own).  Bad input on any rank raises on every rank; a NaN/inf
-    on any rank makes every shard all-NaN and keeps the residuals of
-    ``transaction`` (committed here when not given).  ``validate`` agrees on the
-    static facts with one header exchange the first time a key is seen.
-    With one rank: compress + decompress of the whole tensor.
+    ``algorithm="two_phase"``: shard ``r`` is compressed with ``key=(key, r)``
+    (fixed-size payload) and sent to rank ``r`` behind the status word (one
+    ``all_to_all_single``); rank ``r`` decodes the P pieces and sums them in fp32 in
+    rank order.  Works for ``"gather"``, ``"sum"`` and ``"sparse"`` compressors
+    (everything whose payload decodes on its own).  ``algorithm="reduce_scatter"``
+    (``"sum"`` compressors only, whose payloads add elementwise: fp16, bf16,
+    shared-seed random-k): ONE ``reduce_scatter`` (sum) of the P shards' payloads,
+    each followed by the status slots of :mod:`.wire`, summed on the wire in the
+    payload's dtype, then decoded.  ``"auto"``: ``"reduce_scatter"`` for a ``"sum"``
+    compressor without error feedback, else ``"two_phase"``.  Bad input on any rank
+    (a compress that fails included) raises on every rank; with error feedback a
+    NaN/inf on any rank makes every shard all-NaN and keeps the residuals of
+    ``transaction`` (committed here when not given); without, it travels in the
+    payload.  ``validate`` agrees on the static facts with one header exchange the
+    first time a key is seen.  With one rank: compress + decompress of the whole tensor.
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
-    if getattr(inner, "aggregation", None) not in ("gather", "sum", "sparse"):
+    kind = getattr(inner, "aggregation", None)
+    if kind not in ("gather", "sum", "sparse"):
         raise TypeError(f"reduce_scatter: compressor aggregation must be 'gather', 'sum' or 'sparse', "
-                        f"got {getattr(inner, 'aggregation', None)!r}")
+                        f"got {kind!r}")
     wire.flush_deferred()
     flat = tensor.reshape(-1)
     n = flat.numel()
     err = (0, "")
-    if n % world:
+    if algorithm == "auto":
+        algorithm = "reduce_scatter" if kind == "sum" and not has_feedback(compressor) else "two_phase"
+    if algorithm not in REDUCE_SCATTER_ALGORITHMS[1:] or (algorithm == "reduce_scatter" and kind != "sum"):
+        err = (wire.E_MISUSE, f"algorithm must be one of {REDUCE_SCATTER_ALGORITHMS} ('reduce_scatter' "
+                              f"for a 'sum' compressor only), got {algorithm!r}")
+        algorithm = "two_phase"
+    elif n % world:
         err = (wire.E_SHAPE, f"tensor.numel()={n} must be divisible by the group size {world}")
     elif tensor.dtype not in inner.supported_dtypes:
         err = (wire.E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}")
     tx = transaction
     if validate:
-        check_once(group, key, ("reduce_scatter", n, str(tensor.dtype), fingerprint(compressor)),
-                   device=flat.device, error=err[0], numel=n, dtype=tensor.dtype, algorithm="two_phase",
+        check_once(group, key, ("reduce_scatter", n, str(tensor.dtype), fingerprint(compressor), algorithm),
+                   device=flat.device, error=err[0], numel=n, dtype=tensor.dtype, algorithm=algorithm,
                    kind="reduce_scatter", config=fingerprint(compressor), stats=stats, local_message=err[1],
                    what="reduce_scatter")
     if world == 1:
         out = _local("reduce_scatter", err, compressor, flat, key, step, stats, generator, tx).to(tensor.dtype)
-    else:
-        if err[0]:
-            flat = torch.zeros(world * max(1, -(-n // world)), dtype=torch.float32, device=flat.device)
-        per = flat.numel() // world
-        bounds = [r * per for r in range(world + 1)]
-        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
-        sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
-        received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
-        out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
-        _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
-        out = out.to(tensor.dtype)
+        return out
+    if err[0]:
+        flat = torch.zeros(world * max(1, -(-n // world)), dtype=torch.float32, device=flat.device)
+    per = flat.numel() // world
+    bounds = [r * per for r in range(world + 1)]
+    if algorithm == "reduce_scatter":
+        out = _sum_reduce_scatter(flat, compressor, inner, bounds, err, group, key, step, stats, generator, tx)
         if stats is not None:
             stats.add(calls=1, algorithm="reduce_scatter")
+        return out.to(tensor.dtype)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
+    sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
+    received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
+    out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
+    _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
+    out = out.to(tensor.dtype)
+    if stats is not None:
+        stats.add(calls=1, algorithm="reduce_scatter")
+    return out
+
+
+def _sum_reduce_scatter(flat, compressor, inner, bounds, err, group, key, step, stats, generator, tx):
+    """``algorithm="reduce_scatter"``: piece ``r`` of the message is shard ``r``'s payload and the
+    status slots (:mod:`.wire`); one sum ``reduce_scatter``; this rank's summed piece decoded.
+    A cast (fp16 / bf16 / identity without error feedback) is written straight into the message
+    (:func:`~.wire.cast_message`, the one cast path)."""
+    world, me = len(bounds) - 1, _comm.rank(group)
+    per = bounds[1]
+    if inner.casts and not has_feedback(compressor):
+        code, msg, bad, template = err[0], err[1], None, None
+        width = per + wire.SUM_SLOTS
+        dtype = inner.cast_to or flat.dtype
+        if code:
+            send = torch.zeros(world, width, dtype=dtype, device=flat.device)
+        else:
+            send = wire.cast_message(flat, dtype, slots=wire.SUM_SLOTS, pieces=world).view(world, width)
+    else:
+        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
+        template = payloads[me]
+        sizes = [t.numel() for t in template.tensors]
+        width = sum(sizes) + wire.SUM_SLOTS
+        send = torch.empty(world, width, dtype=template.tensors[0].dtype, device=flat.device)
+        for r, p in enumerate(payloads):
+            pos = 0
+            for t, k in zip(p.tensors, sizes):
+                send[r, pos:pos + k].copy_(t.reshape(-1))
+                pos += k
+    wire.sum_slots(send[0], error=code, nonfinite=bad, rank=me, world=world)
+    send[1:, width - wire.SUM_SLOTS:].copy_(send[:1, width - wire.SUM_SLOTS:].expand(world - 1, -1))
+    recv = torch.empty(width, dtype=send.dtype, device=flat.device)
+    _comm.reduce_scatter_(recv, send.view(-1), group=group, stats=stats)
+    wire.check_sum_slots(recv, "reduce_scatter", msg, world)
+    if template is None:
+        out = recv[:per]
+    else:
+        pos, wires = 0, []
+        for t in template.tensors:
+            wires.append(recv[pos:pos + t.numel()].view(t.shape))
+            pos += t.numel()
+        with codec_timer(stats, "decompress"):
+            out = inner.decompress(_piece(wires, template)).reshape(-1)
+    if has_feedback(compressor):
+        bad_any = recv[-1] != 0
+        tx.mark_bad(bad_any)
+        out = wire.poison_(out.float(), bad_any)
     return out

@@ -41,7 +41,7 @@ same bytes, an exact sum, and the residual empties.  The other algorithms need t
 counts, so they run :func:`sparse_allreduce` below with its header.
 
 Every call of :func:`sparse_allreduce` first all-gathers one small header per rank
-(:mod:`commpress.collectives.validate`) carrying the counts and, for
+(:mod:`commpress.collectives.validate`, layout in :mod:`.wire`) carrying the counts and, for
 ``"split"``/``"hashed"``/``"auto"``, each rank's per-owner counts (and a union
 sketch for ``"auto"``): that is the only host synchronisation besides the
 size messages of the variable-size steps.  Sums are taken in fp32 for fp16 /
@@ -57,11 +57,10 @@ import torch
 from .. import ops
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
-from ._codec import has_feedback, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
-from .wire import HASH_RANGE
-from .validate import (ERRORS, HEADER_FIXED, SKETCH, CollectiveInputError, check_sparse_local,
-                       exchange_header, make_header)
+from .wire import (ERRORS, H_COUNT, HASH_RANGE, SKETCH, CollectiveInputError, has_feedback, header_hashed,
+                   header_sketch, header_split, try_compress_fixed, unwrap)
+from .validate import check_sparse_local, exchange_header, make_header
 
 log = logging.getLogger("commpress")
 
@@ -179,18 +178,16 @@ def sparse_allreduce(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
         idx = indices.to(wire_index_dtype(numel)).contiguous()
         vals = values.contiguous()
         if algorithm in ("split", "auto"):
-            header[HEADER_FIXED:HEADER_FIXED + world] = _range_counts(idx, numel, world, owners)
+            header[header_split(world)] = _range_counts(idx, numel, world, owners)
         if algorithm in ("hashed", "auto"):
             h = ops.hash_owner(idx, HASH_RANGE)  # the full 32-bit hash, computed once
             owners["hashed"] = h % world
-            header[HEADER_FIXED + world:HEADER_FIXED + 2 * world] = torch.bincount(owners["hashed"],
-                                                                                   minlength=world)
+            header[header_hashed(world)] = torch.bincount(owners["hashed"], minlength=world)
             if algorithm == "auto":
-                s = HEADER_FIXED + 4 * world
-                header[s:s + SKETCH] = union_sketch(idx, h)
+                header[header_sketch(world)] = union_sketch(idx, h)
     table = exchange_header(header, group=group, stats=stats, local_message=msg, what="sparse_allreduce")
 
-    counts = table[:, 6].tolist()
+    counts = table[:, H_COUNT].tolist()
     if algorithm == "auto":
         algorithm = costmodel.choose_sparse(table, numel, world, vals.element_size(),
                                             idx.element_size(), group=group)
@@ -333,8 +330,7 @@ def _partitioned(idx, vals, numel, table, counts, group, stats, hashed: bool, ow
     """SparCML split (range owners) or Zen hashed (hash owners): each entry to its owner, the
     owner reduces and encodes its partition, every rank gathers every partition."""
     world = len(counts)
-    base = HEADER_FIXED + (world if hashed else 0)
-    cmat = table[:, base:base + world].tolist()  # cmat[src][owner]
+    cmat = table[:, header_hashed(world) if hashed else header_split(world)].tolist()  # cmat[src][owner]
     r_idx, r_val = _route_to_owners(idx, vals, numel, cmat, group, stats, hashed, owner, grouped)
     uniq, sums = _owner_reduce(r_idx, r_val, numel, world, _comm.rank(group), hashed)
     payload, fmt, domain = _encode_partition(uniq, sums.to(vals.dtype), idx.dtype, numel, world,

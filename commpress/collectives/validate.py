@@ -8,27 +8,10 @@ compressor configuration and the cost model for ``"auto"``), and every call of
 the variable-size sparse algorithms (``"split"``, ``"hashed"``,
 ``"recursive_doubling"`` of :func:`~commpress.collectives.sparse.sparse_allreduce`),
 which also need the counts.  One small fixed-size int64 header per rank, one
-``all_gather``.  The header holds:
-
-====  =====================================================================
-slot  content
-====  =====================================================================
-0     error code of this rank's local checks (0 = ok, see :data:`ERRORS`)
-1     ``numel``
-2     dtype code of the values / tensor
-3     algorithm code (index in :data:`ALGORITHM_CODES`)
-4     kind of collective (sparse / sum / gather / lowrank / reduce_scatter)
-5     CRC32 of the compressor's name and configuration
-6     this rank's entry count ``k`` (sparse) or payload size (gather)
-7     cost-model state for ``"auto"`` (see :func:`~commpress.collectives.costmodel.model_state`)
-8..   per-call extras: per-owner counts, payload sizes, a union sketch
-====  =====================================================================
-
-Its length, ``HEADER_FIXED + 4*P + SKETCH``, depends only on the group size, so
-ranks that disagree about everything else still complete the exchange.  Then
-every rank applies the same test to the same gathered table and, when any rank
+``all_gather``; its layout (slots, codes, extras) is :mod:`commpress.collectives.wire`'s.
+Every rank applies the same test to the same gathered table and, when any rank
 reported bad input or any field differs between ranks, all ranks raise
-``ValueError`` together.
+:class:`~commpress.collectives.wire.CollectiveInputError` (a ``ValueError``) together.
 """
 
 from __future__ import annotations
@@ -40,27 +23,12 @@ import torch
 from . import _comm
 from .accounting import CommStats
 from .costmodel import model_state
-from .wire import (E_DTYPE, E_DUPLICATE, E_LENGTH, E_RANGE, E_SHAPE, ERRORS, HEADER_FIXED, SKETCH,
-                   CollectiveInputError)
+from .wire import (ALGORITHM_CODES, DTYPES, E_DTYPE, E_DUPLICATE, E_LENGTH, E_RANGE, E_SHAPE, ERRORS,
+                   H_ALGORITHM, H_CONFIG, H_COUNT, H_DTYPE, H_ERROR, H_KIND, H_MODEL, H_NUMEL, HEADER_FIXED,
+                   KINDS, SKETCH, CollectiveInputError, dtype_code, header_len)
 
 __all__ = ["ERRORS", "HEADER_FIXED", "SKETCH", "CollectiveInputError", "check_once", "exchange_header",
            "make_header", "header_len", "check_sparse_local", "dtype_code"]
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-          torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
-
-ALGORITHM_CODES = ("auto", "allgather", "recursive_doubling", "split", "hashed", "dense",
-                   "two_phase", "gather_all", "allreduce", "powersgd", "local")
-
-KINDS = ("sparse", "sum", "gather", "lowrank", "reduce_scatter")
-
-
-def dtype_code(dtype: Any) -> int:
-    return DTYPES.index(dtype) if dtype in DTYPES else -1
-
-
-def header_len(world: int) -> int:
-    return HEADER_FIXED + 4 * world + SKETCH
 
 
 def check_sparse_local(indices: Any, values: Any, numel: Any, check_contents: bool = True) -> tuple[int, str]:
@@ -97,15 +65,15 @@ def make_header(world: int, device: torch.device, *, error: int = 0, numel: int 
                 config: int = 0, count: int = 0, group=None) -> torch.Tensor:
     """A zeroed header with the fixed slots filled in (extras left zero)."""
     h = torch.zeros(header_len(world), dtype=torch.int64)
-    h[0] = error
-    h[1] = numel
-    h[2] = dtype_code(dtype)
-    h[3] = ALGORITHM_CODES.index(algorithm) if algorithm in ALGORITHM_CODES else -1
-    h[4] = KINDS.index(kind)
-    h[5] = config
-    h[6] = count
+    h[H_ERROR] = error
+    h[H_NUMEL] = numel
+    h[H_DTYPE] = dtype_code(dtype)
+    h[H_ALGORITHM] = ALGORITHM_CODES.index(algorithm) if algorithm in ALGORITHM_CODES else -1
+    h[H_KIND] = KINDS.index(kind)
+    h[H_CONFIG] = config
+    h[H_COUNT] = count
     if algorithm == "auto":
-        h[7] = model_state(group)
+        h[H_MODEL] = model_state(group)
     return h.to(device)
 
 
@@ -122,22 +90,23 @@ def exchange_header(header: torch.Tensor, *, group=None, stats: CommStats | None
 
 def check_table(table: torch.Tensor, *, local_message: str = "", what: str = "collective", me: int = 0) -> None:
     """Raise :class:`CollectiveInputError` (same decision on every rank) for bad tables."""
-    errs = table[:, 0].tolist()
+    errs = table[:, H_ERROR].tolist()
     bad = [r for r, e in enumerate(errs) if e]
     if bad:
         detail = "; ".join(f"rank {r}: {ERRORS.get(int(errs[r]), 'error')}" for r in bad)
         mine = f" (this rank: {local_message})" if errs[me] and local_message else ""
         raise CollectiveInputError(f"{what}: bad input on rank(s) {bad}: {detail}{mine}")
-    names = {1: "numel", 2: "dtype", 3: "algorithm", 4: "collective kind", 5: "compressor/configuration"}
+    names = {H_NUMEL: "numel", H_DTYPE: "dtype", H_ALGORITHM: "algorithm", H_KIND: "collective kind",
+             H_CONFIG: "compressor/configuration"}
     for slot, name in names.items():
         col = table[:, slot].tolist()
         if len(set(col)) > 1:
             shown = col
-            if slot == 2:
+            if slot == H_DTYPE:
                 shown = [str(DTYPES[c]) if 0 <= c < len(DTYPES) else "?" for c in col]
-            elif slot == 3:
+            elif slot == H_ALGORITHM:
                 shown = [ALGORITHM_CODES[c] if 0 <= c < len(ALGORITHM_CODES) else "?" for c in col]
-            elif slot == 4:
+            elif slot == H_KIND:
                 shown = [KINDS[c] for c in col]
             raise CollectiveInputError(f"{what}: {name} differs across ranks: {shown}")
 
@@ -152,7 +121,7 @@ def check_once(group, key: Any, facts: tuple, *, device: torch.device, error: in
                ) -> list[int] | None:
     """The header exchange, the first time ``(group, key, facts)`` is seen (a collective).
 
-    Returns every rank's cost-model state (slot 7) when the exchange ran, ``None``
+    Returns every rank's cost-model state (slot ``H_MODEL``) when the exchange ran, ``None``
     when it was done before.  Later calls with the same facts send nothing: their
     status travels in the payload.  A key whose facts change on one rank only
     must not be used (the ranks would disagree on whether to exchange); the hooks
@@ -168,6 +137,6 @@ def check_once(group, key: Any, facts: tuple, *, device: torch.device, error: in
     h = make_header(_comm.world(group), device, error=error, numel=numel, dtype=dtype, algorithm=algorithm,
                     kind=kind, config=config, group=group)
     table = exchange_header(h, group=group, stats=stats, local_message=local_message, what=what)
-    states = table[:, 7].tolist()
+    states = table[:, H_MODEL].tolist()
     _CHECKED.put(k, states)
     return states

@@ -1,4 +1,8 @@
-"""The wire format of the steady-state collectives: every layout fact lives here.
+"""The wire format of the steady-state collectives: every layout fact lives here,
+and what a rank puts on the wire: its compressor chain's fixed-size payload
+(:func:`try_compress_fixed`, an :class:`~commpress.ErrorFeedback` staging its
+residual update), the error code of its local checks (:func:`local_check`) and the
+chain's :func:`fingerprint` for the signatures.
 
 A compressed tensor costs its payload collectives and nothing more: no header
 round, no size message.  Every rank derives every message size from static
@@ -26,6 +30,38 @@ Byte messages (sparse all-gather, two-phase all-to-all and all-gather)
     reduction adds up: ``[sum of 2**rank over the ranks with an error (a count
     where the dtype cannot add that exactly), count of ranks with a NaN/inf input]``.
 
+``reduce_scatter`` messages (``"sum"`` compressors: fp16 / bf16, shared-seed random-k)
+    ``P`` equal pieces, piece ``r`` for rank ``r``: the payload of shard ``r``
+    (its tensors, one dtype, back to back) followed by the same
+    :data:`SUM_SLOTS`, so every rank receives the summed status with its shard.
+
+The validation header (:mod:`commpress.collectives.validate`)
+    exchanged only where static facts must first be agreed (the first call of a
+    collective for a key, every call of the variable-size sparse algorithms):
+    one int64 row per rank, one ``all_gather``.
+
+    =======================  ==================================================
+    slot                     content
+    =======================  ==================================================
+    0 :data:`H_ERROR`        error code of this rank's local checks (0 = ok, see :data:`ERRORS`)
+    1 :data:`H_NUMEL`        ``numel``
+    2 :data:`H_DTYPE`        dtype code of the values / tensor (index in :data:`DTYPES`)
+    3 :data:`H_ALGORITHM`    algorithm code (index in :data:`ALGORITHM_CODES`)
+    4 :data:`H_KIND`         kind of collective (index in :data:`KINDS`)
+    5 :data:`H_CONFIG`       CRC32 of the compressor's name and configuration
+    6 :data:`H_COUNT`        this rank's entry count ``k`` (sparse) or payload size (gather)
+    7 :data:`H_MODEL`        cost-model state for ``"auto"``
+                             (:func:`~commpress.collectives.costmodel.model_state`)
+    8 .. 8+P                 per-owner range counts (``"split"``, ``"auto"``): :func:`header_split`
+    8+P .. 8+2P              per-owner hash counts (``"hashed"``, ``"auto"``): :func:`header_hashed`
+    8+2P .. 8+4P             reserved (zero)
+    8+4P .. 8+4P+SKETCH      union sketch of :data:`SKETCH` hashes (``"auto"``): :func:`header_sketch`
+    =======================  ==================================================
+
+    Its length, :func:`header_len` ``= HEADER_FIXED + 4*P + SKETCH``, depends only
+    on the group size, so ranks that disagree about everything else still
+    complete the exchange.
+
 Reading a status is the one host read of a call, and only where it is free:
 on CPU tensors (host memory, no synchronization).  CUDA statuses are copied
 to pinned memory behind an event and checked by :func:`flush_deferred` (at the
@@ -37,11 +73,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from ..compressors._util import mix_seed, stable_hash
+from ..compressors.base import Compressor, Payload
+from ..feedback import ErrorFeedback, ResidualTransaction
 
 STATUS_BYTES = 8
 NONFINITE = 1
@@ -50,10 +91,48 @@ SUM_SLOTS = 2
 #: ``hash_owner(i, HASH_RANGE)`` is the full 32-bit hash (Zen partitions, union sketches)
 HASH_RANGE = 2**32
 
-# The validation header (:mod:`commpress.collectives.validate`): fixed slots, then 4 per rank,
-# then a union sketch of SKETCH hashes.
+# ---------------------------------------------------------------- the validation header
+#: fixed slots of the validation header (then 4 per rank, then the union sketch)
 HEADER_FIXED = 8
+#: hashes in the header's union sketch (k-minimum values)
 SKETCH = 16
+H_ERROR, H_NUMEL, H_DTYPE, H_ALGORITHM, H_KIND, H_CONFIG, H_COUNT, H_MODEL = range(HEADER_FIXED)
+
+#: header slot :data:`H_DTYPE` is the index in this tuple (-1: another dtype)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+          torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
+#: header slot :data:`H_ALGORITHM` is the index in this tuple (-1: unknown)
+ALGORITHM_CODES = ("auto", "allgather", "recursive_doubling", "split", "hashed", "dense",
+                   "two_phase", "gather_all", "allreduce", "powersgd", "local", "reduce_scatter")
+#: header slot :data:`H_KIND` is the index in this tuple
+KINDS = ("sparse", "sum", "gather", "lowrank", "reduce_scatter")
+
+
+def header_len(world: int) -> int:
+    """Elements (int64) of one rank's validation header in a group of ``world`` ranks."""
+    return HEADER_FIXED + 4 * world + SKETCH
+
+
+def header_split(world: int) -> slice:
+    """The header's per-owner range counts (SparCML ``"split"``)."""
+    return slice(HEADER_FIXED, HEADER_FIXED + world)
+
+
+def header_hashed(world: int) -> slice:
+    """The header's per-owner hash counts (Zen ``"hashed"``)."""
+    return slice(HEADER_FIXED + world, HEADER_FIXED + 2 * world)
+
+
+def header_sketch(world: int) -> slice:
+    """The header's union sketch (:data:`SKETCH` smallest hashes, for ``"auto"``)."""
+    s = HEADER_FIXED + 4 * world
+    return slice(s, s + SKETCH)
+
+
+def dtype_code(dtype: Any) -> int:
+    """Header slot :data:`H_DTYPE` of ``dtype`` (-1 for a dtype not in :data:`DTYPES`)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
 
 #: error codes carried in bits 8..15 of the flags word
 ERRORS = {
@@ -84,6 +163,115 @@ def align8(n: int) -> int:
 
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------- what a rank puts on the wire
+# The payload and the status a rank sends come from its compressor chain (an optional
+# :class:`~commpress.ErrorFeedback` around a real compressor): its fixed-size payload, the error
+# code of its local checks or of a compress that failed, the fingerprint in the signature.
+def unwrap(compressor: Any) -> Any:
+    """The real compressor behind error-feedback wrappers (or the compressor itself)."""
+    inner = compressor
+    while is_feedback(inner):
+        inner = inner.compressor
+    return inner
+
+
+def is_feedback(c: Any) -> bool:
+    return isinstance(c, ErrorFeedback)
+
+
+def fingerprint(compressor: Any) -> int:
+    """A hash of the compressor chain's names and configurations (compared across ranks)."""
+    parts = []
+    c = compressor
+    while True:
+        cfg = c.config() if hasattr(c, "config") else {}
+        parts.append((type(c).__name__, getattr(c, "name", ""), sorted((k, repr(v)) for k, v in cfg.items())))
+        if not is_feedback(c):
+            break
+        c = c.compressor
+    return signature(*parts)
+
+
+def compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
+                   generator: torch.Generator | None, transaction: ResidualTransaction | None) -> Payload:
+    """The fixed-size payload of ``tensor``; an error-feedback residual update is staged in
+    ``transaction`` (committed by the caller once every rank's status is known).  An int
+    ``generator`` (a seed) is mixed with ``key``, so the chunks of one call draw
+    independent noise."""
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        generator = mix_seed(generator, stable_hash(key))
+    if isinstance(compressor, ErrorFeedback):
+        return compressor.compress_fixed(tensor, step=step, key=key, generator=generator,
+                                         transaction=transaction)
+    return compressor.compress_fixed(tensor, step=step, key=key, generator=generator)
+
+
+def has_feedback(compressor: Any) -> bool:
+    return isinstance(compressor, ErrorFeedback)
+
+
+def local_check(tensor: torch.Tensor, compressor: Any, algorithm: str, allowed: tuple[str, ...]
+                ) -> tuple[int, str]:
+    """This rank's static checks: ``(error code, message)``, code 0 when fine."""
+    if algorithm not in allowed:
+        return E_MISUSE, f"algorithm must be one of {allowed}, got {algorithm!r}"
+    inner = unwrap(compressor)
+    if tensor.dtype not in inner.supported_dtypes:
+        return E_DTYPE, f"dtype {tensor.dtype} not supported by {inner.name}"
+    return 0, ""
+
+
+def size_step(inner: Compressor, step: int) -> int:
+    """The step to compress a zero payload at when only its size matters: ``step`` for a
+    compressor whose size follows the step (a density warm-up, ``ratio_at``), else 0 (a
+    compressor that failed at ``step`` may fail there again)."""
+    return step if inner.ratio_at(step) is not None else 0
+
+
+def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
+                       generator, transaction: ResidualTransaction | None, error: tuple[int, str],
+                       stats=None) -> tuple[Payload | None, int, str]:
+    """:func:`compress_fixed` unless ``error`` is already set; a compress that raises
+    becomes an error code (raised on every rank through the status, never here).
+    ``stats`` (a :class:`~.accounting.CommStats`): its ``"compress"`` pass is charged."""
+    code, msg = error
+    if code:
+        return None, code, msg
+    t0 = time.perf_counter()
+    try:
+        return compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
+                              transaction=transaction), 0, ""
+    except Exception as exc:  # noqa: BLE001 - reported through the status word
+        return None, E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    finally:
+        if stats is not None:  # accounting.codec_timer's charge (wire imports no other module here)
+            stats.add_codec("compress", time.perf_counter() - t0)
+
+
+def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
+                 slots: int = 0, pieces: int = 1) -> torch.Tensor:
+    """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
+    ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
+    by ``slots`` elements left for the caller (the status slots, :data:`SUM_SLOTS`).
+    ``pieces``: ``tensor`` is that many equal shards, each followed by its own ``slots``
+    (a ``reduce_scatter`` message: ``pieces * (numel / pieces + slots)`` elements)."""
+    n = tensor.numel()
+    if pieces == 1:
+        message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
+        body, src = message[:n], tensor.reshape(-1)
+    else:
+        if n % pieces:
+            raise ValueError(f"cast_message: tensor.numel()={n} must be divisible by pieces={pieces}")
+        per = n // pieces
+        message = torch.empty(pieces * (per + slots), dtype=dtype, device=tensor.device)
+        body, src = message.view(pieces, per + slots)[:, :per], tensor.reshape(pieces, per)
+    if scale is not None:
+        torch.mul(src, scale, out=body)
+    else:
+        body.copy_(src)
+    return message
 
 
 # ---------------------------------------------------------------- byte layouts

@@ -7,9 +7,8 @@
 
 The pieces, each in its own module:
 
-* :mod:`.ddp_layout` — which parameters go dense, bucket plans and units
-  (:class:`~.ddp_layout.ModelLayout`);
-* :mod:`.ddp_step` — the :class:`~.ddp_step.HookConfig` that binding freezes (every
+* :mod:`.ddp_step` — which parameters go dense, bucket plans and units
+  (:class:`~.ddp_step.ModelLayout`); the :class:`~.ddp_step.HookConfig` that binding freezes (every
   decision a step needs: scale-by-world and the cast among them) and one training
   step: the dense part, the units, the residual transaction (what a bucket sends:
   its dense part in one concurrent ``all_reduce`` and each completed unit's payload
@@ -80,7 +79,7 @@ from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_has
 from .. import collectives
 from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
-from .ddp_layout import ModelLayout, Plan, goes_dense
+from .ddp_step import ModelLayout, Plan, goes_dense
 from .ddp_step import HookConfig, Step, StepContext
 from .optimizer import TakeoverMixin
 

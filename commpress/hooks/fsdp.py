@@ -31,11 +31,15 @@ Bytes are what one rank sends per unit and step (the direct model of
     FSDP2's own call: one ``reduce_scatter`` of the input with FSDP's op.
     ``4m·(P−1)`` bytes for fp32 (``itemsize·m·(P−1)``), bitwise FSDP2's default.
 ``"sum"`` without error feedback (fp16, bf16, shared-seed random-k)
+    :func:`commpress.collectives.reduce_scatter` with ``algorithm="reduce_scatter"``:
     chunk ``j`` is compressed with key ``(unit, j)`` (shared random choices agree
-    across ranks); the P chunks' wire tensors are concatenated and reduce-scattered
-    with FSDP's op (one ``reduce_scatter``: these payloads have one wire tensor),
-    then decompressed.  ``b·(P−1)`` bytes, ``b`` a chunk's payload: ``2m`` for
-    fp16 / bf16, ``k·itemsize`` for random-k.
+    across ranks; fp16 / bf16 are cast straight into the message); piece ``j`` of the
+    message is chunk ``j``'s payload followed by the two status slots of
+    :mod:`commpress.collectives.wire` (error, NaN/inf count), and ONE sum
+    ``reduce_scatter`` adds the pieces on the wire; the owner decodes its piece and
+    applies the op's scale.  A rank that fails raises on every rank together.
+    ``(b + 2·itemsize)·(P−1)`` bytes, ``b`` a chunk's payload: ``2m`` for fp16 / bf16,
+    ``k·itemsize`` for random-k; the first call of a unit adds the validation round below.
 ``"gather"`` (blockquant, qsgd, terngrad, signsgd), ``"sparse"`` (topk, threshold, dgc), and ``"sum"`` with error feedback
     :func:`commpress.collectives.reduce_scatter`: ONE ``all_to_all_single``.
     Chunk ``j``'s fixed-size payload (``compress_fixed``, key ``(unit, j)``) goes
@@ -51,8 +55,8 @@ Bytes are what one rank sends per unit and step (the direct model of
       (int32 indices, values in the reduce dtype); dgc and threshold the same with
       their fixed capacity in place of ``k``.
 
-    The first call of each unit (and of a unit whose input size or dtype changed)
-    adds one validation ``all_gather`` of ``HEADER_FIXED + 4P + SKETCH`` int64 per
+    The first call of each unit (and of a unit whose input size or dtype changed),
+    on this path and the one above, adds one validation ``all_gather`` of ``HEADER_FIXED + 4P + SKETCH`` int64 per
     rank (:mod:`commpress.collectives.validate`): the reduce dtype (the
     ``MixedPrecisionPolicy``) and the set of parameters that have gradients fix
     the message sizes but are not part of the registration fingerprint, so they
@@ -123,7 +127,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from .. import collectives
 from ..collectives.accounting import CommStats
-from ..compressors import Compressor, Payload
+from ..compressors import Compressor
 from ..feedback import ResidualTransaction
 from .common import HookState, Timer, resolve_compressor, tensor_bytes
 from .optimizer import TakeoverMixin
@@ -337,45 +341,27 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 cs.add(dense_bytes)
                 algorithm = "identity:reduce_scatter"
             elif comp.aggregation == "sum" and not st.uses_error_feedback:
-                self._sum_path(output_tensor, input_tensor, group, op, world, cs)
+                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "reduce_scatter")
                 algorithm = f"{comp.name}:reduce_scatter"
             else:
-                self._owner_path(output_tensor, input_tensor, group, scale, cs)
+                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "two_phase")
                 algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
             unit.calls += 1
         st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds)
         return None
 
-    def _sum_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any,
-                  world: int, cs: CommStats) -> None:
-        """The "sum" compressors without error feedback: the P chunks' payloads add elementwise,
-        so one ``reduce_scatter`` per wire tensor (one for every "sum" compressor) with FSDP's op."""
-        st = self.state
-        chunks = inp.view(world, -1)
-        payloads = [st.codec.compress(chunks[j], step=st.step, key=(self.unit, j), generator=st.generator)
-                    for j in range(world)]
-        mine = payloads[group.rank()]
-        reduced = []
-        for i, t in enumerate(mine.tensors):
-            wire = torch.cat([p.tensors[i].reshape(-1) for p in payloads])
-            recv = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-            dist.reduce_scatter_single(recv, wire, group=group, op=op)
-            cs.add(recv.numel() * recv.element_size() * (world - 1))
-            reduced.append(recv.view(t.shape))
-        summed = Payload(tuple(reduced), mine.shape, mine.dtype, mine.numel, dict(mine.meta))
-        out.copy_(st.codec.decompress(summed).reshape(-1))
-
-    def _owner_path(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                    scale: float | torch.Tensor, cs: CommStats) -> None:
-        """:func:`commpress.collectives.reduce_scatter` (one all_to_all, status inside), the
-        residual updates staged in the step's transaction, then FSDP's scale."""
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                        scale: float | torch.Tensor, cs: CommStats, algorithm: str) -> None:
+        """:func:`commpress.collectives.reduce_scatter` (one all_to_all for ``"two_phase"``, one
+        reduce_scatter for ``"reduce_scatter"``; status inside either way), the residual updates
+        staged in the step's transaction, then FSDP's scale."""
         st = self.state
         unit = st.units[self.unit]
         facts = (inp.numel(), inp.dtype)
         summed = collectives.reduce_scatter(inp, st.codec, group=group, key=self.unit, step=st.step, stats=cs,
                                             generator=st.generator, validate=unit.validated != facts,
-                                            transaction=st.transaction)
+                                            transaction=st.transaction, algorithm=algorithm)
         unit.validated = facts
         if isinstance(scale, float) and scale == 1.0:
             out.copy_(summed)

@@ -8,6 +8,7 @@ rounds and codec passes in :class:`CommStats`.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run
@@ -45,3 +46,18 @@ def test_decode_into_out_is_bitwise_the_copying_path():
             assert same, case
             assert rounds == (2 if case[1] == "two_phase" else 1), (case, rounds)
             assert passes == ["compress", "decompress"], (case, passes)
+
+
+def test_cast_message_pieces_are_the_flat_message_cut_per_shard():
+    # the reduce_scatter message: each shard cast (and scaled) exactly as the flat message
+    # would hold it, followed by its own status slots
+    from commpress.collectives import cast_message
+
+    x = torch.randn(12, dtype=torch.float32) * 100
+    flat = cast_message(x, torch.float16, 0.25, slots=2)
+    pieces = cast_message(x, torch.float16, 0.25, slots=2, pieces=3)
+    assert flat.shape == (14,) and pieces.shape == (18,)
+    assert torch.equal(pieces.view(3, 6)[:, :4].reshape(-1), flat[:12])
+    assert torch.equal(flat[:12], (x * 0.25).to(torch.float16))
+    with pytest.raises(ValueError, match="pieces"):
+        cast_message(x, torch.float16, pieces=5)

@@ -11,7 +11,7 @@ from distributed import run
 import commpress
 from commpress.collectives import CommStats, costmodel, set_cost_model
 from commpress.collectives.sparse import range_owner, union_sketch
-from commpress.collectives.validate import HEADER_FIXED, SKETCH, header_len
+from commpress.collectives.wire import HEADER_FIXED, SKETCH, header_len
 from commpress.compressors.powersgd import orthogonalize_
 from commpress import ops
 

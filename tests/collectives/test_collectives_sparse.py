@@ -170,7 +170,7 @@ def test_world_one_without_process_group():
 def test_allgather_bytes_follow_the_documented_model():
     numel, sup = 64, [[1, 2, 3], [5], [], [7, 8]]
     res = run(sparse_worker, 4, [(numel, sup, "float32", "int32")], ("allgather", "dense"), timeout=60)
-    from commpress.collectives.validate import header_len
+    from commpress.collectives.wire import header_len
     header = header_len(4) * 8 * 3  # int64 header all-gathered: n*(P-1)
     for r in range(4):
         ag = res[r][0]["allgather"][2]

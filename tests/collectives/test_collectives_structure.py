@@ -1,5 +1,5 @@
 """The collectives package's modules import each other without cycles (one direction of
-dependency: wire → _codec → the protocols → core)."""
+dependency: wire → the protocols → core)."""
 
 import ast
 import os
@@ -87,3 +87,24 @@ def test_bounded_cache_is_lru_and_safe_across_threads():
     for t in threads:
         t.join()
     assert len(cache._d) == 3
+
+
+def test_wire_layout_constants_are_defined_in_wire_only():
+    """Every wire-format fact (status word, sum slots, the validation header's slots and
+    codes) is assigned in ``wire.py``; the other modules import it."""
+    facts = {"STATUS_BYTES", "SUM_SLOTS", "NONFINITE", "HEADER_FIXED", "SKETCH", "DTYPES", "ALGORITHM_CODES",
+             "KINDS", "ERRORS", "H_ERROR", "H_NUMEL", "H_DTYPE", "H_ALGORITHM", "H_KIND", "H_CONFIG",
+             "H_COUNT", "H_MODEL"}
+    base = os.path.dirname(C.__file__)
+    owners = {}
+    for f in sorted(os.listdir(base)):
+        if not f.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(base, f)).read())
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for t in targets:
+                names = [e.id for e in t.elts] if isinstance(t, ast.Tuple) else [getattr(t, "id", None)]
+                owners.update({n: owners.get(n, set()) | {f} for n in names if n in facts})
+    assert owners == {n: {"wire.py"} for n in facts}, owners

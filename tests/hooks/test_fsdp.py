@@ -240,12 +240,12 @@ def _validation_bytes(world_size):
 @pytest.mark.parametrize("world_size", [3])
 def test_stats_bytes_match_payloads(world_size):
     # owner path (one all_to_all): the 8-byte status word, then each wire tensor 8-aligned;
-    # "sum" path (one reduce_scatter): the payload alone.
+    # "sum" path (one reduce_scatter): the payload, then two status slots of its dtype.
     cases = (("blockquant", {"bits": 8},   # uint8 codes + one fp32 scale per 256 entries
               lambda m: 8 + _align8(m) + _align8(4 * math.ceil(m / 256)), True),
              ("topk", {"ratio": 0.1, "density_warmup": 0},      # k int32 indices + k fp32 values
               lambda m: 8 + 2 * _align8(4 * max(1, round(0.1 * m))), True),
-             ("fp16", {}, lambda m: 2 * m, False))
+             ("fp16", {}, lambda m: 2 * (m + 2), True))
     per_rank = run(_stats_bytes, world_size, [(name, params) for name, params, _, _ in cases])
     for i, (name, params, per_chunk, validated) in enumerate(cases):
         sent, dense = _expected_rs_bytes(world_size, per_chunk)
@@ -416,7 +416,7 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
     # __int__ / __float__ / cpu recording every call made from a commpress frame: none may
     # happen (on a GPU each would be a device synchronization stalling the backward pass).
     configs = [("blockquant", {"bits": 8}), ("topk", {"ratio": 0.1}),
-               ("identity", {"all_gather": "blockquant"})]
+               ("identity", {"all_gather": "blockquant"}), ("fp16", {})]
     for per_rank in run(_steady_state_host_reads, 2, configs):
         for name, params in configs:
             res = per_rank[name]
@@ -426,6 +426,7 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
         assert per_rank["blockquant"]["algorithms"]["0"] == "blockquant:gather_reduce_scatter"
         assert per_rank["topk"]["algorithms"]["0"] == "topk:sparse_reduce_scatter"
         assert per_rank["identity"]["algorithms"]["0/all_gather"] == "blockquant:all_gather"
+        assert per_rank["fp16"]["algorithms"]["0"] == "fp16:reduce_scatter"
 
 
 # ------------------------------------------------------------------ bad input
@@ -508,3 +509,52 @@ def test_comm_called_by_hand_averages_within_quantization_error():
         assert err <= absmax / 127 / 2 * (1 + 1e-5)
         assert (steps1, steps2) == (0, 1)     # outside backward the step closes lazily
         assert algorithm == "blockquant:gather_reduce_scatter"
+
+
+# ------------------------------------------- the "sum" path: status slots on the reduce_scatter
+def _sum_path_status(rank, world_size):
+    out = {}
+    # fp16: a NaN/inf on rank 1 travels in the payload (no error), the next step is healthy again
+    model = shard(make_model(), world_size)
+    state = commpress.fsdp.register(model, "fp16")
+    train_steps(model, 1, rank)
+    x, y = batch(rank, 1)
+    if rank == 1:
+        x[0, 0] = float("inf")
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    out["fp16_nonfinite"] = any(bool((~torch.isfinite(g)).any()) for g in full_grads(model))
+    model.zero_grad(set_to_none=True)
+    grads = train_steps(model, 1, rank, start=2)[0]
+    out["fp16_finite_after"] = all(bool(torch.isfinite(g).all()) for g in grads)
+    out["fp16_algorithm"] = state.stats.algorithms["0"]
+    # random-k ("sum", shared indices): rank 1's compress fails after a healthy (validated) step
+    model = shard(make_model(), world_size)
+    state = commpress.fsdp.register(model, "randomk", ratio=0.5, error_feedback=False)
+    train_steps(model, 1, rank)
+    out["randomk_algorithm"] = state.stats.algorithms["0"]
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected codec fault")
+        state.compressor.compress_fixed = failing
+    x, y = batch(rank, 1)
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["raised"] = (isinstance(exc, commpress.collectives.CollectiveInputError), str(exc))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_sum_path_status_raises_on_every_rank():
+    # fp16 / random-k without error feedback: one reduce_scatter whose pieces end with the
+    # status slots.  A NaN/inf rides in the payload; a rank whose compress fails makes every
+    # rank raise CollectiveInputError (never a hang, never a size mismatch).
+    for r, res in enumerate(run(_sum_path_status, 2, timeout=45, pg_timeout=20)):
+        assert res["fp16_nonfinite"] and res["fp16_finite_after"], (r, res)
+        assert res["fp16_algorithm"] == "fp16:reduce_scatter"
+        assert res["randomk_algorithm"] == "randomk:reduce_scatter"
+        assert res["raised"] is not None, r
+        is_input_error, msg = res["raised"]
+        assert is_input_error and "rank(s) [1]" in msg, (r, msg)
+        assert ("injected codec fault" in msg) == (r == 1), (r, msg)
