@@ -95,7 +95,8 @@ def host_read_worker(rank, world, cases, overlap):
 CASES = [("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.05, "density_warmup": 0}),
          ("dgc", {"ratio": 0.05, "density_warmup": 0}),
          ("blockquant", {"bits": 8}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}),
-         ("powersgd", {"rank": 2})]
+         ("powersgd", {"rank": 2}),
+         ("auto", {})]   # a codec per unit (here dense under error feedback: loopback), timed and normed on the device
 
 
 @pytest.mark.timeout(200)
