@@ -118,7 +118,10 @@ class DDPState(TakeoverMixin, HookState):
         ``init_process_group``.
     compressor:
         a :class:`~commpress.Compressor` or a registry name; ``**compressor_params``
-        are passed to ``commpress.get`` with a name.
+        are passed to ``commpress.get`` with a name.  ``"auto"``: a compressor per unit,
+        chosen and re-chosen from measurements (:mod:`commpress.auto.runtime`; its options
+        ``candidates``, ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are
+        keywords here); every choice runs under error feedback; not with ``hierarchy``.
     error_feedback:
         ``"auto"`` (on for biased compressors), ``True`` or ``False``.
     warmup_steps:
@@ -871,6 +874,10 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     correction here, the optimizer's momentum 0 until ``state.close()``; see
     :mod:`commpress.hooks.optimizer`).  The sparsifiers' density warm-up
     (``density_warmup=`` steps from ``density_start=``) is a compressor parameter.
+
+    ``compressor="auto"``: each unit gets its own compressor, chosen at check points from the
+    measured overlap and codec cost and the calibrated network (see :mod:`commpress.auto.runtime`);
+    ``state.stats.as_dict()["auto"]`` shows the choices.
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
