@@ -48,8 +48,8 @@ from ..collectives.quantized import alignment, chunk_bounds
 from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback
-from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe
-from .decide import BucketMeasure, Decider, Network, Prices
+from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
+from .decide import BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
@@ -110,6 +110,14 @@ class AutoSpec(Compressor):
         raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
 
 
+_ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
+
+
+def _rounds(candidate: Candidate) -> int:
+    """Collective rounds of a candidate's call (two-phase quantized and PowerSGD: 2)."""
+    return _ROUNDS[prototype(candidate).aggregation]
+
+
 def _slots(codec: ErrorFeedback, key: Any, numel: int, world: int, rank: int,
            owner: bool) -> list[tuple[Any, int, int]]:
     """``(residual key, offset, numel)`` of every residual a codec keeps for a unit: one under
@@ -163,6 +171,8 @@ class AutoCodec:
         self._last_meas: dict[Any, float] = {}
         self._units: list[Any] = []
         self.checks = 0
+        self.round_s = 0.0                      # measured seconds per collective round beyond the model
+        self._round_s_decided: float | None = None
 
     # -- what a step reads ------------------------------------------------------
     def codec(self, unit: Any, t: torch.Tensor, bucket: int) -> ErrorFeedback:
@@ -272,13 +282,16 @@ class AutoCodec:
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch))
             compute = self._compute[0] / self._compute[1] if self._compute[1] else 0.0
+            measured = [self._meas.get(u.key, (0.0, 0)) for u in units]
+            measured = [s_ / n if n else 0.0 for s_, n in measured]
         except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
             error = exc
             measures = [BucketMeasure(u.key, u.numel) for u in units]
-            compute = math.inf
+            compute, measured = math.inf, [0.0] * len(units)
         try:
             network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
-            m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued)
+            m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
+                                   extra=[(x, "min") for x in measured])
         except ValueError as exc:
             if error is not None:
                 raise error from exc
@@ -286,9 +299,12 @@ class AutoCodec:
                 raise RuntimeError(f"auto: another rank failed to measure at step {step} "
                                    "(its error is raised there)") from exc
             raise
+        m = self._with_round_cost(m, units)
         decision, switched = self.decider.update(step, m)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
+        if self.decider.decided_at == step:
+            self._round_s_decided = self.round_s
         if switched:
             log.info("commpress auto: step %d: %s", step,
                      ", ".join(f"unit {b} -> {describe(decision.choices[b])}" for b in switched))
@@ -305,6 +321,37 @@ class AutoCodec:
             acc.zero_()
         self.checks += 1
         return switched
+
+    def _with_round_cost(self, m: Measurements, units: list[Any]) -> Measurements:
+        """``m`` with each candidate's codec seconds raised by ``round_s`` per collective round.
+
+        ``round_s``: what the units' calls took beyond their prediction in the last window
+        (codec + α-β collective of the choice in force; the agreed call seconds are the
+        minimum over ranks), per round of those choices.  It holds what the bind-time α-β
+        model does not: Python and framework time per call, and the wait at each round for
+        the slower rank.  Pure on agreed numbers: the same on every rank.  A change by more
+        than ``drift`` (relative) since the last decision re-decides.
+        """
+        excess, rounds = 0.0, 0
+        for b, u in enumerate(units):
+            meas = m.extra[b] if b < len(m.extra) else 0.0
+            if meas <= 0.0:
+                continue
+            choice = self.choices.get(u.key, DENSE)
+            bucket = m.buckets[b]
+            excess += meas - codec_seconds(choice, bucket, m.network) - comm_seconds(choice, bucket, m.network)
+            rounds += _rounds(choice.candidate)
+        if rounds:
+            self.round_s = max(0.0, excess) / rounds
+        watched = self._round_s_decided
+        if watched is not None and abs(self.round_s - watched) > self.spec.decider_args["drift"] * max(watched, 1e-4):
+            self.decider.watched = None   # the per-round cost moved: re-decide now
+        buckets = []
+        for b in m.buckets:
+            codec = {c: t + self.round_s * _rounds(c) for c, t in b.codec_s.items()}
+            codec[DENSE.candidate] = b.codec_s.get(DENSE.candidate, 0.0) + self.round_s * _rounds(DENSE.candidate)
+            buckets.append(dataclasses.replace(b, codec_s=codec))
+        return dataclasses.replace(m, buckets=tuple(buckets))
 
     def _read_norms(self, units: list[Any]) -> list[float]:
         """The accumulated gradient norms (the check point's one host read)."""

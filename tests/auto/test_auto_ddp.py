@@ -60,7 +60,7 @@ def _train(model, opt, rank, steps):
 
 
 def _register(model, opt):
-    return commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, check_every=2, every=2)
+    return commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, check_every=2, every=2, margin=0.0)
 
 
 def auto_worker(rank, world):
@@ -195,3 +195,28 @@ def test_auto_options_are_checked():
     state = commpress.ddp.DDPState("auto", candidates=[("topk", 0.01)], every=10)
     assert state.config()["compressor"] == "auto"
     assert state.config()["compressor_params"]["candidates"] == ["topk(ratio=0.01)"]
+
+
+def test_round_cost_from_agreed_call_times(monkeypatch):
+    """What the units' calls took beyond the model, per round of the choices in force, is added
+    to every candidate per round (dense 1, blockquant and powersgd 2): pure on agreed numbers."""
+    from commpress.auto import BucketMeasure, Measurements
+
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    auto = AutoCodec(AutoSpec())
+    net = Network(2, CostModel(0.0, 0.0, 0.0, 0.0))      # the model predicts nothing
+    bq, ps = Candidate("blockquant", 8), Candidate("powersgd", 1)
+
+    class U:
+        def __init__(self, key):
+            self.key = key
+
+    units = [U("a"), U("b")]
+    auto.choices["b"] = Choice(bq)                          # a: dense (1 round), b: blockquant (2)
+    buckets = tuple(BucketMeasure(u.key, 1024, ((32, 32),), 0.0, {bq: 0.001, ps: 0.002}) for u in units)
+    m = Measurements(net, buckets, 0.01, extra=(0.003, 0.006 + 0.001))   # b also spent its codec time
+    out = auto._with_round_cost(m, units)
+    assert auto.round_s == pytest.approx(0.009 / 3)
+    for b in out.buckets:
+        assert b.codec_s[Candidate("dense")] == pytest.approx(0.003)
+        assert b.codec_s[bq] == pytest.approx(0.001 + 0.006) and b.codec_s[ps] == pytest.approx(0.002 + 0.006)
