@@ -111,10 +111,12 @@ def auto_worker(rank, world):
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
 
-    # a rank that fails to measure: every rank raises at the check point (no hang)
+    # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
+    # the check point (no hang)
     model3 = DDP(Net(), bucket_cap_mb=0.01)
     opt3 = torch.optim.SGD(model3.parameters(), lr=0.05)
-    state3 = commpress.ddp.register(model3, "auto", min_numel=256, overlap=False)
+    state3 = commpress.ddp.DDPState("auto", min_numel=256, overlap=False)   # binds at its first bucket
+    model3.register_comm_hook(state3, commpress.ddp.hook)
     if rank == 0:
         from commpress.auto import runtime
 
