@@ -28,6 +28,17 @@ that switches hands its residual and velocity to its new codec (:meth:`AutoCodec
 A rank that fails to measure sends ``inf`` as its compute seconds: every rank then
 raises at the same point (no rank waits in a collective the others left).
 
+Every number a decision reads is agreed: the α-β model calibrated at binding, the codec
+costs (max over ranks), the hidden windows (min), the norm changes (max), the compute seconds
+(max) and each unit's call seconds (min), from which a per-round cost is added to every
+candidate (:meth:`AutoCodec._with_round_cost`: what the α-β model misses, framework time
+and the wait at each round).
+
+**Checkpoints**: :meth:`AutoCodec.state_dict` holds each unit's choice and its codec's state
+(residuals, velocities, PowerSGD warm starts), the decider (plan, when decided, what it
+watches) and the norm windows.  A resume is bitwise until the next check point: from there
+the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
+
 Not measured: the network after binding (the α-β calibration at binding is kept; the
 bandwidth drift of the issue is not detected), device time on CUDA (the clock is the
 host's).
