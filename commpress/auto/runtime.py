@@ -183,6 +183,8 @@ class AutoCodec:
         self._units: list[Any] = []
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
+        self._fresh: set[Any] = set()           # units switched to dense that have not run since
+        self._last_step: int | None = None
         self._round_s_decided: float | None = None
 
     # -- what a step reads ------------------------------------------------------
@@ -199,7 +201,22 @@ class AutoCodec:
             acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
         acc.add_(torch.linalg.vector_norm(t))
         self._unit_bucket[key] = bucket
+        if key in self._fresh and t.dtype == torch.float32:
+            self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
         return c
+
+    def fast(self, step: int) -> bool:
+        """Whether step ``step`` sends every bucket as DDP does (one async dense ``all_reduce``):
+        every unit's choice is dense, nothing is owed (each such unit ran one fp32 step since it
+        switched), no momentum correction, and ``step`` is neither a check point nor the step
+        before it (those run the units' own path, to measure them).  A function of agreed state
+        and the step: the same on every rank, the same for every bucket of a step."""
+        if self.momentum or self._fresh or not self.choices or step < self.first_check:
+            return False
+        phase = (step - self.first_check) % self.spec.check_every
+        if phase == 0 or phase == self.spec.check_every - 1:
+            return False
+        return all(c == DENSE for c in self.choices.values())
 
     def measured(self, unit: Any, seconds: float) -> None:
         """Host seconds of the unit's collective call this step."""
@@ -261,7 +278,10 @@ class AutoCodec:
         """Account the step that just committed; at a check point measure, agree, decide, switch."""
         now = time.perf_counter()
         self._units = list(layout.units)
-        if self._last_end is not None and self._backward_end is not None and self._backward_end > self._last_end:
+        consecutive = self._last_step == step - 1   # steps sent DDP's way (fast) are not timed here
+        self._last_step = step
+        if (consecutive and self._last_end is not None and self._backward_end is not None
+                and self._backward_end > self._last_end):
             wall = now - self._last_end
             exposed = now - self._backward_end
             self._compute[0] += max(0.0, wall - exposed - self._busy)
@@ -390,6 +410,8 @@ class AutoCodec:
                 fold_residual(part, new, k)
         self.codecs[key] = new
         self.choices[key] = choice
+        if choice == DENSE:
+            self._fresh.add(key)
 
     # -- the report: state.stats.as_dict()["auto"] --------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
@@ -424,10 +446,11 @@ class AutoCodec:
             "prev_norms": self._prev_norms,
             "norm_keys": list(self._norms),
             "norms": [t.clone() for t in self._norms.values()],
+            "fresh": [k for k in keys if k in self._fresh],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms"}
+        want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
         if not isinstance(state, dict) or set(state) != want:
             raise ValueError(f"auto codec state must have keys {sorted(want)}")
         codecs, choices = {}, {}
@@ -441,3 +464,4 @@ class AutoCodec:
         prev = state["prev_norms"]
         self._prev_norms = None if prev is None else [float(x) for x in prev]
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
+        self._fresh = set(state["fresh"])

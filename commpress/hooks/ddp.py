@@ -804,6 +804,8 @@ def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     if executor.step < state.warmup_steps or not state.compressed_param_names:
         return _dense_async(executor, bucket)
+    if cfg.auto is not None and not cfg.verify_every and cfg.auto.fast(executor.step):
+        return _dense_async(executor, bucket)   # "auto" chose dense everywhere: DDP's own path
     if cfg.fold_scale and not cfg.verify_every:
         return _dense_async(executor, bucket, cast=cfg.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

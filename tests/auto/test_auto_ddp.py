@@ -111,6 +111,20 @@ def auto_worker(rank, world):
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
 
+    # no momentum, a fast network: all dense, and the steps between check windows go DDP's way
+    torch.manual_seed(0)
+    model4 = DDP(Net(), bucket_cap_mb=0.01)
+    opt4 = torch.optim.SGD(model4.parameters(), lr=0.05)
+    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=3)
+    state4.codec.network = Network(world, FAST)
+    paths = []
+    for step in range(7):
+        _train(model4, opt4, rank, [step])
+        paths.append(sorted({u["algorithm"] for u in state4.stats.last_step["units"].values()}))
+    out["fast"] = paths, sorted(e["choice"] for e in state4.stats.as_dict()["auto"].values())
+    out["fast_params"] = torch.cat([p.detach().reshape(-1) for p in model4.parameters()])
+    state4.close()
+
     # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
     # the check point (no hang)
     model3 = DDP(Net(), bucket_cap_mb=0.01)
@@ -151,6 +165,11 @@ def test_register_auto_on_two_ranks():
         assert any(owed > 0 for kind, _, owed in r["moved"])
     # resume: bitwise up to the next check point
     assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
+    # all dense without momentum: DDP's own path between the check windows (steps 1, 3, 4, 6 measure)
+    paths, choices = a["fast"]
+    assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
+    assert [p == ["dense"] for p in paths] == [True, False, True, False, False, True, False], paths
+    assert torch.equal(a["fast_params"], b["fast_params"])
     # one rank's failure raised on both
     assert "no timer on this rank" in a["error"]
     assert b["error"] is not None and "another rank failed" in b["error"]
