@@ -11,7 +11,7 @@ A configuration is one of
   on new collectives inside future callbacks and deadlocks on gloo when DDP has
   several buckets, so these configurations run with ONE bucket
   (``bucket_cap_mb=10000``); every other configuration keeps DDP's default buckets;
-* ``auto`` — ``commpress.ddp.register(model, "auto", optimizer=opt)``: a compressor per bucket
+* ``auto`` — ``commpress.ddp.register(model, "auto", check_every=20, every=100)``: a compressor per bucket
   (:mod:`commpress.auto`); the rows carry each bucket's choice (``auto``);
 * ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``; the
   sparsifiers (topk, dgc, randomk) also pass ``optimizer=`` (the hook takes over the
@@ -102,8 +102,9 @@ ALL: list[Config] = [
     _cp("powersgd-r4", "powersgd", rank=4),
     # a compressor per bucket, chosen from the measured overlap and codec cost and the network
     # calibrated at binding (commpress.auto); check points every 20 steps, so that a run of the
-    # demo's length sees more than the first decision; momentum taken over like the sparsifiers
-    Config("auto", "commpress", "auto", {"check_every": 20, "every": 100}, takeover=True),
+    # demo's length sees more than the first decision.  The optimizer keeps its momentum (as for
+    # bf16 and blockquant): an all-dense plan then runs DDP's own all_reduce between check points
+    Config("auto", "commpress", "auto", {"check_every": 20, "every": 100}),
 ]
 #: Variants of topk 1% for the convergence study (momentum correction, masking, density warm-up): by name or the "convergence" group,
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density

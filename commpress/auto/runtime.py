@@ -28,6 +28,11 @@ that switches hands its residual and velocity to its new codec (:meth:`AutoCodec
 A rank that fails to measure sends ``inf`` as its compute seconds: every rank then
 raises at the same point (no rank waits in a collective the others left).
 
+**All dense** (:meth:`AutoCodec.fast`): when every unit chose dense, nothing is owed and there is
+no momentum correction, the steps between check windows send every bucket as DDP does (one
+async ``all_reduce``); the two steps ending at each check point run the units' own path, so
+their call times, norms and compute seconds are still measured.
+
 Every number a decision reads is agreed: the α-β model calibrated at binding, the codec
 costs (max over ranks), the hidden windows (min), the norm changes (max), the compute seconds
 (max) and each unit's call seconds (min), from which a per-round cost is added to every
@@ -121,6 +126,7 @@ class AutoSpec(Compressor):
         raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
 
 
+_BF16 = Choice(Candidate("bf16"))
 _ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
 
 
@@ -205,18 +211,23 @@ class AutoCodec:
             self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
         return c
 
-    def fast(self, step: int) -> bool:
-        """Whether step ``step`` sends every bucket as DDP does (one async dense ``all_reduce``):
-        every unit's choice is dense, nothing is owed (each such unit ran one fp32 step since it
-        switched), no momentum correction, and ``step`` is neither a check point nor the step
-        before it (those run the units' own path, to measure them).  A function of agreed state
-        and the step: the same on every rank, the same for every bucket of a step."""
+    def fast(self, step: int) -> str | None:
+        """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
+        ``all_reduce``, of the bucket cast to bf16 for ``"bf16"``, as PyTorch's bf16 hook), else
+        ``None``.  Only when every unit chose dense (or every unit bf16), no momentum correction,
+        no dense unit owes a carried residual (it ran one fp32 step since it switched), and ``step``
+        is neither a check point nor the step before it (those run the units' own path, to measure
+        them, and send what the bf16 units' error feedback holds: delayed, not lost).  A
+        function of agreed state and the step: the same on every rank and every bucket of a step."""
         if self.momentum or self._fresh or not self.choices or step < self.first_check:
-            return False
+            return None
         phase = (step - self.first_check) % self.spec.check_every
         if phase == 0 or phase == self.spec.check_every - 1:
-            return False
-        return all(c == DENSE for c in self.choices.values())
+            return None
+        kinds = set(self.choices.values())
+        if kinds == {DENSE}:
+            return "dense"
+        return "bf16" if kinds == {_BF16} else None
 
     def measured(self, unit: Any, seconds: float) -> None:
         """Host seconds of the unit's collective call this step."""

@@ -804,8 +804,9 @@ def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     if executor.step < state.warmup_steps or not state.compressed_param_names:
         return _dense_async(executor, bucket)
-    if cfg.auto is not None and not cfg.verify_every and cfg.auto.fast(executor.step):
-        return _dense_async(executor, bucket)   # "auto" chose dense everywhere: DDP's own path
+    fast = cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every else None
+    if fast is not None:   # "auto" chose dense (or bf16) everywhere: DDP's own path (PyTorch's bf16 hook's)
+        return _dense_async(executor, bucket, cast=torch.bfloat16 if fast == "bf16" else None)
     if cfg.fold_scale and not cfg.verify_every:
         return _dense_async(executor, bucket, cast=cfg.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

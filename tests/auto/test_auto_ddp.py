@@ -124,6 +124,19 @@ def auto_worker(rank, world):
     out["fast"] = paths, sorted(e["choice"] for e in state4.stats.as_dict()["auto"].values())
     out["fast_params"] = torch.cat([p.detach().reshape(-1) for p in model4.parameters()])
     state4.close()
+    # the same with bf16 everywhere (a slow network, bf16 the only candidate): PyTorch's bf16 hook's path,
+    # the whole bucket cast (half the dense bytes); the measured steps send the 1-D part in fp32
+    model5 = DDP(Net(), bucket_cap_mb=0.01)
+    opt5 = torch.optim.SGD(model5.parameters(), lr=0.05)
+    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=3, candidates=[("bf16",)])
+    state5.codec.network = Network(world, SLOW)
+    halves = []
+    for step in range(7):
+        _train(model5, opt5, rank, [step])
+        halves.append(2 * state5.stats.last_step["bytes_sent"] == state5.stats.last_step["dense_bytes"])
+    out["bf16"] = halves, sorted(e["choice"] for e in state5.stats.as_dict()["auto"].values())
+    out["bf16_params"] = torch.cat([p.detach().reshape(-1) for p in model5.parameters()])
+    state5.close()
 
     # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
     # the check point (no hang)
@@ -170,6 +183,9 @@ def test_register_auto_on_two_ranks():
     assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
     assert [p == ["dense"] for p in paths] == [True, False, True, False, False, True, False], paths
     assert torch.equal(a["fast_params"], b["fast_params"])
+    halves, choices = a["bf16"]
+    assert choices == ["bf16", "bf16"] and halves == [False, False, True, False, False, True, False], halves
+    assert torch.equal(a["bf16_params"], b["bf16_params"])
     # one rank's failure raised on both
     assert "no timer on this rank" in a["error"]
     assert b["error"] is not None and "another rank failed" in b["error"]
