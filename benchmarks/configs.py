@@ -11,6 +11,8 @@ A configuration is one of
   on new collectives inside future callbacks and deadlocks on gloo when DDP has
   several buckets, so these configurations run with ONE bucket
   (``bucket_cap_mb=10000``); every other configuration keeps DDP's default buckets;
+* ``auto`` — ``commpress.ddp.register(model, "auto", check_every=20, every=100)``: a compressor per bucket
+  (:mod:`commpress.auto`); the rows carry each bucket's choice (``auto``);
 * ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``; the
   sparsifiers (topk, dgc, randomk) also pass ``optimizer=`` (the hook takes over the
   optimizer's SGD momentum: DGC's momentum correction; nothing changes for AdamW) and keep
@@ -98,6 +100,11 @@ ALL: list[Config] = [
     _cp("mx-fp4", "mx", element="fp4_e2m1"),
     _cp("powersgd-r2", "powersgd", rank=2),
     _cp("powersgd-r4", "powersgd", rank=4),
+    # a compressor per bucket, chosen from the measured overlap and codec cost and the network
+    # calibrated at binding (commpress.auto); check points every 20 steps, so that a run of the
+    # demo's length sees more than the first decision.  The optimizer keeps its momentum (as for
+    # bf16 and blockquant): an all-dense plan then runs DDP's own all_reduce between check points
+    Config("auto", "commpress", "auto", {"check_every": 20, "every": 100}),
 ]
 #: Variants of topk 1% for the convergence study (momentum correction, masking, density warm-up): by name or the "convergence" group,
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
@@ -161,7 +168,7 @@ def unavailable_reason(cfg: Config) -> str | None:
 
     if ddp_module() is None:
         return "commpress.ddp.register is not available in this checkout"
-    if cfg.compressor not in commpress.available():
+    if cfg.compressor not in commpress.available() and cfg.compressor != "auto":
         return f"compressor {cfg.compressor!r} is not registered"
     return None
 

@@ -73,8 +73,10 @@ class Leg:
 
 
 # about 3 minutes on 2 idle cores: a few configs per task (the full sweep has them all)
-DIGITS_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "topk-1%", "blockquant-4bit")
-LM_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "blockquant-4bit", "powersgd-r2")
+DIGITS_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "topk-1%", "blockquant-4bit",
+                  "auto")
+LM_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "blockquant-4bit", "powersgd-r2",
+              "auto")
 DEMO_LEGS = (
     Leg("digits", 2, "1gbit", DIGITS_CONFIGS, seeds=2),
     Leg("lm", 2, "100mbit", LM_CONFIGS, seeds=2),
@@ -620,6 +622,21 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def auto_lines(rows: list[dict]) -> list[str]:
+    """One line per ``auto`` run: each bucket's choice at the end, predicted and measured ms."""
+    lines = []
+    for r in rows:
+        if not r.get("auto"):
+            continue
+        parts = []
+        for name, e in r["auto"].items():
+            pred = "?" if e.get("predicted_ms") is None else f"{e['predicted_ms']:.1f}"
+            meas = "?" if e.get("measured_ms") is None else f"{e['measured_ms']:.1f}"
+            parts.append(f"bucket {name}: {e['choice']} (predicted {pred} ms, measured {meas} ms)")
+        lines.append(f"- {r['config']} seed {r.get('seed', 0)} chose: " + "; ".join(parts))
+    return lines + [""] if lines else []
+
+
 def _leg_setting(key: str, lm: dict[str, Any]) -> str:
     if lm["oversubscribed"]:
         where = (f"{lm['world_size']} ranks share {lm['cores']} cores (oversubscribed: ranks wait for time "
@@ -671,6 +688,7 @@ def render_summary(rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], png
         lines += [f"### {key}: {info.get('model', '')}, {info.get('params', 0) / 1e6:.2f}M params, "
                   f"{steps} DDP steps, {info.get('optimizer', '')}", ""]
         lines += [markdown_table(table_rows(rows), COLUMNS), ""]
+        lines += auto_lines(rows)
     if pngs:
         lines += [f"![{pngs[0].stem.replace('_', ' ')}]({pngs[0].name})", "",
                   f"Plots (first seed of each part): {', '.join(p.name for p in pngs)}", ""]

@@ -164,6 +164,8 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
                 q = m.t() @ p
                 _ = p @ q.t()
         return {"compression_s": _median_time(psgd)}
+    if cfg.compressor == "auto":  # a codec per bucket, chosen at run time: its codec time is in the account
+        return {"compression_s": 0.0}
     import commpress
 
     hook_only = ("momentum", "momentum_masking")   # the hook's keywords, not the compressor's
@@ -321,6 +323,8 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
                    hook_s_per_step=float(last.get("hook_seconds", 0.0)),
                    algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0),
                    account=_median_account(accounts[skip:]))
+        if "auto" in st:  # register(model, "auto"): each bucket's choice, predicted and measured ms
+            out["auto"] = st["auto"]
     else:
         out.update(C.hook_bytes(cfg, grads, world))
     out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else float("inf")

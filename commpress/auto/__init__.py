@@ -1,9 +1,9 @@
 """``"auto"``: a compressor per bucket, chosen from measured network, overlap and codec cost.
 
-Phase 1 (this package): the pure decision (:func:`decide`, :class:`Decider`), the
-measurements it reads (:mod:`commpress.auto.measure`) and switching a bucket's
-compressor without losing its error-feedback residual (:mod:`commpress.auto.switch`).
-The hooks call it; see each module's doc.
+The pure decision (:func:`decide`, :class:`Decider`), the measurements it reads
+(:mod:`commpress.auto.measure`), switching a bucket's compressor without losing its
+error-feedback residual (:mod:`commpress.auto.switch`), and the DDP hook's side of it
+(:mod:`commpress.auto.runtime`: ``commpress.ddp.register(model, "auto")``).  See each module's doc.
 """
 
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, gentlest

@@ -147,6 +147,8 @@ class Measurements:
     buckets: tuple[BucketMeasure, ...]
     compute_s: float
     codec_inline: bool = True
+    #: further agreed numbers a caller packed into the same collective (see ``agree_measurements``)
+    extra: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec_inline, bool):

@@ -229,7 +229,8 @@ def agree(values: Sequence[float], ops: Sequence[str], group=None) -> list[float
 
 
 def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compute_s: float,
-                       candidates: Sequence[Candidate], group=None, *, codec_inline: bool = True) -> Measurements:
+                       candidates: Sequence[Candidate], group=None, *, codec_inline: bool = True,
+                       extra: Sequence[tuple[float, str]] = ()) -> Measurements:
     """This rank's measurements made identical on every rank (one :func:`agree`).
 
     Per bucket: numel (max and min: must match), hidden window (min), codec seconds of
@@ -243,6 +244,9 @@ def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compu
     bind-time configuration check guarantees it; a different length cannot be detected inside
     one collective).  With equal lengths, bucket sizes that differ raise ``ValueError`` on
     every rank together.
+
+    ``extra``: more ``(value, "max" | "min")`` entries agreed in the same collective (same
+    number on every rank); their agreed values are ``Measurements.extra``.
     """
     vals: list[float] = [float(len(buckets)), -float(len(buckets))]
     ops: list[str] = ["max", "max"]
@@ -256,12 +260,14 @@ def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compu
     ops.append("max")
     # a candidate unmeasured on any rank stays out: its "missing" flag, max over ranks
     flags = [0.0 if c in b.codec_s else 1.0 for b in buckets for c in candidates]
-    out = agree(vals + flags, ops + ["max"] * len(flags), group)
+    flags += [float(v) for v, _ in extra]
+    out = agree(vals + flags, ops + ["max"] * (len(flags) - len(extra)) + [o for _, o in extra], group)
     n_hi, n_lo = out[0], -out[1]
     if n_hi != len(buckets) or n_lo != len(buckets):
         raise ValueError(f"agree_measurements: ranks have different numbers of buckets "
                          f"({int(n_lo)} .. {int(n_hi)})")
-    missing = out[len(vals):]
+    missing = out[len(vals):len(out) - len(extra)]
+    agreed_extra = tuple(out[len(out) - len(extra):]) if extra else ()
     pos, agreed = 2, []
     for bi, b in enumerate(buckets):
         hi, lo, hidden, change = out[pos:pos + 4]
@@ -276,7 +282,7 @@ def agree_measurements(network: Network, buckets: Sequence[BucketMeasure], compu
             if missing[bi * len(candidates) + ci] == 0.0:
                 codec[c] = t
         agreed.append(BucketMeasure(b.name, b.numel, b.shapes, max(0.0, hidden), codec, max(0.0, change), b.dtype))
-    return Measurements(network, tuple(agreed), out[pos], codec_inline)
+    return Measurements(network, tuple(agreed), out[pos], codec_inline, agreed_extra)
 
 
 def network_from_models(world: int, flat: CostModel, local_size: int = 1, intra: CostModel | None = None,

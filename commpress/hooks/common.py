@@ -167,6 +167,9 @@ class Stats:
     _cur_comm: float = 0.0
     _cur_codec: dict[str, float] = field(default_factory=dict)
     _last_end: float | None = None
+    #: with ``register(model, "auto")``: returns ``as_dict()["auto"]`` (each unit's choice, predicted
+    #: and measured ms; see :meth:`commpress.auto.runtime.AutoCodec.report`)
+    auto_report: Any = None
 
     def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
                compress_seconds: float = 0.0, hook_seconds: float = 0.0, rounds: int = 0,
@@ -276,7 +279,7 @@ class Stats:
             "algorithms": dict(self.algorithms),
             "last_step": dict(self.last_step),
             "account": self.account(),
-        }
+        } | ({"auto": self.auto_report()} if self.auto_report is not None else {})
 
 
 def _ratio(dense: int, sent: int) -> float:

@@ -117,7 +117,10 @@ class DDPState(TakeoverMixin, HookState):
         ``init_process_group``.
     compressor:
         a :class:`~commpress.Compressor` or a registry name; ``**compressor_params``
-        are passed to ``commpress.get`` with a name.
+        are passed to ``commpress.get`` with a name.  ``"auto"``: a compressor per unit,
+        chosen and re-chosen from measurements (:mod:`commpress.auto.runtime`; its options
+        ``candidates``, ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are
+        keywords here); every choice runs under error feedback; not with ``hierarchy``.
     error_feedback:
         ``"auto"`` (on for biased compressors), ``True`` or ``False``.
     warmup_steps:
@@ -206,12 +209,19 @@ class DDPState(TakeoverMixin, HookState):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         verify_every = _verify_every(verify_every)
+        auto = isinstance(compressor, str) and compressor == "auto"
+        if auto:  # a compressor per unit, chosen from measurements (commpress.auto)
+            compressor = _auto_spec(compressor_params, algorithm=algorithm, hierarchy=hierarchy,
+                                    error_feedback=error_feedback)
         if not (hierarchy is None or hierarchy == "auto"
                 or (isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1)):
             raise ValueError(f"hierarchy must be None, 'auto' or a positive int (ranks per node), got {hierarchy!r}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
-        self.inner = unwrap(self.codec)
+        self.auto = auto
+        if auto:
+            self._new_auto_codec()
+        self.inner = self.compressor if auto else unwrap(self.codec)
         allowed = ALLREDUCE_ALGORITHMS[self.inner.aggregation]
         if algorithm not in allowed:
             raise ValueError(f"algorithm must be one of {allowed} for a {self.inner.aggregation!r} "
@@ -235,6 +245,7 @@ class DDPState(TakeoverMixin, HookState):
         self.overlap = False
         self.bound = False
         self._pending_load: dict[str, Any] | None = None
+        self._forward_hook = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)  # taken over at binding
         if model is not None:
@@ -287,11 +298,38 @@ class DDPState(TakeoverMixin, HookState):
             self.stats.cost_model = get_cost_model(self.process_group)
         if self.hierarchy is not None and self.hierarchy.mode == "auto":
             self.hierarchy.models()  # likewise for the intra-node and inter-node models
+        if self.auto:
+            self._bind_auto(model)
         setattr(model, _ATTR, self)
         self.bound = True
         if self._pending_load is not None:
             pending, self._pending_load = self._pending_load, None
             self.load_state_dict(pending)
+
+    def _new_auto_codec(self) -> None:
+        from ..auto.runtime import AutoCodec
+
+        old = getattr(self, "_auto_codec", None)
+        self.codec = self._auto_codec = AutoCodec(self.compressor, self.momentum, self.momentum_masking)
+        self.uses_error_feedback = True   # every choice runs under error feedback
+        if old is not None:  # rebuilt after binding (a momentum taken over): keep what binding set
+            for name in ("network", "first_check", "queued", "world", "rank"):
+                setattr(self.codec, name, getattr(old, name))
+
+    def _bind_auto(self, model: DistributedDataParallel) -> None:
+        """``"auto"``: the network model (calibrated just before), the check points, the
+        forward hook that stamps the backward's start."""
+        from ..auto.decide import Network
+        from ..collectives.costmodel import CostModel
+
+        auto = self._auto_codec
+        flat = self.stats.cost_model if self.stats.cost_model is not None else CostModel(0.0, 0.0)
+        auto.network = Network(max(1, self.world_size), flat)
+        auto.first_check = self.warmup_steps
+        auto.queued = self.overlap
+        auto.world, auto.rank = self.world_size, self.rank
+        self.stats.auto_report = lambda: self.codec.report()
+        self._forward_hook = model.register_forward_hook(lambda *_: self.codec.begin())
 
     def _freeze(self) -> HookConfig:
         """Every decision a step needs, taken once (scale-by-world and the cast among them)."""
@@ -302,7 +340,7 @@ class DDPState(TakeoverMixin, HookState):
             hierarchy=self.hierarchy, seed=self.seed, scale=1.0 / self.world_size,
             fold_scale=cast and self.hierarchy is None, cast_to=self.inner.cast_to if cast else None,
             feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self.lowrank,
-            verify_every=self.verify_every)
+            verify_every=self.verify_every, auto=self.codec if self.auto else None)
 
     # -- what the executor owns, seen from here -------------------------------
     @property
@@ -346,6 +384,8 @@ class DDPState(TakeoverMixin, HookState):
     def _momentum_changed(self) -> None:
         """A momentum taken over after binding: freeze the configuration again (the codec
         now has error feedback with momentum, so the cast path is off)."""
+        if self.auto:
+            self._new_auto_codec()   # attach_optimizer wrapped the spec: the per-unit codecs get the momentum
         if self.frozen is not None:
             self.frozen = self._freeze()
             self.executor.config = self.frozen
@@ -360,6 +400,9 @@ class DDPState(TakeoverMixin, HookState):
         give a taken-over optimizer its momentum back."""
         if self.executor is not None:
             self.executor.close()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self.release_optimizer()
 
     def __enter__(self) -> "DDPState":
@@ -397,10 +440,14 @@ class DDPState(TakeoverMixin, HookState):
             return {}
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            if self.inner.aggregation == "gather" and self.world_size > 1:
-                parts = [self.codec.residual((unit.key, r)) for r in range(self.world_size)]
+            codec = self.codec.codecs.get(unit.key) if self.auto else self.codec
+            if codec is None:
+                continue
+            kind = codec.aggregation
+            if kind == "gather" and self.world_size > 1:
+                parts = [codec.residual((unit.key, r)) for r in range(self.world_size)]
             else:
-                parts = [self.codec.residual((unit.key, 0) if self.inner.aggregation == "gather" else unit.key)]
+                parts = [codec.residual((unit.key, 0) if kind == "gather" else unit.key)]
             if any(p is None for p in parts):
                 continue
             flat = torch.cat([p.reshape(-1) for p in parts])
@@ -442,6 +489,27 @@ class DDPState(TakeoverMixin, HookState):
     def memory_bytes(self) -> int:
         """Bytes the hook keeps alive: residuals (live and pending), scratch, compressor state."""
         return _memory_bytes(self.codec, self.layout)
+
+
+def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_feedback: Any) -> Compressor:
+    """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", **params)`` (its
+    options are taken out of ``params``; ``ValueError`` for what "auto" cannot do)."""
+    from ..auto.runtime import AUTO_OPTIONS, AutoSpec
+
+    if hierarchy is not None:
+        raise ValueError("hierarchy= is not supported with compressor 'auto' yet (the two-level path is "
+                         "not wired into the DDP hook's choices); give a fixed compressor or hierarchy=None")
+    if algorithm != "auto":
+        raise ValueError(f"algorithm must be 'auto' with compressor 'auto' (each unit's kind picks its "
+                         f"own), got {algorithm!r}")
+    if error_feedback is False:
+        raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice runs "
+                         "under error feedback so that a switch loses no residual")
+    unknown = sorted(set(params) - set(AUTO_OPTIONS) - {"momentum", "momentum_masking"})
+    if unknown:
+        raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
+                         f"momentum_masking), got {unknown}")
+    return AutoSpec(**{k: params.pop(k) for k in AUTO_OPTIONS if k in params})
 
 
 def _verify_every(value: int | None) -> int:
@@ -528,6 +596,8 @@ class _Executor:
         self.current.commit()
         self.current = None
         collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
+        if self.config.auto is not None:  # "auto": a check point every check_every steps (collective)
+            self.config.auto.end_step(self.step, self.layout, self.config.group)
         self.step += 1
         shape = (len(self.layout.units), len(self.layout.plans))
         if shape != self._memory_shape:  # buffers are allocated once: count them when they change
@@ -718,8 +788,24 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     if not state.bound:  # the first bucket of the first step, on every rank: bind (collective)
         state._bind_to_bucket(bucket)
     executor, cfg = state.executor, state.frozen
+    if cfg.auto is not None and executor.step >= 1:  # "auto" times the backward (host clock, no sync)
+        index, last = bucket.index(), bucket.is_last()
+        t0 = cfg.auto.arrive(index, last)
+        try:
+            return _hook(state, executor, cfg, bucket)
+        finally:
+            if not last:
+                cfg.auto.leave(index, t0)
+    return _hook(state, executor, cfg, bucket)
+
+
+def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
+          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     if executor.step < state.warmup_steps or not state.compressed_param_names:
         return _dense_async(executor, bucket)
+    fast = cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every else None
+    if fast is not None:   # "auto" chose dense (or bf16) everywhere: DDP's own path (PyTorch's bf16 hook's)
+        return _dense_async(executor, bucket, cast=torch.bfloat16 if fast == "bf16" else None)
     if cfg.fold_scale and not cfg.verify_every:
         return _dense_async(executor, bucket, cast=cfg.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -790,6 +876,10 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     correction here, the optimizer's momentum 0 until ``state.close()``; see
     :mod:`commpress.hooks.optimizer`).  The sparsifiers' density warm-up
     (``density_warmup=`` steps from ``density_start=``) is a compressor parameter.
+
+    ``compressor="auto"``: each unit gets its own compressor, chosen at check points from the
+    measured overlap and codec cost and the calibrated network (see :mod:`commpress.auto.runtime`);
+    ``state.stats.as_dict()["auto"]`` shows the choices.
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,

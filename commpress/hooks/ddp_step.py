@@ -269,6 +269,9 @@ class HookConfig:
     momentum: bool
     lowrank: bool
     verify_every: int
+    #: with ``register(model, "auto")``: the :class:`~commpress.auto.runtime.AutoCodec` that gives
+    #: each unit its own codec (``codec`` is then that object too, for the dense momentum)
+    auto: Any = None
 
     def noise_seed(self, step: int, key: Any) -> int:
         """The seed of this rank's stochastic rounding for ``key`` at ``step``: a pure function
@@ -307,12 +310,14 @@ class Step:
         self.waiting: list[Finished] = []                          # buckets whose units span later buckets
         self.done_units: set[int] = set()
         self._dense_issue = 0.0                                    # seconds to issue the dense all_reduce
+        self._bucket = -1                                          # the bucket being run
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
                    fut: torch.futures.Future) -> list[Finished]:
         cfg, layout = self.ctx.config, self.ctx.layout
         world = cfg.world_size
+        self._bucket = index
         with Timer() as total:
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
@@ -395,15 +400,22 @@ class Step:
                 prescale = cfg.scale
             else:
                 t.mul_(cfg.scale)
-        out = allreduce(t, cfg.codec, group=cfg.group, key=unit.key, step=self.ctx.step,
-                        algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
-                        validate=False, transaction=self.transaction,
-                        shapes=unit.shapes if cfg.lowrank else None, out=t,
-                        hierarchy=cfg.hierarchy, prescale=prescale)
+        codec, lowrank = cfg.codec, cfg.lowrank
+        if cfg.auto is not None:  # "auto": the unit's own codec, chosen at the last check point
+            codec = cfg.auto.codec(unit, t, self._bucket)
+            lowrank = codec.aggregation == "lowrank"
+        with Timer() as timer:
+            out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
+                            algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
+                            validate=False, transaction=self.transaction,
+                            shapes=unit.shapes if lowrank else None, out=t,
+                            hierarchy=cfg.hierarchy, prescale=prescale)
+        if cfg.auto is not None:
+            cfg.auto.measured(unit, timer.seconds)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
-        return cs.last_algorithm or cfg.codec.aggregation
+        return cs.last_algorithm or codec.aggregation
 
     # -- the step's end -----------------------------------------------------
     def commit(self) -> None:

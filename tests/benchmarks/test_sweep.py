@@ -183,3 +183,14 @@ def test_without_namespaces_the_sweep_says_why_and_runs_on_loopback(tmp_path, mo
     (run_dir,) = list(tmp_path.iterdir())
     assert "loopback" in json.loads((run_dir / "results.json").read_text())["meta"]["legs"][
         "digits, 2 ranks, 1gbit"]["network"]
+
+
+def test_auto_rows_show_their_choices():
+    rows = [{"config": "ddp"}, {"config": "auto", "seed": 1, "auto": {
+        "0": {"choice": "bf16", "predicted_ms": 3.25, "measured_ms": 4.0},
+        "1": {"choice": "topk(ratio=0.01)", "predicted_ms": 1.0, "measured_ms": None}}}]
+    (line, blank) = sweep.auto_lines(rows)
+    assert line == ("- auto seed 1 chose: bucket 0: bf16 (predicted 3.2 ms, measured 4.0 ms); "
+                    "bucket 1: topk(ratio=0.01) (predicted 1.0 ms, measured ? ms)") and blank == ""
+    assert sweep.auto_lines(rows[:1]) == []
+    assert C.unavailable_reason(C.BY_NAME["auto"]) is None

@@ -1,0 +1,478 @@
+"""``register(model, "auto")`` at run time: one codec per unit, the measurements, the check points.
+
+The DDP hook runs each unit (one compressed call: a bucket's compressible parameters)
+through :meth:`AutoCodec.codec`, which returns the unit's own
+:class:`~commpress.ErrorFeedback` of the kind chosen for it.  Every choice runs under
+error feedback (dense and bf16 too: for them the residual is a rounding error or
+zero), so a residual carried over from a switch, or a momentum-correction velocity,
+always has a home and is never lost.
+
+What it measures, without a host read in the steady state:
+
+* per bucket, the hook's arrival and return times (host clock) and the backward
+  end (the last bucket's arrival), for :class:`~commpress.auto.measure.OverlapRecorder`;
+  the backward start is a forward hook on the DDP model;
+* per unit, the gradient norm, accumulated on the device (read at check points);
+* per unit, the host seconds of its collective call (``measured_ms``);
+* the step's compute seconds: wall time between two step ends, less the time from
+  the backward end to the step end (the exposed communication) and the hooks' own time.
+
+**Check points** (:meth:`AutoCodec.end_step`): at the end of the first compressed step
+(``warmup_steps``) and then every ``check_every`` steps, on every rank at the same
+step.  One host read of the norms, each candidate's codec cost at each unit's size
+(measured once, cached), and **one** ``all_reduce`` of a float64 vector
+(:func:`~commpress.auto.measure.agree_measurements`).  The :class:`~commpress.auto.decide.Decider`
+then re-decides (every ``every`` steps, or when the overlap drifted) with hysteresis:
+a pure function of the agreed numbers, so every rank switches the same units.  A unit
+that switches hands its residual and velocity to its new codec (:meth:`AutoCodec.switch`).
+A rank that fails to measure sends ``inf`` as its compute seconds: every rank then
+raises at the same point (no rank waits in a collective the others left).
+
+**All dense** (:meth:`AutoCodec.fast`): when every unit chose dense, nothing is owed and there is
+no momentum correction, the steps between check windows send every bucket as DDP does (one
+async ``all_reduce``); the two steps ending at each check point run the units' own path, so
+their call times, norms and compute seconds are still measured.
+
+Every number a decision reads is agreed: the α-β model calibrated at binding, the codec
+costs (max over ranks), the hidden windows (min), the norm changes (max), the compute seconds
+(max) and each unit's call seconds (min), from which a per-round cost is added to every
+candidate (:meth:`AutoCodec._with_round_cost`: what the α-β model misses, framework time
+and the wait at each round).
+
+**Checkpoints**: :meth:`AutoCodec.state_dict` holds each unit's choice and its codec's state
+(residuals, velocities, PowerSGD warm starts), the decider (plan, when decided, what it
+watches) and the norm windows.  A resume is bitwise until the next check point: from there
+the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
+
+Not measured: the network after binding (the α-β calibration at binding is kept; the
+bandwidth drift of the issue is not detected), device time on CUDA (the clock is the
+host's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..collectives.costmodel import CostModel
+from ..collectives.quantized import alignment, chunk_bounds
+from ..compressors import base as _registry
+from ..compressors.base import Compressor
+from ..feedback import ErrorFeedback
+from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
+from .decide import BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds
+from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
+from .switch import Carry, fold_residual, take_residual
+
+log = logging.getLogger("commpress")
+
+#: the keywords ``register(model, "auto", ...)`` takes besides the hook's own
+AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critical", "prices")
+DEFAULT_CHECK_EVERY = 100
+
+
+def _candidate(c: Any) -> Candidate:
+    if isinstance(c, Candidate):
+        return c
+    if isinstance(c, (tuple, list)) and 1 <= len(c) <= 2:
+        return Candidate(*c)
+    raise ValueError(f"auto: candidates must be commpress.auto.Candidate or (kind, param) pairs, got {c!r}")
+
+
+class AutoSpec(Compressor):
+    """The ``"auto"`` compressor argument: its options, fingerprinted across ranks.
+
+    ``candidates``: what a unit may run (default :data:`~commpress.auto.DEFAULT_CANDIDATES`;
+    dense is always allowed); ``check_every``: steps between check points (one small
+    ``all_reduce`` each); ``every``: steps between re-decisions; ``margin``: hysteresis
+    (relative predicted gain needed to switch); ``drift``: re-decide sooner when a unit's
+    hidden window moved by more than this fraction of the compute; ``critical``:
+    Accordion's gradient-norm change threshold; ``prices``: a :class:`~commpress.auto.Prices`.
+    It never compresses anything itself (:class:`AutoCodec` runs the choices).
+    """
+
+    name = "auto"
+    aggregation = "sum"
+    unbiased = True
+
+    def __init__(self, candidates: Any = DEFAULT_CANDIDATES, check_every: int = DEFAULT_CHECK_EVERY,
+                 every: int = 1000, margin: float = 0.05, drift: float = 0.25, critical: float = 0.5,
+                 prices: Prices | None = None) -> None:
+        cands = tuple(_candidate(c) for c in candidates)
+        if not cands:
+            raise ValueError("auto: candidates must not be empty")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"auto: check_every must be an int >= 1, got {check_every!r}")
+        if prices is not None and not isinstance(prices, Prices):
+            raise TypeError(f"auto: prices must be a commpress.auto.Prices or None, got {type(prices).__name__}")
+        self.candidates = cands
+        self.check_every = check_every
+        self.prices = prices if prices is not None else Prices()
+        # validates every, margin, drift and critical
+        self.decider_args = dict(margin=margin, every=every, drift=drift, critical=critical)
+        Decider(candidates=cands, prices=self.prices, **self.decider_args)
+        self._config = {"candidates": [describe(c) for c in cands], "check_every": check_every,
+                        "prices": dataclasses.asdict(self.prices), **self.decider_args}
+
+    def compress(self, tensor, *, step=0, key=0, generator=None):
+        raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
+
+    def decompress(self, payload, out=None):
+        raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
+
+
+_BF16 = Choice(Candidate("bf16"))
+_ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
+
+
+def _rounds(candidate: Candidate) -> int:
+    """Collective rounds of a candidate's call (two-phase quantized and PowerSGD: 2)."""
+    return _ROUNDS[prototype(candidate).aggregation]
+
+
+def _slots(codec: ErrorFeedback, key: Any, numel: int, world: int, rank: int,
+           owner: bool) -> list[tuple[Any, int, int]]:
+    """``(residual key, offset, numel)`` of every residual a codec keeps for a unit: one under
+    ``key``, or for a ``"gather"`` kind one per chunk ``(key, r)`` (and, with ``owner``, the
+    re-compressed sum of the chunk this rank owns, ``("owner", key, rank)``)."""
+    if codec.aggregation != "gather":
+        return [(key, 0, numel)]
+    if world <= 1:
+        return [((key, 0), 0, numel)]
+    b = chunk_bounds(numel, world, alignment(codec))
+    out = [((key, r), b[r], b[r + 1] - b[r]) for r in range(world)]
+    if owner:
+        out.append((("owner", key, rank), b[rank], b[rank + 1] - b[rank]))
+    return [s for s in out if s[2] > 0]
+
+
+class AutoCodec:
+    """The codec of a hook registered with ``"auto"``: a :class:`~commpress.ErrorFeedback` per
+    unit, the decider, the measurements.  Changed only between steps (at check points, on
+    the thread that runs the buckets); read by the step through :meth:`codec`.
+
+    The dense parameters' plain momentum (with momentum correction) lives in ``home``.
+    """
+
+    name = "auto"
+
+    def __init__(self, spec: AutoSpec, momentum: float = 0.0, masking: bool = False) -> None:
+        self.spec = spec
+        self.momentum = float(momentum)
+        self.masking = masking
+        self.home = ErrorFeedback(_registry.get("identity"), momentum=self.momentum, masking=masking)
+        self.decider = Decider(candidates=spec.candidates, prices=spec.prices, **spec.decider_args)
+        self.codecs: dict[Any, ErrorFeedback] = {}
+        self.choices: dict[Any, Choice] = {}
+        # set at binding
+        self.network: Network | None = None
+        self.first_check = 1
+        self.queued = False
+        self.world, self.rank = 1, 0
+        # measurements of the current window
+        self.recorder = OverlapRecorder()
+        self._started = False
+        self._backward_end: float | None = None
+        self._busy = 0.0
+        self._last_end: float | None = None
+        self._compute = [0.0, 0]
+        self._norms: dict[Any, torch.Tensor] = {}
+        self._prev_norms: list[float] | None = None
+        self._unit_bucket: dict[Any, int] = {}
+        self._meas: dict[Any, list[float]] = {}
+        self._last_meas: dict[Any, float] = {}
+        self._units: list[Any] = []
+        self.checks = 0
+        self.round_s = 0.0                      # measured seconds per collective round beyond the model
+        self._fresh: set[Any] = set()           # units switched to dense that have not run since
+        self._last_step: int | None = None
+        self._round_s_decided: float | None = None
+
+    # -- what a step reads ------------------------------------------------------
+    def codec(self, unit: Any, t: torch.Tensor, bucket: int) -> ErrorFeedback:
+        """The unit's codec (dense until a decision); adds ``t``'s norm to the unit's
+        accumulator on the device (no host read)."""
+        key = unit.key
+        c = self.codecs.get(key)
+        if c is None:
+            c = self.codecs[key] = self._build(DENSE)
+            self.choices[key] = DENSE
+        acc = self._norms.get(key)
+        if acc is None or acc.device != t.device:
+            acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
+        acc.add_(torch.linalg.vector_norm(t))
+        self._unit_bucket[key] = bucket
+        if key in self._fresh and t.dtype == torch.float32:
+            self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
+        return c
+
+    def fast(self, step: int) -> str | None:
+        """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
+        ``all_reduce``, of the bucket cast to bf16 for ``"bf16"``, as PyTorch's bf16 hook), else
+        ``None``.  Only when every unit chose dense (or every unit bf16), no momentum correction,
+        no dense unit owes a carried residual (it ran one fp32 step since it switched), and ``step``
+        is neither a check point nor the step before it (those run the units' own path, to measure
+        them, and send what the bf16 units' error feedback holds: delayed, not lost).  A
+        function of agreed state and the step: the same on every rank and every bucket of a step."""
+        if self.momentum or self._fresh or not self.choices or step < self.first_check:
+            return None
+        phase = (step - self.first_check) % self.spec.check_every
+        if phase == 0 or phase == self.spec.check_every - 1:
+            return None
+        kinds = set(self.choices.values())
+        if kinds == {DENSE}:
+            return "dense"
+        return "bf16" if kinds == {_BF16} else None
+
+    def measured(self, unit: Any, seconds: float) -> None:
+        """Host seconds of the unit's collective call this step."""
+        m = self._meas.setdefault(unit.key, [0.0, 0])
+        m[0] += seconds
+        m[1] += 1
+
+    def _build(self, choice: Choice) -> ErrorFeedback:
+        if choice.path != "flat":
+            raise ValueError(f"auto: path {choice.path!r} is not supported by the DDP hook yet")
+        return ErrorFeedback(choice.candidate.build(), momentum=self.momentum, masking=self.masking)
+
+    # -- the dense parameters' momentum (DDP's _finish_dense) ---------------------
+    def dense_momentum(self, tensor: torch.Tensor, name: str, transaction: Any = None) -> None:
+        self.home.dense_momentum(tensor, name, transaction)
+
+    def dense_velocities(self) -> dict[str, torch.Tensor]:
+        return self.home.dense_velocities()
+
+    def load_dense_velocities(self, velocities: dict[str, torch.Tensor]) -> None:
+        self.home.load_dense_velocities(velocities)
+
+    @property
+    def _pending(self) -> dict[Any, torch.Tensor]:
+        return {(i, k): t for i, c in enumerate([self.home, *self.codecs.values()]) for k, t in c._pending.items()}
+
+    def residual(self, key: Any) -> torch.Tensor | None:
+        for c in self.codecs.values():
+            r = c.residual(key)
+            if r is not None:
+                return r
+        return None
+
+    # -- overlap, from the hook call (the backward's thread) --------------------
+    def begin(self) -> None:
+        """The forward pass ended: the backward starts."""
+        self.recorder.begin()
+        self._started = True
+        self._busy = 0.0
+
+    def arrive(self, bucket: int, last: bool) -> float:
+        t = time.perf_counter()
+        if self._started:
+            self.recorder.arrive(str(bucket), t)
+            if last:
+                self.recorder.finish(t)
+                self._backward_end = t
+                self._started = False
+        return t
+
+    def leave(self, bucket: int, t0: float) -> None:
+        if self._started:
+            t = time.perf_counter()
+            self.recorder.leave(str(bucket), t)
+            self._busy += t - t0
+
+    # -- the step's end (the thread that runs the buckets) -----------------------
+    def end_step(self, step: int, layout: Any, group: Any) -> None:
+        """Account the step that just committed; at a check point measure, agree, decide, switch."""
+        now = time.perf_counter()
+        self._units = list(layout.units)
+        consecutive = self._last_step == step - 1   # steps sent DDP's way (fast) are not timed here
+        self._last_step = step
+        if (consecutive and self._last_end is not None and self._backward_end is not None
+                and self._backward_end > self._last_end):
+            wall = now - self._last_end
+            exposed = now - self._backward_end
+            self._compute[0] += max(0.0, wall - exposed - self._busy)
+            self._compute[1] += 1
+        self._last_end = now
+        self._backward_end = None
+        if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
+            self.check(step, group)
+
+    def check(self, step: int, group: Any) -> tuple[int, ...]:
+        """One check point (collective: every rank at the same step); returns the switched units."""
+        units = self._units
+        cands = self.spec.candidates
+        error = None
+        try:
+            if self.network is None:
+                raise RuntimeError("auto: the hook is not bound (no network model)")
+            norms = self._read_norms(units)
+            change = norm_change(self._prev_norms, norms) if self._prev_norms is not None else [0.0] * len(units)
+            self._prev_norms = norms
+            hidden = self.recorder.mean_hidden()
+            measures = []
+            for u, ch in zip(units, change):
+                acc = self._norms.get(u.key)
+                device = acc.device if acc is not None else torch.device("cpu")
+                codec_s = {c: codec_cost(c, u.numel, device, u.shapes if c.kind == "powersgd" else None,
+                                         reps=2 if u.numel > (1 << 22) else 3) for c in cands}
+                measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
+                                              hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
+                                              codec_s, ch))
+            compute = self._compute[0] / self._compute[1] if self._compute[1] else 0.0
+            measured = [self._meas.get(u.key, (0.0, 0)) for u in units]
+            measured = [s_ / n if n else 0.0 for s_, n in measured]
+        except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
+            error = exc
+            measures = [BucketMeasure(u.key, u.numel) for u in units]
+            compute, measured = math.inf, [0.0] * len(units)
+        try:
+            network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
+            m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
+                                   extra=[(x, "min") for x in measured])
+        except ValueError as exc:
+            if error is not None:
+                raise error from exc
+            if "compute_s" in str(exc):
+                raise RuntimeError(f"auto: another rank failed to measure at step {step} "
+                                   "(its error is raised there)") from exc
+            raise
+        m = self._with_round_cost(m, units)
+        decision, switched = self.decider.update(step, m)
+        for b in switched:
+            self.switch(units[b].key, units[b].numel, decision.choices[b])
+        if self.decider.decided_at == step:
+            self._round_s_decided = self.round_s
+        if switched:
+            log.info("commpress auto: step %d: %s", step,
+                     ", ".join(f"unit {b} -> {describe(decision.choices[b])}" for b in switched))
+        # the window's means become the report; a unit that switched has none for its new choice
+        for key, (s, n) in self._meas.items():
+            if n:
+                self._last_meas[key] = s / n
+        for b in switched:
+            self._last_meas.pop(units[b].key, None)
+        self._meas.clear()
+        self.recorder.reset()
+        self._compute = [0.0, 0]
+        for acc in self._norms.values():
+            acc.zero_()
+        self.checks += 1
+        return switched
+
+    def _with_round_cost(self, m: Measurements, units: list[Any]) -> Measurements:
+        """``m`` with each candidate's codec seconds raised by ``round_s`` per collective round.
+
+        ``round_s``: what the units' calls took beyond their prediction in the last window
+        (codec + α-β collective of the choice in force; the agreed call seconds are the
+        minimum over ranks), per round of those choices.  It holds what the bind-time α-β
+        model does not: Python and framework time per call, and the wait at each round for
+        the slower rank.  Pure on agreed numbers: the same on every rank.  A change by more
+        than ``drift`` (relative) since the last decision re-decides.
+        """
+        excess, rounds = 0.0, 0
+        for b, u in enumerate(units):
+            meas = m.extra[b] if b < len(m.extra) else 0.0
+            if meas <= 0.0:
+                continue
+            choice = self.choices.get(u.key, DENSE)
+            bucket = m.buckets[b]
+            excess += meas - codec_seconds(choice, bucket, m.network) - comm_seconds(choice, bucket, m.network)
+            rounds += _rounds(choice.candidate)
+        if rounds:
+            self.round_s = max(0.0, excess) / rounds
+        watched = self._round_s_decided
+        if watched is not None and abs(self.round_s - watched) > self.spec.decider_args["drift"] * max(watched, 1e-4):
+            self.decider.watched = None   # the per-round cost moved: re-decide now
+        buckets = []
+        for b in m.buckets:
+            codec = {c: t + self.round_s * _rounds(c) for c, t in b.codec_s.items()}
+            codec[DENSE.candidate] = b.codec_s.get(DENSE.candidate, 0.0) + self.round_s * _rounds(DENSE.candidate)
+            buckets.append(dataclasses.replace(b, codec_s=codec))
+        return dataclasses.replace(m, buckets=tuple(buckets))
+
+    def _read_norms(self, units: list[Any]) -> list[float]:
+        """The accumulated gradient norms (the check point's one host read)."""
+        accs = [self._norms.get(u.key) for u in units]
+        present = [a for a in accs if a is not None]
+        if not present:
+            return [0.0] * len(units)
+        values = iter(torch.stack([a.float() for a in present]).cpu().tolist())
+        return [next(values) if a is not None else 0.0 for a in accs]
+
+    def switch(self, key: Any, numel: int, choice: Choice) -> None:
+        """Give unit ``key`` the codec of ``choice``; its residual and velocity move with it
+        (chunk by chunk for the two-phase kinds; the owner's residual of its chunk is added
+        to this rank's part of that chunk, so the sum over ranks owes the same)."""
+        old = self.codecs.get(key)
+        carry = Carry()
+        if old is not None:
+            for k, off, _ in _slots(old, key, numel, self.world, self.rank, owner=True):
+                take_residual(old, k, numel, off, into=carry)
+        new = self._build(choice)
+        for k, off, n in _slots(new, key, numel, self.world, self.rank, owner=False):
+            part = Carry(None if carry.residual is None else carry.residual[off:off + n],
+                         None if carry.velocity is None else carry.velocity[off:off + n])
+            if part.residual is not None or part.velocity is not None:
+                fold_residual(part, new, k)
+        self.codecs[key] = new
+        self.choices[key] = choice
+        if choice == DENSE:
+            self._fresh.add(key)
+
+    # -- the report: state.stats.as_dict()["auto"] --------------------------------
+    def report(self) -> dict[str, dict[str, Any]]:
+        """``{unit: {"choice", "predicted_ms", "measured_ms", "bucket", "params"}}``: named by the
+        DDP bucket that completes the unit (``"b/u"`` when a bucket completes several)."""
+        units = self._units
+        buckets = [self._unit_bucket.get(u.key, -1) for u in units]
+        cur = self.decider.current
+        out: dict[str, dict[str, Any]] = {}
+        for i, u in enumerate(units):
+            name = str(buckets[i]) if buckets.count(buckets[i]) == 1 else f"{buckets[i]}/{i}"
+            s, n = self._meas.get(u.key, (0.0, 0))
+            meas = s / n if n else self._last_meas.get(u.key)
+            pred = cur.predicted_s[i] if cur is not None and i < len(cur.predicted_s) else None
+            out[name] = {"choice": describe(self.choices.get(u.key, DENSE)),
+                         "predicted_ms": None if pred is None else 1e3 * pred,
+                         "measured_ms": None if meas is None else 1e3 * meas,
+                         "params": list(u.names)}
+        return out
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Each unit's choice and codec state (residuals, velocities, warm starts), the
+        decider, the gradient-norm windows (plain numbers, strings and tensors)."""
+        keys = list(self.codecs)
+        return {
+            "keys": keys,
+            "choices": [[self.choices[k].candidate.kind, self.choices[k].candidate.param,
+                         self.choices[k].path] for k in keys],
+            "codecs": [self.codecs[k].state_dict() for k in keys],
+            "decider": self.decider.state_dict(),
+            "prev_norms": self._prev_norms,
+            "norm_keys": list(self._norms),
+            "norms": [t.clone() for t in self._norms.values()],
+            "fresh": [k for k in keys if k in self._fresh],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
+        if not isinstance(state, dict) or set(state) != want:
+            raise ValueError(f"auto codec state must have keys {sorted(want)}")
+        codecs, choices = {}, {}
+        for key, (kind, param, path), cs in zip(state["keys"], state["choices"], state["codecs"]):
+            choice = Choice(Candidate(kind, param), path)
+            codec = self._build(choice)
+            codec.load_state_dict(cs)
+            codecs[key], choices[key] = codec, choice
+        self.decider.load_state_dict(state["decider"])
+        self.codecs, self.choices = codecs, choices
+        prev = state["prev_norms"]
+        self._prev_norms = None if prev is None else [float(x) for x in prev]
+        self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
+        self._fresh = set(state["fresh"])

@@ -1,0 +1,259 @@
+"""``commpress.ddp.register(model, "auto")`` end to end on 2 gloo ranks, and switching a unit.
+
+One 2-rank run does the distributed checks in one worker (the harness's cost is per run):
+the same choices on every rank from different local timings, replicas bitwise equal, a
+switch to compressed kinds and back with every residual and velocity carried, the report
+in ``stats.as_dict()["auto"]``, a bitwise resume up to the next check point, and a rank
+that fails to measure raising on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run
+
+import commpress
+from commpress.auto import Candidate, Choice, Network
+from commpress.auto.runtime import AutoCodec, AutoSpec, _slots
+from commpress.collectives.costmodel import CostModel
+
+SLOW = CostModel(1e-3, 1e-6)     # 1 MB/s: compressing pays
+FAST = CostModel(1e-7, 1e-13)    # nothing to gain: dense
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 96)
+        self.fc2 = nn.Linear(96, 64)
+        self.fc3 = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _owed(codec, key, numel, world, rank):
+    """Residual and velocity a unit's codec still owes, in the unit's coordinates."""
+    res, vel = torch.zeros(numel), torch.zeros(numel)
+    for k, off, n in _slots(codec, key, numel, world, rank, owner=True):
+        r, v = codec.residual(k), codec.velocity(k)
+        if r is not None:
+            res[off:off + n] += r.reshape(-1)
+        if v is not None:
+            vel[off:off + n] += v.reshape(-1)
+    return res, vel
+
+
+def _train(model, opt, rank, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _register(model, opt):
+    return commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, check_every=2, every=2, margin=0.0)
+
+
+def auto_worker(rank, world):
+    os.environ["COMMPRESS_BACKEND"] = "torch"   # no numba JIT in the codec probes
+    out = {}
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = _register(model, opt)
+    auto = state.codec
+    auto.network = Network(world, SLOW)
+    moved, history = [], []
+    original = auto.switch
+
+    def spy(key, numel, choice):
+        before = _owed(auto.codecs[key], key, numel, world, rank)
+        original(key, numel, choice)
+        after = _owed(auto.codecs[key], key, numel, world, rank)
+        moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
+                      float(before[0].abs().sum() + before[1].abs().sum())))
+    auto.switch = spy
+    _train(model, opt, rank, range(4))          # checks at the ends of steps 1 and 3: compress
+    history.append(sorted(state.stats.as_dict()["auto"].items()))
+    auto.network = Network(world, FAST)         # the network moved: re-decided at step 5
+    _train(model, opt, rank, range(4, 6))
+    history.append(sorted(state.stats.as_dict()["auto"].items()))
+    out["history"], out["moved"] = history, moved
+    saved = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
+    _train(model, opt, rank, range(6, 8))       # the next check point is the end of step 7
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["algorithms"] = dict(state.stats.algorithms)
+    state.close()
+
+    # resume from the end of step 5: bitwise through step 7
+    hook_state, params, opt_state = saved
+    torch.manual_seed(1)
+    net = Net()
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), params):
+            p.copy_(q)
+    model2 = DDP(net, bucket_cap_mb=0.01)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
+    opt2.load_state_dict(opt_state)
+    state2 = _register(model2, opt2)
+    state2.codec.network = Network(world, FAST)
+    state2.load_state_dict(hook_state)
+    _train(model2, opt2, rank, range(6, 8))
+    out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+    state2.close()
+
+    # no momentum, a fast network: all dense, and the steps between check windows go DDP's way
+    torch.manual_seed(0)
+    model4 = DDP(Net(), bucket_cap_mb=0.01)
+    opt4 = torch.optim.SGD(model4.parameters(), lr=0.05)
+    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=3)
+    state4.codec.network = Network(world, FAST)
+    paths = []
+    for step in range(7):
+        _train(model4, opt4, rank, [step])
+        paths.append(sorted({u["algorithm"] for u in state4.stats.last_step["units"].values()}))
+    out["fast"] = paths, sorted(e["choice"] for e in state4.stats.as_dict()["auto"].values())
+    out["fast_params"] = torch.cat([p.detach().reshape(-1) for p in model4.parameters()])
+    state4.close()
+    # the same with bf16 everywhere (a slow network, bf16 the only candidate): PyTorch's bf16 hook's path,
+    # the whole bucket cast (half the dense bytes); the measured steps send the 1-D part in fp32
+    model5 = DDP(Net(), bucket_cap_mb=0.01)
+    opt5 = torch.optim.SGD(model5.parameters(), lr=0.05)
+    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=3, candidates=[("bf16",)])
+    state5.codec.network = Network(world, SLOW)
+    halves = []
+    for step in range(7):
+        _train(model5, opt5, rank, [step])
+        halves.append(2 * state5.stats.last_step["bytes_sent"] == state5.stats.last_step["dense_bytes"])
+    out["bf16"] = halves, sorted(e["choice"] for e in state5.stats.as_dict()["auto"].values())
+    out["bf16_params"] = torch.cat([p.detach().reshape(-1) for p in model5.parameters()])
+    state5.close()
+
+    # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
+    # the check point (no hang)
+    model3 = DDP(Net(), bucket_cap_mb=0.01)
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.05)
+    state3 = commpress.ddp.DDPState("auto", min_numel=256, overlap=False)   # binds at its first bucket
+    model3.register_comm_hook(state3, commpress.ddp.hook)
+    if rank == 0:
+        from commpress.auto import runtime
+
+        def broken(*a, **k):
+            raise OSError("no timer on this rank")
+        runtime.codec_cost = broken
+    try:
+        _train(model3, opt3, rank, range(2))
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    state3.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_register_auto_on_two_ranks():
+    res = run(auto_worker, 2, timeout=110)
+    a, b = res
+    # every rank made the same decisions, from its own timings, and replicas stayed identical
+    assert [[(n, e["choice"]) for n, e in h] for h in a["history"]] == \
+           [[(n, e["choice"]) for n, e in h] for h in b["history"]]
+    assert torch.equal(a["params"], b["params"])
+    first, second = ([e["choice"] for _, e in h] for h in a["history"])
+    assert any(c != "dense" for c in first), first          # the slow network: compressed
+    assert any(c != f for c, f in zip(second, first)), (first, second)  # the fast one: switched back
+    for _, e in a["history"][0]:
+        assert e["predicted_ms"] is not None and e["predicted_ms"] > 0 and e["params"]
+    # every switch carried the residual and velocity bitwise, including non-zero ones
+    for r in (a, b):
+        assert r["moved"] and all(ok for _, ok, _ in r["moved"])
+        assert any(owed > 0 for kind, _, owed in r["moved"])
+    # resume: bitwise up to the next check point
+    assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
+    # all dense without momentum: DDP's own path between the check windows (steps 1, 3, 4, 6 measure)
+    paths, choices = a["fast"]
+    assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
+    assert [p == ["dense"] for p in paths] == [True, False, True, False, False, True, False], paths
+    assert torch.equal(a["fast_params"], b["fast_params"])
+    halves, choices = a["bf16"]
+    assert choices == ["bf16", "bf16"] and halves == [False, False, True, False, False, True, False], halves
+    assert torch.equal(a["bf16_params"], b["bf16_params"])
+    # one rank's failure raised on both
+    assert "no timer on this rank" in a["error"]
+    assert b["error"] is not None and "another rank failed" in b["error"]
+
+
+def test_switch_carries_residual_and_velocity(monkeypatch):
+    """Every kind to every other, world 2 rank 1 slots (chunks and the owner's): what is owed
+    (residual and velocity, in the unit's coordinates) is the same before and after."""
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    auto = AutoCodec(AutoSpec(), momentum=0.9)
+    auto.world, auto.rank = 2, 1
+
+    class U:
+        key, numel, shapes, names = "u", 96 * 32, [(96, 32)], ["w"]
+
+    g = torch.Generator().manual_seed(3)
+    kinds = [Choice(Candidate("topk", 0.1)), Choice(Candidate("blockquant", 4)), Choice(Candidate("powersgd", 1)),
+             Choice(Candidate("bf16")), Choice(Candidate("blockquant", 8)), Choice(Candidate("dense"))]
+    total = 0
+    for choice in kinds:
+        codec = auto.codec(U, torch.zeros(U.numel), 0)
+        for k, off, n in _slots(codec, U.key, U.numel, 2, 1, owner=True):   # give every slot something to owe
+            codec.compress(torch.randn(n, generator=g), key=k)
+        before = _owed(codec, U.key, U.numel, 2, 1)
+        auto.switch(U.key, U.numel, choice)
+        after = _owed(auto.codecs[U.key], U.key, U.numel, 2, 1)
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), choice
+        total += float(before[0].abs().sum())
+    assert total > 0
+    assert auto.choices[U.key] == Choice(Candidate("dense"))
+
+
+def test_auto_options_are_checked():
+    with pytest.raises(ValueError, match="hierarchy"):
+        commpress.ddp.DDPState("auto", hierarchy=2)
+    with pytest.raises(ValueError, match="options"):
+        commpress.ddp.DDPState("auto", ratio=0.01)
+    with pytest.raises(ValueError, match="check_every"):
+        commpress.ddp.DDPState("auto", check_every=0)
+    with pytest.raises(ValueError, match="algorithm"):
+        commpress.ddp.DDPState("auto", algorithm="ring")
+    with pytest.raises(ValueError, match="error_feedback"):
+        commpress.ddp.DDPState("auto", error_feedback=False)
+    state = commpress.ddp.DDPState("auto", candidates=[("topk", 0.01)], every=10)
+    assert state.config()["compressor"] == "auto"
+    assert state.config()["compressor_params"]["candidates"] == ["topk(ratio=0.01)"]
+
+
+def test_round_cost_from_agreed_call_times(monkeypatch):
+    """What the units' calls took beyond the model, per round of the choices in force, is added
+    to every candidate per round (dense 1, blockquant and powersgd 2): pure on agreed numbers."""
+    from commpress.auto import BucketMeasure, Measurements
+
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    auto = AutoCodec(AutoSpec())
+    net = Network(2, CostModel(0.0, 0.0, 0.0, 0.0))      # the model predicts nothing
+    bq, ps = Candidate("blockquant", 8), Candidate("powersgd", 1)
+
+    class U:
+        def __init__(self, key):
+            self.key = key
+
+    units = [U("a"), U("b")]
+    auto.choices["b"] = Choice(bq)                          # a: dense (1 round), b: blockquant (2)
+    buckets = tuple(BucketMeasure(u.key, 1024, ((32, 32),), 0.0, {bq: 0.001, ps: 0.002}) for u in units)
+    m = Measurements(net, buckets, 0.01, extra=(0.003, 0.006 + 0.001))   # b also spent its codec time
+    out = auto._with_round_cost(m, units)
+    assert auto.round_s == pytest.approx(0.009 / 3)
+    for b in out.buckets:
+        assert b.codec_s[Candidate("dense")] == pytest.approx(0.003)
+        assert b.codec_s[bq] == pytest.approx(0.001 + 0.006) and b.codec_s[ps] == pytest.approx(0.002 + 0.006)
