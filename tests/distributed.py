@@ -25,7 +25,8 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "commpress"])
+        # torch._dynamo: DDP's constructor imports it, seconds per rank process otherwise
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commpress"])
     return _CTX
 
 
