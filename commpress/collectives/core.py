@@ -38,7 +38,7 @@ import torch
 from ..compressors.base import Compressor, Payload
 from ..feedback import ResidualTransaction, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
-from .wire import cast_message, fingerprint, has_feedback, local_check, size_step, try_compress_fixed, unwrap
+from .wire import cast_message, fingerprint, has_feedback, local_check, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
 
@@ -147,9 +147,11 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
         if stats is not None:
             stats.add(calls=1, algorithm="local")
         return inner.decompress(payload).to(tensor.dtype).reshape(tensor.shape)
-    if payload is None:  # send zeros of the right size so the other ranks are not left waiting
-        payload = inner.compress_fixed(torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device),
-                                       step=size_step(inner, step))
+    flat = tensor.reshape(-1)
+    if payload is None:  # zeros of the right size (remembered from a good call): no rank is left waiting
+        payload = quantized._templates(inner, flat, [0, flat.numel()], step)[0]
+    else:
+        quantized._remember(inner, flat, [0, flat.numel()], [payload], step)
     dtype = payload.tensors[0].dtype
     sizes = [t.numel() for t in payload.tensors]
     msg_buf = torch.empty(sum(sizes) + wire.SUM_SLOTS, dtype=dtype, device=tensor.device)

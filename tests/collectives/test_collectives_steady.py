@@ -206,10 +206,12 @@ class Flaky(commpress.Compressor):
         self.inner = commpress.get("fp16")
         self.bad_rank, self.bad_step = bad_rank, bad_step
 
+    broken = False  # set: fails at every step, on zeros too (the error path must not compress again)
+
     def compress(self, tensor, *, step=0, key=0, generator=None):
         import torch.distributed as dist
 
-        if dist.get_rank() == self.bad_rank and step == self.bad_step:
+        if dist.get_rank() == self.bad_rank and (step == self.bad_step or self.broken):
             raise RuntimeError("boom")
         return self.inner.compress(tensor, step=step, key=key)
 
@@ -218,7 +220,7 @@ class Flaky(commpress.Compressor):
 
 
 def error_worker(rank, world, kind):
-    if kind == "sum":
+    if kind in ("sum", "sum_broken"):
         c = Flaky(bad_rank=1, bad_step=1)
     elif kind == "sparse":
         c = commpress.get("topk", ratio=0.1, density_warmup=0)
@@ -227,7 +229,9 @@ def error_worker(rank, world, kind):
     outcomes = []
     for step in range(3):
         x = data(rank, step)
-        if kind != "sum" and rank == 1 and step == 1:
+        if kind == "sum_broken":
+            c.broken = step == 1
+        elif kind != "sum" and rank == 1 and step == 1:
             x = x.double()  # unsupported dtype on one rank, found by the local check
         try:
             allreduce(x, c, key="e", step=step, validate=False)
@@ -238,7 +242,7 @@ def error_worker(rank, world, kind):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind", ["sum", "sparse", "gather"])
+@pytest.mark.parametrize("kind", ["sum", "sum_broken", "sparse", "gather"])
 def test_bad_input_raises_on_every_rank_in_the_same_call(kind):
     res = run(error_worker, 3, kind, timeout=80)
     for rank, outcomes in enumerate(res):
