@@ -214,6 +214,11 @@ class FSDPState(TakeoverMixin, HookState):
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
                  **compressor_params: Any) -> None:
+        if isinstance(compressor, str) and compressor == "auto":
+            raise NotImplementedError(
+                "fsdp.register(model, 'auto') is not available yet (the DDP hook has it: "
+                "commpress.ddp.register(model, 'auto')); name a compressor, e.g. 'blockquant' or 'bf16' "
+                "(README: 'Which compressor')")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
         if self.compressor.aggregation == "lowrank":

@@ -558,3 +558,8 @@ def test_sum_path_status_raises_on_every_rank():
         is_input_error, msg = res["raised"]
         assert is_input_error and "rank(s) [1]" in msg, (r, msg)
         assert ("injected codec fault" in msg) == (r == 1), (r, msg)
+
+
+def test_auto_is_refused_with_a_pointer_to_what_works():
+    with pytest.raises(NotImplementedError, match="ddp.register\\(model, 'auto'\\)"):
+        commpress.fsdp.FSDPState("auto")
