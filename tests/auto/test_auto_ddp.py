@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from nets import MLP3 as Net
 
 import commpress
 from commpress.auto import Candidate, Choice, Network
@@ -27,15 +28,6 @@ SLOW = CostModel(1e-3, 1e-6)     # 1 MB/s: compressing pays
 FAST = CostModel(1e-7, 1e-13)    # nothing to gain: dense
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(32, 96)
-        self.fc2 = nn.Linear(96, 64)
-        self.fc3 = nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 def _owed(codec, key, numel, world, rank):

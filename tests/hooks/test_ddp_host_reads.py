@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from nets import MLP3 as Net
 
 import commpress
 
@@ -27,15 +28,6 @@ READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu")
 PACKAGE = os.path.dirname(commpress.__file__)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(32, 96)
-        self.fc2 = nn.Linear(96, 64)
-        self.fc3 = nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 class HostReads:
