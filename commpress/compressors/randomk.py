@@ -23,13 +23,26 @@ def random_indices(seed64: int, numel: int, k: int, device: torch.device) -> tor
     keeping the first occurrence, more draws are made until ``k`` are distinct.
     For ``k > numel/2`` the ``numel - k`` excluded indices are drawn instead.
     """
+    return _to_device(_host_indices(seed64, numel, k), torch.device(device))
+
+
+def _to_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host-drawn indices on ``device``: through pinned memory without a wait on CUDA
+    (a pageable copy would synchronise the host with the device at every step)."""
+    if device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx.to(device)
+
+
+def _host_indices(seed64: int, numel: int, k: int) -> torch.Tensor:
+    """:func:`random_indices` on the host (CPU tensors: the loop's counts read no device)."""
     if 2 * k > numel:
-        drop = random_indices(seed64, numel, numel - k, device)
-        keep = torch.ones(numel, dtype=torch.bool, device=device)
+        drop = _host_indices(seed64, numel, numel - k)
+        keep = torch.ones(numel, dtype=torch.bool)
         keep[drop.long()] = False
         return keep.nonzero().reshape(-1).to(index_dtype(numel))
     if k == 0:
-        return torch.zeros(0, dtype=index_dtype(numel), device=device)
+        return torch.zeros(0, dtype=index_dtype(numel))
     drawn = torch.zeros(0, dtype=torch.int64)
     start, need = 0, k
     while True:
@@ -46,7 +59,7 @@ def random_indices(seed64: int, numel: int, k: int, device: torch.device) -> tor
             if distinct > k:  # keep the k whose first draw came earliest
                 kth = torch.kthvalue(positions, k).values
                 values = values[positions <= kth]
-            return values.to(index_dtype(numel)).to(device)
+            return values.to(index_dtype(numel))
         need = k - distinct
 
 
