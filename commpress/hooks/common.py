@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..collectives.accounting import all_reduce_cost
 from ..compressors import Compressor, get
 
@@ -279,6 +280,8 @@ class Stats:
             "algorithms": dict(self.algorithms),
             "last_step": dict(self.last_step),
             "account": self.account(),
+            # process-wide: which backend (torch / numba / cuda) ran each op's last call
+            "backends": ops.backends_used(),
         } | ({"auto": self.auto_report()} if self.auto_report is not None else {})
 
 

@@ -27,6 +27,16 @@ def test_stats_per_step_and_cumulative():
     assert d["algorithms"] == {"b0": "dense", "b1": "dense"}
 
 
+def test_stats_say_which_backend_ran_each_op():
+    from commpress import ops
+
+    ops.scatter_add_(torch.zeros(8), torch.tensor([1, 3], dtype=torch.int32), torch.ones(2))
+    ops.scatter_add_(torch.zeros(8), torch.tensor([1], dtype=torch.int32), torch.ones(1), backend="torch")
+    assert common.Stats().as_dict()["backends"]["scatter_add_"] == "torch"    # the last call's
+    ops.scatter_add_(torch.zeros(8), torch.tensor([1], dtype=torch.int32), torch.ones(1))
+    assert common.Stats().as_dict()["backends"]["scatter_add_"] == "numba"    # the CPU default
+
+
 def test_resolve_compressor_errors():
     with pytest.raises(TypeError, match="compressor"):
         common.resolve_compressor(3.0)
