@@ -1,7 +1,10 @@
 """Kernel suite: each hot op per backend, as a ratio to memcpy and to the torch reference.
 
 ``python -m benchmarks kernels`` (defaults: 2**24 fp32 elements, 2 threads, CPU
-backends).  Every ratio is measured in the same run: a memcpy (``copy_`` of the
+backends).  ``ef_*_compress_fixed`` time the public error-feedback path
+(``ErrorFeedback(topk|dgc 1%).compress_fixed``, what a hook calls) rather than one op.
+On a shared machine use one thread and CPU time, e.g.
+``python -m benchmarks kernels --ops ef_topk_1pct_compress_fixed --threads 1 --clock cpu --repeat 7``.  Every ratio is measured in the same run: a memcpy (``copy_`` of the
 tensor) is timed right before each op, so load drift on a shared machine moves
 both.  Writes ``results/kernels-<stamp>/results.{json,csv}`` and prints a
 markdown table.  ``--device cuda`` times the CUDA backend against torch on the GPU.
@@ -27,6 +30,7 @@ SIGN_CHUNK = 1 << 14
 #: op name -> (the project's target ratio to memcpy, description).
 TARGETS = {
     "topk_1pct_residual": (3.0, "<= 3x memcpy and >= 10x faster than torch.topk baseline"),
+    "ef_topk_1pct_compress_fixed": (2.0, "<= 2x memcpy (public API: ErrorFeedback(topk).compress_fixed)"),
     "dgc_threshold_1pct_residual": (2.0, "<= 2x memcpy"),
     "blockquant8_compress": (1.5, "<= 1.5x memcpy"),
     "blockquant4_compress": (1.5, "<= 1.5x memcpy"),
@@ -61,6 +65,35 @@ def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min",
     return run
 
 
+def _ef_compress_fixed(x: torch.Tensor, name: str, ratio: float) -> Callable[[str], Callable[[], Any]]:
+    """backend -> one ``ErrorFeedback(name, ratio).compress_fixed(x)`` in steady state: the public
+    path a hook takes (compensate with the residual, select, write the next residual, verdict).
+    The backend is forced with ``COMMPRESS_BACKEND`` for the call; each backend gets its own
+    ErrorFeedback, primed by one call so that a residual exists."""
+    import commpress
+    from benchmarks.common import steady_params
+
+    def make(backend: str) -> Callable[[], Any]:
+        ef = commpress.ErrorFeedback(commpress.get(name, **steady_params(name, {"ratio": ratio})))
+        step = iter(range(1 << 62))
+
+        def run():
+            before = os.environ.get("COMMPRESS_BACKEND")
+            os.environ["COMMPRESS_BACKEND"] = backend
+            try:
+                return ef.compress_fixed(x, step=next(step), key="bench")
+            finally:
+                if before is None:
+                    del os.environ["COMMPRESS_BACKEND"]
+                else:
+                    os.environ["COMMPRESS_BACKEND"] = before
+
+        run()
+        return run
+
+    return make
+
+
 def _cases(x: torch.Tensor, k: int) -> dict[str, Callable[[str], Callable[[], Any]]]:
     """op name -> (backend -> zero-argument callable doing one op)."""
     n = x.numel()
@@ -83,6 +116,8 @@ def _cases(x: torch.Tensor, k: int) -> dict[str, Callable[[str], Callable[[], An
     return {
         "topk_1pct_residual": lambda b: lambda: ops.topk_compact(x, k, res, backend=b),
         "dgc_threshold_1pct_residual": lambda b: lambda: ops.threshold_compact(x, dgc_threshold(), res, backend=b),
+        "ef_topk_1pct_compress_fixed": _ef_compress_fixed(x, "topk", 0.01),
+        "ef_dgc_1pct_compress_fixed": _ef_compress_fixed(x, "dgc", 0.01),
         "threshold_1pct_no_residual": lambda b: lambda: ops.threshold_compact(x, 2.576, backend=b),
         "blockquant8_compress": lambda b: lambda: ops.block_quantize(x, 8, BLOCK, backend=b),
         "blockquant4_compress": lambda b: lambda: ops.block_quantize(x, 4, BLOCK, backend=b),
