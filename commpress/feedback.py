@@ -275,7 +275,8 @@ class ErrorFeedback(Compressor):
         not a power of two, which keeps that separate multiplication (so it costs the
         same pass as before), and except for subnormal products where the generic path
         folds a power-of-two scale into one ``torch.add``.  Other dtypes multiply first,
-        as before.  Only compressions of ``key`` itself are scaled.
+        as before.  Only the first compression (or compensation) of ``key`` itself in the
+        block is scaled.
         """
         slot = (threading.get_ident(), key)
         self._input_scales[slot] = float(scale)
@@ -289,7 +290,7 @@ class ErrorFeedback(Compressor):
         folded (returned) for fp32 input and applied at once (an allocating multiply) otherwise."""
         if not self._input_scales:
             return tensor, 1.0
-        scale = self._input_scales.get((threading.get_ident(), key), 1.0)
+        scale = self._input_scales.pop((threading.get_ident(), key), 1.0)  # once: the next compress
         if scale == 1.0:
             return tensor, 1.0
         if tensor.dtype != torch.float32 or (self.momentum and self.clip is not None):

@@ -56,7 +56,7 @@ class TopK(SparseCompressor):
     def fuses_feedback(self, tensor: torch.Tensor) -> bool:
         """fp32 CPU input (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
         compensate-then-select path of its kernels."""
-        return tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
