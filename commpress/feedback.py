@@ -457,7 +457,7 @@ class ErrorFeedback(Compressor):
         if self.momentum:
             x, scale = self._accumulate(x, key, scale), 1.0
         inner = self.compressor
-        if inner.fuses_feedback(x):  # compensate + encode + next residual, one pass
+        if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
             payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
                                                       self._slot(self._pending, key, x),
                                                       step=step, key=key, fixed=fixed, scale=scale)

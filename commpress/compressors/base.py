@@ -120,9 +120,9 @@ class Compressor(ABC):
         vectors as they are); decided from the shape alone, so alike on every rank."""
         return True
 
-    def fuses_feedback(self, tensor: torch.Tensor) -> bool:
-        """Whether error feedback runs :meth:`compress_feedback` for ``tensor`` (default:
-        :attr:`fused_feedback` and fp32 input)."""
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Whether error feedback runs :meth:`compress_feedback` for ``tensor`` (with the
+        fixed-size wire format when ``fixed``); default: :attr:`fused_feedback` and fp32 input."""
         return self.fused_feedback and tensor.dtype == torch.float32
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,

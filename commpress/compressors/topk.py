@@ -53,7 +53,7 @@ class TopK(SparseCompressor):
 
     fused_feedback = True
 
-    def fuses_feedback(self, tensor: torch.Tensor) -> bool:
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """fp32 CPU input (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
         compensate-then-select path of its kernels."""
         return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"

@@ -26,6 +26,12 @@ class UnfusedTopK(TopK):
     fused_feedback = False
 
 
+class UnfusedDGC(DGC):
+    """dgc through the generic sparse error-feedback path."""
+
+    fused_feedback = False
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
 
@@ -48,14 +54,16 @@ def _steps(n: int = 3000, steps: int = 4, poison_at: int = 2):
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
-def test_fused_equals_compensate_then_select(backend, monkeypatch):
+@pytest.mark.parametrize("kinds", [(TopK, UnfusedTopK, 0.02), (DGC, UnfusedDGC, 0.01)], ids=["topk", "dgc"])
+def test_fused_equals_compensate_then_select(backend, kinds, monkeypatch):
     if backend == "numba":
         pytest.importorskip("commpress.ops.numba_backend")
     monkeypatch.setenv("COMMPRESS_BACKEND", backend)
-    fused = commpress.ErrorFeedback(TopK(0.02, density_warmup=0))
-    slow = commpress.ErrorFeedback(UnfusedTopK(0.02, density_warmup=0))
+    fast_cls, slow_cls, ratio = kinds
+    fused = commpress.ErrorFeedback(fast_cls(ratio, density_warmup=0))
+    slow = commpress.ErrorFeedback(slow_cls(ratio, density_warmup=0))
     assert fused.compressor.fuses_feedback(torch.ones(3)) and not slow.compressor.fuses_feedback(torch.ones(3))
-    for step, x in _steps():
+    for step, x in _steps(n=20000 if fast_cls is DGC else 3000):
         for fixed in (True, False):
             key = ("k", fixed)
             run = "compress_fixed" if fixed else "compress"
@@ -86,7 +94,8 @@ def test_fused_numba_equals_fused_torch_with_beta_and_scale(monkeypatch):
 @pytest.mark.parametrize("compressor,scales", [
     (lambda: TopK(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),          # fused: any scale
     (lambda: UnfusedTopK(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),   # generic sparse path
-    (lambda: DGC(0.02, density_warmup=0), (0.5, 0.25)),
+    (lambda: DGC(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),          # fused (fixed wire)
+    (lambda: UnfusedDGC(0.02, density_warmup=0), (0.5, 0.25)),
 ])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_scaled_input_is_bitwise_the_multiplied_input(compressor, scales, momentum):
