@@ -49,7 +49,7 @@ def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min",
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     reduce = min if stat == "min" else statistics.median
-    now = time.process_time if clock == "cpu" else time.perf_counter
+    now = {"cpu": time.process_time, "thread": time.thread_time}.get(clock, time.perf_counter)
 
     def run(fn: Callable[[], Any]) -> float:
         for _ in range(warmup):
@@ -98,7 +98,7 @@ def _ef_compress_fixed(x: torch.Tensor, name: str, ratio: float) -> Callable[[st
 def _interleaved(fn: Callable[[], Any], memcpy: Callable[[], Any], repeat: int, clock: str) -> tuple[float, float]:
     """``(best time of fn, best time of memcpy)`` over ``repeat`` rounds of memcpy then ``fn``
     (after one warm-up of each), so that a shared machine's load moves both alike."""
-    now = time.process_time if clock == "cpu" else time.perf_counter
+    now = {"cpu": time.process_time, "thread": time.thread_time}.get(clock, time.perf_counter)
     memcpy()
     fn()
     best_fn = best_mc = math.inf
@@ -178,18 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-repeat", type=int, default=1, help="timed runs of the torch reference")
     ap.add_argument("--stat", choices=["min", "median"], default="min",
                     help="statistic of the repeats (default min: robust on a shared, loaded machine)")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="wall time (default) or process CPU time (use with --threads 1 on a loaded machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu", "thread"], default="wall",
+                    help="wall time (default), process CPU time or this thread's CPU time (use with "
+                         "--threads 1 on a loaded machine)")
     ap.add_argument("--out", default="results", help="results root folder")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
     try:
         import numba
 
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
+    # after numba: starting numba's OpenMP threading layer resets the OpenMP thread count
+    # torch reads (torch.get_num_threads() was 2 after --threads 1, with a second thread)
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.numel
     k = max(1, n // 100)
     x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device)
-    if args.clock == "cpu" and device.type == "cuda":
+    if args.clock != "wall" and device.type == "cuda":
         ap.error("--clock cpu is for CPU backends")
     fast = _timer(device, args.repeat, 1, args.stat, args.clock)
     slow = _timer(device, args.ref_repeat, 0 if device.type == "cpu" else 1, args.stat, args.clock)
