@@ -261,12 +261,13 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
 
     def sample_keys(stride: int, m: int) -> np.ndarray:
-        c = xf[: stride * m: stride]
-        if how & 4:
-            c = c * s32
-        if has_r:
-            rs = rf[: stride * m: stride]
-            c = c + (rs * b32 if how & 2 else rs)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
+            c = xf[: stride * m: stride]
+            if how & 4:
+                c = c * s32
+            if has_r:
+                rs = rf[: stride * m: stride]
+                c = c + (rs * b32 if how & 2 else rs)
         return c.view(np.int32) & _MAX_KEY
 
     if k == 0:  # compensate only
