@@ -29,6 +29,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import threading
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -229,6 +231,7 @@ class ErrorFeedback(Compressor):
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._dense_velocity: dict[str, torch.Tensor] = {}   # plain momentum of dense tensors
         self._dense_pending: dict[str, torch.Tensor] = {}
+        self._input_scales: dict[tuple[int, Any], float] = {}  # (thread, key) -> scale, see scaled_input
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -247,21 +250,76 @@ class ErrorFeedback(Compressor):
 
     def compensate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
         """``x + beta * residual(key)`` in fp32, shaped like ``tensor``, where ``x`` is
-        ``tensor`` or, with momentum correction, the pending velocity ``m·u + clip(tensor)``.
+        ``tensor`` (times the :meth:`scaled_input` scale, when one is set for ``key``) or,
+        with momentum correction, the pending velocity ``m·u + clip(tensor)``.
 
         Written into the key's pending buffer (no allocation after the first call):
         valid until the next ``compensate`` / ``compress`` of the same key.  Pair it
         with :meth:`stage` (the residual of what was sent) and a commit.
         """
-        return self._add_residual(self._accumulate(tensor, key) if self.momentum else tensor, key)
+        tensor, scale = self._scaled(tensor, key)
+        if self.momentum:
+            return self._add_residual(self._accumulate(tensor, key, scale), key)
+        return self._add_residual(tensor, key, scale)
 
-    def _add_residual(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
-        pend = self._slot(self._pending, key, tensor)
+    # -- the input scale (a hook's 1/P), folded into the first pass -----------
+    @contextlib.contextmanager
+    def scaled_input(self, key: Any, scale: float) -> Iterator[None]:
+        """Within the block, compress (or :meth:`compensate`) ``tensor * scale`` for ``key``
+        on this thread, the multiplication folded into the compensation pass instead of a
+        pass of its own (the DDP hook's averaging ``1/P``).
+
+        ``scale`` is rounded to fp32 and ``tensor * scale`` is rounded on its own before
+        the residual is added: fp32 results are bitwise those of ``tensor.mul_(scale)``
+        followed by the compress, except on the generic (unfused) path with a scale that is
+        not a power of two, which keeps that separate multiplication (so it costs the
+        same pass as before), and except for subnormal products where the generic path
+        folds a power-of-two scale into one ``torch.add``.  Other dtypes multiply first,
+        as before.  Only the first compression (or compensation) of ``key`` itself in the
+        block is scaled.
+        """
+        slot = (threading.get_ident(), key)
+        self._input_scales[slot] = float(scale)
+        try:
+            yield
+        finally:
+            self._input_scales.pop(slot, None)
+
+    def _scaled(self, tensor: torch.Tensor, key: Any) -> tuple[torch.Tensor, float]:
+        """``(tensor, scale)`` to compensate: the :meth:`scaled_input` scale of ``key`` is
+        folded (returned) for fp32 input and applied at once (an allocating multiply) otherwise."""
+        if not self._input_scales:
+            return tensor, 1.0
+        scale = self._input_scales.pop((threading.get_ident(), key), 1.0)  # once: the next compress
+        if scale == 1.0:
+            return tensor, 1.0
+        if tensor.dtype != torch.float32 or (self.momentum and self.clip is not None):
+            return tensor * scale, 1.0
+        return tensor, scale
+
+    def _live(self, key: Any, like: torch.Tensor) -> torch.Tensor | None:
+        """The live residual of ``key`` shaped like ``like``, or ``None`` when it has none
+        (or one of another size or device: a zero residual)."""
         live = self._residuals.get(key)
-        if live is None or live.numel() != tensor.numel() or live.device != tensor.device:
-            pend.copy_(tensor)
-        else:
-            torch.add(tensor, live.view(tensor.shape), alpha=self.beta, out=pend)
+        if live is None or live.numel() != like.numel() or live.device != like.device:
+            return None
+        return live.view(like.shape)
+
+    def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
+        pend = self._slot(self._pending, key, tensor)
+        live = self._live(key, tensor)
+        if live is None:
+            if scale == 1.0:
+                pend.copy_(tensor)
+            else:
+                torch.mul(tensor, scale, out=pend)
+        elif scale == 1.0:
+            torch.add(tensor, live, alpha=self.beta, out=pend)
+        elif self.beta == 1.0 and _power_of_two(scale):  # one pass: scale * tensor is exact
+            torch.add(live, tensor, alpha=scale, out=pend)
+        else:  # the multiplication rounded on its own, as a separate mul_ would
+            torch.mul(tensor, scale, out=pend)
+            pend.add_(live, alpha=self.beta)
         return pend
 
     def commit(self, key: Any, bad: torch.Tensor | None = None) -> None:
@@ -343,8 +401,9 @@ class ErrorFeedback(Compressor):
         """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
         return self._velocity.get(key)
 
-    def _accumulate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
-        """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape); committed by :meth:`_apply`."""
+    def _accumulate(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
+        """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape), ``g = tensor * scale``
+        (``scale`` folded: 1 with ``clip``, see :meth:`_scaled`); committed by :meth:`_apply`."""
         n = tensor.numel()
         buf = self._velocity_pending.get(key)
         if buf is None or buf.numel() != n + 1 or buf.device != tensor.device:
@@ -355,7 +414,12 @@ class ErrorFeedback(Compressor):
             norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
             g = tensor * torch.clamp(self.clip / norm, max=1.0)
         live = self._velocity.get(key)
-        if live is None or live.numel() != n or live.device != tensor.device:
+        fresh = live is None or live.numel() != n or live.device != tensor.device
+        if scale != 1.0:  # g * scale rounded on its own, then the same add as without a scale
+            torch.mul(g, scale, out=u)
+            if not fresh:
+                u.add_(live.view(tensor.shape), alpha=self.momentum)
+        elif fresh:
             u.copy_(g)
         else:
             torch.add(g, live.view(tensor.shape), alpha=self.momentum, out=u)
@@ -389,13 +453,16 @@ class ErrorFeedback(Compressor):
 
     def _compress(self, tensor, step, key, generator, transaction, fixed: bool) -> Payload:
         self.check_input(tensor)
-        x = self._accumulate(tensor, key) if self.momentum else tensor
+        x, scale = self._scaled(tensor, key)
+        if self.momentum:
+            x, scale = self._accumulate(x, key, scale), 1.0
         inner = self.compressor
-        if inner.fused_feedback and tensor.dtype == torch.float32:  # compensate + encode + residual, one pass
-            live = self._slot(self._residuals, key, x)
-            payload, finite = inner.compress_feedback(x, live, self.beta, self._slot(self._pending, key, x))
+        if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
+            payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
+                                                      self._slot(self._pending, key, x),
+                                                      step=step, key=key, fixed=fixed, scale=scale)
             return self._stage(key, payload, ~finite, transaction)
-        c = self._add_residual(x, key)
+        c = self._add_residual(x, key, scale)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
@@ -521,6 +588,12 @@ class ErrorFeedback(Compressor):
         self._velocity = {k: u.float().clone() for k, u in velocities.items()}
         self._pending.clear()
         self._velocity_pending.clear()
+
+
+def _power_of_two(v: float) -> bool:
+    """``v`` is ``2**j`` for an integer ``j`` (multiplying by it is exact, barring subnormals)."""
+    m, _ = math.frexp(v)
+    return v > 0 and m == 0.5
 
 
 def _detach_from(payload: Payload, buf: torch.Tensor) -> Payload:

@@ -110,15 +110,29 @@ def capped_by_threshold(owner: SparseCompressor, flat: torch.Tensor, capacity: i
     ``residual``, so only what is sent leaves it.  Without a residual the entries
     that passed but did not fit are counted in ``owner.dropped`` (one more pass).
     """
-    n = flat.numel()
     idx, values = ops.topk_compact(flat, capacity, residual=residual)
-    below = values.float().abs() < threshold
-    if residual is not None and idx.numel():
-        residual.view(-1).index_put_((idx.long(),), torch.where(below, values.float(), 0.0),
-                                     accumulate=True)
     if residual is None:
+        below = values.float().abs() < threshold
         passing = (~(flat.float().abs() < threshold)).sum()
         owner._count_dropped(passing - (~below).sum())
+        n = flat.numel()
+        return torch.where(below, torch.full_like(idx, n), idx), torch.where(below, torch.zeros_like(values), values)
+    return restore_below(residual, idx, values, threshold)
+
+
+def restore_below(residual: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+                  threshold: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected ``(idx, values)`` of a ``residual`` (numel ``n``, zero at ``idx``) with
+    the entries whose ``|value|`` is below ``threshold`` put back into ``residual``
+    (``0 + value``) and made padding (index ``n``, value 0); NaN is never below."""
+    n = residual.numel()
+    below = values.float().abs() < threshold
+    if idx.numel():
+        if residual.is_contiguous() and residual.dtype == torch.float32:
+            ops.scatter_add_(residual.view(-1), idx, torch.where(below, values.float(), 0.0))
+        else:
+            residual.view(-1).index_put_((idx.long(),), torch.where(below, values.float(), 0.0),
+                                         accumulate=True)
     idx = torch.where(below, torch.full_like(idx, n), idx)
     values = torch.where(below, torch.zeros_like(values), values)
     return idx, values

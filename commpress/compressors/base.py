@@ -120,10 +120,17 @@ class Compressor(ABC):
         vectors as they are); decided from the shape alone, so alike on every rank."""
         return True
 
-    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, beta: float,
-                          pending: torch.Tensor) -> tuple["Payload", torch.Tensor]:
-        """With :attr:`fused_feedback`: compensate ``tensor + beta*residual``, encode it and write
-        the next residual into ``pending`` in one pass; returns ``(payload, finite)``."""
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Whether error feedback runs :meth:`compress_feedback` for ``tensor`` (with the
+        fixed-size wire format when ``fixed``); default: :attr:`fused_feedback` and fp32 input."""
+        return self.fused_feedback and tensor.dtype == torch.float32
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          pending: torch.Tensor, *, step: int = 0, key: Any = 0, fixed: bool = False,
+                          scale: float = 1.0) -> tuple["Payload", torch.Tensor]:
+        """With :attr:`fused_feedback`: compensate ``tensor*scale + beta*residual`` (``residual``
+        ``None``: zero), encode it (the fixed-size wire format when ``fixed``) and write the
+        next residual into ``pending`` in one pass; returns ``(payload, finite)``."""
         raise NotImplementedError(f"{self.name} has no fused error feedback (fused_feedback is False)")
 
     @abstractmethod

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .. import ops
-from ._sparse import SparseCompressor, capped_by_threshold
+from ._sparse import SparseCompressor, capped_by_threshold, restore_below
 from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, mix_seed,
                     num_keep, stable_hash, warmup_ratio)
 from .base import register
@@ -64,15 +64,67 @@ class DGC(SparseCompressor):
         k = self._k(numel, step)
         return min(numel, max(k, math.floor(1.25 * k)))
 
-    def _sample(self, flat, k: int, step, key) -> tuple[torch.Tensor | None, int]:
-        """The strided sample of ``|x|`` (``None`` when it would be half the tensor) and its hit count."""
+    def _sample(self, flat, k: int, step, key, residual=None, beta: float = 1.0,
+                scale: float = 1.0) -> tuple[torch.Tensor | None, int]:
+        """The strided sample of ``|x|`` (``None`` when it would be half the tensor) and its hit
+        count; with ``residual`` (error feedback fused) of ``|x*scale + beta*residual|``."""
         n = flat.numel()
         m = min(n, max(math.ceil(self.sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k)))
         if 2 * m >= n:
             return None, 0
         stride = n // m
         offset = mix_seed(step, stable_hash(key)) % stride
-        return flat[offset::stride][:m].float().abs(), max(1, round(k * m / n))
+        if residual is None and scale == 1.0:
+            return flat[offset::stride][:m].float().abs(), max(1, round(k * m / n))
+        r = None if residual is None else residual[offset::stride][:m]
+        c = ops.reference.compensated(flat[offset::stride][:m], r, beta, scale)
+        return c.abs(), max(1, round(k * m / n))
+
+    fused_feedback = True
+
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """The fixed-size wire of fp32 CPU input: the compensation is fused into its
+        top-``capacity`` pass (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps its
+        kernels' path, and the variable-size wire (threshold refinement) the generic one."""
+        return (self.fused_feedback and fixed and tensor.dtype == torch.float32
+                and tensor.device.type == "cpu")
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
+                          scale: float = 1.0):
+        """Error feedback: the payload of ``c = tensor*scale + beta*residual`` (``None``: zero)
+        and ``pending`` := ``c`` minus what was sent; returns ``(payload, finite)``.
+
+        Fixed-size wire: one pass (:func:`commpress.ops.topk_compact_feedback` for the
+        ``capacity`` largest, the threshold from a sample compensated on its own); a NaN/inf
+        of ``c`` always ranks in the capacity and is never below the threshold, so ``finite``
+        reads the sent values.  The variable-size wire compensates into ``pending`` first
+        and scans it for the verdict (error feedback does not fuse it: :meth:`fuses_feedback`).
+        """
+        self.check_input(tensor)
+        flat = tensor.reshape(-1)
+        pend = pending.view(-1)
+        if not fixed:
+            pend.copy_(ops.reference.compensated(flat, residual, beta, scale))
+            idx, values = self.select_with_residual(pend, pend, step=step, key=key)
+            finite = torch.isfinite(pend.sum(dtype=torch.float32))
+            return self.make_payload(tensor, (idx, values)), finite
+        n = flat.numel()
+        k = self._k(n, step)
+        cap = self.capacity(n, step)
+        r = None if residual is None else residual.view(-1)
+        sample, hits = self._sample(flat, k, step, key, r, beta, scale) if k else (None, 0)
+        if sample is None:  # small tensor: exact top-k, padded to the capacity
+            idx, values = ops.topk_compact_feedback(flat, r, beta, k, pend, scale=scale)
+            pad = cap - idx.numel()
+            idx = torch.cat([idx, torch.full((pad,), n, dtype=idx.dtype, device=idx.device)])
+            values = torch.cat([values, values.new_zeros(pad)])
+        else:
+            t = torch.topk(torch.nan_to_num(sample, nan=float("inf")), hits).values[hits - 1]
+            idx, values = ops.topk_compact_feedback(flat, r, beta, cap, pend, scale=scale)
+            idx, values = restore_below(pend, idx, values, t)
+        finite = torch.isfinite(values.sum(dtype=torch.float32))
+        return self.make_payload(tensor, (idx, values)), finite
 
     def select_fixed(self, flat, residual, *, step, key):
         n = flat.numel()

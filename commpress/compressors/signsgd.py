@@ -42,15 +42,22 @@ class SignSGD(Compressor):
 
     fused_feedback = True
 
-    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, beta: float,
-                          new_residual: torch.Tensor) -> tuple[Payload, torch.Tensor]:
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
+                          scale: float = 1.0) -> tuple[Payload, torch.Tensor]:
         """Error feedback in one pass (:func:`commpress.ops.sign_pack_feedback`): the payload of
-        ``tensor + beta * residual`` and, in ``new_residual``, what it did not send.
+        ``tensor * scale + beta * residual`` and, in ``new_residual``, what it did not send.
 
         Returns ``(payload, finite)``; ``new_residual`` is only valid when ``finite``
-        (0-dim bool) is True.  ``residual``/``new_residual``: fp32, ``tensor``'s numel.
+        (0-dim bool) is True.  ``residual`` (``None``: zero) / ``new_residual``: fp32,
+        ``tensor``'s numel.  The wire format is the same with ``fixed``; a ``scale`` other
+        than 1 costs a multiplication of its own.
         """
         self.check_input(tensor)
+        if residual is None:
+            residual = torch.zeros_like(new_residual)
+        if scale != 1.0:
+            tensor = tensor * scale
         bits, scales, finite = ops.sign_pack_feedback(tensor.reshape(-1), residual, beta, self.chunk,
                                                       new_residual)
         return self.make_payload(tensor, (bits, scales)), finite

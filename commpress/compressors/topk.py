@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import ops
 from ._sparse import SparseCompressor
 from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, num_keep,
@@ -48,3 +50,26 @@ class TopK(SparseCompressor):
 
     def select_with_residual(self, flat, residual, *, step, key):
         return ops.topk_compact(flat, self.capacity(flat.numel(), step), residual=residual)
+
+    fused_feedback = True
+
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """fp32 CPU input (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
+        compensate-then-select path of its kernels."""
+        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
+                          scale: float = 1.0):
+        """Error feedback in one pass (:func:`commpress.ops.topk_compact_feedback`): the payload
+        of ``c = tensor*scale + beta*residual`` (``residual`` ``None``: zero), and ``pending``
+        := ``c`` with the sent entries zeroed.  The fixed-size wire is the same (every slot
+        filled).  Returns ``(payload, finite)``: a NaN/inf in ``c`` is always among the
+        values sent, so ``finite`` (0-d bool) reads the ``k`` values only.
+        """
+        self.check_input(tensor)
+        flat = tensor.reshape(-1)
+        idx, values = ops.topk_compact_feedback(flat, residual, beta, self.capacity(flat.numel(), step),
+                                                pending, scale=scale)
+        finite = torch.isfinite(values.sum(dtype=torch.float32))
+        return self.make_payload(tensor, (idx, values)), finite

@@ -4,7 +4,8 @@ bucket, dropped at its end.
 Per bucket (:meth:`Step.run_bucket`):
 
 1. every value is scaled by ``1/world_size`` before its sum (as DDP's reducer
-   does); identity/fp16/bf16 fold the scaling into their cast;
+   does); identity/fp16/bf16 fold the scaling into their cast, and a sparsifier's
+   error feedback into its compensation pass;
 2. its **dense part** (1-D, small and skipped parameters) is packed into one
    buffer and all-reduced *asynchronously*, concurrently with the payloads;
 3. every unit this bucket completes runs :func:`commpress.collectives.allreduce`
@@ -36,6 +37,7 @@ the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from ..collectives import CommStats, allreduce
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
-from ..feedback import ResidualTransaction, nonfinite_flag
+from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from .common import Stats, Timer, all_reduce_bytes
 
 log = logging.getLogger("commpress")
@@ -279,6 +281,16 @@ class HookConfig:
         return mix_seed(self.seed, self.rank, step, stable_hash(key))
 
 
+def _scale_in_feedback(cfg: HookConfig) -> bool:
+    """Whether the unit's ``1/P`` is folded into error feedback (:meth:`ErrorFeedback.scaled_input`)
+    instead of a ``mul_`` pass: a sparsifier's error feedback without a hierarchy, where the
+    collective compresses the unit's key exactly once (the gather kinds compress chunk keys,
+    and a hierarchy compresses the node's sum)."""
+    codec = cfg.codec
+    return (isinstance(codec, ErrorFeedback) and cfg.hierarchy is None
+            and getattr(codec.compressor, "aggregation", None) == "sparse")
+
+
 @dataclass
 class StepContext:
     """The small context a :class:`Step` gets: the frozen configuration, the model's layout,
@@ -395,16 +407,19 @@ class Step:
         t, is_view = unit_input(unit, pieces)
         cs.last_algorithm = ""
         prescale = None
+        scaled = contextlib.nullcontext()
         if cfg.world_size > 1:
             if cfg.fold_scale:
                 prescale = cfg.scale
+            elif _scale_in_feedback(cfg):  # the 1/P rides in error feedback's compensation pass
+                scaled = cfg.codec.scaled_input(unit.key, cfg.scale)
             else:
                 t.mul_(cfg.scale)
         codec, lowrank = cfg.codec, cfg.lowrank
         if cfg.auto is not None:  # "auto": the unit's own codec, chosen at the last check point
             codec = cfg.auto.codec(unit, t, self._bucket)
             lowrank = codec.aggregation == "lowrank"
-        with Timer() as timer:
+        with Timer() as timer, scaled:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,

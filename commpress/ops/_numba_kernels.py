@@ -282,6 +282,107 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
                     res[io[t]] = 0
 
 
+@njit(inline="always", **_SOPTS)
+def _scan_flags(seg, base, m, idx_out, val_out, pos, flags):
+    """The scan half of :func:`_compact_piece`: append ``seg[t]`` (global index ``base + t``)
+    for every set ``flags[t]``, ``t < m``, skipping 8 clear flags at a time."""
+    cap = idx_out.size
+    groups = (m + 7) >> 3
+    for j in range(m, groups << 3):
+        flags[j] = 0
+    words = flags.view(np.uint64)
+    for g in range(groups):
+        if words[g] != 0:
+            for t in range(g << 3, (g << 3) + 8):
+                if flags[t]:
+                    if pos < cap:
+                        idx_out[pos] = base + t
+                        val_out[pos] = seg[t]
+                    pos += 1
+    return pos
+
+
+@njit(inline="always", **_SOPTS)
+def _compensate(x, r, beta, scale, how, thr, out, flags):
+    """out = x*scale + r*beta in fp32 (equal-length slices), each product rounded on its own
+    (no FMA: numba does not contract without fastmath), like the reference; and in the same
+    loop flags[j] = not |out[j]| < thr (NaN passes: for a threshold that is not NaN, the key
+    rule ``key >= lo`` of :func:`_compact_piece` with ``thr`` the float of key ``lo``).
+    ``how``: bit 1 add ``r``, bit 2 multiply ``r`` by ``beta``, bit 4 multiply ``x`` by
+    ``scale`` (one loop per case over slices, so each vectorizes)."""
+    m = out.size
+    if how == 0:
+        for j in range(m):
+            c = x[j]
+            out[j] = c
+            flags[j] = not abs(c) < thr
+    elif how == 1:
+        for j in range(m):
+            c = x[j] + r[j]
+            out[j] = c
+            flags[j] = not abs(c) < thr
+    elif how == 3:
+        for j in range(m):
+            c = x[j] + r[j] * beta
+            out[j] = c
+            flags[j] = not abs(c) < thr
+    elif how == 4:
+        for j in range(m):
+            c = x[j] * scale
+            out[j] = c
+            flags[j] = not abs(c) < thr
+    elif how == 5:
+        for j in range(m):
+            c = x[j] * scale + r[j]
+            out[j] = c
+            flags[j] = not abs(c) < thr
+    else:
+        for j in range(m):
+            c = x[j] * scale + r[j] * beta
+            out[j] = c
+            flags[j] = not abs(c) < thr
+
+
+@parallel_kernel
+def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf):
+    """:func:`select_chunks` (mode 0, keys ``[lo, max]``) of the compensated ``c = x*scale +
+    r*beta``, written into ``out`` (fp32; ``outi`` its int32 view): one loop per piece
+    computes ``c``, stores it and flags ``not |c| < thr`` (``thr``: the float of key ``lo``,
+    at most inf), then the flags are scanned while the piece is in cache.  One pass reads
+    ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
+    Overflowed chunks are rescanned from ``outi`` by :func:`select_gather`."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    counts = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        flags = np.empty(_PIECE, np.uint8)
+        io = ibuf[c * cap:(c + 1) * cap]
+        vo = vbuf[c * cap:(c + 1) * cap]
+        pos = 0
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, thr, out[p0:p1], flags)
+            pos = _scan_flags(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
+        counts[c] = pos
+    return counts
+
+
+@parallel_kernel
+def compensate(x, r, beta, scale, how, out, clen):
+    """out = x*scale + r*beta (see :func:`_compensate`; no selection)."""
+    n = x.size
+    nch = (n + clen - 1) // clen
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        flags = np.empty(_PIECE, np.uint8)
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, _F0, out[p0:p1], flags)
+
+
 @njit(**_SOPTS)
 def _kth_largest(keys, k):
     """The ``k``-th largest of non-negative int32 ``keys`` (1 <= k <= size): two 16-bit radix passes."""

@@ -37,6 +37,7 @@ SERIAL_BELOW = 1 << 17
 TOPK_SAMPLE = 1 << 14
 
 _MAX_KEY = 0x7FFFFFFF
+_INF_KEY = 0x7F800000
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INTS = (torch.int32, torch.int64)
 
@@ -157,18 +158,20 @@ def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: 
     return idx, val
 
 
-def _candidate_thresholds(xi: np.ndarray, k: int):
+def _candidate_thresholds(xi: np.ndarray, k: int, sample_keys=None):
     """Yield decreasing (key, expected fraction passing) to try as top-``k`` candidate thresholds.
 
     From a strided sample: the key ranked a few standard deviations beyond the
     expected rank of the ``k``-th largest, then lower ones; ends with 0 (all).
-    Lazy: usually only the first is needed.
+    Lazy: usually only the first is needed.  ``sample_keys(stride, m)``: the
+    magnitude keys of entries ``0, stride, ..., (m-1)*stride`` (default: read from ``xi``).
     """
     n = xi.size
     m = TOPK_SAMPLE
     if n >= 4 * m:
         stride = n // m
-        sample = xi[: stride * m: stride] & _MAX_KEY
+        sample = (sample_keys(stride, m) if sample_keys is not None
+                  else xi[: stride * m: stride] & _MAX_KEY)
         expected = k * m / n
         r = int(expected + 4.0 * math.sqrt(expected) + 8)
         while r < m // 2:
@@ -213,6 +216,94 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     elif fused is not None:
         K.zero_at(res, idx_np)
     return _finish_selection(x, flat, xf, idx_np, val_np, residual, fused)
+
+
+def _fb_layout_ok(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.Tensor) -> bool:
+    """``new_residual`` is a plain fp32 CPU buffer of ``x``'s numel, and it either is or
+    does not overlap ``x`` and ``residual`` (the kernel works elementwise)."""
+    n = x.numel()
+    if (not _cpu(x, residual, new_residual) or x.dtype not in _FLOATS
+            or new_residual.dtype != torch.float32 or not new_residual.is_contiguous()
+            or new_residual.numel() != n or new_residual.requires_grad):
+        return False
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                 or residual.numel() != n):
+        return False
+    out_storage = new_residual.untyped_storage().data_ptr()
+    for t in (x, residual):
+        if t is None or t.untyped_storage().data_ptr() != out_storage:
+            continue
+        if t.data_ptr() != new_residual.data_ptr() or not t.is_contiguous() or t.dtype != torch.float32:
+            return False
+    return True
+
+
+def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, k: int,
+                          new_residual: torch.Tensor, scale: float = 1.0):
+    """See :func:`commpress.ops.reference.topk_compact_feedback`.
+
+    As :func:`topk_compact`, with the compensation fused into the candidate pass: each
+    piece of ``c = x*scale + residual*beta`` is written into ``new_residual`` and
+    compacted while in cache (read ``x`` and ``residual``, write ``c``: no separate
+    compensated tensor, no second read); the threshold sample is compensated on its
+    own; the chosen entries are then zeroed in ``new_residual``.
+    """
+    if not _fb_layout_ok(x, residual, new_residual):
+        return ref.topk_compact_feedback(x, residual, beta, k, new_residual, scale)
+    n = x.numel()
+    k = max(0, min(int(k), n))
+    xf = _f32(x.reshape(-1)).numpy()
+    out = new_residual.view(-1).numpy()
+    oi = out.view(np.int32)
+    has_r = residual is not None
+    rf = residual.view(-1).numpy() if has_r else xf
+    b32, s32 = np.float32(beta), np.float32(scale)
+    how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+
+    def sample_keys(stride: int, m: int) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
+            c = xf[: stride * m: stride]
+            if how & 4:
+                c = c * s32
+            if has_r:
+                rs = rf[: stride * m: stride]
+                c = c + (rs * b32 if how & 2 else rs)
+        return c.view(np.int32) & _MAX_KEY
+
+    if k == 0:  # compensate only
+        K.compensate(xf, rf, b32, s32, how, out, _chunk(n))
+        return torch.empty(0, dtype=ref.index_dtype(n)), torch.empty(0, dtype=torch.float32)
+    first = True
+    for lo, frac in _candidate_thresholds(oi, k, sample_keys):
+        if first:  # the fused pass: c is written and its candidates compacted
+            cidx, cval = _select_feedback(xf, rf, b32, s32, how, out, oi, min(lo, _INF_KEY), frac)
+            first = False
+        else:  # a lower threshold: c is in new_residual now
+            cidx, cval = _select(oi, lo, _MAX_KEY, oi, 0, frac)
+        if cidx.size >= k:
+            break
+    take = np.empty(cidx.size, np.uint8)
+    idx_np, val_np = K.topk_finish(cidx, cval, k, take)
+    K.zero_at(oi, idx_np)
+    return torch.from_numpy(idx_np), torch.from_numpy(val_np.view(np.float32))
+
+
+def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float):
+    """:func:`_select` (keys ``[lo, max]``, ``lo <= inf``'s key) over the compensated input,
+    written into ``out`` in the same pass."""
+    n = xf.size
+    clen = _chunk(n)
+    nch = (n + clen - 1) // clen
+    cap = min(clen, int(clen * (1.2 * frac + 5.0 * math.sqrt(frac / 4096)) + 64))
+    ibuf = np.empty(nch * cap, _index_np(n))
+    vbuf = np.empty(nch * cap, np.int32)
+    thr = np.array([lo], np.int32).view(np.float32)[0]  # |c| >= thr  <=>  key(c) >= lo
+    counts = K.select_chunks_feedback(xf, rf, b32, s32, how, thr, out, oi, clen, cap, ibuf, vbuf)
+    total = int(counts.sum())
+    idx = np.empty(total, _index_np(n))
+    val = np.empty(total, np.int32)
+    K.select_gather(oi, np.int32(lo), np.int32(_MAX_KEY), clen, cap, ibuf, vbuf, counts, idx, val, oi, 0)
+    return idx, val
 
 
 def magnitude_key(x: torch.Tensor) -> torch.Tensor:
@@ -633,6 +724,7 @@ def _serial_when_small(fn):
 _OPS = {
     "threshold_compact": threshold_compact,
     "topk_compact": topk_compact,
+    "topk_compact_feedback": topk_compact_feedback,
     "magnitude_key": magnitude_key,
     "scatter_add_": scatter_add_,
     "counter_bits": counter_bits,

@@ -118,6 +118,41 @@ def topk_compact(x: torch.Tensor, k: int, residual: torch.Tensor | None = None):
     return idx.to(index_dtype(n)), values
 
 
+def compensated(x: torch.Tensor, residual: torch.Tensor | None, beta: float = 1.0,
+                scale: float = 1.0) -> torch.Tensor:
+    """Error feedback's compensated input ``x*scale + residual*beta``, flat fp32.
+
+    Each product is rounded to fp32 on its own (no fused multiply-add) and left out
+    when its factor is 1; ``residual=None`` means a zero residual (``c = x*scale``,
+    signs of zeros kept).  A new tensor unless it is ``x`` itself (fp32, factors 1,
+    no residual).
+    """
+    c = x.reshape(-1).float()
+    if float(scale) != 1.0:
+        c = c * torch.tensor(float(scale), dtype=torch.float32)
+    if residual is not None:
+        r = residual.reshape(-1).float()
+        c = c + (r if float(beta) == 1.0 else r * torch.tensor(float(beta), dtype=torch.float32))
+    return c
+
+
+def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, k: int,
+                          new_residual: torch.Tensor, scale: float = 1.0):
+    """Error-feedback top-``k`` in one pass: ``c = x*scale + residual*beta`` (fp32, see
+    :func:`compensated`), then :func:`topk_compact` of ``c``, with ``new_residual`` := ``c``
+    with the selected entries zeroed.
+
+    Returns ``(indices, values)``, values fp32 (``c``'s).  ``residual`` (fp32, ``x``'s
+    numel, or ``None`` for zero) and ``new_residual`` (fp32, contiguous, ``x``'s numel)
+    may be the same tensor; ``new_residual`` may be ``x`` itself.  A NaN/inf in ``c``
+    ranks above every finite value, so it shows in ``values`` (``k >= 1``).
+    """
+    c = compensated(x, residual, beta, scale)
+    r = new_residual.view(-1)
+    r.copy_(c)
+    return topk_compact(r, k, residual=r)
+
+
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out[indices] += values`` for unique indices, in place; returns ``out``."""
     out.index_add_(0, indices.to(torch.int64), values.to(out.dtype))
@@ -517,7 +552,8 @@ def _emit(vals: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> tor
 
 __all__ = [
     "index_dtype", "seed_words", "counter_bits", "counter_uniform", "hash_owner",
-    "magnitude_key", "threshold_compact", "topk_compact", "scatter_add_",
+    "magnitude_key", "threshold_compact", "topk_compact", "topk_compact_feedback",
+    "scatter_add_",
     "pack_bits", "unpack_bits", "bitmap_encode", "bitmap_decode", "hash_partition",
     "qmax_for", "block_absmax", "block_quantize", "block_dequantize",
     "sign_pack", "sign_unpack",

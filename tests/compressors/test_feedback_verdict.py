@@ -11,9 +11,11 @@ from commpress.compressors.topk import TopK
 
 
 class ScanningTopK(TopK):
-    """TopK that does not claim to keep NaN/inf: error feedback scans the whole tensor."""
+    """TopK that does not claim to keep NaN/inf and has no fused error feedback: error
+    feedback compensates into a buffer, then selects, and scans the whole tensor."""
 
     keeps_nonfinite = False
+    fused_feedback = False
 
 
 @pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])

@@ -10,7 +10,9 @@ two-rank worker (one JIT warm-up for every check).
 * :func:`commpress.collectives.all_gather` decodes every rank's row, and a rank
   whose compress fails makes every rank raise ``CollectiveInputError``;
 * FSDP2 with a compressed reduce-scatter (topk + error feedback) and the
-  quantized all-gather trains with identical replicas.
+  quantized all-gather trains with identical replicas;
+* topk + error feedback with the ``1/P`` folded into the compensation pass trains
+  bitwise like the ``mul_`` it replaces.
 """
 
 from __future__ import annotations
@@ -137,10 +139,30 @@ def _fsdp(rank: int, world: int) -> dict:
             "algorithms": algos, "steps": state.step}
 
 
+def _folded_scale(rank: int) -> dict:
+    """The same training with the 1/P folded into error feedback and with the old mul_."""
+    from commpress.hooks import ddp_step
+
+    flats, residuals = [], []
+    for fold in (True, False):
+        model = DDP(_net())
+        with pytest.MonkeyPatch.context() as mp:
+            if not fold:
+                mp.setattr(ddp_step, "_scale_in_feedback", lambda cfg: False)
+            with commpress.ddp.register(model, "topk", ratio=0.05, min_numel=256) as state:
+                _train(model, rank, 4)
+                assert ddp_step._scale_in_feedback(state.frozen) == fold
+                flats.append(_flat(model))
+                residuals.append([state.codec.residual(u.key).clone() for u in state.units])
+    same = torch.equal(flats[0].view(torch.int32), flats[1].view(torch.int32)) and all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*residuals))
+    return {"bitwise": same, "units": len(residuals[0])}
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     return {"powersgd": _powersgd_momentum(rank), "failure": _hook_failure(rank),
-            "all_gather": _all_gather(rank), "fsdp": _fsdp(rank, world)}
+            "all_gather": _all_gather(rank), "fsdp": _fsdp(rank, world), "folded": _folded_scale(rank)}
 
 
 @pytest.mark.timeout(240)
@@ -161,6 +183,7 @@ def test_the_default_backend_with_the_overlap_worker():
         s = out["fsdp"]
         assert s["replicas"] and s["finite"] and s["steps"] == 3, s
         assert "blockquant:all_gather" in s["algorithms"] and "topk:sparse_reduce_scatter" in s["algorithms"], s
+        assert out["folded"]["bitwise"] and out["folded"]["units"] >= 1, out["folded"]
 
 
 def test_hook_error_names_bucket_compressor_and_cause_for_any_cause():

@@ -57,6 +57,50 @@ def test_topk_many_ties_and_fallback():
     run_selection(nb, "topk_compact", torch.linspace(-1, 1, 999), 10)
 
 
+def _feedback_case(x, r, beta, k, scale, alias):
+    """``topk_compact_feedback`` on both backends: indices, values and the new residual
+    bitwise; ``alias``: the new residual is the residual ("r") or the input ("x") itself."""
+    outs = []
+    for op in (R.topk_compact_feedback, nb.topk_compact_feedback):
+        xs = x.clone()
+        rs = None if r is None else r.clone()
+        new = {"r": rs, "x": xs}.get(alias) if alias else torch.empty(x.numel())
+        got = op(xs, rs, beta, k, new, scale)
+        outs.append((got, new))
+    (want, new_ref), (got, new_nb) = outs
+    what = f"topk_compact_feedback k={k} beta={beta} scale={scale} alias={alias} residual={r is not None}"
+    assert_bitwise(got, want, what)
+    assert_bitwise(new_nb, new_ref, what + " new residual")
+
+
+@settings(max_examples=30)
+@given(data=st.data(), a=f32_arrays(), frac=st.floats(0, 1.2), extra=st.integers(-2, 2),
+       beta=st.sampled_from([1.0, 0.5, 0.9]), scale=st.sampled_from([1.0, 0.5, 0.25, 1 / 3]),
+       alias=st.sampled_from([None, None, "r", "x"]))
+def test_topk_compact_feedback(data, a, frac, extra, beta, scale, alias):
+    k = max(0, int(frac * a.size) + extra)
+    x = tensor(a)
+    r = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor)))
+    if r is None and alias == "r":
+        alias = None
+    with np.errstate(over="ignore", invalid="ignore"):
+        _feedback_case(x, r, beta, k, scale, alias)
+
+
+def test_topk_compact_feedback_ties_and_rescans():
+    # Few distinct magnitudes: the sampled threshold admits too few (another pass over the
+    # compensated values) or far too many (chunks overflow their slots and are rescanned).
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0, -2.0] * 53 + [3.0])
+    r = torch.tensor([0.5, 0.0, -0.5] * 88 + [0.0, 0.0])
+    for k in (1, 2, 50, 107, 200, 266):
+        _feedback_case(x, r, 1.0, k, 1.0, None)
+        _feedback_case(x, r, 0.5, k, 0.5, "r")
+    _feedback_case(torch.linspace(-1, 1, 999), torch.linspace(1, -1, 999) * 0.25, 1.0, 10, 1 / 3, None)
+    # non-finite sums of finite values are selected like NaN/inf inputs
+    big = torch.full((300,), 3e38)
+    _feedback_case(big, big.clone(), 1.0, 3, 1.0, None)
+
+
 @settings(max_examples=25)
 @given(a=f32_arrays())
 def test_magnitude_key(a):

@@ -1,0 +1,134 @@
+"""topk's error feedback in one pass (``TopK.compress_feedback`` ->
+``ops.topk_compact_feedback``) and the input scale folded into it
+(``ErrorFeedback.scaled_input``, the DDP hook's ``1/P``).
+
+* the fused path is bitwise the compensate-then-select path (payload, residual, verdict),
+  on the numba and the torch backend, NaN/inf steps included;
+* ``scaled_input(key, s)`` is bitwise ``tensor * s`` compressed the old way, for
+  s = 1/2, 1/4 (and 1/3 where the path rounds the product on its own), with and without
+  momentum correction, and it scales only one compress of that key on this thread;
+* the residual is exactly ``x*s + beta*r`` minus what was sent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import commpress
+from commpress.compressors.dgc import DGC
+from commpress.compressors.topk import TopK
+
+
+class UnfusedTopK(TopK):
+    """topk through the generic sparse error-feedback path (compensate, then select)."""
+
+    fused_feedback = False
+
+
+class UnfusedDGC(DGC):
+    """dgc through the generic sparse error-feedback path."""
+
+    fused_feedback = False
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _same(a, b, what: str) -> None:
+    assert bool(a.nonfinite) == bool(b.nonfinite), what
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.dtype == tb.dtype and torch.equal(_bits(ta), _bits(tb)), what
+
+
+def _steps(n: int = 3000, steps: int = 4, poison_at: int = 2):
+    g = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        x = torch.randn(n, generator=g) * (1 + step)
+        x[::97] = 0.0
+        x[5::211] = -0.0
+        if step == poison_at:
+            x[123] = float("nan")
+        yield step, x
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kinds", [(TopK, UnfusedTopK, 0.02), (DGC, UnfusedDGC, 0.01)], ids=["topk", "dgc"])
+def test_fused_equals_compensate_then_select(backend, kinds, monkeypatch):
+    if backend == "numba":
+        pytest.importorskip("commpress.ops.numba_backend")
+    monkeypatch.setenv("COMMPRESS_BACKEND", backend)
+    fast_cls, slow_cls, ratio = kinds
+    fused = commpress.ErrorFeedback(fast_cls(ratio, density_warmup=0))
+    slow = commpress.ErrorFeedback(slow_cls(ratio, density_warmup=0))
+    assert fused.compressor.fuses_feedback(torch.ones(3)) and not slow.compressor.fuses_feedback(torch.ones(3))
+    for step, x in _steps(n=20000 if fast_cls is DGC else 3000):
+        for fixed in (True, False):
+            key = ("k", fixed)
+            run = "compress_fixed" if fixed else "compress"
+            a = getattr(fused, run)(x, step=step, key=key)
+            b = getattr(slow, run)(x, step=step, key=key)
+            _same(a, b, f"{backend} step {step} {run}")
+            assert bool(a.nonfinite) == (step == 2)
+            assert torch.equal(_bits(fused.residual(key)), _bits(slow.residual(key)))
+
+
+def test_fused_numba_equals_fused_torch_with_beta_and_scale(monkeypatch):
+    pytest.importorskip("commpress.ops.numba_backend")
+    runs = {}
+    for backend in ("numba", "torch"):
+        monkeypatch.setenv("COMMPRESS_BACKEND", backend)
+        ef = commpress.ErrorFeedback(TopK(0.05, density_warmup=0), beta=0.7)
+        out = []
+        for step, x in _steps():
+            with ef.scaled_input("k", 1 / 3):
+                p = ef.compress_fixed(x, step=step, key="k")
+            out.append((p, ef.residual("k").clone()))
+        runs[backend] = out
+    for (pa, ra), (pb, rb) in zip(runs["numba"], runs["torch"]):
+        _same(pa, pb, "numba vs torch")
+        assert torch.equal(_bits(ra), _bits(rb))
+
+
+@pytest.mark.parametrize("compressor,scales", [
+    (lambda: TopK(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),          # fused: any scale
+    (lambda: UnfusedTopK(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),   # generic sparse path
+    (lambda: DGC(0.02, density_warmup=0), (0.5, 0.25, 1 / 3)),          # fused (fixed wire)
+    (lambda: UnfusedDGC(0.02, density_warmup=0), (0.5, 0.25)),
+])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_scaled_input_is_bitwise_the_multiplied_input(compressor, scales, momentum):
+    for s in scales:
+        folded = commpress.ErrorFeedback(compressor(), momentum=momentum)
+        before = commpress.ErrorFeedback(compressor(), momentum=momentum)
+        for step, x in _steps(poison_at=-1):
+            with folded.scaled_input("k", s):
+                a = folded.compress_fixed(x, step=step, key="k")
+            b = before.compress_fixed(x.clone().mul_(s), step=step, key="k")  # the hook's old mul_
+            _same(a, b, f"scale {s} step {step} momentum {momentum}")
+            assert torch.equal(_bits(folded.residual("k")), _bits(before.residual("k")))
+
+
+def test_scaled_input_scales_one_compress_of_its_key():
+    ef = commpress.ErrorFeedback(TopK(0.5, density_warmup=0))
+    ref = commpress.ErrorFeedback(TopK(0.5, density_warmup=0))
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    with ef.scaled_input("a", 0.5):
+        _same(ef.compress(x, key="b"), ref.compress(x, key="b"), "another key is not scaled")
+        _same(ef.compress(x, key="a"), ref.compress(x * 0.5, key="a"), "the key is scaled")
+        _same(ef.compress(x, key="a"), ref.compress(x, key="a"), "only once")
+    _same(ef.compress(x, key="a"), ref.compress(x, key="a"), "not after the block")
+    assert not ef._input_scales
+
+
+def test_fused_residual_is_exactly_what_was_not_sent():
+    ef = commpress.ErrorFeedback(TopK(0.03, density_warmup=0))
+    for step, x in _steps(poison_at=-1):
+        r = ef.residual("k")
+        r = torch.zeros_like(x) if r is None else r.clone()
+        with ef.scaled_input("k", 0.25):
+            p = ef.compress_fixed(x, step=step, key="k")
+        sent = ef.decompress(p)
+        assert torch.equal(sent + ef.residual("k"), x * 0.25 + r)
+        assert int((ef.residual("k")[p.tensors[0].long()] != 0).sum()) == 0
