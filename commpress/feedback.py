@@ -305,8 +305,9 @@ class ErrorFeedback(Compressor):
             return None
         return live.view(like.shape)
 
-    def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
-        pend = self._slot(self._pending, key, tensor)
+    def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        pend = self._slot(self._pending, key, tensor) if out is None else out.view(tensor.shape)
         live = self._live(key, tensor)
         if live is None:
             if scale == 1.0:
@@ -499,14 +500,12 @@ class ErrorFeedback(Compressor):
         sent).  Staged in ``transaction`` when given, else committed at once; a non-finite
         input keeps the old residual.  Returns the local non-finite flag (0-d bool)."""
         self.check_input(tensor)
-        x = self._accumulate(tensor, key) if self.momentum else tensor
-        dst = out.view(x.shape)
-        live = self._residuals.get(key)
-        if live is None or live.numel() != x.numel() or live.device != x.device:
-            dst.copy_(x)
+        tensor, scale = self._scaled(tensor, key)
+        if self.momentum:
+            dst = self._add_residual(self._accumulate(tensor, key, scale), key, out=out)
         else:
-            torch.add(x, live.view(x.shape), alpha=self.beta, out=dst)
-        self._slot(self._pending, key, x).zero_()
+            dst = self._add_residual(tensor, key, scale, out=out)
+        self._slot(self._pending, key, tensor).zero_()
         if self.momentum and self.masking:
             self._velocity_pending[key].zero_()
         bad = nonfinite_flag(dst)

@@ -128,3 +128,28 @@ def test_unsaveable_key_is_a_type_error():
     ef.compress(torch.randn(4), key=object())
     with pytest.raises(TypeError, match="weights_only"):
         ef.state_dict()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_send_whole_is_the_compensation_and_empties_the_residual(momentum, scale):
+    """send_whole writes what compensate returns (the scaled_input scale included) and leaves a
+    zero residual; with masking, a zero velocity."""
+    import commpress
+
+    def fresh():
+        ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1, density_warmup=0), momentum=momentum)
+        ef.compress(torch.randn(1000, generator=torch.Generator().manual_seed(1)), key="k")  # a residual
+        return ef
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    a, b = fresh(), fresh()
+    with a.scaled_input("k", scale):
+        want = a.compensate(x, "k").clone()
+    out = torch.empty(1000)
+    with b.scaled_input("k", scale):
+        bad = b.send_whole(x, "k", out)
+    assert not bool(bad) and torch.equal(out, want)
+    assert torch.count_nonzero(b.residual("k")) == 0
+    if momentum:
+        assert torch.count_nonzero(b.velocity("k")) == 0      # masking: every coordinate was sent
