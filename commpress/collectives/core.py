@@ -8,7 +8,8 @@ aggregation steady-state messages (status inside, see :mod:`.wire`)
 ``sum``     one ``all_reduce`` of the payload plus two status slots
 ``sparse``  one fixed-size ``all_gather`` of ``capacity`` entries (``"allgather"``)
             or one ``all_reduce`` of the densified entries (``"dense"``; with
-            error feedback, of the whole compensated tensor)
+            error feedback, of the whole compensated tensor, taken whenever
+            the gathered slots would be no smaller)
 ``gather``  ``all_to_all`` + ``all_gather`` (``"two_phase"``) or one ``all_gather``
             (``"gather_all"``), sizes derived from numel
 ``lowrank`` two ``all_reduce`` (PowerSGD), batched over the matrices of the tensor

@@ -37,7 +37,9 @@ all-gather of ``capacity`` slots per rank with the status word in front, and
 ``"dense"`` one all_reduce; no header, no size message.  ``"auto"`` picks
 between those two from the cost model alone.  With error feedback, ``"dense"``
 sends the whole compensated tensor rather than its densified selection: the
-same bytes, an exact sum, and the residual empties.  The other algorithms need the
+same bytes, an exact sum, and the residual empties; ``"auto"`` then takes it
+whenever the all-gather message would be no smaller (by bytes alone, so a
+resumed run chooses alike), and otherwise chooses as without feedback.  The other algorithms need the
 counts, so they run :func:`sparse_allreduce` below with its header.
 
 Every call of :func:`sparse_allreduce` first all-gathers one small header per rank
@@ -477,13 +479,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
-    if world > 1 and has_feedback(compressor) and algorithm in ("auto", "dense"):
-        if algorithm == "auto":  # a pure function of (numel, capacity, P): every rank picks alike
-            vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
-            algorithm = costmodel.choose_fixed_sparse(n, inner.capacity(n, step), world, vsize,
-                                                      wire_index_dtype(n + 1).itemsize, model)
-        if algorithm == "dense":
-            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out)
+    if world > 1 and has_feedback(compressor) and (
+            algorithm == "dense" or (algorithm == "auto" and _gather_not_smaller(tensor, inner, step, world))):
+        return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
                                             transaction=transaction, error=error, stats=stats)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
@@ -548,12 +546,23 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     return out
 
 
+def _gather_not_smaller(tensor, inner, step: int, world: int) -> bool:
+    """Whether one rank's all-gather message of ``capacity`` slots (sent to P-1 peers) is at
+    least the dense ring all_reduce's bytes: then dropping coordinates saves nothing.  A pure
+    function of (numel, capacity at ``step``, P, dtypes), never of timings, so a resumed run
+    makes the same choice."""
+    n = tensor.numel()
+    vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
+    slots = inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8
+    return slots * world >= 2 * (n + 1 + wire.SUM_SLOTS) * 4
+
+
 def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out) -> torch.Tensor:
     """The ``"dense"`` algorithm with error feedback: one all_reduce of the whole compensated
     tensor (``x + beta * e``) instead of its densified selection.  The bytes are the same (a
-    dense fp32 message), the sum is exact and the residual becomes zero, and no selection runs:
-    when the cost model finds the sparse message no cheaper than the dense one (a density
-    warm-up's early stages, large ratios), nothing is gained by dropping coordinates."""
+    dense fp32 message), the sum is exact and the residual becomes zero, and no selection runs.
+    ``"auto"`` takes it when the all-gather message is no smaller than the dense one (a density
+    warm-up's early stages at large P, large ratios): nothing is gained by dropping coordinates."""
     n, world = tensor.numel(), _comm.world(group)
     code, msg = error
     buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device)

@@ -128,6 +128,11 @@ def whole_dense_worker(rank, world):
         again = allreduce(x, ef, key="w", step=2)                             # "auto" at 1%: the selection
         out[momentum] = (sent, got, bool(e.abs().sum() > 0), bool(ef.residual("w").abs().sum() > 0),
                          again)
+    # "auto" takes it by bytes alone: 60% of 4096 slots gathered outweigh the dense ring at P=2
+    wide = commpress.ErrorFeedback(commpress.get("topk", ratio=0.6, density_warmup=0))
+    stats = CommStats()
+    summed = allreduce(data(rank, 3), wide, key="v", step=1, stats=stats)
+    out["auto"] = (data(rank, 3), summed, stats.last_algorithm, int(torch.count_nonzero(wide.residual("v"))))
     return out
 
 
@@ -143,6 +148,9 @@ def test_dense_with_error_feedback_sends_the_whole_compensated_tensor():
         # the step after: the residual started from zero, so the selection's sum keeps <= 2k entries
         assert torch.equal(a0, a1) and 0 < int((a0 != 0).sum()) <= 2 * 41
         assert left0 and left1                                  # and left a new residual
+    (x0, s0, alg0, left0), (x1, s1, _, left1) = res[0]["auto"], res[1]["auto"]
+    assert torch.equal(s0, s1) and torch.equal(s0, x0 + x1) and left0 == left1 == 0
+    assert alg0 == "dense"
 
 
 def capacity_worker(rank, world, steps):
