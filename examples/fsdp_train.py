@@ -58,6 +58,8 @@ def main() -> None:
     if rank == 0:
         print(f"step {args.steps} loss {float(loss.detach()):.4f} "
               f"ratio {state.stats.compression_ratio:.2f}x", flush=True)
+    state.close()      # releases the hook (as the DDP example does)
+    dist.barrier()     # no rank tears gloo down while a peer still has work in flight
     dist.destroy_process_group()
 
 
