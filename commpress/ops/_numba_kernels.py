@@ -184,24 +184,11 @@ def _compact_piece(seg, base, lo_key, hi_key, idx_out, val_out, pos, flags):
     8 entries at a time by testing the flags as one uint64.  Stops writing at
     the end of ``idx_out`` but keeps counting; returns the new ``pos``.
     """
-    cap = idx_out.size
     m = seg.size
     for j in range(m):
         k = seg[j] & _ABS
         flags[j] = (k >= lo_key) & (k <= hi_key)
-    groups = (m + 7) >> 3
-    for j in range(m, groups << 3):
-        flags[j] = 0
-    words = flags.view(np.uint64)
-    for g in range(groups):
-        if words[g] != 0:
-            for t in range(g << 3, (g << 3) + 8):
-                if flags[t]:
-                    if pos < cap:
-                        idx_out[pos] = base + t
-                        val_out[pos] = seg[t]
-                    pos += 1
-    return pos
+    return _scan_flags(seg, base, m, idx_out, val_out, pos, flags)
 
 
 @njit(inline="always", **_SOPTS)

@@ -143,12 +143,7 @@ def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: 
     chunks that overflow their slot are rescanned (correct for any ``frac``).
     """
     n = xi.size
-    clen = _chunk(n)
-    nch = (n + clen - 1) // clen
-    # slack for sampling error (~5 sigma of a 4096-entry sample) and uneven chunks
-    cap = min(clen, int(clen * (1.2 * frac + 5.0 * math.sqrt(frac / 4096)) + 64))
-    ibuf = np.empty(nch * cap, _index_np(n))
-    vbuf = np.empty(nch * cap, np.int32)
+    clen, nch, cap, ibuf, vbuf = _chunk_slots(n, frac)
     lo32, hi32 = np.int32(lo), np.int32(hi)
     counts = K.select_chunks(xi, lo32, hi32, clen, cap, ibuf, vbuf, res, mode)
     total = int(counts.sum())
@@ -288,15 +283,21 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     return torch.from_numpy(idx_np), torch.from_numpy(val_np.view(np.float32))
 
 
+def _chunk_slots(n: int, frac: float):
+    """Per-chunk output slots for a selection of an expected fraction ``frac`` of ``n`` entries:
+    ``(chunk length, chunks, slots per chunk, index buffer, value-bits buffer)``.  The slack
+    covers sampling error (~5 sigma of a 4096-entry sample) and uneven chunks."""
+    clen = _chunk(n)
+    nch = (n + clen - 1) // clen
+    cap = min(clen, int(clen * (1.2 * frac + 5.0 * math.sqrt(frac / 4096)) + 64))
+    return clen, nch, cap, np.empty(nch * cap, _index_np(n)), np.empty(nch * cap, np.int32)
+
+
 def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float):
     """:func:`_select` (keys ``[lo, max]``, ``lo <= inf``'s key) over the compensated input,
     written into ``out`` in the same pass."""
     n = xf.size
-    clen = _chunk(n)
-    nch = (n + clen - 1) // clen
-    cap = min(clen, int(clen * (1.2 * frac + 5.0 * math.sqrt(frac / 4096)) + 64))
-    ibuf = np.empty(nch * cap, _index_np(n))
-    vbuf = np.empty(nch * cap, np.int32)
+    clen, nch, cap, ibuf, vbuf = _chunk_slots(n, frac)
     thr = np.array([lo], np.int32).view(np.float32)[0]  # |c| >= thr  <=>  key(c) >= lo
     counts = K.select_chunks_feedback(xf, rf, b32, s32, how, thr, out, oi, clen, cap, ibuf, vbuf)
     total = int(counts.sum())
