@@ -79,8 +79,7 @@ from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_has
 from .. import collectives
 from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
-from .ddp_step import ModelLayout, Plan, goes_dense
-from .ddp_step import HookConfig, Step, StepContext
+from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
 from .optimizer import TakeoverMixin
 
 log = logging.getLogger("commpress")
