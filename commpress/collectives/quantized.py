@@ -359,10 +359,11 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         if stats is not None:
             stats.add(calls=1, algorithm="reduce_scatter")
         return out.to(tensor.dtype)
-    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
     sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
     received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
-    out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
+    with codec_timer(stats, "decompress"):
+        out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
     _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
     out = out.to(tensor.dtype)
     if stats is not None:

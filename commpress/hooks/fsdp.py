@@ -338,12 +338,14 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 if unit.calls == 0:
                     log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
                                 self.unit, op, input_tensor.dtype, world)
-                dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
-                cs.add(dense_bytes)
+                with Timer() as native:
+                    dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+                cs.add(dense_bytes, rounds=1, seconds=native.seconds)
                 algorithm = "dense"
             elif comp.name == "identity" and not st.uses_error_feedback:
-                dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
-                cs.add(dense_bytes)
+                with Timer() as native:
+                    dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
+                cs.add(dense_bytes, rounds=1, seconds=native.seconds)
                 algorithm = "identity:reduce_scatter"
             elif comp.aggregation == "sum" and not st.uses_error_feedback:
                 self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "reduce_scatter")
@@ -353,7 +355,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
             unit.calls += 1
         st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                        compress_seconds=t.seconds, hook_seconds=t.seconds)
+                        compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
         return None
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -403,7 +405,7 @@ class ReplicaAllReduce:
             torch.mul(summed, 1.0 / replicas, out=reduce_output)
         st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
                         algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
-                        hook_seconds=t.seconds)
+                        hook_seconds=t.seconds, **_account(cs))
 
 
 class QuantizedAllGather(_CommBase, AllGather):
@@ -434,8 +436,9 @@ class QuantizedAllGather(_CommBase, AllGather):
         cs = CommStats()
         with Timer() as t:
             if input_tensor.dtype not in comp.supported_dtypes or world == 1:
-                dist.all_gather_single(output_tensor, input_tensor, group=group)
-                cs.add(dense_bytes)
+                with Timer() as native:
+                    dist.all_gather_single(output_tensor, input_tensor, group=group)
+                cs.add(dense_bytes, rounds=1, seconds=native.seconds)
                 algorithm = "dense"
             else:
                 facts = (n, input_tensor.dtype)
@@ -445,8 +448,14 @@ class QuantizedAllGather(_CommBase, AllGather):
                 self.validated = facts
                 algorithm = f"{comp.name}:all_gather"
         st.stats.record(name, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                        compress_seconds=t.seconds, hook_seconds=t.seconds)
+                        compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
         return None
+
+
+def _account(cs: CommStats) -> dict[str, Any]:
+    """What one call adds to the step-time account (:class:`~.common.Stats`): its collective
+    rounds, the seconds inside them and its codec passes."""
+    return {"rounds": cs.rounds, "comm_seconds": cs.comm_seconds, "codec_seconds": cs.codec_seconds}
 
 
 # ------------------------------------------------------------------ registration

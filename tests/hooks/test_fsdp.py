@@ -256,6 +256,10 @@ def test_stats_bytes_match_payloads(world_size):
             assert st["bytes_sent"] == 2 * sent + first, name
             assert st["dense_bytes"] == 2 * dense
             assert st["compression_ratio"] == pytest.approx(2 * dense / (2 * sent + first))
+            # the step account sees the reduce-scatters: one round per unit, time inside them, codec passes
+            acc = st["account"]
+            assert acc["rounds"] == 2 and acc["comm"] > 0, (name, acc)
+            assert (acc["codec"].get("compress", 0.0) > 0) == (name != "fp16"), (name, acc["codec"])
 
 
 # ------------------------------------------------------------------ checkpoint / resume
