@@ -17,3 +17,18 @@ class MLP3(nn.Module):
 
     def forward(self, x):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def small_net() -> nn.Module:
+    """32 -> 96 -> 8 with ReLU, seeded (identical on every rank)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 8))
+
+
+def train_step(model, opt, rank: int, step: int) -> None:
+    """One classification step on this rank's batch of ``step`` (16 x 32, 8 classes)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()

@@ -13,24 +13,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from nets import small_net as _net, train_step as _step
 
 import commpress
 from commpress.hooks.optimizer import MARK, sgd_momentum
 
 KW = dict(ratio=0.05, min_numel=256, density_warmup=4, overlap=False)
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 8))
-
-
-def _step(model, opt, rank, step):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
 
 
 def _sgd(model, momentum=0.9):
