@@ -493,22 +493,32 @@ class ErrorFeedback(Compressor):
 
     def send_whole(self, tensor: torch.Tensor, key: Any, out: torch.Tensor,
                    transaction: ResidualTransaction | None = None) -> torch.Tensor:
-        """Write the whole compensated tensor ``x + beta * residual(key)`` (fp32; ``x`` with
-        momentum correction as in :meth:`compensate`) into ``out`` (fp32, ``tensor.numel()``
-        elements), for a caller that sends it uncompressed: the key's pending residual is zero
+        """Write the whole compensated tensor ``x + beta * residual(key)`` (``x`` with momentum
+        correction as in :meth:`compensate`) into ``out`` (``tensor.numel()`` elements), for a
+        caller that sends it uncompressed.  ``out`` in fp32: the key's pending residual is zero
         and, with momentum factor masking, so is its pending velocity (every coordinate was
-        sent).  Staged in ``transaction`` when given, else committed at once; a non-finite
-        input keeps the old residual.  Returns the local non-finite flag (0-d bool)."""
+        sent).  ``out`` in a narrower float dtype (bf16, fp16): ``out`` gets the compensated
+        tensor rounded to it and the pending residual keeps the rounding error, as for any
+        other compressor.  Staged in ``transaction`` when given, else committed at once; a
+        non-finite input keeps the old residual.  Returns the local non-finite flag (0-d bool)."""
         self.check_input(tensor)
+        if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"send_whole: out must be fp32, fp16 or bf16, got {out.dtype}")
         tensor, scale = self._scaled(tensor, key)
+        exact = out.dtype == torch.float32
+        dst = out if exact else None   # narrower: compensate into the pending slot, then round
         if self.momentum:
-            dst = self._add_residual(self._accumulate(tensor, key, scale), key, out=out)
+            dst = self._add_residual(self._accumulate(tensor, key, scale), key, out=dst)
         else:
-            dst = self._add_residual(tensor, key, scale, out=out)
-        self._slot(self._pending, key, tensor).zero_()
+            dst = self._add_residual(tensor, key, scale, out=dst)
+        if exact:
+            self._slot(self._pending, key, tensor).zero_()
+        else:
+            out.view(dst.shape).copy_(dst)           # the rounded message
+            dst.sub_(out.view(dst.shape))            # pending := compensated - what was sent
         if self.momentum and self.masking:
             self._velocity_pending[key].zero_()
-        bad = nonfinite_flag(dst)
+        bad = nonfinite_flag(dst if exact else out)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:

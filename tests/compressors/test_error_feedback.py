@@ -153,3 +153,28 @@ def test_send_whole_is_the_compensation_and_empties_the_residual(momentum, scale
     assert torch.count_nonzero(b.residual("k")) == 0
     if momentum:
         assert torch.count_nonzero(b.velocity("k")) == 0      # masking: every coordinate was sent
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_send_whole_narrower_keeps_the_rounding_error(momentum, wire):
+    """Into a bf16/fp16 message: the message is the compensation rounded, the residual is
+    exactly what the rounding dropped (message + residual == compensation, bitwise)."""
+    import commpress
+
+    def fresh():
+        ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1, density_warmup=0), momentum=momentum)
+        ef.compress(torch.randn(1000, generator=torch.Generator().manual_seed(1)), key="k")
+        return ef
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    a, b = fresh(), fresh()
+    want = a.compensate(x, "k").clone()
+    out = torch.empty(1000, dtype=wire)
+    bad = b.send_whole(x, "k", out)
+    assert not bool(bad) and torch.equal(out, want.to(wire))
+    r = b.residual("k")
+    assert torch.count_nonzero(r) > 0
+    assert torch.equal(out.float() + r, want)
+    with pytest.raises(TypeError, match="out must be"):
+        b.send_whole(x, "k", torch.empty(1000, dtype=torch.int32))
