@@ -99,7 +99,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
                             numel=tensor.numel(), dtype=tensor.dtype, algorithm=algorithm, kind=kind,
                             config=fingerprint(compressor), stats=stats, local_message=err[1],
                             what="allreduce")
-    if algorithm == "auto" and kind in ("sparse", "gather") and _comm.world(group) > 1:
+    if algorithm == "auto" and kind == "gather" and _comm.world(group) > 1:  # sparse: by bytes alone
         model = (costmodel.agreed_cost_model(states, group) if states is not None
                  else costmodel.get_cost_model(group))
     else:

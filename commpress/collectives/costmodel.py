@@ -321,24 +321,27 @@ def choose_gather(payload_bytes: int, numel: int, world: int, model: CostModel) 
 FIXED_SPARSE = ("allgather", "dense")
 
 
-def fixed_sparse_costs(numel: int, capacity: int, world: int, value_bytes: int, index_bytes: int,
-                       model: CostModel) -> dict[str, float]:
-    """Predicted seconds of the fixed-size sparse algorithms: a pure function of
-    ``(numel, capacity, P)`` and the model, so every rank picks alike without an exchange.
+def fixed_sparse_bytes(numel: int, capacity: int, world: int, value_bytes: int,
+                       index_bytes: int) -> dict[str, float]:
+    """Bytes one rank sends in each fixed-size sparse algorithm:
 
     * allgather: ``P-1`` messages of ``capacity`` entries plus the status word;
-      scatter-add of ``P capacity`` entries, ``n`` elements zeroed;
     * dense: a ring all_reduce of ``n`` fp32 values (plus padding and status slots).
     """
     P, n, c = world, numel, capacity
-    w = value_bytes + index_bytes
-    return {
-        "allgather": model.time(P - 1, (P - 1) * (w * c + 8), P * c, n),
-        "dense": model.time(2 * (P - 1), 2 * (n + 3) * 4 * (P - 1) / P, c, n),
-    }
+    return {"allgather": (P - 1) * ((value_bytes + index_bytes) * c + 8),
+            "dense": 2 * (n + 3) * 4 * (P - 1) / P}
 
 
-def choose_fixed_sparse(numel: int, capacity: int, world: int, value_bytes: int, index_bytes: int,
-                        model: CostModel) -> str:
-    costs = fixed_sparse_costs(numel, capacity, world, value_bytes, index_bytes, model)
-    return min(FIXED_SPARSE, key=lambda a: (costs[a], FIXED_SPARSE.index(a)))
+def choose_fixed_sparse(numel: int, capacity: int, world: int, value_bytes: int, index_bytes: int) -> str:
+    """``"allgather"`` unless its message is no smaller than the dense all_reduce's.
+
+    By bytes alone, not the calibrated model: whenever the gathered slots are fewer bytes,
+    they are also fewer rounds (``P-1`` against ``2(P-1)``) and no more arithmetic (``P·c < n``
+    entries scatter-added against ``n`` elements zeroed and reduced), so the all-gather wins
+    at any α and β.  A timing-fitted model got this wrong where the fitted β came out near zero
+    (loopback, or a shaped link whose burst absorbs the calibration's messages) and flipped
+    between runs; a pure function of sizes also makes every rank and a resumed run choose alike.
+    """
+    b = fixed_sparse_bytes(numel, capacity, world, value_bytes, index_bytes)
+    return "allgather" if b["allgather"] < b["dense"] else "dense"

@@ -316,13 +316,20 @@ def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, s
     n = numel
     if kind == "sparse":
         c = inner.capacity(n)
-        w = 4 + torch.empty((), dtype=dtype).element_size()
-        ag = ((P - 1), (P - 1) * (w * c + 8), P * c, n)
-        dense = (2 * (P - 1), 2 * (n + 3) * 4 * (P - 1) / P, c, n)
-        return min(ag, dense, key=lambda t: t[1])   # the bytes decide on a slow link
-    if kind == "gather":
+        v = torch.empty((), dtype=dtype).element_size()
+        b = costmodel.fixed_sparse_bytes(n, c, P, v, 4)
+        if costmodel.choose_fixed_sparse(n, c, P, v, 4) == "allgather":
+            return (P - 1), b["allgather"], P * c, n
+        return 2 * (P - 1), b["dense"], c, n
+    if kind == "gather":  # gather_all at P <= 2 (what the cost model always takes there), else two_phase
+        # Its decoding is dense work (elements, at δ), not sparse entries: the caller measures one
+        # compress + decompress as its codec cost, and the terms here hold the decoding beyond that
+        # (gather_all: P-1 more chunks of n; two_phase: the owner's n/P re-compression and the
+        # second decode of n).  Priced as γ entries, 3n made blockquant look slower than bf16.
         B = _payload_bytes(inner, n, dtype)
-        return 2 * (P - 1), 2 * B * (P - 1) / P, 3 * n, n
+        if P <= 2:
+            return P - 1, B * (P - 1), 0, n + (P - 1) * n
+        return 2 * (P - 1), 2 * B * (P - 1) / P, 0, n + n + n / P
     if kind == "lowrank":
         words = 0
         for s in (shapes if shapes is not None else [shape if shape is not None else (n,)]):

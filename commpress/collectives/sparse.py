@@ -34,13 +34,16 @@ of the union of supports, an *entry* is one index (int32, or int64 when
 Through :func:`commpress.collectives.allreduce` (the hooks' path) a sparsifier's
 fixed-size payload takes :func:`fixed_sparse_allreduce`: ``"allgather"`` is one
 all-gather of ``capacity`` slots per rank with the status word in front, and
-``"dense"`` one all_reduce; no header, no size message.  ``"auto"`` picks
-between those two from the cost model alone.  With error feedback, ``"dense"``
-sends the whole compensated tensor rather than its densified selection: the
-same bytes, an exact sum, and the residual empties; ``"auto"`` then takes it
-whenever the all-gather message would be no smaller (by bytes alone, so a
-resumed run chooses alike), and otherwise chooses as without feedback.  The other algorithms need the
-counts, so they run :func:`sparse_allreduce` below with its header.
+``"dense"`` one all_reduce; no header, no size message.  ``"auto"`` takes the
+all-gather whenever its message is smaller (:func:`~.costmodel.choose_fixed_sparse`:
+by bytes alone, so every rank and a resumed run choose alike).  With error
+feedback, ``"dense"`` sends the whole compensated tensor rather than its
+densified selection: the same bytes, an exact sum, and the residual empties;
+``"auto"`` sends the whole compensated tensor in bf16 (the residual keeps the
+rounding) whenever the all-gather message would be no smaller than that: a
+density warm-up's first stage costs a bf16 step, not a dense fp32 one.  The
+other algorithms need the counts, so they run :func:`sparse_allreduce` below
+with its header.
 
 Every call of :func:`sparse_allreduce` first all-gathers one small header per rank
 (:mod:`commpress.collectives.validate`, layout in :mod:`.wire`) carrying the counts and, for
@@ -479,9 +482,12 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
-    if world > 1 and has_feedback(compressor) and (
-            algorithm == "dense" or (algorithm == "auto" and _gather_not_smaller(tensor, inner, step, world))):
-        return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out)
+    if world > 1 and has_feedback(compressor):
+        if algorithm == "dense":
+            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32)
+        if algorithm == "auto" and _gather_not_smaller(tensor, inner, step, world):
+            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,
+                                whole_wire_dtype(tensor.dtype))
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
                                             transaction=transaction, error=error, stats=stats)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
@@ -499,7 +505,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         return inner.decompress(payload).reshape(tensor.shape)
     if algorithm == "auto":
         algorithm = costmodel.choose_fixed_sparse(n, idx.numel(), world, vals.element_size(),
-                                                  idx.element_size(), model)
+                                                  idx.element_size())
     bad_local = payload.nonfinite if payload is not None else None
     # decode straight into ``out`` when no slot can hold padding (index n) and the sum's
     # dtype is out's: no scratch, no copy back (the payload was already taken from the input)
@@ -546,26 +552,38 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     return out
 
 
+def whole_wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``"auto"`` sends a whole compensated tensor in: bf16 for fp32/fp64 input (error
+    feedback keeps the rounding error), the input's own for fp16/bf16."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 def _gather_not_smaller(tensor, inner, step: int, world: int) -> bool:
     """Whether one rank's all-gather message of ``capacity`` slots (sent to P-1 peers) is at
-    least the dense ring all_reduce's bytes: then dropping coordinates saves nothing.  A pure
-    function of (numel, capacity at ``step``, P, dtypes), never of timings, so a resumed run
-    makes the same choice."""
+    least the ring all_reduce of the whole compensated tensor in :func:`whole_wire_dtype`
+    (2 bytes an element): then dropping coordinates saves nothing.  A pure function of
+    (numel, capacity at ``step``, P, dtypes), never of timings, so a resumed run makes the
+    same choice."""
     n = tensor.numel()
     vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
     slots = inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8
-    return slots * world >= 2 * (n + 1 + wire.SUM_SLOTS) * 4
+    whole = (n + 1 + wire.SUM_SLOTS) * whole_wire_dtype(tensor.dtype).itemsize
+    return slots * world >= 2 * whole
 
 
-def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out) -> torch.Tensor:
-    """The ``"dense"`` algorithm with error feedback: one all_reduce of the whole compensated
-    tensor (``x + beta * e``) instead of its densified selection.  The bytes are the same (a
-    dense fp32 message), the sum is exact and the residual becomes zero, and no selection runs.
-    ``"auto"`` takes it when the all-gather message is no smaller than the dense one (a density
-    warm-up's early stages at large P, large ratios): nothing is gained by dropping coordinates."""
+def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
+                 wire_dtype: torch.dtype) -> torch.Tensor:
+    """One all_reduce of the whole compensated tensor (``x + beta * e``) instead of a selection.
+
+    ``"dense"`` with error feedback sends it in fp32: the bytes of the densified selection, an
+    exact sum, the residual emptied, no selection.  ``"auto"`` takes it, in bf16
+    (:func:`whole_wire_dtype`; the residual keeps the rounding error), when the all-gather
+    message is no smaller (a density warm-up's early stages, large ratios): half the bytes of
+    a dense fp32 step and nothing gained by dropping coordinates.  Sums in ``wire_dtype``, as
+    PyTorch's fp16/bf16 hooks do."""
     n, world = tensor.numel(), _comm.world(group)
     code, msg = error
-    buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device)
+    buf = _comm.scratch("sparse_whole", n + 1 + wire.SUM_SLOTS, wire_dtype, tensor.device)
     bad_local = None
     if not code:
         try:

@@ -88,11 +88,12 @@ def test_every_kind_through_two_level():
 
 
 def topk_exact_worker(rank, world):
-    """topk keeping everything is exact: the two-level path is the dense sum."""
+    """topk keeping everything, sent whole in fp32 ("dense"; "auto" would send it in bf16),
+    is exact: the two-level path is the dense sum."""
     h = Hierarchy(2)
     c = commpress.ErrorFeedback(commpress.get("topk", ratio=1.0))
     x = data(rank, 0)
-    got = allreduce(x, c, hierarchy=h, key="all")
+    got = allreduce(x, c, hierarchy=h, key="all", algorithm="dense")
     want = sum(data(r, 0) for r in range(world))
     return float((got - want).abs().max())
 
