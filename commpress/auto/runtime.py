@@ -17,8 +17,8 @@ What it measures, without a host read in the steady state:
 * the step's compute seconds: wall time between two step ends, less the time from
   the backward end to the step end (the exposed communication) and the hooks' own time.
 
-**Check points** (:meth:`AutoCodec.end_step`): at the end of the first compressed step
-(``warmup_steps``) and then every ``check_every`` steps, on every rank at the same
+**Check points** (:meth:`AutoCodec.end_step`): at the end of the second compressed step
+(step ``warmup_steps + 1``: the first has no step before it to time) and then every ``check_every`` steps, on every rank at the same
 step.  One host read of the norms, each candidate's codec cost at each unit's size
 (measured once, cached), and **one** ``all_reduce`` of a float64 vector
 (:func:`~commpress.auto.measure.agree_measurements`).  The :class:`~commpress.auto.decide.Decider`

@@ -324,7 +324,9 @@ class DDPState(TakeoverMixin, HookState):
         auto = self._auto_codec
         flat = self.stats.cost_model if self.stats.cost_model is not None else CostModel(0.0, 0.0)
         auto.network = Network(max(1, self.world_size), flat)
-        auto.first_check = self.warmup_steps
+        # the first check point ends the second compressed step: the first has no step before it
+        # to time the compute from (the warm-up steps take DDP's path), so it measures nothing
+        auto.first_check = self.warmup_steps + 1
         auto.queued = self.overlap
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()

@@ -74,19 +74,19 @@ def auto_worker(rank, world):
         moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
                       float(before[0].abs().sum() + before[1].abs().sum())))
     auto.switch = spy
-    _train(model, opt, rank, range(4))          # checks at the ends of steps 1 and 3: compress
+    _train(model, opt, rank, range(4))          # the first check at the end of step 2: compress
     history.append(sorted(state.stats.as_dict()["auto"].items()))
-    auto.network = Network(world, FAST)         # the network moved: re-decided at step 5
-    _train(model, opt, rank, range(4, 6))
+    auto.network = Network(world, FAST)         # the network moved: re-decided at step 4
+    _train(model, opt, rank, range(4, 7))
     history.append(sorted(state.stats.as_dict()["auto"].items()))
     out["history"], out["moved"] = history, moved
     saved = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
-    _train(model, opt, rank, range(6, 8))       # the next check point is the end of step 7
+    _train(model, opt, rank, range(7, 9))       # the next check point is the end of step 8
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     out["algorithms"] = dict(state.stats.algorithms)
     state.close()
 
-    # resume from the end of step 5: bitwise through step 7
+    # resume from the end of step 6: bitwise through step 8
     hook_state, params, opt_state = saved
     torch.manual_seed(1)
     net = Net()
@@ -99,7 +99,7 @@ def auto_worker(rank, world):
     state2 = _register(model2, opt2)
     state2.codec.network = Network(world, FAST)
     state2.load_state_dict(hook_state)
-    _train(model2, opt2, rank, range(6, 8))
+    _train(model2, opt2, rank, range(7, 9))
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
 
@@ -143,7 +143,7 @@ def auto_worker(rank, world):
             raise OSError("no timer on this rank")
         runtime.codec_cost = broken
     try:
-        _train(model3, opt3, rank, range(2))
+        _train(model3, opt3, rank, range(3))
         out["error"] = None
     except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -170,13 +170,14 @@ def test_register_auto_on_two_ranks():
         assert any(owed > 0 for kind, _, owed in r["moved"])
     # resume: bitwise up to the next check point
     assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
-    # all dense without momentum: DDP's own path between the check windows (steps 1, 3, 4, 6 measure)
+    # all dense without momentum: DDP's own path between the check windows (steps 1, 2, 4, 5 measure;
+    # step 0 is the warm-up, DDP's path too)
     paths, choices = a["fast"]
     assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
-    assert [p == ["dense"] for p in paths] == [True, False, True, False, False, True, False], paths
+    assert [p == ["dense"] for p in paths] == [True, False, False, True, False, False, True], paths
     assert torch.equal(a["fast_params"], b["fast_params"])
     halves, choices = a["bf16"]
-    assert choices == ["bf16", "bf16"] and halves == [False, False, True, False, False, True, False], halves
+    assert choices == ["bf16", "bf16"] and halves == [False, False, False, True, False, False, True], halves
     assert torch.equal(a["bf16_params"], b["bf16_params"])
     # one rank's failure raised on both
     assert "no timer on this rank" in a["error"]
