@@ -1,5 +1,9 @@
 """``register(model, "auto")`` at run time: one codec per unit, the measurements, the check points.
 
+This module is the DDP hook's side; :mod:`commpress.auto.fsdp` subclasses :class:`AutoCodec` for
+FSDP2's reduce-scatter (one unit per FSDP2 unit: residual slots per chunk, reduce-scatter prediction,
+no overlap measure).  :func:`auto_spec` turns either hook's keywords into the :class:`AutoSpec`.
+
 The DDP hook runs each unit (one compressed call: a bucket's compressible parameters)
 through :meth:`AutoCodec.codec`, which returns the unit's own
 :class:`~commpress.ErrorFeedback` of the kind chosen for it.  Every choice runs under

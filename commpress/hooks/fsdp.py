@@ -5,6 +5,7 @@ One call, on a model already wrapped with ``torch.distributed.fsdp.fully_shard``
     state = commpress.fsdp.register(model, "blockquant", bits=8)
     state = commpress.fsdp.register(model, "topk", ratio=0.01)            # + error feedback ("auto")
     state = commpress.fsdp.register(model, "identity", all_gather="blockquant")   # ZeRO++ qwZ style
+    state = commpress.fsdp.register(model, "auto")     # a compressor per unit, chosen from measurements
 
 Every submodule that is an ``FSDPModule`` with parameters (an *FSDP unit*) gets a
 :class:`CompressedReduceScatter` through ``FSDPModule.set_custom_reduce_scatter``
@@ -65,6 +66,14 @@ Bytes are what one rank sends per unit and step (the direct model of
 ``"lowrank"`` (PowerSGD)
     not supported: FSDP's reduce-scatter input is a flat buffer of many
     parameters' shards; ``register`` raises ``ValueError``.
+
+``"auto"``
+    each unit runs the codec chosen for it at the last check point
+    (:mod:`commpress.auto.fsdp`): dense, bf16, blockquant or topk, always under error
+    feedback, on the ``"two_phase"`` path above; a unit that chose dense and owes nothing
+    (no carried residual, no momentum correction) runs FSDP2's own ``reduce_scatter``.
+    The first call after a switch validates again (one header round).  Check points (one
+    ``all_reduce``) run at the end of a backward pass, every ``check_every`` steps.
 
 Non-finite gradients and error feedback
 ---------------------------------------
@@ -527,7 +536,11 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     ``FSDPModule`` with parameters in its tree is handled (only ``module``
     itself with ``recurse=False``).  ``compressor``: a
     :class:`~commpress.Compressor` or a registry name with
-    ``**compressor_params``.  ``error_feedback``: ``True``, ``False`` or
+    ``**compressor_params``, or ``"auto"``: each unit's compressor chosen and re-chosen
+    from measurements (:mod:`commpress.auto.fsdp`; its options ``candidates``,
+    ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` as for DDP;
+    not with ``replicate_group`` or ``reduce_scatter=False``; ``state.stats.as_dict()["auto"]``
+    shows the choices).  ``error_feedback``: ``True``, ``False`` or
     ``"auto"`` (on for biased compressors).  ``all_gather``: ``None`` (dense
     parameter all-gather) or a fixed-size compressor (name or instance, e.g.
     ``"blockquant"``) used to all-gather parameters quantized.

@@ -409,7 +409,10 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
     # __int__ / __float__ / cpu recording every call made from a commpress frame: none may
     # happen (on a GPU each would be a device synchronization stalling the backward pass).
     configs = [("blockquant", {"bits": 8}), ("topk", {"ratio": 0.1}),
-               ("identity", {"all_gather": "blockquant"}), ("fp16", {})]
+               ("identity", {"all_gather": "blockquant"}), ("fp16", {}),
+               # "auto" between check points (at the ends of steps 1 and 4); with momentum correction
+               # every unit runs its codec under error feedback, dense included
+               ("auto", {"check_every": 3, "momentum": 0.9})]
     for per_rank in run(_steady_state_host_reads, 2, configs):
         for name, params in configs:
             res = per_rank[name]
@@ -420,6 +423,7 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
         assert per_rank["topk"]["algorithms"]["0"] == "topk:sparse_reduce_scatter"
         assert per_rank["identity"]["algorithms"]["0/all_gather"] == "blockquant:all_gather"
         assert per_rank["fp16"]["algorithms"]["0"] == "fp16:reduce_scatter"
+        assert per_rank["auto"]["ef"] and per_rank["auto"]["algorithms"]["0"].endswith("_reduce_scatter")
 
 
 # ------------------------------------------------------------------ bad input
