@@ -124,6 +124,21 @@ def auto_worker(rank, world):
                     sorted({u["algorithm"] for u in state3.stats.last_step["units"].values()}),
                     torch.equal(_full(model3), _full(plain)))
 
+    # no momentum: compressed on a slow network, then dense again; the first dense step runs the
+    # units' error feedback (identity: it sends everything owed, exactly), the next FSDP2's own call
+    model6 = fsdp_shard(small_net(), world)
+    opt6 = torch.optim.SGD(model6.parameters(), lr=0.05)
+    state6 = commpress.fsdp.register(model6, "auto", check_every=2, every=2)
+    state6.codec.network = _net(world, SLOW)
+    paths, owed = [], []
+    for step in range(6):
+        if step == 2:
+            state6.codec.network = _net(world, FAST)
+        train_step(model6, opt6, rank, step)
+        paths.append(sorted({u["algorithm"] for u in state6.stats.last_step["units"].values()}))
+        owed.append(sum(float(r.abs().sum()) for c in state6.codec.codecs.values() for r in c._residuals.values()))
+    out["back_to_dense"] = paths, owed
+
     # options: refused on every rank, before any collective
     errors = []
     for kwargs in ({"replicate_group": torch.distributed.group.WORLD}, {"ratio": 0.01},
@@ -177,6 +192,11 @@ def test_register_auto_on_two_ranks():
     # all dense without momentum: FSDP2's own reduce-scatter, bitwise its default
     for r in (a, b):
         assert r["dense"] == (["dense", "dense"], ["identity:reduce_scatter"], True), r["dense"]
+    # back to dense without momentum: one error-feedback step pays what was owed, then FSDP2's call
+    paths, owed = a["back_to_dense"]
+    assert all(p != ["identity:reduce_scatter"] for p in paths[2:4]), paths      # compressed
+    assert owed[3] > 0 and paths[4] != ["identity:reduce_scatter"] and owed[4] == 0.0, (paths, owed)
+    assert paths[5] == ["identity:reduce_scatter"], paths
     # options refused (each on both ranks)
     for r in (a, b):
         assert len(r["errors"]) == 3, r["errors"]
