@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..feedback import ErrorFeedback
-from .candidates import DENSE, Candidate, Choice, describe
+from .candidates import DENSE, Candidate, Choice, describe, prototype
 from .measure import codec_cost
 from .runtime import AutoCodec, AutoSpec
 
@@ -123,8 +123,12 @@ class ReduceScatterAutoCodec(AutoCodec):
     def _rounds_of(self, candidate: Candidate) -> int:
         return 1   # FSDP2's reduce_scatter, or one all_to_all
 
-    def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float:
-        """``P`` passes over one chunk (compress each chunk, decode each piece at the owner)."""
+    def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float | None:
+        """``P`` passes over one chunk (compress each chunk, decode each piece at the owner);
+        ``None`` (not a candidate for this unit) when ``c`` does not take the reduce dtype: the
+        hook would send that unit dense."""
+        if unit.dtype not in prototype(c).supported_dtypes:
+            return None
         p = max(1, self.world)
         m = -(-unit.numel // p)
         return p * codec_cost(c, m, device, dtype=unit.dtype, reps=2 if unit.numel > (1 << 22) else 3)

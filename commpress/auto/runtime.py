@@ -344,7 +344,7 @@ class AutoCodec:
             for u, ch in zip(units, change):
                 acc = self._norms.get(u.key)
                 device = acc.device if acc is not None else torch.device("cpu")
-                codec_s = {c: self._codec_cost(c, u, device) for c in cands}
+                codec_s = {c: t for c in cands if (t := self._codec_cost(c, u, device)) is not None}
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
@@ -389,9 +389,9 @@ class AutoCodec:
         self.checks += 1
         return switched
 
-    def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float:
+    def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float | None:
         """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
-        its elements; powersgd by its matrices)."""
+        its elements; powersgd by its matrices); ``None``: ``c`` cannot run on this unit."""
         return codec_cost(c, unit.numel, device, unit.shapes if c.kind == "powersgd" else None,
                           reps=2 if unit.numel > (1 << 22) else 3)
 
