@@ -139,6 +139,17 @@ def auto_worker(rank, world):
         owed.append(sum(float(r.abs().sum()) for c in state6.codec.codecs.values() for r in c._residuals.values()))
     out["back_to_dense"] = paths, owed
 
+    # an optimizer attached after registration (Lightning): the unit codecs get its momentum
+    model7 = fsdp_shard(small_net(), world)
+    opt7 = torch.optim.SGD(model7.parameters(), lr=0.05, momentum=0.9)
+    state7 = commpress.fsdp.register(model7, "auto", check_every=2)
+    state7.attach_optimizer(opt7)
+    for step in range(2):
+        train_step(model7, opt7, rank, step)
+    out["late"] = (state7.codec.momentum, sorted({c.momentum for c in state7.codec.codecs.values()}),
+                   sorted(state7.stats.as_dict()["auto"]), opt7.param_groups[0]["momentum"])
+    state7.close()
+
     # options: refused on every rank, before any collective
     errors = []
     for kwargs in ({"replicate_group": torch.distributed.group.WORLD}, {"ratio": 0.01},
@@ -197,6 +208,7 @@ def test_register_auto_on_two_ranks():
     assert all(p != ["identity:reduce_scatter"] for p in paths[2:4]), paths      # compressed
     assert owed[3] > 0 and paths[4] != ["identity:reduce_scatter"] and owed[4] == 0.0, (paths, owed)
     assert paths[5] == ["identity:reduce_scatter"], paths
+    assert a["late"] == (0.9, [0.9], ["0", "2"], 0.0) and b["late"] == a["late"], a["late"]
     # options refused (each on both ranks)
     for r in (a, b):
         assert len(r["errors"]) == 3, r["errors"]
