@@ -32,3 +32,22 @@ def train_step(model, opt, rank: int, step: int) -> None:
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
+
+
+def fsdp_shard(model: nn.Module, world_size: int) -> nn.Module:
+    """FSDP2 on CPU / gloo: each ``Linear`` of a ``Sequential`` its own unit, plus the root.
+
+    Sets the torch reference ops (a fresh worker would otherwise JIT-compile the numba
+    kernels: seconds per process; their parity with the reference is tested in tests/ops)."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

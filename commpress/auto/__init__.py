@@ -3,7 +3,8 @@
 The pure decision (:func:`decide`, :class:`Decider`), the measurements it reads
 (:mod:`commpress.auto.measure`), switching a bucket's compressor without losing its
 error-feedback residual (:mod:`commpress.auto.switch`), and the DDP hook's side of it
-(:mod:`commpress.auto.runtime`: ``commpress.ddp.register(model, "auto")``).  See each module's doc.
+(:mod:`commpress.auto.runtime`: ``commpress.ddp.register(model, "auto")``), and the FSDP2 hook's
+(:mod:`commpress.auto.fsdp`: ``commpress.fsdp.register(model, "auto")``).  See each module's doc.
 """
 
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, gentlest

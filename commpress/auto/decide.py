@@ -64,22 +64,31 @@ from typing import Any, Mapping
 import torch
 
 from ..collectives.costmodel import CostModel
-from ..collectives.hierarchy import kind_terms, predict_paths
+from ..collectives.hierarchy import _payload_bytes, kind_terms, predict_paths
 from .candidates import DEFAULT_CANDIDATES, Candidate, Choice, describe, gentlest, prototype
 
 
 # ---------------------------------------------------------------- inputs
+#: what a bucket's (unit's) call runs: DDP's all-reduce or FSDP2's gradient reduce-scatter
+COLLECTIVES = ("allreduce", "reduce_scatter")
+
+
 @dataclass(frozen=True)
 class Network:
     """The α-β(-γ-δ) models of the group: ``flat`` for the whole group of ``world`` ranks;
     with ``local_size`` ranks per node (``1 < local_size < world``) also ``intra`` (inside a
-    node) and ``inter`` (between nodes), and the two-level path is a candidate path."""
+    node) and ``inter`` (between nodes), and the two-level path is a candidate path.
+
+    ``collective``: what a bucket's call runs: ``"allreduce"`` (DDP: the kind's all-reduce,
+    :func:`commpress.collectives.hierarchy.kind_terms`) or ``"reduce_scatter"`` (FSDP2: a
+    unit's gradient reduce-scatter, :func:`reduce_scatter_terms`; flat only)."""
 
     world: int
     flat: CostModel
     local_size: int = 1
     intra: CostModel | None = None
     inter: CostModel | None = None
+    collective: str = "allreduce"
 
     def __post_init__(self) -> None:
         if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
@@ -89,6 +98,10 @@ class Network:
             raise ValueError(f"Network: local_size must be a positive int dividing world={self.world}, got {L!r}")
         if self.hierarchical and (self.intra is None or self.inter is None):
             raise ValueError("Network: local_size between 1 and world needs both intra and inter models")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"Network: collective must be one of {COLLECTIVES}, got {self.collective!r}")
+        if self.collective == "reduce_scatter" and self.hierarchical:
+            raise ValueError("Network: the reduce-scatter (FSDP2) has no two-level path: local_size must be 1")
 
     @property
     def hierarchical(self) -> bool:
@@ -103,7 +116,7 @@ class Network:
         def sc(mod: CostModel | None) -> CostModel | None:
             return None if mod is None else CostModel(mod.alpha, mod.beta * factor, mod.gamma, mod.delta)
 
-        return Network(self.world, sc(self.flat), self.local_size, sc(self.intra), sc(self.inter))
+        return Network(self.world, sc(self.flat), self.local_size, sc(self.intra), sc(self.inter), self.collective)
 
 
 @dataclass(frozen=True)
@@ -213,12 +226,42 @@ class Prices:
 
 
 # ---------------------------------------------------------------- prediction
+def reduce_scatter_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype = torch.float32
+                         ) -> tuple[float, float, float, float]:
+    """(messages, bytes, entries, elements) of FSDP2's gradient reduce-scatter of ``numel``
+    (``P·m``) elements through commpress (:mod:`commpress.hooks.fsdp`'s module doc):
+
+    * identity (dense): FSDP2's own ``reduce_scatter``, ``m·itemsize·(P−1)`` bytes;
+    * every other kind: one ``all_to_all`` of each chunk's fixed-size payload of ``m``
+      elements behind the 8-byte status word, ``(P−1)·(8 + payload)`` bytes; the owner
+      decodes and sums the ``P`` pieces (sparse kinds: ``P·capacity(m)`` entries, the
+      capacity at the final density: a density warm-up sends more in its first steps).
+
+    One round either way (the validation round of a unit's first call is not counted)."""
+    if P <= 1 or numel == 0:
+        return 0.0, 0.0, 0.0, float(numel)
+    m = -(-numel // P)
+    if compressor.name == "identity":
+        return float(P - 1), float((P - 1) * m * torch.empty((), dtype=dtype).element_size()), 0.0, float(numel)
+    if compressor.aggregation == "sparse":   # int32 indices and values, each 8-aligned, at the final density
+        c = compressor.capacity(m)
+        item = torch.empty((), dtype=dtype).element_size()
+        payload, entries = 8 * (-(-4 * c // 8)) + 8 * (-(-c * item // 8)), P * c
+    else:
+        payload, entries = _payload_bytes(compressor, m, dtype), 0
+    return float(P - 1), float((P - 1) * (8 + payload)), float(entries), float(numel)
+
+
 def comm_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
     """Predicted seconds of the bucket's collective for ``choice`` (the cost model's terms)."""
     c, n = choice.candidate, bucket.numel
     if network.world <= 1 or n == 0:
         return 0.0
     proto = prototype(c)
+    if network.collective == "reduce_scatter":
+        if choice.path != "flat" or proto.aggregation == "lowrank":
+            raise ValueError(f"comm_seconds: FSDP2's reduce-scatter cannot run {describe(choice)}")
+        return network.flat.time(*reduce_scatter_terms(proto, n, network.world, bucket.dtype))
     shapes = [tuple(s) for s in bucket.shapes] if c.kind == "powersgd" and bucket.shapes else None
     shape = None if shapes is not None else (n,)
     if network.hierarchical:

@@ -1,5 +1,9 @@
 """``register(model, "auto")`` at run time: one codec per unit, the measurements, the check points.
 
+This module is the DDP hook's side; :mod:`commpress.auto.fsdp` subclasses :class:`AutoCodec` for
+FSDP2's reduce-scatter (one unit per FSDP2 unit: residual slots per chunk, reduce-scatter prediction,
+no overlap measure).  :func:`auto_spec` turns either hook's keywords into the :class:`AutoSpec`.
+
 The DDP hook runs each unit (one compressed call: a bucket's compressible parameters)
 through :meth:`AutoCodec.codec`, which returns the unit's own
 :class:`~commpress.ErrorFeedback` of the kind chosen for it.  Every choice runs under
@@ -124,6 +128,28 @@ class AutoSpec(Compressor):
 
     def decompress(self, payload, out=None):
         raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
+
+
+def auto_spec(params: dict[str, Any], *, exclude: tuple[str, ...] = (), where: str = "the hook") -> AutoSpec:
+    """The :class:`AutoSpec` of ``register(model, "auto", **params)``: its options are taken out
+    of ``params`` (``momentum`` and ``momentum_masking`` stay: the hook's own).  ``ValueError``
+    for an unknown option, naming :data:`AUTO_OPTIONS`.  Candidates of a kind in ``exclude``
+    (what ``where`` cannot run) are left out of the default set and refused when given."""
+    unknown = sorted(set(params) - set(AUTO_OPTIONS) - {"momentum", "momentum_masking"})
+    if unknown:
+        raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
+                         f"momentum_masking), got {unknown}")
+    options = {k: params.pop(k) for k in AUTO_OPTIONS if k in params}
+    if exclude:
+        if "candidates" in options:
+            cands = [_candidate(c) for c in options["candidates"]]
+            bad = [describe(c) for c in cands if c.kind in exclude]
+            if bad:
+                raise ValueError(f"auto: candidates {bad} cannot run in {where} (kinds {list(exclude)} "
+                                 "are not supported there)")
+        else:
+            options["candidates"] = tuple(c for c in DEFAULT_CANDIDATES if c.kind not in exclude)
+    return AutoSpec(**options)
 
 
 _BF16 = Choice(Candidate("bf16"))
@@ -318,11 +344,10 @@ class AutoCodec:
             for u, ch in zip(units, change):
                 acc = self._norms.get(u.key)
                 device = acc.device if acc is not None else torch.device("cpu")
-                codec_s = {c: codec_cost(c, u.numel, device, u.shapes if c.kind == "powersgd" else None,
-                                         reps=2 if u.numel > (1 << 22) else 3) for c in cands}
+                codec_s = {c: t for c in cands if (t := self._codec_cost(c, u, device)) is not None}
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
-                                              codec_s, ch))
+                                              codec_s, ch, getattr(u, "dtype", torch.float32)))
             compute = self._compute[0] / self._compute[1] if self._compute[1] else 0.0
             measured = [self._meas.get(u.key, (0.0, 0)) for u in units]
             measured = [s_ / n if n else 0.0 for s_, n in measured]
@@ -364,6 +389,26 @@ class AutoCodec:
         self.checks += 1
         return switched
 
+    def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float | None:
+        """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
+        its elements; powersgd by its matrices); ``None``: ``c`` cannot run on this unit."""
+        return codec_cost(c, unit.numel, device, unit.shapes if c.kind == "powersgd" else None,
+                          reps=2 if unit.numel > (1 << 22) else 3)
+
+    def _rounds_of(self, candidate: Candidate) -> int:
+        """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds`)."""
+        return _rounds(candidate)
+
+    def _unit_slots(self, codec: ErrorFeedback, key: Any, numel: int, owner: bool) -> list[tuple[Any, int, int]]:
+        """Where ``codec`` keeps unit ``key``'s residuals (DDP: :func:`_slots`)."""
+        return _slots(codec, key, numel, self.world, self.rank, owner)
+
+    def _names(self, units: list[Any]) -> list[str]:
+        """The report's name of each unit: the DDP bucket that completes it (``"b/u"`` when a
+        bucket completes several)."""
+        buckets = [self._unit_bucket.get(u.key, -1) for u in units]
+        return [str(b) if buckets.count(b) == 1 else f"{b}/{i}" for i, b in enumerate(buckets)]
+
     def _with_round_cost(self, m: Measurements, units: list[Any]) -> Measurements:
         """``m`` with each candidate's codec seconds raised by ``round_s`` per collective round.
 
@@ -382,7 +427,7 @@ class AutoCodec:
             choice = self.choices.get(u.key, DENSE)
             bucket = m.buckets[b]
             excess += meas - codec_seconds(choice, bucket, m.network) - comm_seconds(choice, bucket, m.network)
-            rounds += _rounds(choice.candidate)
+            rounds += self._rounds_of(choice.candidate)
         if rounds:
             self.round_s = max(0.0, excess) / rounds
         watched = self._round_s_decided
@@ -390,8 +435,9 @@ class AutoCodec:
             self.decider.watched = None   # the per-round cost moved: re-decide now
         buckets = []
         for b in m.buckets:
-            codec = {c: t + self.round_s * _rounds(c) for c, t in b.codec_s.items()}
-            codec[DENSE.candidate] = b.codec_s.get(DENSE.candidate, 0.0) + self.round_s * _rounds(DENSE.candidate)
+            codec = {c: t + self.round_s * self._rounds_of(c) for c, t in b.codec_s.items()}
+            codec[DENSE.candidate] = (b.codec_s.get(DENSE.candidate, 0.0)
+                                      + self.round_s * self._rounds_of(DENSE.candidate))
             buckets.append(dataclasses.replace(b, codec_s=codec))
         return dataclasses.replace(m, buckets=tuple(buckets))
 
@@ -411,10 +457,10 @@ class AutoCodec:
         old = self.codecs.get(key)
         carry = Carry()
         if old is not None:
-            for k, off, _ in _slots(old, key, numel, self.world, self.rank, owner=True):
+            for k, off, _ in self._unit_slots(old, key, numel, owner=True):
                 take_residual(old, k, numel, off, into=carry)
         new = self._build(choice)
-        for k, off, n in _slots(new, key, numel, self.world, self.rank, owner=False):
+        for k, off, n in self._unit_slots(new, key, numel, owner=False):
             part = Carry(None if carry.residual is None else carry.residual[off:off + n],
                          None if carry.velocity is None else carry.velocity[off:off + n])
             if part.residual is not None or part.velocity is not None:
@@ -426,14 +472,13 @@ class AutoCodec:
 
     # -- the report: state.stats.as_dict()["auto"] --------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
-        """``{unit: {"choice", "predicted_ms", "measured_ms", "bucket", "params"}}``: named by the
-        DDP bucket that completes the unit (``"b/u"`` when a bucket completes several)."""
+        """``{unit: {"choice", "predicted_ms", "measured_ms", "params"}}``: named by the
+        DDP bucket that completes the unit (``"b/u"`` when a bucket completes several), or
+        by the FSDP2 unit's module name (:meth:`_names`)."""
         units = self._units
-        buckets = [self._unit_bucket.get(u.key, -1) for u in units]
         cur = self.decider.current
         out: dict[str, dict[str, Any]] = {}
-        for i, u in enumerate(units):
-            name = str(buckets[i]) if buckets.count(buckets[i]) == 1 else f"{buckets[i]}/{i}"
+        for i, (u, name) in enumerate(zip(units, self._names(units))):
             s, n = self._meas.get(u.key, (0.0, 0))
             meas = s / n if n else self._last_meas.get(u.key)
             pred = cur.predicted_s[i] if cur is not None and i < len(cur.predicted_s) else None

@@ -495,7 +495,7 @@ class DDPState(TakeoverMixin, HookState):
 def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_feedback: Any) -> Compressor:
     """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", **params)`` (its
     options are taken out of ``params``; ``ValueError`` for what "auto" cannot do)."""
-    from ..auto.runtime import AUTO_OPTIONS, AutoSpec
+    from ..auto.runtime import auto_spec
 
     if hierarchy is not None:
         raise ValueError("hierarchy= is not supported with compressor 'auto' yet (the two-level path is "
@@ -506,11 +506,7 @@ def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_
     if error_feedback is False:
         raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice runs "
                          "under error feedback so that a switch loses no residual")
-    unknown = sorted(set(params) - set(AUTO_OPTIONS) - {"momentum", "momentum_masking"})
-    if unknown:
-        raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
-                         f"momentum_masking), got {unknown}")
-    return AutoSpec(**{k: params.pop(k) for k in AUTO_OPTIONS if k in params})
+    return auto_spec(params, where="the DDP hook")
 
 
 def _verify_every(value: int | None) -> int:

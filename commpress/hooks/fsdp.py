@@ -5,6 +5,7 @@ One call, on a model already wrapped with ``torch.distributed.fsdp.fully_shard``
     state = commpress.fsdp.register(model, "blockquant", bits=8)
     state = commpress.fsdp.register(model, "topk", ratio=0.01)            # + error feedback ("auto")
     state = commpress.fsdp.register(model, "identity", all_gather="blockquant")   # ZeRO++ qwZ style
+    state = commpress.fsdp.register(model, "auto")     # a compressor per unit, chosen from measurements
 
 Every submodule that is an ``FSDPModule`` with parameters (an *FSDP unit*) gets a
 :class:`CompressedReduceScatter` through ``FSDPModule.set_custom_reduce_scatter``
@@ -65,6 +66,14 @@ Bytes are what one rank sends per unit and step (the direct model of
 ``"lowrank"`` (PowerSGD)
     not supported: FSDP's reduce-scatter input is a flat buffer of many
     parameters' shards; ``register`` raises ``ValueError``.
+
+``"auto"``
+    each unit runs the codec chosen for it at the last check point
+    (:mod:`commpress.auto.fsdp`): dense, bf16, blockquant or topk, always under error
+    feedback, on the ``"two_phase"`` path above; a unit that chose dense and owes nothing
+    (no carried residual, no momentum correction) runs FSDP2's own ``reduce_scatter``.
+    The first call after a switch validates again (one header round).  Check points (one
+    ``all_reduce``) run at the end of a backward pass, every ``check_every`` steps.
 
 Non-finite gradients and error feedback
 ---------------------------------------
@@ -189,7 +198,7 @@ class _Unit:
     module: FSDPModule
     calls: int = 0
     input_numel: int = 0
-    validated: tuple[int, torch.dtype] | None = None   # (numel, dtype) agreed across ranks
+    validated: tuple[Any, ...] | None = None   # (numel, dtype, "auto" choice) agreed across ranks
 
 
 class FSDPState(TakeoverMixin, HookState):
@@ -214,13 +223,19 @@ class FSDPState(TakeoverMixin, HookState):
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
                  **compressor_params: Any) -> None:
-        if isinstance(compressor, str) and compressor == "auto":
-            raise NotImplementedError(
-                "fsdp.register(model, 'auto') is not available yet (the DDP hook has it: "
-                "commpress.ddp.register(model, 'auto')); name a compressor, e.g. 'blockquant' or 'bf16' "
-                "(README: 'Which compressor')")
+        self.auto = isinstance(compressor, str) and compressor == "auto"
+        if self.auto:  # a compressor per unit, chosen from measurements (commpress.auto.fsdp)
+            from ..auto.fsdp import EXCLUDED_KINDS
+            from ..auto.runtime import auto_spec
+
+            if error_feedback is False:
+                raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice "
+                                 "runs under error feedback so that a switch loses no residual")
+            compressor = auto_spec(compressor_params, exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          **compressor_params)
+        if self.auto:
+            self._new_auto_codec()
         if self.compressor.aggregation == "lowrank":
             raise ValueError(
                 f"compressor {self.compressor.name!r} (aggregation 'lowrank') is not supported with "
@@ -241,6 +256,42 @@ class FSDPState(TakeoverMixin, HookState):
         self.transaction = ResidualTransaction()
         self._step_open = False
         self._reduced: set[str] = set()
+
+    # -- "auto" ----------------------------------------------------------------
+    def _new_auto_codec(self) -> None:
+        """The :class:`~commpress.auto.fsdp.ReduceScatterAutoCodec` of ``"auto"`` (again after a
+        momentum taken over: what binding set is kept)."""
+        from ..auto.fsdp import ReduceScatterAutoCodec
+
+        old = getattr(self, "_auto_codec", None)
+        self.codec = self._auto_codec = ReduceScatterAutoCodec(self.compressor, self.momentum, self.momentum_masking)
+        self.uses_error_feedback = True   # every choice runs under error feedback
+        if old is not None:
+            for name in ("network", "first_check", "world", "rank", "order", "infos", "_units"):
+                setattr(self.codec, name, getattr(old, name))
+
+    def _bind_auto(self) -> None:
+        """``"auto"``: the α-β model of the group (calibrated now: a collective), the units in
+        registration order, the check points, the report."""
+        from ..auto.decide import Network
+        from ..collectives.costmodel import CostModel
+
+        if self.world_size > 1:
+            from ..collectives import get_cost_model
+
+            self.stats.cost_model = get_cost_model(self.process_group)
+        auto = self._auto_codec
+        flat = self.stats.cost_model if self.stats.cost_model is not None else CostModel(0.0, 0.0)
+        auto.network = Network(max(1, self.world_size), flat, collective="reduce_scatter")
+        auto.first_check = 1          # every unit starts dense: the first check ends the second step
+        auto.world, auto.rank = self.world_size, self.rank
+        layouts = {name: _unit_layout(u.module) for name, u in self.units.items()}
+        auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
+        self.stats.auto_report = lambda: self.codec.report()
+
+    def _momentum_changed(self) -> None:
+        if self.auto:
+            self._new_auto_codec()   # attach_optimizer wrapped the spec: the per-unit codecs get the momentum
 
     def _covered_parameter_ids(self) -> set[int]:
         """The parameters whose momentum the hook takes over: every unit's."""
@@ -285,9 +336,12 @@ class FSDPState(TakeoverMixin, HookState):
         self._reduced.clear()
         self.transaction.commit()
         collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
+        if self.auto:  # a check point every check_every steps (collective: every rank at this step)
+            self.codec.end_step(self.step, group=self.process_group)
         self.step += 1
         # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
-        self.stats.memory_overhead_bytes = tensor_bytes(list(getattr(self.codec, "_residuals", {}).values()))
+        self.stats.memory_overhead_bytes = (self.codec.memory_bytes() if self.auto else
+                                            tensor_bytes(list(getattr(self.codec, "_residuals", {}).values())))
         self.stats.end_step()
 
     # -- checkpoints --------------------------------------------------------
@@ -332,8 +386,15 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             unit.input_numel = input_tensor.numel()
         st._touch_step(self.unit)
         cs = CommStats()
+        codec, own_call, tag = st.codec, False, None
+        if st.auto:  # the unit's own codec, chosen at the last check point (the same on every rank)
+            auto = st.codec
+            info = auto.unit(self.unit, input_tensor.numel(), input_tensor.dtype)
+            own_call = auto.native(self.unit)   # dense, nothing owed, no momentum: FSDP2's own call
+            codec = auto.codec(info, input_tensor, None)
+            tag = auto.choices[self.unit]
         with Timer() as t:
-            comp = st.compressor
+            comp = codec.compressor if st.auto else st.compressor
             if scale is None or world == 1 or input_tensor.dtype not in comp.supported_dtypes:
                 if unit.calls == 0:
                     log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
@@ -342,31 +403,36 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                     dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
                 cs.add(dense_bytes, rounds=1, seconds=native.seconds)
                 algorithm = "dense"
-            elif comp.name == "identity" and not st.uses_error_feedback:
-                with Timer() as native:
+            elif own_call or (comp.name == "identity" and not st.uses_error_feedback):
+                with Timer() as call:
                     dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
-                cs.add(dense_bytes, rounds=1, seconds=native.seconds)
+                cs.add(dense_bytes, rounds=1, seconds=call.seconds)
                 algorithm = "identity:reduce_scatter"
             elif comp.aggregation == "sum" and not st.uses_error_feedback:
                 self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "reduce_scatter")
                 algorithm = f"{comp.name}:reduce_scatter"
             else:
-                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "two_phase")
+                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "two_phase", codec, tag)
                 algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
             unit.calls += 1
+        if st.auto:
+            st.codec.measured(info, t.seconds)
         st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
         return None
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                        scale: float | torch.Tensor, cs: CommStats, algorithm: str) -> None:
+                        scale: float | torch.Tensor, cs: CommStats, algorithm: str, codec: Any = None,
+                        tag: Any = None) -> None:
         """:func:`commpress.collectives.reduce_scatter` (one all_to_all for ``"two_phase"``, one
         reduce_scatter for ``"reduce_scatter"``; status inside either way), the residual updates
-        staged in the step's transaction, then FSDP's scale."""
+        staged in the step's transaction, then FSDP's scale.  ``codec``: the unit's own
+        (``"auto"``; ``tag`` its choice, so the first call after a switch validates again)."""
         st = self.state
         unit = st.units[self.unit]
-        facts = (inp.numel(), inp.dtype)
-        summed = collectives.reduce_scatter(inp, st.codec, group=group, key=self.unit, step=st.step, stats=cs,
+        facts = (inp.numel(), inp.dtype, tag)
+        summed = collectives.reduce_scatter(inp, st.codec if codec is None else codec, group=group, key=self.unit,
+                                            step=st.step, stats=cs,
                                             generator=st.generator, validate=unit.validated != facts,
                                             transaction=st.transaction, algorithm=algorithm)
         unit.validated = facts
@@ -470,7 +536,11 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     ``FSDPModule`` with parameters in its tree is handled (only ``module``
     itself with ``recurse=False``).  ``compressor``: a
     :class:`~commpress.Compressor` or a registry name with
-    ``**compressor_params``.  ``error_feedback``: ``True``, ``False`` or
+    ``**compressor_params``, or ``"auto"``: each unit's compressor chosen and re-chosen
+    from measurements (:mod:`commpress.auto.fsdp`; its options ``candidates``,
+    ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` as for DDP;
+    not with ``replicate_group`` or ``reduce_scatter=False``; ``state.stats.as_dict()["auto"]``
+    shows the choices).  ``error_feedback``: ``True``, ``False`` or
     ``"auto"`` (on for biased compressors).  ``all_gather``: ``None`` (dense
     parameter all-gather) or a fixed-size compressor (name or instance, e.g.
     ``"blockquant"``) used to all-gather parameters quantized.
@@ -513,6 +583,10 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             "replicate_group: the model is sharded with a 2-D (replicate x shard) mesh, whose replica "
             "all-reduce torch 2.13's FSDP2 runs itself with no hook to replace it; shard each replica "
             "with the 1-D shard mesh (mesh['shard']) and pass replicate_group=mesh['replicate'].get_group()")
+    if isinstance(compressor, str) and compressor == "auto" and (replicate_group is not None or not reduce_scatter
+                                                                  and reduce_scatter is not None):
+        raise ValueError("compressor 'auto' chooses each unit's reduce-scatter: replicate_group= and "
+                         "reduce_scatter=False are not supported with it; give a fixed compressor")
     if reduce_scatter is None:
         reduce_scatter = replicate_group is None
     pg = groups[0]._reduce_scatter_process_group
@@ -523,6 +597,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     if optimizer is not None:
         state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it
     state.check_config()
+    if state.auto:
+        state._bind_auto()
     for name, m in units:
         if reduce_scatter:
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, name))

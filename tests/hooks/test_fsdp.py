@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import commpress
 from distributed import run
+from nets import fsdp_shard as shard
 
 # ----------------------------------------------------------------------------- helpers
 SIZES = (64, 33, 10)   # 33: shards need padding for P = 2 and 3
@@ -29,18 +30,6 @@ def make_model(seed: int = 0, sizes=SIZES) -> torch.nn.Module:
     for a, b in zip(sizes[:-1], sizes[1:]):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers[:-1])
-
-
-def shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    # The torch reference ops: a fresh worker would otherwise JIT-compile the numba
-    # kernels (seconds per process); their parity with the reference is tested in tests/ops.
-    os.environ["COMMPRESS_BACKEND"] = "torch"
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def batch(rank: int, step: int, n: int = 8, d: int = SIZES[0], classes: int = SIZES[-1]):
@@ -420,7 +409,10 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
     # __int__ / __float__ / cpu recording every call made from a commpress frame: none may
     # happen (on a GPU each would be a device synchronization stalling the backward pass).
     configs = [("blockquant", {"bits": 8}), ("topk", {"ratio": 0.1}),
-               ("identity", {"all_gather": "blockquant"}), ("fp16", {})]
+               ("identity", {"all_gather": "blockquant"}), ("fp16", {}),
+               # "auto" between check points (at the ends of steps 1 and 4); with momentum correction
+               # every unit runs its codec under error feedback, dense included
+               ("auto", {"check_every": 3, "momentum": 0.9})]
     for per_rank in run(_steady_state_host_reads, 2, configs):
         for name, params in configs:
             res = per_rank[name]
@@ -431,6 +423,7 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
         assert per_rank["topk"]["algorithms"]["0"] == "topk:sparse_reduce_scatter"
         assert per_rank["identity"]["algorithms"]["0/all_gather"] == "blockquant:all_gather"
         assert per_rank["fp16"]["algorithms"]["0"] == "fp16:reduce_scatter"
+        assert per_rank["auto"]["ef"] and per_rank["auto"]["algorithms"]["0"].endswith("_reduce_scatter")
 
 
 # ------------------------------------------------------------------ bad input
@@ -563,7 +556,3 @@ def test_sum_path_status_raises_on_every_rank():
         assert is_input_error and "rank(s) [1]" in msg, (r, msg)
         assert ("injected codec fault" in msg) == (r == 1), (r, msg)
 
-
-def test_auto_is_refused_with_a_pointer_to_what_works():
-    with pytest.raises(NotImplementedError, match="ddp.register\\(model, 'auto'\\)"):
-        commpress.fsdp.FSDPState("auto")

@@ -1,0 +1,280 @@
+"""``commpress.fsdp.register(model, "auto")`` on 2 gloo ranks (FSDP2 on CPU), and switching a unit.
+
+One 2-rank run does the distributed checks in one worker (the harness's cost is per run):
+the same choices on both ranks from their own timings, a slow (synthetic) network choosing
+compressed kinds and a fast one dense again, every switch conserving residual and velocity
+(momentum taken over from the optimizer), full parameters bitwise across ranks, a bitwise
+resume up to the next check point, an all-dense plan bitwise FSDP2's default, the options
+refused on every rank, and a rank that fails to measure raising on both.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from distributed import run
+from nets import fsdp_shard, small_net, train_step
+
+import commpress
+from commpress.auto import Candidate, Choice, Network
+from commpress.auto.decide import BucketMeasure, Measurements, decide, reduce_scatter_terms
+from commpress.auto.fsdp import ReduceScatterAutoCodec
+from commpress.auto.runtime import AutoSpec, auto_spec
+from commpress.auto.candidates import prototype
+from commpress.collectives.costmodel import CostModel
+
+SLOW = CostModel(1e-3, 1e-4)     # 10 kB/s: compressing pays whatever the compute
+FAST = CostModel(1e-7, 1e-13)    # nothing to gain: dense
+
+
+def _net(world, model):
+    return Network(world, model, collective="reduce_scatter")
+
+
+def _owed(auto, codec, key, numel):
+    """Residual and velocity a unit's codec still owes, in the unit's (input's) coordinates."""
+    res, vel = torch.zeros(numel), torch.zeros(numel)
+    for k, off, n in auto._unit_slots(codec, key, numel, owner=True):
+        r, v = codec.residual(k), codec.velocity(k)
+        if r is not None:
+            res[off:off + n] += r.reshape(-1)
+        if v is not None:
+            vel[off:off + n] += v.reshape(-1)
+    return res, vel
+
+
+def _full(model):
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def _local(model):
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _register(model, opt):
+    return commpress.fsdp.register(model, "auto", optimizer=opt, check_every=2, every=2, margin=0.0)
+
+
+def auto_worker(rank, world):
+    out = {}
+    model = fsdp_shard(small_net(), world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = _register(model, opt)
+    auto = state.codec
+    auto.network = _net(world, SLOW)
+    moved, history = [], []
+    original = auto.switch
+
+    def spy(key, numel, choice):
+        before = _owed(auto, auto.codecs[key], key, numel)
+        original(key, numel, choice)
+        after = _owed(auto, auto.codecs[key], key, numel)
+        moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
+                      float(before[0].abs().sum() + before[1].abs().sum())))
+    auto.switch = spy
+    for step in range(5):                      # checks at the ends of steps 1 and 3: compress
+        train_step(model, opt, rank, step)
+    history.append(sorted(state.stats.as_dict()["auto"].items()))   # step 4's call times measured
+    out["algorithms"] = sorted(state.stats.last_step["units"][u]["algorithm"] for u in state.units)
+    auto.network = _net(world, FAST)           # the network moved: dense again at the end of step 5
+    train_step(model, opt, rank, 5)
+    history.append(sorted(state.stats.as_dict()["auto"].items()))
+    out["history"], out["moved"] = history, moved
+    buf = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "params": _local(model), "opt": opt.state_dict()}, buf)
+    for step in range(6, 8):                   # the next check point is the end of step 7
+        train_step(model, opt, rank, step)
+    out["params"] = _full(model)
+    state.close()
+
+    # resume from the end of step 5 (a weights_only round trip): bitwise through step 7
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    torch.manual_seed(1)
+    model2 = fsdp_shard(torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8)), world)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), ckpt["params"]):
+            p.to_local().copy_(q)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
+    opt2.load_state_dict(ckpt["opt"])
+    state2 = _register(model2, opt2)
+    state2.codec.network = _net(world, FAST)
+    state2.load_state_dict(ckpt["hook"])
+    out["resumed_choices"] = {k: str(c) for k, c in state2.codec.choices.items()} == \
+        {k: str(c) for k, c in state.codec.choices.items()}
+    for step in range(6, 8):
+        train_step(model2, opt2, rank, step)
+    out["resumed"] = _full(model2)
+    state2.close()
+
+    # no momentum, a fast network: every unit dense, FSDP2's own reduce-scatter: bitwise its default
+    model3 = fsdp_shard(small_net(), world)
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.05)
+    state3 = commpress.fsdp.register(model3, "auto", check_every=2)
+    state3.codec.network = _net(world, FAST)
+    plain = fsdp_shard(small_net(), world)
+    opt4 = torch.optim.SGD(plain.parameters(), lr=0.05)
+    for step in range(4):
+        train_step(model3, opt3, rank, step)
+        train_step(plain, opt4, rank, step)
+    out["dense"] = (sorted(e["choice"] for e in state3.stats.as_dict()["auto"].values()),
+                    sorted({u["algorithm"] for u in state3.stats.last_step["units"].values()}),
+                    torch.equal(_full(model3), _full(plain)))
+
+    # no momentum: compressed on a slow network, then dense again; the first dense step runs the
+    # units' error feedback (identity: it sends everything owed, exactly), the next FSDP2's own call
+    model6 = fsdp_shard(small_net(), world)
+    opt6 = torch.optim.SGD(model6.parameters(), lr=0.05)
+    state6 = commpress.fsdp.register(model6, "auto", check_every=2, every=2)
+    state6.codec.network = _net(world, SLOW)
+    paths, owed = [], []
+    for step in range(6):
+        if step == 2:
+            state6.codec.network = _net(world, FAST)
+        train_step(model6, opt6, rank, step)
+        paths.append(sorted({u["algorithm"] for u in state6.stats.last_step["units"].values()}))
+        owed.append(sum(float(r.abs().sum()) for c in state6.codec.codecs.values() for r in c._residuals.values()))
+    out["back_to_dense"] = paths, owed
+
+    # an optimizer attached after registration (Lightning): the unit codecs get its momentum
+    model7 = fsdp_shard(small_net(), world)
+    opt7 = torch.optim.SGD(model7.parameters(), lr=0.05, momentum=0.9)
+    state7 = commpress.fsdp.register(model7, "auto", check_every=2)
+    state7.attach_optimizer(opt7)
+    for step in range(2):
+        train_step(model7, opt7, rank, step)
+    out["late"] = (state7.codec.momentum, sorted({c.momentum for c in state7.codec.codecs.values()}),
+                   sorted(state7.stats.as_dict()["auto"]), opt7.param_groups[0]["momentum"])
+    state7.close()
+
+    # options: refused on every rank, before any collective
+    errors = []
+    for kwargs in ({"replicate_group": torch.distributed.group.WORLD}, {"ratio": 0.01},
+                   {"candidates": [("powersgd", 1)]}):
+        try:
+            commpress.fsdp.register(fsdp_shard(small_net(), world), "auto", **kwargs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+
+    # a rank that fails to measure: both raise at the check point (no hang)
+    model5 = fsdp_shard(small_net(), world)
+    opt5 = torch.optim.SGD(model5.parameters(), lr=0.05)
+    commpress.fsdp.register(model5, "auto", check_every=2)
+    if rank == 0:
+        from commpress.auto import fsdp as auto_fsdp
+
+        def broken(*a, **k):
+            raise OSError("no timer on this rank")
+        auto_fsdp.codec_cost = broken
+    try:
+        for step in range(2):
+            train_step(model5, opt5, rank, step)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_register_auto_on_two_ranks():
+    a, b = run(auto_worker, 2, timeout=110)
+    # both ranks made the same decisions, from their own timings; replicas identical
+    assert [[(n, e["choice"]) for n, e in h] for h in a["history"]] == \
+           [[(n, e["choice"]) for n, e in h] for h in b["history"]]
+    assert torch.equal(a["params"], b["params"])
+    first, second = ([e["choice"] for _, e in h] for h in a["history"])
+    assert [n for n, _ in a["history"][0]] == ["0", "2"]                  # named by FSDP unit
+    assert all(c != "dense" for c in first), first                        # the slow network: compressed
+    assert all(c == "dense" for c in second), second                      # the fast one: dense again
+    assert all(alg != "identity:reduce_scatter" for alg in a["algorithms"]), a["algorithms"]
+    for _, e in a["history"][0]:
+        assert e["predicted_ms"] > 0 and e["measured_ms"] is not None and e["params"]
+    # every switch carried residual and velocity bitwise, non-zero ones included
+    for r in (a, b):
+        assert r["moved"] and all(ok for _, ok, _ in r["moved"])
+        assert any(owed > 0 for _, _, owed in r["moved"])
+    # resume: choices restored, bitwise up to the next check point
+    assert a["resumed_choices"] and b["resumed_choices"]
+    assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
+    # all dense without momentum: FSDP2's own reduce-scatter, bitwise its default
+    for r in (a, b):
+        assert r["dense"] == (["dense", "dense"], ["identity:reduce_scatter"], True), r["dense"]
+    # back to dense without momentum: one error-feedback step pays what was owed, then FSDP2's call
+    paths, owed = a["back_to_dense"]
+    assert all(p != ["identity:reduce_scatter"] for p in paths[2:4]), paths      # compressed
+    assert owed[3] > 0 and paths[4] != ["identity:reduce_scatter"] and owed[4] == 0.0, (paths, owed)
+    assert paths[5] == ["identity:reduce_scatter"], paths
+    assert a["late"] == (0.9, [0.9], ["0", "2"], 0.0) and b["late"] == a["late"], a["late"]
+    # options refused (each on both ranks)
+    for r in (a, b):
+        assert len(r["errors"]) == 3, r["errors"]
+        assert "replicate_group" in r["errors"][0] and "options" in r["errors"][1]
+        assert "powersgd" in r["errors"][2]
+    assert "no timer on this rank" in a["error"]
+    assert b["error"] is not None and "another rank failed" in b["error"]
+
+
+def test_switch_keeps_each_chunks_residual_and_velocity(monkeypatch):
+    """Every kind to another, world 2 rank 1: each (unit, chunk) residual and velocity is the
+    same, in the input's coordinates, before and after; powersgd cannot be built."""
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    auto = ReduceScatterAutoCodec(auto_spec({}, exclude=("powersgd",)), momentum=0.9)
+    auto.world, auto.rank = 2, 1
+    auto.set_units([("u", ["w"], [(66, 48)])])
+    info = auto.unit("u", 66 * 48, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    kinds = [Choice(Candidate("topk", 0.1)), Choice(Candidate("blockquant", 4)), Choice(Candidate("bf16")),
+             Choice(Candidate("blockquant", 8)), Choice(Candidate("dense"))]
+    total = 0.0
+    for choice in kinds:
+        codec = auto.codec(info, torch.zeros(info.numel), None)
+        slots = auto._unit_slots(codec, "u", info.numel, owner=True)
+        assert [k for k, _, _ in slots] == [("u", 0), ("u", 1)]   # the keys the reduce-scatter uses
+        for k, off, n in slots:
+            codec.compress(torch.randn(n, generator=g), key=k)
+        before = _owed(auto, codec, "u", info.numel)
+        auto.switch("u", info.numel, choice)
+        after = _owed(auto, auto.codecs["u"], "u", info.numel)
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), choice
+        total += float(before[0].abs().sum() + before[1].abs().sum())
+    assert total > 0 and auto.native("u") is False   # momentum: dense still runs under error feedback
+    with pytest.raises(ValueError, match="powersgd"):
+        auto.switch("u", info.numel, Choice(Candidate("powersgd", 1)))
+
+
+def test_reduce_scatter_prediction_and_decision(monkeypatch):
+    """Reduce-scatter terms (dense: FSDP2's own call; others: one all_to_all of a chunk's payload)
+    and the decision on them: slow network compressed, fast dense; options checked."""
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    n, P = 4096, 2
+    dense = reduce_scatter_terms(prototype(Candidate("dense")), n, P)
+    assert dense == (1.0, 4.0 * n / 2, 0.0, float(n))
+    bq = reduce_scatter_terms(prototype(Candidate("blockquant", 4)), n, P)
+    assert bq[0] == 1.0 and 8 + n / 4 < bq[1] < dense[1] / 4
+    tk = reduce_scatter_terms(prototype(Candidate("topk", 0.01)), n, P)
+    assert tk[2] == P * prototype(Candidate("topk", 0.01)).capacity(n // P) and tk[1] < bq[1]
+    spec = auto_spec({}, exclude=("powersgd",))
+    assert all(c.kind != "powersgd" for c in spec.candidates)
+    codec_s = {c: 1e-5 for c in spec.candidates if c.kind != "dense"}
+    buckets = (BucketMeasure("a", n, codec_s=codec_s), BucketMeasure("b", n // 4, codec_s=codec_s))
+    slow = decide(Measurements(_net(P, SLOW), buckets, 0.01), candidates=spec.candidates)
+    fast = decide(Measurements(_net(P, FAST), buckets, 0.01), candidates=spec.candidates)
+    assert all(c.candidate.kind != "dense" for c in slow.choices), slow.describe()
+    assert all(c.candidate.kind == "dense" for c in fast.choices), fast.describe()
+    with pytest.raises(ValueError, match="two-level"):
+        Network(4, SLOW, 2, SLOW, SLOW, collective="reduce_scatter")
+    with pytest.raises(ValueError, match="options"):
+        commpress.fsdp.FSDPState("auto", ratio=0.01)
+    with pytest.raises(ValueError, match="check_every"):
+        commpress.fsdp.FSDPState("auto", check_every=0)
+    with pytest.raises(ValueError, match="error_feedback"):
+        commpress.fsdp.FSDPState("auto", error_feedback=False)
+    with pytest.raises(ValueError, match="powersgd"):
+        commpress.fsdp.FSDPState("auto", candidates=[("topk", 0.01), ("powersgd", 2)])
+    state = commpress.fsdp.FSDPState("auto", candidates=[("topk", 0.01)], every=10)
+    assert state.config()["compressor"] == "auto" and isinstance(state.compressor, AutoSpec)
+    assert state.config()["compressor_params"]["candidates"] == ["topk(ratio=0.01)"]
