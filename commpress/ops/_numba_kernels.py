@@ -747,6 +747,59 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
 
 
 @parallel_kernel
+def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, outi, packed, scales):
+    """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
+    blocks, while it is in cache: ``c = x*scale + r*beta`` (:func:`_compensate`) into ``out``
+    (``outi`` its int32 view), each block's absmax scale and codes from ``c``, then
+    ``out := c - decoded``, the new residual.  ``clen`` as for :func:`block_quantize`; ``out``
+    may be ``x`` or ``r`` (elementwise).  Returns the number of chunks with a non-finite scale."""
+    n = x.size
+    qmax = (1 << (bits - 1)) - 1
+    fq = np.float32(qmax)
+    lim = np.float32(qmax)
+    nch = (n + clen - 1) // clen
+    bad = np.zeros(nch, np.uint8)
+    for c in prange(nch):
+        a = c * clen
+        b = min(a + clen, n)
+        flags = np.empty(_PIECE, np.uint8)
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, _F0, out[p0:p1], flags)
+        if bits == 8:
+            codes = packed[a:b]  # 8-bit codes are the packed bytes
+        else:
+            codes = np.empty(b - a, np.uint8)
+        kbuf = np.empty(1, np.int32)
+        fbuf = kbuf.view(np.float32)
+        for s0 in range(a, b, block):
+            s1 = min(s0 + block, b)
+            m = _absmax_key(outi, s0, s1)
+            if m > _INF_KEY:
+                s = _NAN32
+            else:
+                kbuf[0] = m
+                s = fbuf[0]
+            scales[s0 // block] = s
+            if not s < np.float32(np.inf):
+                bad[c] = 1
+            if s > _F0:
+                inv = fq / s
+            else:
+                inv = _F0
+            step = s / fq
+            cs = codes[s0 - a:s1 - a]
+            os = out[s0:s1]
+            for j in range(s1 - s0):  # two loops, so each vectorizes
+                cs[j] = _code(os[j] * inv + _HALF, lim, qmax)
+            for j in range(s1 - s0):
+                os[j] = os[j] - (np.float32(cs[j]) - fq) * step
+        if bits != 8:
+            _pack_range(codes, a, a, b, bits, packed)
+    return bad.sum()
+
+
+@parallel_kernel
 def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
     """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk."""
     qmax = (1 << (bits - 1)) - 1

@@ -482,6 +482,26 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
     return dst
 
 
+def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, bits: int, block: int,
+                            new_residual: torch.Tensor, scale: float = 1.0):
+    """See :func:`commpress.ops.reference.block_quantize_feedback` (one pass per chunk of blocks:
+    read ``x`` and ``residual``, write the codes and the new residual)."""
+    if not _fb_layout_ok(x, residual, new_residual) or not valid_bits(bits) or not valid_block(block):
+        return ref.block_quantize_feedback(x, residual, beta, bits, block, new_residual, scale)
+    bits, block = int(bits), int(block)
+    n = x.numel()
+    xf = _f32(x.reshape(-1)).numpy()
+    out = new_residual.view(-1).numpy()
+    has_r = residual is not None
+    rf = residual.view(-1).numpy() if has_r else xf
+    how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    scales = np.empty((n + block - 1) // block, np.float32)
+    bad = K.block_quantize_feedback(xf, rf, np.float32(beta), np.float32(scale), how, bits, block,
+                                    _quant_chunk(block), out, out.view(np.int32), packed, scales)
+    return torch.from_numpy(packed), torch.from_numpy(scales), torch.tensor(bool(bad == 0))
+
+
 # ---------------------------------------------------------------- sign + scale
 def sign_pack(x: torch.Tensor, chunk: int):
     """See :func:`commpress.ops.reference.sign_pack`."""
@@ -750,6 +770,7 @@ _OPS = {
     "qsgd_quantize": qsgd_quantize,
     "level_dequantize": level_dequantize,
     "sign_pack_feedback": sign_pack_feedback,
+    "block_quantize_feedback": block_quantize_feedback,
 }
 OPS = {name: _serial_when_small(fn) for name, fn in _OPS.items()}
 

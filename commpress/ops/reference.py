@@ -540,6 +540,24 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
     return bits, scales, finite
 
 
+def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, bits: int, block: int,
+                            new_residual: torch.Tensor, scale: float = 1.0):
+    """Error-feedback block quantization in one pass: ``c = x*scale + residual*beta`` (fp32, see
+    :func:`compensated`), ``(packed, scales) = block_quantize(c, bits, block)`` (round to
+    nearest), ``new_residual = c - block_dequantize(packed, scales)``.
+
+    Returns ``(packed, scales, finite)``: ``finite`` (0-dim bool) is False when some ``c`` is
+    NaN/inf (its block's scale is not finite), and then ``new_residual`` must not be used.
+    ``residual`` (fp32, ``x``'s numel, or ``None`` for zero) and ``new_residual`` (fp32,
+    contiguous, ``x``'s numel) may be the same tensor; ``new_residual`` may be ``x`` itself.
+    """
+    c = compensated(x, residual, beta, scale)
+    packed, scales = block_quantize(c, bits, block)
+    dec = block_dequantize(packed, scales, bits, block, c.numel())
+    new_residual.view(-1).copy_(c - dec)
+    return packed, scales, torch.isfinite(scales).all()
+
+
 def _emit(vals: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
     if out is None:
         return vals
@@ -558,5 +576,5 @@ __all__ = [
     "qmax_for", "block_absmax", "block_quantize", "block_dequantize",
     "sign_pack", "sign_unpack",
     "minifloat_codes", "fp8_quantize", "fp8_dequantize", "mx_quantize", "mx_dequantize",
-    "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback",
+    "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback", "block_quantize_feedback",
 ]

@@ -178,3 +178,35 @@ def test_send_whole_narrower_keeps_the_rounding_error(momentum, wire):
     assert torch.equal(out.float() + r, want)
     with pytest.raises(TypeError, match="out must be"):
         b.send_whole(x, "k", torch.empty(1000, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_blockquant_fused_feedback_is_the_separate_passes(monkeypatch, momentum, scale):
+    """blockquant's one-pass error feedback (compensate, quantize, residual) gives bitwise the
+    payload and residual of compensating, quantizing and decoding in turn; a NaN keeps the
+    residual as it was on both paths."""
+    import commpress
+    from commpress.compressors.blockquant import BlockQuant
+
+    def run(fused):
+        if not fused:
+            monkeypatch.setattr(BlockQuant, "fuses_feedback", lambda self, t, fixed=True: False)
+        ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=4, block=64), momentum=momentum)
+        seen = []
+        for step in range(4):
+            x = torch.randn(1000, generator=torch.Generator().manual_seed(step))
+            if step == 2:
+                x[5] = float("nan")
+            with ef.scaled_input("k", scale):
+                p = ef.compress_fixed(x, key="k", step=step)
+            seen.append((p.tensors, bool(p.nonfinite), ef.residual("k").clone()))
+        monkeypatch.undo()
+        return seen
+
+    def bits(t):  # NaN scales compare by their bits
+        return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+    for (ta, ba, ra), (tb, bb, rb) in zip(run(True), run(False)):
+        assert all(torch.equal(bits(u), bits(v)) for u, v in zip(ta, tb)) and ba == bb
+        assert torch.equal(ra, rb)

@@ -226,6 +226,28 @@ def test_block_dequantize(bits, block, data):
         assert_bitwise(r2, r1, f"out accumulate={acc}")
 
 
+@settings(max_examples=30)
+@given(a=f32_arrays(), bits=st.integers(2, 8), block=st.integers(1, 70), beta=st.sampled_from([1.0, 0.5]),
+       scale=st.sampled_from([1.0, 0.5, 1 / 3]), alias=st.sampled_from([None, None, "r", "x"]), data=st.data())
+def test_block_quantize_feedback(a, bits, block, beta, scale, alias, data):
+    """Codes, scales, the finite flag and the new residual bitwise (NaN/inf inputs included);
+    ``alias``: the new residual is the residual ("r") or the input ("x") itself."""
+    x = tensor(a)
+    r = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor)))
+    if r is None and alias == "r":
+        alias = None
+    outs = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for op in (R.block_quantize_feedback, nb.block_quantize_feedback):
+            xs, rs = x.clone(), None if r is None else r.clone()
+            new = {"r": rs, "x": xs}.get(alias) if alias else torch.empty(x.numel())
+            outs.append((op(xs, rs, beta, bits, block, new, scale), new))
+    (want, new_ref), (got, new_nb) = outs
+    what = f"block_quantize_feedback bits={bits} block={block} beta={beta} scale={scale} alias={alias}"
+    assert_bitwise(got, want, what)
+    assert_bitwise(new_nb, new_ref, what + " new residual")
+
+
 @settings(max_examples=25)
 @given(a=f32_arrays(), chunk=st.integers(1, 100), data=st.data())
 def test_sign_pack_unpack(a, chunk, data):
