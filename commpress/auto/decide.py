@@ -64,7 +64,7 @@ from typing import Any, Mapping
 import torch
 
 from ..collectives.costmodel import CostModel
-from ..collectives.hierarchy import _payload_bytes, kind_terms, predict_paths
+from ..collectives.hierarchy import payload_bytes, kind_terms, predict_paths
 from .candidates import DEFAULT_CANDIDATES, Candidate, Choice, describe, gentlest, prototype
 
 
@@ -248,7 +248,7 @@ def reduce_scatter_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype
         item = torch.empty((), dtype=dtype).element_size()
         payload, entries = 8 * (-(-4 * c // 8)) + 8 * (-(-c * item // 8)), P * c
     else:
-        payload, entries = _payload_bytes(compressor, m, dtype), 0
+        payload, entries = payload_bytes(compressor, m, dtype), 0
     return float(P - 1), float((P - 1) * (8 + payload)), float(entries), float(numel)
 
 

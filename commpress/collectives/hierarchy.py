@@ -292,7 +292,7 @@ _PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDic
 _PROBES_LOCK = threading.Lock()
 
 
-def _payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
+def payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
     """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size;
     keyed weakly by the compressor, so a new compressor never reuses a dead one's entry)."""
     k = (numel, str(dtype))
@@ -326,7 +326,7 @@ def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, s
         # compress + decompress as its codec cost, and the terms here hold the decoding beyond that
         # (gather_all: P-1 more chunks of n; two_phase: the owner's n/P re-compression and the
         # second decode of n).  Priced as γ entries, 3n made blockquant look slower than bf16.
-        B = _payload_bytes(inner, n, dtype)
+        B = payload_bytes(inner, n, dtype)
         if P <= 2:
             return P - 1, B * (P - 1), 0, n + (P - 1) * n
         return 2 * (P - 1), 2 * B * (P - 1) / P, 0, n + n + n / P
@@ -336,7 +336,7 @@ def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, s
             ms = inner.matrix_shape(torch.empty(s, device="meta")) if len(s) >= 2 else None
             words += inner.rank * (ms[0] + ms[1]) if ms is not None else _prod(s)
         return 4 * (P - 1), 2 * 4 * words * (P - 1) / P, 0, n
-    B = _payload_bytes(inner, n, dtype)  # "sum"
+    B = payload_bytes(inner, n, dtype)  # "sum"
     return 2 * (P - 1), 2 * B * (P - 1) / P, 0, n
 
 
