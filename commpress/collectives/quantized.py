@@ -197,7 +197,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         algorithm: str = "auto", stats: CommStats | None = None,
                         generator: torch.Generator | None = None,
                         transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
-                        model: costmodel.CostModel | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
+                        dense: wire.Rider | None = None) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
     ``algorithm``: ``"two_phase"`` (all-to-all, owner decode+sum+re-encode,
@@ -206,6 +207,9 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     shape and dtype.  Called by :func:`commpress.collectives.allreduce`, which checks
     the arguments and owns the transaction.  ``out`` (fp32, ``tensor``'s shape,
     contiguous; may be ``tensor``): the sum is decoded straight into it and it is returned.
+    ``dense`` (:class:`~.wire.Rider`): rides raw in the ``"gather_all"`` message when that
+    costs no more bytes than its own all_reduce (P <= 2), summed in rank order, its NaN/inf
+    in this rank's status flag; left uncarried otherwise (the caller all-reduces it).
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
@@ -228,7 +232,14 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
               and out.shape == tensor.shape)
     dst = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=flat.device)
     if algorithm == "gather_all":
-        statuses = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, dst)
+        if dense is not None and wire.Rider.free(world):  # the dense part rides: no round of its own
+            dense.carried = True
+            sig = wire.signature(sig, dense.tensor.numel(), str(dense.tensor.dtype))
+            if has_feedback(compressor):
+                bad = dense.flag(bad)
+        else:
+            dense = None
+        statuses = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, dst, dense)
     else:
         statuses = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
                               generator, tx, dst)
@@ -276,9 +287,11 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group,
     return wire.read_status(gathered)
 
 
-def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out):
+def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out, dense=None):
     world = _comm.world(group)
     tensors = [t for p in payloads for t in p.tensors]
+    if dense is not None:  # the raw dense part after the payloads, summed in rank order
+        tensors.append(dense.tensor.reshape(-1))
     layout = wire.Layout.of(tensors)
     message = torch.empty(layout.width, dtype=torch.uint8, device=flat.device)
     layout.write(message, tensors, _status(flat, code, sig, bad))
@@ -291,6 +304,8 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out
             dst = out[bounds[r]:bounds[r + 1]]
             for s in range(world):  # rank order on every rank, straight into out
                 _decode_into(inner, _piece(decoded[s][starts[r]:starts[r + 1]], payloads[r]), dst, add=s > 0)
+    if dense is not None:
+        wire.add_rows(dense.tensor.view(-1), [decoded[s][-1] for s in range(world)])
     return wire.read_status(gathered)
 
 
