@@ -20,8 +20,7 @@ N, D = 4096, 37
 
 CASES = {
     "topk": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "allgather"),
-    "blockquant_ef": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "gather_all"),
-    "blockquant": (lambda: commpress.get("blockquant", bits=4), "gather_all"),
+    "blockquant": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "gather_all"),
 }
 
 
