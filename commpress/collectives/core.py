@@ -16,8 +16,9 @@ aggregation steady-state messages (status inside, see :mod:`.wire`)
 =========== ===================================================================
 
 ``dense=`` (the DDP hook's 1-D and small parameters) rides raw in the ``"allgather"`` /
-``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce:
-one round per call instead of two (:func:`carries_dense`); elsewhere it takes its own
+``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce,
+and in the ``"two_phase"`` phases at any P (its chunks to their owners, the owners' sums to
+all: ring bytes): no round of its own (:func:`carries_dense`); elsewhere it takes its own
 ``all_reduce``.
 
 Nothing is exchanged before the payload: sizes and the ``"auto"`` choice are pure
@@ -86,9 +87,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     ranks **exactly**, written back in place: the DDP hook's dense part (1-D and small
     parameters) sent with the payload.  Where it costs no more bytes than its own ring
     all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
-    ``"gather_all"`` message at P <= 2) it rides raw in the payload's message, no round of
-    its own, and every rank adds the P contributions in rank order (fp32 for fp16 / bf16),
-    so the sum is bitwise the same on every rank; its NaN/inf joins this rank's status
+    ``"gather_all"`` message at P <= 2, the quantized ``"two_phase"`` phases at any P) it
+    rides raw in the payload's messages, no round of its own, and the P contributions are
+    added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank; its NaN/inf joins this rank's status
     (with error feedback: the result all-NaN and the residuals kept, as for the payload),
     and an error anywhere raises on every rank.  Otherwise it takes one ``all_reduce`` of
     its own after the payload's collective (with error feedback a NaN/inf in it is the call's
@@ -164,15 +165,18 @@ def _dense_round(dense, compressor, group, stats, transaction, out) -> None:
 
 def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto", hierarchy=None) -> bool:
     """Whether ``allreduce(..., dense=)`` with these settings sends the dense part inside the
-    payload's message (no round of its own): a sparse kind (``"auto"`` / ``"allgather"``) or a
-    gather kind (``"auto"`` / ``"gather_all"``), no hierarchy, ``1 < world <= 2``.  With
-    ``"auto"`` a call may still pick an algorithm that cannot carry it (a sparse ``"dense"``
-    all_reduce, ``"two_phase"``); the dense part then takes an all_reduce of its own."""
+    payload's messages (no round of its own), no hierarchy, ``world > 1``: a gather kind
+    (``"two_phase"``: in its two phases, any P; ``"gather_all"``: P <= 2; ``"auto"``: either)
+    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``).  With ``"auto"`` a call may
+    still pick an algorithm that cannot carry it (a sparse ``"dense"`` all_reduce,
+    ``"gather_all"`` at P > 2); the dense part then takes an all_reduce of its own."""
     kind = getattr(unwrap(compressor), "aggregation", None)
-    if hierarchy is not None or world < 2 or not wire.Rider.free(world):
+    if hierarchy is not None or world < 2:
         return False
-    return ((kind == "sparse" and algorithm in ("auto", "allgather"))
-            or (kind == "gather" and algorithm in ("auto", "gather_all")))
+    free = wire.Rider.free(world)
+    if kind == "gather":
+        return algorithm in ("auto", "two_phase") or (algorithm == "gather_all" and free)
+    return kind == "sparse" and algorithm in ("auto", "allgather") and free
 
 
 def _check_dense(dense, tensor) -> None:

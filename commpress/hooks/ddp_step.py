@@ -8,8 +8,9 @@ Per bucket (:meth:`Step.run_bucket`):
    error feedback into its compensation pass;
 2. its **dense part** (1-D, small and skipped parameters) is packed into one
    buffer; where the first unit this bucket runs can carry it
-   (:attr:`HookConfig.dense_rides`: the sparse and gather kinds at P=2) it rides
-   in that unit's message (``allreduce(..., dense=)``: one round per bucket),
+   (:attr:`HookConfig.dense_rides`: the sparse kinds at P=2, the gather kinds) it
+   rides in that unit's messages (``allreduce(..., dense=)``: one round per bucket
+   at P=2),
    else it is all-reduced *asynchronously*, concurrently with the payloads;
 3. every unit this bucket completes runs :func:`commpress.collectives.allreduce`
    with the step's :class:`~commpress.feedback.ResidualTransaction` (payload
@@ -281,8 +282,8 @@ class HookConfig:
     @property
     def dense_rides(self) -> bool:
         """Whether a bucket's dense part rides in its first unit's message
-        (:func:`~commpress.collectives.carries_dense`: the sparse and gather kinds at P=2, no
-        hierarchy, not ``"auto"``), instead of an all_reduce of its own."""
+        (:func:`~commpress.collectives.carries_dense`: the sparse kinds at P=2, the gather kinds,
+        no hierarchy, not ``"auto"``), instead of an all_reduce of its own."""
         return (self.auto is None and not self.lowrank
                 and carries_dense(self.codec, world=self.world_size, algorithm=self.algorithm,
                                   hierarchy=self.hierarchy))
