@@ -69,6 +69,9 @@ class Unit:
     sizes: list[int]
     shapes: list[tuple[int, ...]]
     scratch: torch.Tensor | None = None   # the concatenated input when it is not one view
+    #: its last call's algorithm could not carry a dense part (at P=2: an all_reduce of its own
+    #: then, issued concurrently rather than after the call; the sum is the same either way)
+    declines_dense: bool = False
 
     @property
     def numel(self) -> int:
@@ -353,7 +356,8 @@ class Step:
             self.waiting.append(Finished(plan, buf, fut, mine - self.done_units))
             runnable = sorted(i for i in mine if i not in self.done_units
                               and all(nm in self.ready for nm in layout.units[i].names))
-            rides = bool(runnable) and cfg.dense_rides  # in the first unit's message: no round of its own
+            rides = (bool(runnable) and cfg.dense_rides  # in the first unit's message: no round of its own
+                     and not (world == 2 and layout.units[runnable[0]].declines_dense))
             dense, work = self._start_dense(plan, buf, send=not rides)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if work is not None else 0
             algorithms = []
@@ -446,6 +450,9 @@ class Step:
                             hierarchy=cfg.hierarchy, prescale=prescale, dense=dense)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds)
+        if cfg.dense_rides:  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
+            unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=cfg.hierarchy,
+                                                    algorithm=cs.last_algorithm or cfg.algorithm)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
