@@ -89,8 +89,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
     ``"gather_all"`` message at P <= 2, the quantized ``"two_phase"`` phases at any P) it
     rides raw in the payload's messages, no round of its own, and the P contributions are
-    added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank; its NaN/inf joins this rank's status
-    (with error feedback: the result all-NaN and the residuals kept, as for the payload),
+    added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank;
+    its NaN/inf joins this rank's status (with error feedback: the result all-NaN and the
+    residuals kept, as for the payload),
     and an error anywhere raises on every rank.  Otherwise it takes one ``all_reduce`` of
     its own after the payload's collective (with error feedback a NaN/inf in it is the call's
     verdict alike).  Checked before anything is sent (``TypeError`` / ``ValueError``).
