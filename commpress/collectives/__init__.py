@@ -5,7 +5,8 @@
 * :func:`cast_message` — the one cast path of identity / fp16 / bf16 messages.
 * :func:`allreduce` — compress → the collective the compressor needs → decompress;
   returns the **sum** over ranks, bitwise identical on every rank.  In steady
-  state a call costs its payload's messages and nothing more (:mod:`.wire`).
+  state a call costs its payload's messages and nothing more (:mod:`.wire`); a
+  ``dense=`` part rides in them where that costs no more bytes (:func:`carries_dense`).
 * :func:`sparse_allreduce` and :data:`SPARSE_ALGORITHMS` — sparse sums of
   variable-size ``(indices, values)`` (allgather, recursive doubling, SparCML
   split, Zen hashed, dense, ``"auto"``), with a header exchange per call.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from ..feedback import ResidualTransaction
 from .accounting import CommStats
-from .core import all_gather, allreduce
+from .core import all_gather, allreduce, carries_dense
 from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
 from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
@@ -40,6 +41,6 @@ from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferre
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
-    "calibrate", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
+    "calibrate", "carries_dense", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
     "reduce_scatter", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
 ]

@@ -15,6 +15,12 @@ aggregation steady-state messages (status inside, see :mod:`.wire`)
 ``lowrank`` two ``all_reduce`` (PowerSGD), batched over the matrices of the tensor
 =========== ===================================================================
 
+``dense=`` (the DDP hook's 1-D and small parameters) rides raw in the ``"allgather"`` /
+``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce,
+and in the ``"two_phase"`` phases at any P (its chunks to their owners, the owners' sums to
+all: ring bytes): no round of its own (:func:`carries_dense`); elsewhere it takes its own
+``all_reduce``.
+
 Nothing is exchanged before the payload: sizes and the ``"auto"`` choice are pure
 functions of ``numel``, the configuration, ``P`` and the calibrated cost model.
 ``validate=True`` (the default) agrees on those static facts once per key with a
@@ -37,7 +43,7 @@ from typing import Any
 import torch
 
 from ..compressors.base import Compressor, Payload
-from ..feedback import ResidualTransaction, owns_transaction
+from ..feedback import ResidualTransaction, nonfinite_flag, owns_transaction
 from . import _comm, costmodel, lowrank, quantized, sparse, wire
 from .wire import cast_message, fingerprint, has_feedback, local_check, try_compress_fixed, unwrap
 from .accounting import CommStats, codec_timer
@@ -57,7 +63,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               generator: torch.Generator | None = None, validate: bool = True,
               transaction: ResidualTransaction | None = None,
               shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None,
-              hierarchy=None, prescale: float | None = None,
+              hierarchy=None, prescale: float | None = None, dense: torch.Tensor | None = None,
               _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
@@ -76,13 +82,31 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     compressed between nodes (:mod:`.hierarchy`).  ``prescale``: reduce ``tensor *
     prescale`` instead (``tensor`` is not changed); identity / fp16 / bf16 fold it into
     their cast, which is how the DDP hook averages at no extra pass.
+
+    ``dense``: a contiguous floating tensor (any numel, ``tensor``'s device) summed over the
+    ranks **exactly**, written back in place: the DDP hook's dense part (1-D and small
+    parameters) sent with the payload.  Where it costs no more bytes than its own ring
+    all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
+    ``"gather_all"`` message at P <= 2, the quantized ``"two_phase"`` phases at any P) it
+    rides raw in the payload's messages, no round of its own, and the P contributions are
+    added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank;
+    its NaN/inf joins this rank's status (with error feedback: the result all-NaN and the
+    residuals kept, as for the payload),
+    and an error anywhere raises on every rank.  Otherwise it takes one ``all_reduce`` of
+    its own after the payload's collective (with error feedback a NaN/inf in it is the call's
+    verdict alike).  Checked before anything is sent (``TypeError`` / ``ValueError``).
     """
+    if dense is not None:
+        _check_dense(dense, tensor)
     if prescale is not None and (hierarchy is not None or not _casts(compressor)):
         tensor, prescale = tensor * prescale, None
     if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
-        return hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
-                                   stats=stats, generator=generator, validate=validate, transaction=transaction,
-                                   shapes=shapes, out=out)
+        out = hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
+                                  stats=stats, generator=generator, validate=validate, transaction=transaction,
+                                  shapes=shapes, out=out)
+        if dense is not None:
+            _dense_round(dense, compressor, group, stats, transaction, out)
+        return out
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     inner = unwrap(compressor)
@@ -95,6 +119,8 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     states = None
     if validate:
         facts = (kind, tensor.numel(), str(tensor.dtype), algorithm, fingerprint(compressor))
+        if dense is not None:
+            facts += ("dense", dense.numel(), str(dense.dtype))
         states = check_once(group, key, facts, device=_comm.comm_device(group, tensor), error=err[0],
                             numel=tensor.numel(), dtype=tensor.dtype, algorithm=algorithm, kind=kind,
                             config=fingerprint(compressor), stats=stats, local_message=err[1],
@@ -111,18 +137,57 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
         raise ValueError(f"allreduce: out must have tensor's shape {tuple(tensor.shape)} and dtype "
                          f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
     result = out
+    rider = wire.Rider(dense) if dense is not None else None
     if kind == "sum":
         out = _sum_path(tensor, compressor, out=result, prescale=prescale, **args)
     elif kind == "sparse":
-        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, **args)
+        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, dense=rider, **args)
     elif kind == "gather":
-        out = quantized.quantized_allreduce(tensor, compressor, out=result, **args)
+        out = quantized.quantized_allreduce(tensor, compressor, out=result, dense=rider, **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if result is not None and out is not result:
         result.copy_(out)
         out = result
+    if rider is not None and not rider.carried:
+        _dense_round(dense, compressor, group, stats, tx, out)
     return out
+
+
+def _dense_round(dense, compressor, group, stats, transaction, out) -> None:
+    """A dense part the payload's message did not carry: its own all_reduce, after the payload's;
+    with error feedback its NaN/inf is the call's verdict too (``out`` all-NaN, residuals kept)."""
+    _comm.all_reduce_(dense, group=group, stats=stats)
+    if has_feedback(compressor):
+        bad = nonfinite_flag(dense)
+        transaction.mark_bad(bad)
+        wire.poison_(out, bad)
+
+
+def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto", hierarchy=None) -> bool:
+    """Whether ``allreduce(..., dense=)`` with these settings sends the dense part inside the
+    payload's messages (no round of its own), no hierarchy, ``world > 1``: a gather kind
+    (``"two_phase"``: in its two phases, any P; ``"gather_all"``: P <= 2; ``"auto"``: either)
+    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``).  With ``"auto"`` a call may
+    still pick an algorithm that cannot carry it (a sparse ``"dense"`` all_reduce,
+    ``"gather_all"`` at P > 2); the dense part then takes an all_reduce of its own."""
+    kind = getattr(unwrap(compressor), "aggregation", None)
+    if hierarchy is not None or world < 2:
+        return False
+    free = wire.Rider.free(world)
+    if kind == "gather":
+        return algorithm in ("auto", "two_phase") or (algorithm == "gather_all" and free)
+    return kind == "sparse" and algorithm in ("auto", "allgather") and free
+
+
+def _check_dense(dense, tensor) -> None:
+    if not isinstance(dense, torch.Tensor):
+        raise TypeError(f"allreduce: dense must be a torch.Tensor, got {type(dense).__name__}")
+    if not dense.is_floating_point() or not dense.is_contiguous():
+        raise ValueError(f"allreduce: dense must be a contiguous floating tensor, got {dense.dtype}"
+                         f"{'' if dense.is_contiguous() else ' (not contiguous)'}")
+    if isinstance(tensor, torch.Tensor) and dense.device != tensor.device:
+        raise ValueError(f"allreduce: dense must be on tensor's device {tensor.device}, got {dense.device}")
 
 
 def _casts(compressor) -> bool:

@@ -130,16 +130,18 @@ def _status(flat, code, sig, bad):
     return wire.status_word(flat.device, error=code, sig=sig, nonfinite=bad)
 
 
-def _phase1(flat, payloads, code, sig, bad, group, stats):
+def _phase1(flat, payloads, code, sig, bad, group, stats, extra=None):
     """All-to-all of ``[status | payload of chunk r]`` to owner ``r``; returns the P received
-    messages ``[P, width]`` (uint8) and this rank's chunk layout."""
+    messages ``[P, width]`` (uint8) and this rank's chunk layout.  ``extra``: one raw tensor
+    per owner, sent after its payload (a riding dense part's chunks)."""
     world, me = _comm.world(group), _comm.rank(group)
-    layouts = [wire.Layout.of(p.tensors) for p in payloads]
+    parts = [p.tensors if extra is None else p.tensors + (extra[r],) for r, p in enumerate(payloads)]
+    layouts = [wire.Layout.of(t) for t in parts]
     status = _status(flat, code, sig, bad)
     send = torch.empty(sum(lay.width for lay in layouts), dtype=torch.uint8, device=flat.device)
     off = 0
-    for p, lay in zip(payloads, layouts):
-        lay.write(send[off:off + lay.width], p.tensors, status)
+    for t, lay in zip(parts, layouts):
+        lay.write(send[off:off + lay.width], t, status)
         off += lay.width
     mine = layouts[me]
     recv = _comm.all_to_all_bytes(send, [lay.width for lay in layouts], [mine.width] * world,
@@ -151,7 +153,7 @@ def _owner_sum(inner, received, layout, template) -> torch.Tensor:
     """Decode the P pieces of this rank's chunk and add them in rank order (fp32)."""
     acc = torch.empty(template.numel, dtype=torch.float32, device=received.device)
     for s in range(received.shape[0]):
-        _decode_into(inner, _piece(layout.read(received[s]), template), acc, add=s > 0)
+        _decode_into(inner, _piece(layout.read(received[s])[:len(template.tensors)], template), acc, add=s > 0)
     return acc
 
 
@@ -197,7 +199,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         algorithm: str = "auto", stats: CommStats | None = None,
                         generator: torch.Generator | None = None,
                         transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
-                        model: costmodel.CostModel | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
+                        dense: wire.Rider | None = None) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
     ``algorithm``: ``"two_phase"`` (all-to-all, owner decode+sum+re-encode,
@@ -206,6 +209,12 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     shape and dtype.  Called by :func:`commpress.collectives.allreduce`, which checks
     the arguments and owns the transaction.  ``out`` (fp32, ``tensor``'s shape,
     contiguous; may be ``tensor``): the sum is decoded straight into it and it is returned.
+    ``dense`` (:class:`~.wire.Rider`): rides raw where that costs no more bytes than its own
+    ring all_reduce, its NaN/inf in this rank's status flag: ``"two_phase"`` sends chunk ``r``
+    to owner ``r`` after the payload, the owner sums it in rank order and sends the sum
+    with its own (a reduce-scatter then an all-gather: ring bytes); ``"gather_all"`` (P <= 2
+    only) sends it whole and every rank sums in rank order.  Left uncarried otherwise
+    (``"gather_all"`` at P > 2: the caller all-reduces it).
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
@@ -227,11 +236,21 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
               and out.shape == tensor.shape)
     dst = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=flat.device)
+    # the dense part rides where that costs no more bytes than its own ring all_reduce: the
+    # two phases carry its P chunks (a reduce-scatter then an all-gather: exactly ring bytes),
+    # gather_all its whole at P <= 2
+    if dense is not None and (algorithm == "two_phase" or wire.Rider.free(world)):
+        dense.carried = True
+        sig = wire.signature(sig, dense.tensor.numel(), str(dense.tensor.dtype))
+        if has_feedback(compressor):
+            bad = dense.flag(bad)
+    else:
+        dense = None
     if algorithm == "gather_all":
-        statuses = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, dst)
+        statuses = _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, dst, dense)
     else:
         statuses = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
-                              generator, tx, dst)
+                              generator, tx, dst, dense)
     _verdict(statuses, sig, "allreduce", msg, dst, compressor, tx)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
@@ -249,11 +268,19 @@ def _local(caller, err, compressor, flat, key, step, stats, generator, transacti
 
 
 def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats, generator,
-               tx, out):
+               tx, out, dense=None):
     world, me = _comm.world(group), _comm.rank(group)
-    received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
+    pieces = None
+    if dense is not None:  # chunk r of the raw dense part goes to owner r, which sums it in rank order
+        d = dense.tensor.view(-1)
+        dbounds = chunk_bounds(d.numel(), world)
+        pieces = [d[dbounds[r]:dbounds[r + 1]] for r in range(world)]
+    received, layout = _phase1(flat, payloads, code, sig, bad, group, stats, pieces)
     with codec_timer(stats, "decompress"):
         acc = _owner_sum(inner, received, layout, payloads[me])
+    if pieces is not None:
+        summed = torch.empty_like(pieces[me])
+        wire.add_rows(summed, [layout.read(received[s])[-1] for s in range(world)])
     src = acc.to(flat.dtype if flat.dtype in inner.supported_dtypes else torch.float32)
     owner_key = ("owner", key, me)
     status = _worst(wire.read_status(received), sig, torch.empty(2, dtype=torch.int32, device=flat.device))
@@ -264,21 +291,26 @@ def _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group,
     except Exception:  # noqa: BLE001 - forwarded in the status: every rank raises
         p2 = payloads[me]  # same layout as the owner's message must have; content unused
         status[0].fill_(wire.E_MISUSE << 8)
-    layouts = [wire.Layout.of(p.tensors) for p in payloads]
+    parts = [p.tensors if pieces is None else p.tensors + (pieces[r],) for r, p in enumerate(payloads)]
+    layouts = [wire.Layout.of(t) for t in parts]
     width = max(lay.width for lay in layouts)
     message = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-    layouts[me].write(message, p2.tensors, status)
+    layouts[me].write(message, p2.tensors if pieces is None else p2.tensors + (summed,), status)
     gathered = _comm.all_gather(message, group=group, stats=stats)
     with codec_timer(stats, "decompress"):
         for r in range(world):
-            piece = _piece(layouts[r].read(gathered[r]), payloads[r])
-            _decode_into(inner, piece, out[bounds[r]:bounds[r + 1]], add=False)
+            got = layouts[r].read(gathered[r])
+            if pieces is not None:
+                pieces[r].copy_(got.pop())  # owner r's sum of dense chunk r
+            _decode_into(inner, _piece(got, payloads[r]), out[bounds[r]:bounds[r + 1]], add=False)
     return wire.read_status(gathered)
 
 
-def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out):
+def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out, dense=None):
     world = _comm.world(group)
     tensors = [t for p in payloads for t in p.tensors]
+    if dense is not None:  # the raw dense part after the payloads, summed in rank order
+        tensors.append(dense.tensor.reshape(-1))
     layout = wire.Layout.of(tensors)
     message = torch.empty(layout.width, dtype=torch.uint8, device=flat.device)
     layout.write(message, tensors, _status(flat, code, sig, bad))
@@ -291,6 +323,8 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out
             dst = out[bounds[r]:bounds[r + 1]]
             for s in range(world):  # rank order on every rank, straight into out
                 _decode_into(inner, _piece(decoded[s][starts[r]:starts[r + 1]], payloads[r]), dst, add=s > 0)
+    if dense is not None:
+        wire.add_rows(dense.tensor.view(-1), [decoded[s][-1] for s in range(world)])
     return wire.read_status(gathered)
 
 

@@ -467,15 +467,18 @@ FIXED_ALGORITHMS = costmodel.FIXED_SPARSE
 def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=0, step: int = 0,
                            algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                            transaction: ResidualTransaction, error: tuple[int, str] = (0, ""),
-                           model: costmodel.CostModel | None = None, out: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
+                           dense: wire.Rider | None = None) -> torch.Tensor:
     """Sum over ranks of a sparsifier's payload of ``tensor``, shaped like ``tensor``.
 
     Every rank sends ``capacity(numel)`` slots (:meth:`SparseCompressor.compress_fixed`):
     ``"allgather"`` gathers them behind each rank's status word and adds the P
     contributions in rank order (fp32 for half values), ``"dense"`` all-reduces
     the densified slots with two status slots.  A NaN/inf on any rank makes the
-    result all-NaN and keeps every residual of ``transaction`` as it was.
+    result all-NaN and keeps every residual of ``transaction`` as it was.  ``dense``
+    (:class:`~.wire.Rider`): rides raw in the ``"allgather"`` message when that costs no
+    more bytes than its own all_reduce (P <= 2), summed in rank order; its NaN/inf joins
+    this rank's status flag.  Left uncarried otherwise (the caller all-reduces it).
     """
     inner = unwrap(compressor)
     world = _comm.world(group)
@@ -514,20 +517,30 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if algorithm == "allgather":
         acc = None if direct else _comm.scratch("sparse_acc", n + 1, acc_dtype(vals.dtype),
                                                 tensor.device).zero_()  # slot n: padding
-        layout = wire.Layout.of((idx, vals))
-        sig = wire.signature("sparse", n, str(vals.dtype), idx.numel())
+        parts = (idx, vals)
+        facts = ("sparse", n, str(vals.dtype), idx.numel())
+        if dense is not None and wire.Rider.free(world):  # the dense part rides: no round of its own
+            dense.carried = True
+            parts += (dense.tensor.reshape(-1),)
+            facts += (dense.tensor.numel(), str(dense.tensor.dtype))
+            if has_feedback(compressor):
+                bad_local = dense.flag(bad_local)
+        layout = wire.Layout.of(parts)
+        sig = wire.signature(*facts)
         message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
-        layout.write(message, (idx, vals), wire.status_word(tensor.device, error=code, sig=sig,
-                                                            nonfinite=bad_local))
+        layout.write(message, parts, wire.status_word(tensor.device, error=code, sig=sig,
+                                                      nonfinite=bad_local))
         gathered = _comm.all_gather(message, group=group, stats=stats)
         statuses = wire.read_status(gathered)
         wire.check_byte_statuses(statuses, sig, "allreduce", msg)
         with codec_timer(stats, "decompress"):
             if acc is None:
                 acc = out.view(-1).zero_()
-            for r in range(world):  # rank order on every rank: bitwise identical sums
-                i, v = layout.read(gathered[r])
+            rows = [layout.read(gathered[r]) for r in range(world)]
+            for i, v, *_ in rows:  # rank order on every rank: bitwise identical sums
                 ops.scatter_add_(acc, i, v.to(acc.dtype))
+            if len(parts) == 3:
+                wire.add_rows(dense.tensor.view(-1), [row[2] for row in rows])
         bad = wire.any_nonfinite(statuses)
     else:  # dense
         buf = _comm.scratch("sparse_dense", n + 1 + wire.SUM_SLOTS, torch.float32, tensor.device).zero_()

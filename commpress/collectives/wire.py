@@ -82,7 +82,7 @@ import torch
 
 from ..compressors._util import mix_seed, stable_hash
 from ..compressors.base import Compressor, Payload
-from ..feedback import ErrorFeedback, ResidualTransaction
+from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 
 STATUS_BYTES = 8
 NONFINITE = 1
@@ -308,6 +308,44 @@ class Layout:
             n = size * torch.empty((), dtype=dtype).element_size()
             out.append(msg[off:off + n].view(dtype).reshape(shape))
         return out
+
+
+# ---------------------------------------------------------------- a dense part riding in a message
+@dataclass
+class Rider:
+    """A flat tensor summed exactly with a call's payload (``allreduce(..., dense=)``): the
+    gather messages carry it raw after the payload's tensors (its own 8-aligned slot of the
+    :class:`Layout`), and every rank adds the P contributions in rank order (:func:`add_rows`).
+    ``carried`` is set by the path that sent it; a path that cannot carry it leaves it unset
+    and the caller all-reduces it on its own."""
+
+    tensor: torch.Tensor
+    carried: bool = False
+
+    @staticmethod
+    def free(world: int) -> bool:
+        """Whether riding in an ``all_gather`` costs no more bytes than a ring ``all_reduce`` of
+        the same values (:mod:`.accounting`: ``m·(P−1)`` against ``2·m·(P−1)/P``): ``P <= 2``."""
+        return world <= 2
+
+    def flag(self, bad: torch.Tensor | None) -> torch.Tensor:
+        """``bad`` (a payload's NaN/inf flag, or ``None``) or'ed with this part's own (no host read)."""
+        own = nonfinite_flag(self.tensor)
+        return own if bad is None else bad | own
+
+
+def add_rows(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    """``dst = rows[0] + rows[1] + ...`` in this order (rank order: bitwise the same on every
+    rank), in fp32 for fp16 / bf16 (rounded once into ``dst``), in ``dst``'s dtype otherwise."""
+    if dst.dtype in (torch.float16, torch.bfloat16):
+        acc = rows[0].float()
+        for r in rows[1:]:
+            acc.add_(r)
+        dst.copy_(acc)
+        return
+    dst.copy_(rows[0])
+    for r in rows[1:]:
+        dst.add_(r)
 
 
 def read_status(msgs: torch.Tensor) -> torch.Tensor:

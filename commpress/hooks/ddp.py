@@ -11,8 +11,9 @@ The pieces, each in its own module:
   (:class:`~.ddp_step.ModelLayout`); the :class:`~.ddp_step.HookConfig` that binding freezes (every
   decision a step needs: scale-by-world and the cast among them) and one training
   step: the dense part, the units, the residual transaction (what a bucket sends:
-  its dense part in one concurrent ``all_reduce`` and each completed unit's payload
-  messages, nothing else);
+  each completed unit's payload messages, the dense part riding in the first one
+  where the kind carries it (sparse kinds at P=2, gather kinds), else in one concurrent
+  ``all_reduce``; nothing else);
 * the executor below — owns the per-step state (step counter, the step in
   progress, the last error); runs a bucket in the hook call (``overlap=False``) or
   on one worker thread with a process group of its own (``overlap=True``);

@@ -7,12 +7,16 @@ Per bucket (:meth:`Step.run_bucket`):
    does); identity/fp16/bf16 fold the scaling into their cast, and a sparsifier's
    error feedback into its compensation pass;
 2. its **dense part** (1-D, small and skipped parameters) is packed into one
-   buffer and all-reduced *asynchronously*, concurrently with the payloads;
+   buffer; where the first unit this bucket runs can carry it
+   (:attr:`HookConfig.dense_rides`: the sparse kinds at P=2, the gather kinds) it
+   rides in that unit's messages (``allreduce(..., dense=)``: one round per bucket
+   at P=2),
+   else it is all-reduced *asynchronously*, concurrently with the payloads;
 3. every unit this bucket completes runs :func:`commpress.collectives.allreduce`
    with the step's :class:`~commpress.feedback.ResidualTransaction` (payload
    messages only; status inside; a NaN/inf on any rank poisons that unit);
 4. the dense part is waited for and scattered back; a NaN/inf in it marks the
-   transaction bad (on the device);
+   transaction bad (on the device; a riding one through its unit's status);
 5. buckets whose units are all done are returned to complete their futures.
 
 At the step's end the transaction commits: every residual takes its new value,
@@ -46,7 +50,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..collectives import CommStats, allreduce
+from ..collectives import CommStats, allreduce, carries_dense
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
@@ -65,6 +69,9 @@ class Unit:
     sizes: list[int]
     shapes: list[tuple[int, ...]]
     scratch: torch.Tensor | None = None   # the concatenated input when it is not one view
+    #: its last call's algorithm could not carry a dense part (at P=2: an all_reduce of its own
+    #: then, issued concurrently rather than after the call; the sum is the same either way)
+    declines_dense: bool = False
 
     @property
     def numel(self) -> int:
@@ -275,6 +282,15 @@ class HookConfig:
     #: each unit its own codec (``codec`` is then that object too, for the dense momentum)
     auto: Any = None
 
+    @property
+    def dense_rides(self) -> bool:
+        """Whether a bucket's dense part rides in its first unit's message
+        (:func:`~commpress.collectives.carries_dense`: the sparse kinds at P=2, the gather kinds,
+        no hierarchy, not ``"auto"``), instead of an all_reduce of its own."""
+        return (self.auto is None and not self.lowrank
+                and carries_dense(self.codec, world=self.world_size, algorithm=self.algorithm,
+                                  hierarchy=self.hierarchy))
+
     def noise_seed(self, step: int, key: Any) -> int:
         """The seed of this rank's stochastic rounding for ``key`` at ``step``: a pure function
         of ``(seed, rank, step, key)`` (nothing to read, nothing to checkpoint)."""
@@ -333,8 +349,6 @@ class Step:
         with Timer() as total:
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
-            dense, work = self._start_dense(plan, buf)
-            sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if dense is not None else 0
             layout.assign_units(plan)
             for nm, off, n in plan.compressed:
                 self.ready[nm] = (buf, off, n)
@@ -342,20 +356,24 @@ class Step:
             self.waiting.append(Finished(plan, buf, fut, mine - self.done_units))
             runnable = sorted(i for i in mine if i not in self.done_units
                               and all(nm in self.ready for nm in layout.units[i].names))
+            rides = (bool(runnable) and cfg.dense_rides  # in the first unit's message: no round of its own
+                     and not (world == 2 and layout.units[runnable[0]].declines_dense))
+            dense, work = self._start_dense(plan, buf, send=not rides)
+            sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if work is not None else 0
             algorithms = []
             cs = CommStats()  # rounds, time in collectives and codec passes, for the step's account
             if work is not None:
                 cs.add(rounds=1, seconds=self._dense_issue)
             with Timer() as t_c:
-                for i in runnable:
-                    algorithms.append(self._run_unit(i, cs))
+                for j, i in enumerate(runnable):
+                    algorithms.append(self._run_unit(i, cs, dense if rides and j == 0 else None))
             sent += cs.bytes_sent
             if work is not None:
                 with Timer() as t_w:
                     work.wait()
                 cs.add(seconds=t_w.seconds)
             if dense is not None:
-                self._finish_dense(plan, buf, dense)
+                self._finish_dense(plan, buf, dense, judged=rides)
             finished = []
             for w in list(self.waiting):
                 w.units -= self.done_units
@@ -369,8 +387,9 @@ class Step:
                               comm_seconds=cs.comm_seconds, codec_seconds=cs.codec_seconds)
         return finished
 
-    def _start_dense(self, plan: Plan, buf: torch.Tensor):
-        """Pack the dense part and start its all_reduce (``None`` when the bucket has none)."""
+    def _start_dense(self, plan: Plan, buf: torch.Tensor, send: bool = True):
+        """Pack and scale the dense part and, with ``send``, start its all_reduce (``None`` when
+        the bucket has none); without, it rides in a unit's message (:meth:`_run_unit`)."""
         n = sum(k for _, k in plan.dense_slices)
         if n == 0:
             return None, None
@@ -382,15 +401,18 @@ class Step:
         if cfg.world_size == 1:
             return plan.dense_scratch, None
         plan.dense_scratch.mul_(cfg.scale)  # DDP averages: scale, then sum
+        if not send:
+            return plan.dense_scratch, None
         with Timer() as t:
             work = dist.all_reduce(plan.dense_scratch, group=cfg.group, async_op=True)
         self._dense_issue = t.seconds
         return plan.dense_scratch, work
 
-    def _finish_dense(self, plan: Plan, buf: torch.Tensor, dense: torch.Tensor) -> None:
-        """The summed dense part: its NaN/inf verdict, plain momentum, back into the bucket."""
+    def _finish_dense(self, plan: Plan, buf: torch.Tensor, dense: torch.Tensor, judged: bool = False) -> None:
+        """The summed dense part: its NaN/inf verdict (``judged``: the unit's call that carried it
+        gave it), plain momentum, back into the bucket."""
         cfg = self.ctx.config
-        if cfg.feedback:
+        if cfg.feedback and not judged:
             self.transaction.mark_bad(nonfinite_flag(dense))
         if cfg.momentum:  # momentum correction: the dense parameters get plain momentum here
             pos = 0
@@ -399,8 +421,9 @@ class Step:
                 pos += n
         scatter_slices(buf, plan.dense_slices, dense)
 
-    def _run_unit(self, i: int, cs: CommStats) -> str:
-        """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm."""
+    def _run_unit(self, i: int, cs: CommStats, dense: torch.Tensor | None = None) -> str:
+        """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm.
+        ``dense``: the bucket's scaled dense part, summed in place within the unit's call."""
         cfg = self.ctx.config
         unit = self.ctx.layout.units[i]
         pieces = [self.ready[nm] for nm in unit.names]
@@ -424,9 +447,12 @@ class Step:
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,
                             shapes=unit.shapes if lowrank else None, out=t,
-                            hierarchy=cfg.hierarchy, prescale=prescale)
+                            hierarchy=cfg.hierarchy, prescale=prescale, dense=dense)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds)
+        if cfg.dense_rides:  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
+            unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=cfg.hierarchy,
+                                                    algorithm=cs.last_algorithm or cfg.algorithm)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)
         self.done_units.add(i)
