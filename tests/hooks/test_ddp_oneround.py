@@ -19,7 +19,7 @@ from commpress.hooks import ddp_step
 
 # (label, compressor, params): at ratio 0.6 topk's "auto" sends the whole compensated gradient in one
 # all_reduce (the gathered slots would be no smaller), which cannot carry the dense part
-CASES = [("topk", "topk", {"ratio": 0.05, "momentum": 0.9}), ("blockquant", "blockquant", {"bits": 4}),
+CASES = [("topk", "topk", {"ratio": 0.05, "momentum": 0.9, "density_warmup": 0}), ("blockquant", "blockquant", {"bits": 4}),
          ("topk-dense", "topk", {"ratio": 0.6, "density_warmup": 0})]
 STEPS = 3
 

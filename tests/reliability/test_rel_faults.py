@@ -252,7 +252,7 @@ def test_rank_dies_inside_ddp_hook(name, params, how):
 def test_hung_rank_inside_ddp_hook_makes_peers_raise_at_the_group_timeout(tmp_path):
     # The hook's collectives run on a group of their own (overlap worker): it must
     # inherit the user's process-group timeout, not torch's 30-minute default.
-    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05}, "all_gather", "hang", str(tmp_path),
+    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05, "density_warmup": 0}, "all_gather", "hang", str(tmp_path),
               timeout=RUN_TIMEOUT, pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
     _check_died(res, "exit")          # exit code 71: the peers raised while the victim hung
 
@@ -261,7 +261,7 @@ def test_hung_rank_inside_ddp_hook_makes_peers_raise_at_the_group_timeout(tmp_pa
 def test_exception_inside_ddp_hook_surfaces_and_peers_do_not_hang():
     # The victim's backward() raises (the hook's exception, wrapped by autograd);
     # its peers are left inside the bucket's collective and must raise too.
-    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05}, "all_gather", "raise",
+    res = run(_ddp_fault, WORLD, "topk", {"ratio": 0.05, "density_warmup": 0}, "all_gather", "raise",
               timeout=RUN_TIMEOUT, pg_timeout=SETUP_PG_TIMEOUT, return_exceptions=True)
     victim = res[VICTIM]
     assert isinstance(victim, dict) and victim["raised"], victim
