@@ -415,16 +415,17 @@ class Step:
                 scaled = cfg.codec.scaled_input(unit.key, cfg.scale)
             else:
                 t.mul_(cfg.scale)
-        codec, lowrank = cfg.codec, cfg.lowrank
-        if cfg.auto is not None:  # "auto": the unit's own codec, chosen at the last check point
+        codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
+        if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
             codec = cfg.auto.codec(unit, t, self._bucket)
             lowrank = codec.aggregation == "lowrank"
+            hierarchy = cfg.auto.hierarchy_of(unit)
         with Timer() as timer, scaled:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,
                             shapes=unit.shapes if lowrank else None, out=t,
-                            hierarchy=cfg.hierarchy, prescale=prescale)
+                            hierarchy=hierarchy, prescale=prescale)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
