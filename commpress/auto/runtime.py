@@ -43,10 +43,26 @@ costs (max over ranks), the hidden windows (min), the norm changes (max), the co
 candidate (:meth:`AutoCodec._with_round_cost`: what the α-β model misses, framework time
 and the wait at each round).
 
+**Two-level path** (``register(model, "auto", hierarchy=L)``): the network is then
+``Network(world, flat, local_size=L, intra, inter)`` from the hierarchy's calibrated models, and
+each unit's choice is a kind **and** a path.  A two-level unit's call gets the hook's
+:class:`~commpress.collectives.Hierarchy` forced to mode ``"two_level"`` (:meth:`AutoCodec.hierarchy_of`),
+a flat one no hierarchy.  Its residuals are per shard (``("shard", key, j)``, owned by local
+rank ``j`` of each node, for the node's sum).  A switch keeps what is owed
+(:meth:`AutoCodec.switch`): within a path and from two-level to flat, slot by slot, bitwise;
+from flat to two-level the part of this rank's residual outside its shard becomes the unit's
+**carry**, added to its next input after the ``1/P`` scaling (the hook multiplies the unit's
+input before :meth:`AutoCodec.codec` adds it), so it is sent once, rounded once; the carry is
+dropped when that step commits (:meth:`AutoCodec.end_step`) and is in the checkpoint until then.
+With momentum correction every unit stays flat (a velocity cannot be split between paths): the
+check point decides on the flat network.  Codec seconds on the two-level path are a shard's
+(``1/L``); the per-round cost measured from call times is charged whole, plus the path's two
+intra-node rounds.
+
 **Checkpoints**: :meth:`AutoCodec.state_dict` holds each unit's choice and its codec's state
 (residuals, velocities, PowerSGD warm starts), the decider (plan, when decided, what it
-watches) and the norm windows.  A resume is bitwise until the next check point: from there
-the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
+watches), the norm windows and the carries still to send.  A resume is bitwise until the
+next check point: from there the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
 
 Not measured: the network after binding (the α-β calibration at binding is kept; the
 bandwidth drift of the issue is not detected), device time on CUDA (the clock is the
@@ -573,8 +589,9 @@ class AutoCodec:
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each unit's choice and codec state (residuals, velocities, warm starts), the
-        decider, the gradient-norm windows (plain numbers, strings and tensors)."""
+        """Each unit's choice (kind, param, path) and codec state (residuals, velocities, warm
+        starts), the decider, the gradient-norm windows, the path switches' carries not sent
+        yet (plain numbers, strings and tensors)."""
         keys = list(self.codecs)
         return {
             "keys": keys,

@@ -118,6 +118,20 @@ def two_level_worker(rank, world):
     _train(model2, opt2, rank, range(5, 7))
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
+
+    # hierarchy="auto" (torchrun's LOCAL_WORLD_SIZE): the hook's hierarchy keeps its mode, the auto
+    # codec's two-level units get a two-level one; with momentum correction the decision stays flat
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model3 = DDP(Net(), bucket_cap_mb=0.01)
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.05, momentum=0.9)
+    state3 = commpress.ddp.register(model3, "auto", hierarchy="auto", optimizer=opt3, min_numel=256,
+                                    check_every=2, every=2, margin=0.0)
+    auto3 = state3.codec
+    out["auto_modes"] = (state3.hierarchy.mode, auto3.hierarchy.mode, auto3.network.local_size, auto3.momentum)
+    auto3.network = _net(world, FAST, SLOW)
+    _train(model3, opt3, rank, range(3))
+    out["momentum_choices"] = sorted(e["choice"] for e in state3.stats.as_dict()["auto"].values())
+    state3.close()
     commpress.collectives.set_cost_model(None)
     return out
 
@@ -136,6 +150,9 @@ def test_register_auto_two_by_two():
     assert any(x.startswith("two_level+") for x in a["algorithms"]), a["algorithms"]
     assert all(not c.endswith("+two_level") for c in fast), fast
     assert torch.equal(a["resumed"], a["params"])
+    assert a["auto_modes"] == ("auto", "two_level", 2, 0.9)
+    assert a["momentum_choices"] and all(not c.endswith("+two_level") for c in a["momentum_choices"])
+    assert any(c != "dense" for c in a["momentum_choices"]), a["momentum_choices"]   # the slow link was seen
     for r in res:
         # every switch kept what is owed bitwise (residual slots + carry), across paths too
         assert r["moved"] and all(ok for *_, ok, _ in r["moved"]), r["moved"]
@@ -143,3 +160,17 @@ def test_register_auto_two_by_two():
         assert {(p, q) for p, q, _ in crossed} == {("flat", "two_level"), ("two_level", "flat")}, crossed
         assert any(owed > 0 for *_, owed in crossed)
         assert r["carry"] and not r["carry_after"], (a["history"], r["moved"])   # a carry waits after the switch, sent by the next step
+
+
+def test_two_level_needs_a_hierarchy_and_no_momentum():
+    """The two-level path is refused without a node layout, and with momentum correction (a
+    velocity cannot be split across paths: the check point then decides on the flat network)."""
+    from commpress.auto import Candidate, Choice
+    from commpress.auto.runtime import AutoCodec, AutoSpec
+
+    with pytest.raises(ValueError, match="hierarchy"):
+        AutoCodec(AutoSpec())._build(Choice(Candidate("bf16"), "two_level"))
+    auto = AutoCodec(AutoSpec(), momentum=0.9)
+    auto.hierarchy = object()
+    with pytest.raises(ValueError, match="momentum"):
+        auto._build(Choice(Candidate("bf16"), "two_level"))
