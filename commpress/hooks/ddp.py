@@ -173,6 +173,8 @@ class DDPState(TakeoverMixin, HookState):
         :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
         ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
         intra/inter cost model; flat otherwise).  Creates the node groups (collective).
+        With ``"auto"`` as the compressor the hook's choice per unit includes the path
+        (flat or two-level, from the intra/inter models calibrated at binding).
         Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
         :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
 
