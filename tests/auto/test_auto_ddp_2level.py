@@ -29,7 +29,7 @@ def Net():
                          nn.Linear(64, 8, bias=False))
 
 
-SLOW = CostModel(1e-3, 1e-5)     # 100 kB/s: the per-round framework time matters less
+SLOW = CostModel(1e-3, 1e-4)     # 10 kB/s: far above the per-round framework time, even loaded
 FAST = CostModel(1e-7, 1e-13)
 
 
