@@ -174,3 +174,43 @@ def test_two_level_needs_a_hierarchy_and_no_momentum():
     auto.hierarchy = object()
     with pytest.raises(ValueError, match="momentum"):
         auto._build(Choice(Candidate("bf16"), "two_level"))
+
+
+def test_switch_across_paths_keeps_what_is_owed(monkeypatch):
+    """Every kind on both paths, one after another (a 2 x 2 layout seen from local rank 1 of node
+    0): this rank's residual slots + its carry are bitwise the same before and after each switch,
+    including two-level kinds whose shards differ (powersgd cuts between matrices)."""
+    from commpress.auto import Candidate, Choice
+    from commpress.auto.runtime import AutoCodec, AutoSpec
+    from commpress.collectives.hierarchy import shard_bounds
+
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+
+    class H:   # what the switch reads of a Hierarchy(2) on 4 ranks, at group rank 1
+        local_size, nodes, local_rank, node = 2, 2, 1, 0
+
+        def bounds(self, numel, compressor=None, shape=None, shapes=None):
+            return shard_bounds(numel, 2, compressor, shape, shapes)
+
+    class U:
+        key, shapes, names = "u", [(96, 32), (64, 96)], ["a", "b"]
+        numel = 96 * 32 + 64 * 96
+
+    auto = AutoCodec(AutoSpec())
+    auto.world, auto.rank, auto.hierarchy, auto._units = 4, 1, H(), [U]
+    g = torch.Generator().manual_seed(5)
+    plan = [("topk", 0.1, "flat"), ("blockquant", 4, "two_level"), ("powersgd", 1, "two_level"),
+            ("topk", 0.1, "two_level"), ("bf16", None, "flat"), ("blockquant", 8, "flat"),
+            ("blockquant", 8, "two_level"), ("dense", None, "two_level"), ("dense", None, "flat")]
+    carried = 0
+    for kind, param, path in plan:
+        codec = auto.codec(U, torch.zeros(U.numel), 0)
+        for k, off, n in auto._path_slots(codec, U.key, U.numel, auto.choices[U.key].path, owner=True):
+            codec.compress(torch.randn(n, generator=g), key=k)    # something owed in every slot
+        before = _owed(auto, U.key, U.numel)
+        auto.switch(U.key, U.numel, Choice(Candidate(kind, param), path))
+        assert torch.equal(before, _owed(auto, U.key, U.numel)), (kind, param, path)
+        c = auto.carried(U.key)
+        carried += 0 if c is None else int((c != 0).sum())
+        auto._carry.clear()   # as if the next step sent it
+    assert carried > 0
