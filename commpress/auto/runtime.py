@@ -52,8 +52,9 @@ rank ``j`` of each node, for the node's sum).  A switch keeps what is owed
 (:meth:`AutoCodec.switch`): within a path and from two-level to flat, slot by slot, bitwise;
 from flat to two-level the part of this rank's residual outside its shard becomes the unit's
 **carry**, added to its next input after the ``1/P`` scaling (the hook multiplies the unit's
-input before :meth:`AutoCodec.codec` adds it), so it is sent once, rounded once; the carry is
-dropped when that step commits (:meth:`AutoCodec.end_step`) and is in the checkpoint until then.
+input before :meth:`AutoCodec.codec` adds it), so it is sent once, rounded once; its commit is
+staged in the step's residual transaction (:class:`_CarryCommit`): dropped when the step commits
+clean, kept (like a residual) by a step with a NaN/inf or one that raised; in the checkpoint until then.
 With momentum correction every unit stays flat (a velocity cannot be split between paths): the
 check point decides on the flat network.  Codec seconds on the two-level path are a shard's
 (``1/L``); the per-round cost measured from call times is charged whole, plus the path's two
@@ -83,7 +84,7 @@ from ..collectives.costmodel import CostModel
 from ..collectives.quantized import alignment, chunk_bounds
 from ..compressors import base as _registry
 from ..compressors.base import Compressor
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
@@ -209,6 +210,29 @@ def _slots(codec: ErrorFeedback, key: Any, numel: int, world: int, rank: int,
     return [s for s in out if s[2] > 0]
 
 
+class _CarryCommit:
+    """The commit of the carries a step added to its units' inputs, staged in the step's
+    :class:`~commpress.feedback.ResidualTransaction` like a residual: a good step drops the
+    carry (it was sent), a step with a NaN/inf (the transaction's bad flag) keeps it, as error
+    feedback keeps a residual; a rolled-back step keeps it too.  On CUDA the flag stays on the
+    device: the carry becomes ``where(bad, carry, 0)`` and a zero carry is dropped at the next
+    check point (:meth:`AutoCodec.check`, which reads the host anyway)."""
+
+    def __init__(self, carry: dict[Any, torch.Tensor]) -> None:
+        self.carry = carry
+
+    def commit(self, key: Any, bad: torch.Tensor | None = None) -> None:
+        verdict = _host_verdict(bad)
+        if verdict is False:
+            self.carry.pop(key, None)
+        elif verdict is None and key in self.carry:
+            c = self.carry[key]
+            self.carry[key] = torch.where(bad, c, torch.zeros_like(c))
+
+    def rollback(self, key: Any) -> None:
+        pass
+
+
 class AutoCodec:
     """The codec of a hook registered with ``"auto"``: a :class:`~commpress.ErrorFeedback` per
     unit, the decider, the measurements.  Changed only between steps (at check points, on
@@ -255,11 +279,15 @@ class AutoCodec:
         # what a path switch handed to a unit's next input (this rank's share, scaled as the input)
         self._carry: dict[Any, torch.Tensor] = {}
         self._spent: set[Any] = set()           # units whose carry went into this step's input
+        self._carry_commit = _CarryCommit(self._carry)
 
     # -- what a step reads ------------------------------------------------------
-    def codec(self, unit: Any, t: torch.Tensor, bucket: int) -> ErrorFeedback:
+    def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None) -> ErrorFeedback:
         """The unit's codec (dense until a decision); adds ``t``'s norm to the unit's
-        accumulator on the device (no host read)."""
+        accumulator on the device (no host read).  A carry left by a path switch
+        (:meth:`switch`) is added to ``t`` (already scaled by the hook's ``1/P``); its
+        commit is staged in ``transaction`` (the step's: kept when the step is bad or rolled
+        back, dropped when it commits clean), or without one dropped at :meth:`end_step`."""
         key = unit.key
         c = self.codecs.get(key)
         if c is None:
@@ -272,7 +300,10 @@ class AutoCodec:
         owed = self._carry.get(key)
         if owed is not None:   # a path switch's carry: sent once, by this step (dropped at its commit)
             t.view(-1).add_(owed.to(device=t.device, dtype=t.dtype))
-            self._spent.add(key)
+            if transaction is not None:
+                transaction.stage(self._carry_commit, key)
+            else:
+                self._spent.add(key)
         self._unit_bucket[key] = bucket
         if key in self._fresh and t.dtype == torch.float32:
             self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
@@ -392,6 +423,8 @@ class AutoCodec:
         try:
             if self.network is None:
                 raise RuntimeError("auto: the hook is not bound (no network model)")
+            for key in [k for k, c in self._carry.items() if not bool(c.any())]:
+                del self._carry[key]   # sent (a device-side commit left zeros)
             norms = self._read_norms(units)
             change = norm_change(self._prev_norms, norms) if self._prev_norms is not None else [0.0] * len(units)
             self._prev_norms = norms
@@ -625,4 +658,5 @@ class AutoCodec:
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
         self._fresh = set(state["fresh"])
         self._carry = {k: t.float().clone() for k, t in zip(state.get("carry_keys", []), state.get("carry", []))}
+        self._carry_commit = _CarryCommit(self._carry)
         self._spent = set()

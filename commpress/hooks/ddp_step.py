@@ -417,7 +417,7 @@ class Step:
                 t.mul_(cfg.scale)
         codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
         if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
-            codec = cfg.auto.codec(unit, t, self._bucket)
+            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction)
             lowrank = codec.aggregation == "lowrank"
             hierarchy = cfg.auto.hierarchy_of(unit)
         with Timer() as timer, scaled:

@@ -214,3 +214,28 @@ def test_switch_across_paths_keeps_what_is_owed(monkeypatch):
         carried += 0 if c is None else int((c != 0).sum())
         auto._carry.clear()   # as if the next step sent it
     assert carried > 0
+
+
+def test_carry_is_sent_once_and_kept_by_a_bad_step():
+    """A carry goes into the unit's next input (after the hook's 1/P), committed with the step:
+    dropped by a clean commit, kept by a step with a NaN/inf (as a residual) or a rollback."""
+    from commpress.auto.runtime import AutoCodec, AutoSpec
+    from commpress.feedback import ResidualTransaction
+
+    class U:
+        key, numel, shapes, names = "u", 8, [(8,)], ["w"]
+
+    auto = AutoCodec(AutoSpec())
+    owed = torch.arange(8, dtype=torch.float32)
+    for outcome in ("rollback", "bad", "clean"):
+        auto._carry[U.key] = owed.clone()
+        t = torch.ones(8)
+        tx = ResidualTransaction()
+        auto.codec(U, t, 0, tx)
+        assert torch.equal(t, 1 + owed)
+        if outcome == "rollback":
+            tx.rollback()
+        else:
+            tx.commit(torch.tensor(outcome == "bad"))
+        kept = auto.carried(U.key)
+        assert (kept is not None and torch.equal(kept, owed)) == (outcome != "clean"), outcome
