@@ -577,9 +577,11 @@ class AutoCodec:
                 take_residual(old, k, numel, off, into=carry)
                 held.append((off, n))
         new = self._build(choice)
-        covered = torch.zeros(numel, dtype=torch.bool)
+        covered = torch.zeros(numel, dtype=torch.bool)   # host-side bookkeeping of the new slots
+        ranges = []
         for k, off, n in self._path_slots(new, key, numel, choice.path, owner=False):
             covered[off:off + n] = True
+            ranges.append((off, n))
             part = Carry(None if carry.residual is None else carry.residual[off:off + n],
                          None if carry.velocity is None else carry.velocity[off:off + n])
             if part.residual is not None or part.velocity is not None:
@@ -590,7 +592,8 @@ class AutoCodec:
                                  f"{old_path} path to the {choice.path} path")
             if carry.residual is not None:   # what the new codec has no slot for: the next input's
                 rest = carry.residual.clone()
-                rest[covered.to(rest.device)] = 0.0
+                for off, n in ranges:
+                    rest[off:off + n] = 0.0
                 prev = self._carry.get(key)
                 self._carry[key] = rest if prev is None else prev.add_(rest)
         self.codecs[key] = new
