@@ -128,7 +128,11 @@ class BucketMeasure:
     compress + decompress seconds of each candidate at ``numel`` (max over ranks; a
     candidate missing here is not considered for this bucket; dense may be missing: 0).
     ``norm_change``: relative change of the gradient norm over the last window (max
-    over ranks; see :func:`commpress.auto.measure.norm_change`).
+    over ranks; see :func:`commpress.auto.measure.norm_change`).  ``call_s``: seconds per
+    call of each candidate that do not scale with the elements (the runtime's per-round
+    cost, :meth:`commpress.auto.runtime.AutoCodec._with_round_cost`): added whole on either
+    path; ``round_s``: the same per collective round, charged for the two-level path's two
+    intra-node rounds.
     """
 
     name: str
@@ -138,6 +142,8 @@ class BucketMeasure:
     codec_s: Mapping[Candidate, float] = field(default_factory=dict)
     norm_change: float = 0.0
     dtype: torch.dtype = torch.float32
+    call_s: Mapping[Candidate, float] = field(default_factory=dict)
+    round_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 0:
@@ -274,9 +280,14 @@ def comm_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> flo
 
 
 def codec_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
-    """The measured codec seconds; on the two-level path a rank codes one shard (``1/L``)."""
+    """The measured codec seconds; on the two-level path a rank codes one shard (``1/L``).
+    Plus the per-call seconds ``call_s`` (and on the two-level path its two intra-node rounds
+    at ``round_s``), which do not shrink with the shard."""
     t = bucket.codec_s.get(choice.candidate, 0.0)
-    return t / network.local_size if choice.path == "two_level" else t
+    fixed = bucket.call_s.get(choice.candidate, 0.0)
+    if choice.path == "two_level":
+        return t / network.local_size + fixed + 2 * bucket.round_s
+    return t + fixed
 
 
 def exposed_seconds(hidden: list[float], codec: list[float], comm: list[float], inline: bool = True) -> float:

@@ -43,10 +43,27 @@ costs (max over ranks), the hidden windows (min), the norm changes (max), the co
 candidate (:meth:`AutoCodec._with_round_cost`: what the α-β model misses, framework time
 and the wait at each round).
 
+**Two-level path** (``register(model, "auto", hierarchy=L)``): the network is then
+``Network(world, flat, local_size=L, intra, inter)`` from the hierarchy's calibrated models, and
+each unit's choice is a kind **and** a path.  A two-level unit's call gets the hook's
+:class:`~commpress.collectives.Hierarchy` forced to mode ``"two_level"`` (:meth:`AutoCodec.hierarchy_of`),
+a flat one no hierarchy.  Its residuals are per shard (``("shard", key, j)``, owned by local
+rank ``j`` of each node, for the node's sum).  A switch keeps what is owed
+(:meth:`AutoCodec.switch`): within a path and from two-level to flat, slot by slot, bitwise;
+from flat to two-level the part of this rank's residual outside its shard becomes the unit's
+**carry**, added to its next input after the ``1/P`` scaling (the hook multiplies the unit's
+input before :meth:`AutoCodec.codec` adds it), so it is sent once, rounded once; its commit is
+staged in the step's residual transaction (:class:`_CarryCommit`): dropped when the step commits
+clean, kept (like a residual) by a step with a NaN/inf or one that raised; in the checkpoint until then.
+With momentum correction every unit stays flat (a velocity cannot be split between paths): the
+check point decides on the flat network.  Codec seconds on the two-level path are a shard's
+(``1/L``); the per-round cost measured from call times is charged whole, plus the path's two
+intra-node rounds.
+
 **Checkpoints**: :meth:`AutoCodec.state_dict` holds each unit's choice and its codec's state
 (residuals, velocities, PowerSGD warm starts), the decider (plan, when decided, what it
-watches) and the norm windows.  A resume is bitwise until the next check point: from there
-the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
+watches), the norm windows and the carries still to send.  A resume is bitwise until the
+next check point: from there the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
 
 Not measured: the network after binding (the α-β calibration at binding is kept; the
 bandwidth drift of the issue is not detected), device time on CUDA (the clock is the
@@ -67,7 +84,7 @@ from ..collectives.costmodel import CostModel
 from ..collectives.quantized import alignment, chunk_bounds
 from ..compressors import base as _registry
 from ..compressors.base import Compressor
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
@@ -161,6 +178,22 @@ def _rounds(candidate: Candidate) -> int:
     return _ROUNDS[prototype(candidate).aggregation]
 
 
+def _two_level_slots(codec: ErrorFeedback, key: Any, numel: int, hierarchy: Any,
+                     shapes: Any, owner: bool) -> list[tuple[Any, int, int]]:
+    """``(residual key, offset, numel)`` of what ``codec`` keeps for unit ``key`` on the
+    two-level path (:mod:`commpress.collectives.hierarchy`): the shard ``j`` this rank owns
+    (its local rank), under ``("shard", key, j)`` at the shard's offset, chunked among the
+    ``P / L`` nodes for a ``"gather"`` kind (:func:`_slots` on the inter group)."""
+    h = hierarchy
+    j = h.local_rank
+    lowrank = codec.aggregation == "lowrank"
+    bnd = h.bounds(numel, codec, (numel,), [tuple(s) for s in shapes] if lowrank and shapes else None)
+    lo, n = bnd[j], bnd[j + 1] - bnd[j]
+    if n <= 0:
+        return []
+    return [(k, lo + off, m) for k, off, m in _slots(codec, ("shard", key, j), n, h.nodes, h.node, owner)]
+
+
 def _slots(codec: ErrorFeedback, key: Any, numel: int, world: int, rank: int,
            owner: bool) -> list[tuple[Any, int, int]]:
     """``(residual key, offset, numel)`` of every residual a codec keeps for a unit: one under
@@ -175,6 +208,29 @@ def _slots(codec: ErrorFeedback, key: Any, numel: int, world: int, rank: int,
     if owner:
         out.append((("owner", key, rank), b[rank], b[rank + 1] - b[rank]))
     return [s for s in out if s[2] > 0]
+
+
+class _CarryCommit:
+    """The commit of the carries a step added to its units' inputs, staged in the step's
+    :class:`~commpress.feedback.ResidualTransaction` like a residual: a good step drops the
+    carry (it was sent), a step with a NaN/inf (the transaction's bad flag) keeps it, as error
+    feedback keeps a residual; a rolled-back step keeps it too.  On CUDA the flag stays on the
+    device: the carry becomes ``where(bad, carry, 0)`` and a zero carry is dropped at the next
+    check point (:meth:`AutoCodec.check`, which reads the host anyway)."""
+
+    def __init__(self, carry: dict[Any, torch.Tensor]) -> None:
+        self.carry = carry
+
+    def commit(self, key: Any, bad: torch.Tensor | None = None) -> None:
+        verdict = _host_verdict(bad)
+        if verdict is False:
+            self.carry.pop(key, None)
+        elif verdict is None and key in self.carry:
+            c = self.carry[key]
+            self.carry[key] = torch.where(bad, c, torch.zeros_like(c))
+
+    def rollback(self, key: Any) -> None:
+        pass
 
 
 class AutoCodec:
@@ -197,6 +253,8 @@ class AutoCodec:
         self.choices: dict[Any, Choice] = {}
         # set at binding
         self.network: Network | None = None
+        #: the two-level path's :class:`~commpress.collectives.Hierarchy` (mode ``"two_level"``), or None
+        self.hierarchy: Any = None
         self.first_check = 1
         self.queued = False
         self.world, self.rank = 1, 0
@@ -218,11 +276,18 @@ class AutoCodec:
         self._fresh: set[Any] = set()           # units switched to dense that have not run since
         self._last_step: int | None = None
         self._round_s_decided: float | None = None
+        # what a path switch handed to a unit's next input (this rank's share, scaled as the input)
+        self._carry: dict[Any, torch.Tensor] = {}
+        self._spent: set[Any] = set()           # units whose carry went into this step's input
+        self._carry_commit = _CarryCommit(self._carry)
 
     # -- what a step reads ------------------------------------------------------
-    def codec(self, unit: Any, t: torch.Tensor, bucket: int) -> ErrorFeedback:
+    def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None) -> ErrorFeedback:
         """The unit's codec (dense until a decision); adds ``t``'s norm to the unit's
-        accumulator on the device (no host read)."""
+        accumulator on the device (no host read).  A carry left by a path switch
+        (:meth:`switch`) is added to ``t`` (already scaled by the hook's ``1/P``); its
+        commit is staged in ``transaction`` (the step's: kept when the step is bad or rolled
+        back, dropped when it commits clean), or without one dropped at :meth:`end_step`."""
         key = unit.key
         c = self.codecs.get(key)
         if c is None:
@@ -232,6 +297,13 @@ class AutoCodec:
         if acc is None or acc.device != t.device:
             acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
         acc.add_(torch.linalg.vector_norm(t))
+        owed = self._carry.get(key)
+        if owed is not None:   # a path switch's carry: sent once, by this step (dropped at its commit)
+            t.view(-1).add_(owed.to(device=t.device, dtype=t.dtype))
+            if transaction is not None:
+                transaction.stage(self._carry_commit, key)
+            else:
+                self._spent.add(key)
         self._unit_bucket[key] = bucket
         if key in self._fresh and t.dtype == torch.float32:
             self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
@@ -245,7 +317,7 @@ class AutoCodec:
         is neither a check point nor the step before it (those run the units' own path, to measure
         them, and send what the bf16 units' error feedback holds: delayed, not lost).  A
         function of agreed state and the step: the same on every rank and every bucket of a step."""
-        if self.momentum or self._fresh or not self.choices or step < self.first_check:
+        if self.momentum or self._fresh or self._carry or not self.choices or step < self.first_check:
             return None
         phase = (step - self.first_check) % self.spec.check_every
         if phase == 0 or phase == self.spec.check_every - 1:
@@ -261,9 +333,21 @@ class AutoCodec:
         m[0] += seconds
         m[1] += 1
 
+    def hierarchy_of(self, unit: Any) -> Any:
+        """The ``hierarchy=`` of the unit's call: the two-level :class:`~commpress.collectives.Hierarchy`
+        when its choice's path is ``"two_level"``, else ``None`` (flat)."""
+        choice = self.choices.get(unit.key)
+        return self.hierarchy if choice is not None and choice.path == "two_level" else None
+
     def _build(self, choice: Choice) -> ErrorFeedback:
-        if choice.path != "flat":
-            raise ValueError(f"auto: path {choice.path!r} is not supported by the DDP hook yet")
+        if choice.path not in ("flat", "two_level"):
+            raise ValueError(f"auto: unknown path {choice.path!r}")
+        if choice.path == "two_level":
+            if self.hierarchy is None:
+                raise ValueError("auto: the two-level path needs register(..., hierarchy=L) (no node layout here)")
+            if self.momentum:
+                raise ValueError("auto: the two-level path is not taken with momentum correction (a velocity "
+                                 "cannot be split across paths): every unit stays flat")
         return ErrorFeedback(choice.candidate.build(), momentum=self.momentum, masking=self.masking)
 
     # -- the dense parameters' momentum (DDP's _finish_dense) ---------------------
@@ -314,6 +398,9 @@ class AutoCodec:
     def end_step(self, step: int, layout: Any, group: Any) -> None:
         """Account the step that just committed; at a check point measure, agree, decide, switch."""
         now = time.perf_counter()
+        for key in self._spent:   # the step that sent them committed
+            self._carry.pop(key, None)
+        self._spent.clear()
         self._units = list(layout.units)
         consecutive = self._last_step == step - 1   # steps sent DDP's way (fast) are not timed here
         self._last_step = step
@@ -336,6 +423,8 @@ class AutoCodec:
         try:
             if self.network is None:
                 raise RuntimeError("auto: the hook is not bound (no network model)")
+            for key in [k for k, c in self._carry.items() if not bool(c.any())]:
+                del self._carry[key]   # sent (a device-side commit left zeros)
             norms = self._read_norms(units)
             change = norm_change(self._prev_norms, norms) if self._prev_norms is not None else [0.0] * len(units)
             self._prev_norms = norms
@@ -357,6 +446,9 @@ class AutoCodec:
             compute, measured = math.inf, [0.0] * len(units)
         try:
             network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
+            if network.hierarchical and (self.momentum or self.hierarchy is None):
+                # momentum correction: a velocity cannot be split across paths (flat only)
+                network = Network(network.world, network.flat, collective=network.collective)
             m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
                                    extra=[(x, "min") for x in measured])
         except ValueError as exc:
@@ -410,7 +502,9 @@ class AutoCodec:
         return [str(b) if buckets.count(b) == 1 else f"{b}/{i}" for i, b in enumerate(buckets)]
 
     def _with_round_cost(self, m: Measurements, units: list[Any]) -> Measurements:
-        """``m`` with each candidate's codec seconds raised by ``round_s`` per collective round.
+        """``m`` with each candidate's per-call seconds (``BucketMeasure.call_s``) set to
+        ``round_s`` per collective round (the two-level path two rounds more: ``BucketMeasure.round_s``;
+        not divided among the shards as its codec seconds are).
 
         ``round_s``: what the units' calls took beyond their prediction in the last window
         (codec + α-β collective of the choice in force; the agreed call seconds are the
@@ -427,7 +521,7 @@ class AutoCodec:
             choice = self.choices.get(u.key, DENSE)
             bucket = m.buckets[b]
             excess += meas - codec_seconds(choice, bucket, m.network) - comm_seconds(choice, bucket, m.network)
-            rounds += self._rounds_of(choice.candidate)
+            rounds += self._rounds_of(choice.candidate) + (2 if choice.path == "two_level" else 0)
         if rounds:
             self.round_s = max(0.0, excess) / rounds
         watched = self._round_s_decided
@@ -435,10 +529,8 @@ class AutoCodec:
             self.decider.watched = None   # the per-round cost moved: re-decide now
         buckets = []
         for b in m.buckets:
-            codec = {c: t + self.round_s * self._rounds_of(c) for c, t in b.codec_s.items()}
-            codec[DENSE.candidate] = (b.codec_s.get(DENSE.candidate, 0.0)
-                                      + self.round_s * self._rounds_of(DENSE.candidate))
-            buckets.append(dataclasses.replace(b, codec_s=codec))
+            call = {c: self.round_s * self._rounds_of(c) for c in (*b.codec_s, DENSE.candidate)}
+            buckets.append(dataclasses.replace(b, call_s=call, round_s=self.round_s))
         return dataclasses.replace(m, buckets=tuple(buckets))
 
     def _read_norms(self, units: list[Any]) -> list[float]:
@@ -450,25 +542,68 @@ class AutoCodec:
         values = iter(torch.stack([a.float() for a in present]).cpu().tolist())
         return [next(values) if a is not None else 0.0 for a in accs]
 
+    def _path_slots(self, codec: ErrorFeedback, key: Any, numel: int, path: str,
+                    owner: bool) -> list[tuple[Any, int, int]]:
+        """Where ``codec`` keeps unit ``key``'s residuals on ``path`` (flat: :meth:`_unit_slots`;
+        two-level: this rank's shard, :func:`_two_level_slots`)."""
+        if path != "two_level":
+            return self._unit_slots(codec, key, numel, owner)
+        shapes = next((u.shapes for u in self._units if u.key == key), None)
+        return _two_level_slots(codec, key, numel, self.hierarchy, shapes, owner)
+
     def switch(self, key: Any, numel: int, choice: Choice) -> None:
-        """Give unit ``key`` the codec of ``choice``; its residual and velocity move with it
-        (chunk by chunk for the two-phase kinds; the owner's residual of its chunk is added
-        to this rank's part of that chunk, so the sum over ranks owes the same)."""
+        """Give unit ``key`` the codec of ``choice``; what error feedback owes moves with it.
+
+        Within a path, every residual and velocity slot of the old codec goes to the same
+        place in the new one, bitwise (chunk by chunk for the two-phase kinds; the owner's
+        residual of its chunk is added to this rank's part of that chunk; on the two-level
+        path the shard this rank owns, ``("shard", key, j)``).  From the two-level path to the
+        flat one the shard's residual (this rank's share of its node's sum) lands at its offset
+        of this rank's flat residual, bitwise too.  What the new codec has no slot for on this
+        rank (from the flat path to the two-level one: a flat residual covers the whole unit,
+        a two-level one only this rank's shard; or two-level shard bounds that differ between
+        the kinds) is kept as this unit's
+        **carry** and added to its next input (after the ``1/P`` scaling, in the input's
+        dtype), so the next step sends it once: the sum over ranks of residuals + carries
+        is unchanged by the switch, bitwise; sending it rounds once (the fp32 add into the
+        input).  A velocity cannot be carried that way: momentum correction keeps every
+        unit on the flat path (``ValueError`` otherwise)."""
         old = self.codecs.get(key)
+        old_path = self.choices.get(key, DENSE).path if old is not None else "flat"
         carry = Carry()
+        held: list[tuple[int, int]] = []
         if old is not None:
-            for k, off, _ in self._unit_slots(old, key, numel, owner=True):
+            for k, off, n in self._path_slots(old, key, numel, old_path, owner=True):
                 take_residual(old, k, numel, off, into=carry)
+                held.append((off, n))
         new = self._build(choice)
-        for k, off, n in self._unit_slots(new, key, numel, owner=False):
+        covered = torch.zeros(numel, dtype=torch.bool)   # host-side bookkeeping of the new slots
+        ranges = []
+        for k, off, n in self._path_slots(new, key, numel, choice.path, owner=False):
+            covered[off:off + n] = True
+            ranges.append((off, n))
             part = Carry(None if carry.residual is None else carry.residual[off:off + n],
                          None if carry.velocity is None else carry.velocity[off:off + n])
             if part.residual is not None or part.velocity is not None:
                 fold_residual(part, new, k)
+        if any(not bool(covered[off:off + n].all()) for off, n in held):
+            if carry.velocity is not None:
+                raise ValueError(f"auto: unit {key!r} cannot move its momentum-correction velocity from the "
+                                 f"{old_path} path to the {choice.path} path")
+            if carry.residual is not None:   # what the new codec has no slot for: the next input's
+                rest = carry.residual.clone()
+                for off, n in ranges:
+                    rest[off:off + n] = 0.0
+                prev = self._carry.get(key)
+                self._carry[key] = rest if prev is None else prev.add_(rest)
         self.codecs[key] = new
         self.choices[key] = choice
         if choice == DENSE:
             self._fresh.add(key)
+
+    def carried(self, key: Any) -> torch.Tensor | None:
+        """What a path switch left for unit ``key``'s next input (this rank's share), or ``None``."""
+        return self._carry.get(key)
 
     # -- the report: state.stats.as_dict()["auto"] --------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
@@ -490,8 +625,9 @@ class AutoCodec:
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each unit's choice and codec state (residuals, velocities, warm starts), the
-        decider, the gradient-norm windows (plain numbers, strings and tensors)."""
+        """Each unit's choice (kind, param, path) and codec state (residuals, velocities, warm
+        starts), the decider, the gradient-norm windows, the path switches' carries not sent
+        yet (plain numbers, strings and tensors)."""
         keys = list(self.codecs)
         return {
             "keys": keys,
@@ -503,12 +639,15 @@ class AutoCodec:
             "norm_keys": list(self._norms),
             "norms": [t.clone() for t in self._norms.values()],
             "fresh": [k for k in keys if k in self._fresh],
+            "carry_keys": list(self._carry),
+            "carry": [t.clone() for t in self._carry.values()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
-        if not isinstance(state, dict) or set(state) != want:
-            raise ValueError(f"auto codec state must have keys {sorted(want)}")
+        extra = {"carry_keys", "carry"}   # absent in checkpoints from before the two-level path
+        if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
+            raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
         for key, (kind, param, path), cs in zip(state["keys"], state["choices"], state["codecs"]):
             choice = Choice(Candidate(kind, param), path)
@@ -521,3 +660,6 @@ class AutoCodec:
         self._prev_norms = None if prev is None else [float(x) for x in prev]
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
         self._fresh = set(state["fresh"])
+        self._carry = {k: t.float().clone() for k, t in zip(state.get("carry_keys", []), state.get("carry", []))}
+        self._carry_commit = _CarryCommit(self._carry)
+        self._spent = set()

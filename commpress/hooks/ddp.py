@@ -62,6 +62,7 @@ Notes
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import logging
@@ -120,7 +121,9 @@ class DDPState(TakeoverMixin, HookState):
         are passed to ``commpress.get`` with a name.  ``"auto"``: a compressor per unit,
         chosen and re-chosen from measurements (:mod:`commpress.auto.runtime`; its options
         ``candidates``, ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are
-        keywords here); every choice runs under error feedback; not with ``hierarchy``.
+        keywords here); every choice runs under error feedback.  With ``hierarchy`` each
+        unit also chooses its path, flat or two-level, by the intra/inter-node models (not
+        with momentum correction: then every unit stays flat, logged).
     error_feedback:
         ``"auto"`` (on for biased compressors), ``True`` or ``False``.
     warmup_steps:
@@ -171,6 +174,8 @@ class DDPState(TakeoverMixin, HookState):
         :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
         ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
         intra/inter cost model; flat otherwise).  Creates the node groups (collective).
+        With ``"auto"`` as the compressor the hook's choice per unit includes the path
+        (flat or two-level, from the intra/inter models calibrated at binding).
         Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
         :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
 
@@ -313,7 +318,7 @@ class DDPState(TakeoverMixin, HookState):
         self.codec = self._auto_codec = AutoCodec(self.compressor, self.momentum, self.momentum_masking)
         self.uses_error_feedback = True   # every choice runs under error feedback
         if old is not None:  # rebuilt after binding (a momentum taken over): keep what binding set
-            for name in ("network", "first_check", "queued", "world", "rank"):
+            for name in ("network", "hierarchy", "first_check", "queued", "world", "rank"):
                 setattr(self.codec, name, getattr(old, name))
 
     def _bind_auto(self, model: DistributedDataParallel) -> None:
@@ -325,6 +330,17 @@ class DDPState(TakeoverMixin, HookState):
         auto = self._auto_codec
         flat = self.stats.cost_model if self.stats.cost_model is not None else CostModel(0.0, 0.0)
         auto.network = Network(max(1, self.world_size), flat)
+        h = self.hierarchy
+        if h is not None:  # hierarchy=L: each unit flat or two-level, by the intra/inter models
+            intra, inter = h.models()   # collective (every rank binds alike)
+            auto.network = Network(self.world_size, flat, local_size=h.local_size, intra=intra, inter=inter)
+            if h.mode != "two_level":   # hierarchy="auto": the auto codec chooses the path, not the hierarchy
+                h = copy.copy(h)
+                h.mode, h._plans = "two_level", {}
+            auto.hierarchy = h
+            if self.momentum:
+                log.info("commpress auto: momentum correction keeps every unit on the flat path "
+                         "(a velocity cannot be split between the flat and the two-level path)")
         # the first check point ends the second compressed step: the first has no step before it
         # to time the compute from (the warm-up steps take DDP's path), so it measures nothing
         auto.first_check = self.warmup_steps + 1
@@ -498,9 +514,6 @@ def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_
     options are taken out of ``params``; ``ValueError`` for what "auto" cannot do)."""
     from ..auto.runtime import auto_spec
 
-    if hierarchy is not None:
-        raise ValueError("hierarchy= is not supported with compressor 'auto' yet (the two-level path is "
-                         "not wired into the DDP hook's choices); give a fixed compressor or hierarchy=None")
     if algorithm != "auto":
         raise ValueError(f"algorithm must be 'auto' with compressor 'auto' (each unit's kind picks its "
                          f"own), got {algorithm!r}")

@@ -438,20 +438,21 @@ class Step:
                 scaled = cfg.codec.scaled_input(unit.key, cfg.scale)
             else:
                 t.mul_(cfg.scale)
-        codec, lowrank = cfg.codec, cfg.lowrank
-        if cfg.auto is not None:  # "auto": the unit's own codec, chosen at the last check point
-            codec = cfg.auto.codec(unit, t, self._bucket)
+        codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
+        if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
+            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction)
             lowrank = codec.aggregation == "lowrank"
+            hierarchy = cfg.auto.hierarchy_of(unit)
         with Timer() as timer, scaled:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,
                             shapes=unit.shapes if lowrank else None, out=t,
-                            hierarchy=cfg.hierarchy, prescale=prescale, dense=dense)
+                            hierarchy=hierarchy, prescale=prescale, dense=dense)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds)
         if cfg.dense_rides:  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
-            unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=cfg.hierarchy,
+            unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=hierarchy,
                                                     algorithm=cs.last_algorithm or cfg.algorithm)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces
             unit_store(pieces, out)

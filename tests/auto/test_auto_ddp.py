@@ -212,8 +212,7 @@ def test_switch_carries_residual_and_velocity(monkeypatch):
 
 
 def test_auto_options_are_checked():
-    with pytest.raises(ValueError, match="hierarchy"):
-        commpress.ddp.DDPState("auto", hierarchy=2)
+    commpress.ddp.DDPState("auto", hierarchy=2)   # accepted: each unit also chooses its path
     with pytest.raises(ValueError, match="options"):
         commpress.ddp.DDPState("auto", ratio=0.01)
     with pytest.raises(ValueError, match="check_every"):
@@ -247,6 +246,14 @@ def test_round_cost_from_agreed_call_times(monkeypatch):
     m = Measurements(net, buckets, 0.01, extra=(0.003, 0.006 + 0.001))   # b also spent its codec time
     out = auto._with_round_cost(m, units)
     assert auto.round_s == pytest.approx(0.009 / 3)
+    from commpress.auto.decide import codec_seconds
+
     for b in out.buckets:
-        assert b.codec_s[Candidate("dense")] == pytest.approx(0.003)
-        assert b.codec_s[bq] == pytest.approx(0.001 + 0.006) and b.codec_s[ps] == pytest.approx(0.002 + 0.006)
+        assert codec_seconds(Choice(Candidate("dense")), b, net) == pytest.approx(0.003)
+        assert codec_seconds(Choice(bq), b, net) == pytest.approx(0.001 + 0.006)
+        assert codec_seconds(Choice(ps), b, net) == pytest.approx(0.002 + 0.006)
+    # on a 2 x 2 two-level path the codec seconds are a shard's (1/2), the per-call seconds whole,
+    # plus two intra-node rounds
+    net2 = Network(4, CostModel(0.0, 0.0), local_size=2, intra=CostModel(0.0, 0.0), inter=CostModel(0.0, 0.0))
+    b = out.buckets[0]
+    assert codec_seconds(Choice(bq, "two_level"), b, net2) == pytest.approx(0.001 / 2 + 0.006 + 2 * 0.003)
