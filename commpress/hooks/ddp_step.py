@@ -8,7 +8,8 @@ Per bucket (:meth:`Step.run_bucket`):
    error feedback into its compensation pass;
 2. its **dense part** (1-D, small and skipped parameters) is packed into one
    buffer; where the first unit this bucket runs can carry it
-   (:attr:`HookConfig.dense_rides`: the sparse kinds at P=2, the gather kinds) it
+   (:meth:`HookConfig.unit_rides`: the sparse kinds at P=2, the gather kinds; with
+   ``"auto"`` by the codec the unit chose) it
    rides in that unit's messages (``allreduce(..., dense=)``: one round per bucket
    at P=2),
    else it is all-reduced *asynchronously*, concurrently with the payloads;
@@ -291,6 +292,17 @@ class HookConfig:
                 and carries_dense(self.codec, world=self.world_size, algorithm=self.algorithm,
                                   hierarchy=self.hierarchy))
 
+    def unit_rides(self, unit: Unit) -> bool:
+        """Whether a bucket's dense part rides in ``unit``'s message: :attr:`dense_rides`, or with
+        ``"auto"`` by the codec in force for the unit (chosen at the last check point: the same on
+        every rank and every step until the next one)."""
+        if self.auto is None:
+            return self.dense_rides
+        codec = self.auto.codecs.get(unit.key)
+        return (codec is not None and codec.aggregation != "lowrank"
+                and carries_dense(codec, world=self.world_size, algorithm=self.algorithm,
+                                  hierarchy=self.auto.hierarchy_of(unit)))
+
     def noise_seed(self, step: int, key: Any) -> int:
         """The seed of this rank's stochastic rounding for ``key`` at ``step``: a pure function
         of ``(seed, rank, step, key)`` (nothing to read, nothing to checkpoint)."""
@@ -356,7 +368,7 @@ class Step:
             self.waiting.append(Finished(plan, buf, fut, mine - self.done_units))
             runnable = sorted(i for i in mine if i not in self.done_units
                               and all(nm in self.ready for nm in layout.units[i].names))
-            rides = (bool(runnable) and cfg.dense_rides  # in the first unit's message: no round of its own
+            rides = (bool(runnable) and cfg.unit_rides(layout.units[runnable[0]])  # no round of its own
                      and not (world == 2 and layout.units[runnable[0]].declines_dense))
             dense, work = self._start_dense(plan, buf, send=not rides)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if work is not None else 0
@@ -451,7 +463,7 @@ class Step:
                             hierarchy=hierarchy, prescale=prescale, dense=dense)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds)
-        if cfg.dense_rides:  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
+        if cfg.unit_rides(unit):  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
             unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=hierarchy,
                                                     algorithm=cs.last_algorithm or cfg.algorithm)
         if not is_view or out is not t:  # the result goes back into the bucket's pieces

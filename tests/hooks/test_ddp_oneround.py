@@ -74,3 +74,37 @@ def test_one_round_per_bucket_and_the_same_result():
             assert torch.equal(a, b), name  # bitwise the result of the separate all_reduce
         for a, b in zip(riding["params"], res[1][name][0]["params"]):
             assert torch.equal(a, b), name  # replicas identical
+
+
+def _auto_worker(rank, world):
+    from commpress.auto import Network
+    from commpress.collectives import CostModel
+
+    commpress.collectives.set_cost_model(1e-4, 1e-9)
+    torch.manual_seed(0)
+    model = DDP(MLP3(), bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = commpress.ddp.register(model, "auto", overlap=False, min_numel=256, check_every=2,
+                                   candidates=[("blockquant", 4)])
+    state.codec.network = Network(world, CostModel(1e-4, 1e-6))   # a slow link: compress
+    rounds = []
+    for step in range(5):   # dense warm-up, two measured steps, the choice from step 3 on
+        train_step(model, opt, rank, step)
+        rounds.append(state.stats.last_step["rounds"])
+    out = {"rounds": rounds, "buckets": len(state.layout.plans),
+           "dense": sum(bool(p.dense_slices) for p in state.layout.plans.values()),
+           "choices": sorted({e["choice"] for e in state.stats.as_dict()["auto"].values()}),
+           "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    state.close()
+    commpress.collectives.set_cost_model(None)
+    return out
+
+
+def test_auto_units_carry_the_dense_part_too():
+    """With "auto", a bucket whose unit chose a kind that carries the dense part (blockquant at P=2)
+    makes one round, as the fixed compressor does."""
+    a, b = run(_auto_worker, 2, timeout=120)
+    assert a["choices"] == ["blockquant(bits=4)"], a["choices"]
+    assert a["buckets"] >= 2 and a["dense"] == a["buckets"]
+    assert a["rounds"][-1] == a["buckets"], a["rounds"]
+    assert torch.equal(a["params"], b["params"])
