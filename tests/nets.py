@@ -51,3 +51,11 @@ def fsdp_shard(model: nn.Module, world_size: int) -> nn.Module:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def with_params(net: nn.Module, params) -> nn.Module:
+    """``net`` with its parameters overwritten by ``params`` (a saved list, in order): a resumed replica."""
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), params):
+            p.copy_(q)
+    return net

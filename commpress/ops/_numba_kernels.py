@@ -667,6 +667,24 @@ def _absmax_key(xi, a, b):
     return m
 
 
+@njit(inline="always", **_SOPTS)
+def _block_scale(xi, s0, s1, kbuf, fbuf, fq):
+    """Block ``[s0, s1)``'s absmax scale ``s`` (NaN when it holds a NaN; ``xi`` the int32 view)
+    and ``inv = qmax / s`` (0 when ``s`` is 0); ``kbuf``/``fbuf``: a one-element int32 buffer
+    and its float32 view."""
+    m = _absmax_key(xi, s0, s1)
+    if m > _INF_KEY:
+        s = _NAN32
+    else:
+        kbuf[0] = m
+        s = fbuf[0]
+    if s > _F0:
+        inv = fq / s
+    else:
+        inv = _F0
+    return s, inv
+
+
 @parallel_kernel
 def block_absmax(xi, block, scales):
     """scales[b] = max |x| over block ``b`` as fp32 bits (int32 view), NaN if any NaN."""
@@ -712,17 +730,8 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales)
         fbuf = kbuf.view(np.float32)
         for s0 in range(a, b, block):
             s1 = min(s0 + block, b)
-            m = _absmax_key(xi, s0, s1)
-            if m > _INF_KEY:
-                s = _NAN32
-            else:
-                kbuf[0] = m
-                s = fbuf[0]
+            s, inv = _block_scale(xi, s0, s1, kbuf, fbuf, fq)
             scales[s0 // block] = s
-            if s > _F0:
-                inv = fq / s
-            else:
-                inv = _F0
             xs = x[s0:s1]
             if direct4:
                 half = (s1 - s0) >> 1
@@ -774,19 +783,10 @@ def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, outi
         fbuf = kbuf.view(np.float32)
         for s0 in range(a, b, block):
             s1 = min(s0 + block, b)
-            m = _absmax_key(outi, s0, s1)
-            if m > _INF_KEY:
-                s = _NAN32
-            else:
-                kbuf[0] = m
-                s = fbuf[0]
+            s, inv = _block_scale(outi, s0, s1, kbuf, fbuf, fq)
             scales[s0 // block] = s
             if not s < np.float32(np.inf):
                 bad[c] = 1
-            if s > _F0:
-                inv = fq / s
-            else:
-                inv = _F0
             step = s / fq
             cs = codes[s0 - a:s1 - a]
             os = out[s0:s1]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
-from nets import MLP3 as Net
+from nets import MLP3 as Net, with_params
 
 import commpress
 from commpress.auto import Candidate, Choice, Network
@@ -89,11 +89,7 @@ def auto_worker(rank, world):
     # resume from the end of step 6: bitwise through step 8
     hook_state, params, opt_state = saved
     torch.manual_seed(1)
-    net = Net()
-    with torch.no_grad():
-        for p, q in zip(net.parameters(), params):
-            p.copy_(q)
-    model2 = DDP(net, bucket_cap_mb=0.01)
+    model2 = DDP(with_params(Net(), params), bucket_cap_mb=0.01)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
     opt2.load_state_dict(opt_state)
     state2 = _register(model2, opt2)
