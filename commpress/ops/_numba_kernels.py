@@ -775,8 +775,11 @@ def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, outi
         for p0 in range(a, b, _PIECE):
             p1 = min(p0 + _PIECE, b)
             _compensate(x[p0:p1], r[p0:p1], beta, scale, how, _F0, out[p0:p1], flags)
+        direct4 = bits == 4 and block % 2 == 0
         if bits == 8:
             codes = packed[a:b]  # 8-bit codes are the packed bytes
+        elif direct4:
+            codes = packed[0:0]  # 4-bit codes go straight into their bytes (blocks start on a byte)
         else:
             codes = np.empty(b - a, np.uint8)
         kbuf = np.empty(1, np.int32)
@@ -788,13 +791,28 @@ def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, outi
             if not s < np.float32(np.inf):
                 bad[c] = 1
             step = s / fq
-            cs = codes[s0 - a:s1 - a]
             os = out[s0:s1]
+            if direct4:
+                half = (s1 - s0) >> 1
+                pk = packed[s0 >> 1:(s0 >> 1) + half]
+                for t in range(half):
+                    c0 = _code(os[2 * t] * inv + _HALF, lim, qmax)
+                    c1 = _code(os[2 * t + 1] * inv + _HALF, lim, qmax)
+                    pk[t] = c0 | np.uint8(c1 << np.uint8(4))
+                    os[2 * t] = os[2 * t] - (np.float32(c0) - fq) * step
+                    os[2 * t + 1] = os[2 * t + 1] - (np.float32(c1) - fq) * step
+                if (s1 - s0) & 1:
+                    j = s1 - s0 - 1
+                    c0 = _code(os[j] * inv + _HALF, lim, qmax)
+                    packed[(s1 - 1) >> 1] = c0
+                    os[j] = os[j] - (np.float32(c0) - fq) * step
+                continue
+            cs = codes[s0 - a:s1 - a]
             for j in range(s1 - s0):  # two loops, so each vectorizes
                 cs[j] = _code(os[j] * inv + _HALF, lim, qmax)
             for j in range(s1 - s0):
                 os[j] = os[j] - (np.float32(cs[j]) - fq) * step
-        if bits != 8:
+        if bits != 8 and not direct4:
             _pack_range(codes, a, a, b, bits, packed)
     return bad.sum()
 

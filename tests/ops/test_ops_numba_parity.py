@@ -248,6 +248,27 @@ def test_block_quantize_feedback(a, bits, block, beta, scale, alias, data):
     assert_bitwise(new_nb, new_ref, what + " new residual")
 
 
+def test_block_quantize_feedback_nibble_path():
+    """4 bits with an even block writes the nibbles straight into their bytes: odd tails, several
+    chunks, NaN/inf blocks, a residual aliasing the output."""
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 2, 7, 130, 1001):
+        for block in (2, 4, 64):
+            x = torch.randn(n, generator=g) * 3
+            r = torch.randn(n, generator=g)
+            if n > 100:
+                x[17], x[90] = float("nan"), float("inf")
+            for alias in (False, True):
+                outs = []
+                for op in (R.block_quantize_feedback, nb.block_quantize_feedback):
+                    rs = r.clone()
+                    new = rs if alias else torch.empty(n)
+                    outs.append((op(x, rs, 1.0, 4, block, new), new))
+                (want, new_ref), (got, new_nb) = outs
+                assert_bitwise(got, want, f"n={n} block={block} alias={alias}")
+                assert_bitwise(new_nb, new_ref, f"n={n} block={block} alias={alias} residual")
+
+
 @settings(max_examples=25)
 @given(a=f32_arrays(), chunk=st.integers(1, 100), data=st.data())
 def test_sign_pack_unpack(a, chunk, data):
