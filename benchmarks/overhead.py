@@ -11,7 +11,7 @@ interleaved step by step (so a change of machine load hits all of them alike):
     per configuration (same seed): DDP default, PyTorch's ``fp16_compress_hook``,
     ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 4, ``start_powerSGD_iter=2``),
     and ``commpress.ddp.register`` with identity, fp16, bf16, topk 1%, blockquant
-    8-bit and powersgd rank 4 (default arguments otherwise).  Median step time
+    8-bit, powersgd rank 4 and ``"auto"`` (default arguments otherwise).  Median step time
     (slowest rank per step) after the warm-up, bytes sent per rank per step.
 ``allreduce``
     ``commpress.collectives.allreduce`` of a 2**20 fp32 tensor (fp16, topk 1% +
@@ -20,7 +20,7 @@ interleaved step by step (so a change of machine load hits all of them alike):
 ``fsdp``
     the same MLP with every Linear ``fully_shard``-ed and then the root (P=2):
     plain FSDP2 against ``commpress.fsdp.register`` with identity, blockquant
-    8-bit and topk 1%.
+    8-bit, topk 1% and ``"auto"``.
 
 Ranks: one process each (forkserver), a FileStore in a temporary folder, gloo,
 ``torch.set_num_threads(1)`` as under torchrun, not pinned to cores, and no
@@ -68,6 +68,7 @@ DDP_CONFIGS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
     "cp_topk": ("commpress topk 1%", "topk", {"ratio": 0.01}),
     "cp_blockquant": ("commpress blockquant 8-bit", "blockquant", {"bits": 8}),
     "cp_powersgd": ("commpress powersgd r4", "powersgd", {"rank": 4}),
+    "cp_auto": ("commpress auto", "auto", {}),
 }
 #: used in place of torch_powersgd when that one fails or hangs
 DDP_FALLBACK = {"torch_powersgd": "torch_powersgd_batched"}
@@ -86,6 +87,7 @@ FSDP_CONFIGS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
     "cp_identity": ("commpress identity", "identity", {}),
     "cp_blockquant": ("commpress blockquant 8-bit", "blockquant", {"bits": 8}),
     "cp_topk": ("commpress topk 1%", "topk", {"ratio": 0.01}),
+    "cp_auto": ("commpress auto", "auto", {}),
 }
 
 BASELINE = {"ddp": "ddp", "allreduce": "dense", "fsdp": "fsdp"}
@@ -99,6 +101,7 @@ GOALS = [
     ("ddp", 2, "cp_topk", "ratio_vs_baseline", 1.15),
     ("ddp", 2, "cp_blockquant", "ratio_vs_baseline", 1.15),
     ("ddp", 4, "cp_topk", "ratio_vs_baseline", 1.5),
+    ("ddp", 2, "cp_auto", "ratio_vs_baseline", 1.05),   # on loopback: never slower than not compressing
     ("allreduce", None, "cp_topk_ef", "ratio_vs_baseline", 0.5),
     ("allreduce", None, "cp_blockquant", "ratio_vs_baseline", 0.5),
     ("allreduce", None, "cp_blockquant_ef", "ratio_vs_baseline", 0.5),
