@@ -56,7 +56,7 @@ class Leg:
 
     ``configs`` may name ``best:commpress`` / ``best:torch_powersgd``: the config of
     that kind that reached the target fastest in an earlier leg of the same task.
-    With ``seeds`` > 1 the headline configs (DDP, torch fp16, the fastest PowerSGD
+    With ``seeds`` > 1 the headline configs (DDP, torch fp16, ``auto``, the fastest PowerSGD
     hook and the fastest commpress config of the first seed) run again with the next seeds.
     """
 
@@ -492,7 +492,7 @@ def run_leg(leg: Leg, size: str, steps: int, args, best: dict[str, str]) -> tupl
             todo = runnable
             if i > 0:
                 first = summarize_configs(rows)
-                heads = {"ddp", "torch-fp16"} | {b["config"] for b in (_best(first, "torch_powersgd", False),
+                heads = {"ddp", "torch-fp16", "auto"} | {b["config"] for b in (_best(first, "torch_powersgd", False),
                                                                         _best(first, "commpress", False)) if b}
                 todo = [c for c in runnable if c.name in heads]
             got = run_task(leg.task, size, todo, steps, args, cluster, world_size=leg.world_size, seed=seed,
