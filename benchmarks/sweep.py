@@ -677,7 +677,7 @@ def render_summary(rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], png
               "gradient is by the compressor's contract; sent/payload is 2(P-1)/P for all_reduce-like exchanges "
               "and up to P-1 for sparse ones. Step time is the median training step; one-time costs (JIT "
               "compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; "
-              "compute = forward+backward without sync + optimizer step; codec = local compress+decompress; "
+              "compute = forward+backward without sync + optimizer step; codec = local compress+decompress (auto: the codec seconds its hook measured per step); "
               "comm = the rest. 'final' is the smoothed metric at the end."
               + (" Equal-time rule: DDP runs the given steps; every other config trains for DDP's training wall "
                  "time (at most 4x the steps)." if meta.get("equal_time") else " Every config runs the same steps.")
