@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
-from nets import MLP3 as Net, with_params
+from nets import MLP3 as Net, train_step, with_params
 
 import commpress
 from commpress.auto import Candidate, Choice, Network
@@ -44,11 +43,7 @@ def _owed(codec, key, numel, world, rank):
 
 def _train(model, opt, rank, steps):
     for step in steps:
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train_step(model, opt, rank, step)
 
 
 def _register(model, opt):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
-from nets import with_params
+from nets import train_step, with_params
 
 import commpress
 from commpress.auto import Network
@@ -51,11 +51,7 @@ def _owed(auto, key, numel):
 
 def _train(model, opt, rank, steps):
     for step in steps:
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train_step(model, opt, rank, step)
 
 
 def _register(model):
