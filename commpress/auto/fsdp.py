@@ -149,6 +149,7 @@ class ReduceScatterAutoCodec(AutoCodec):
             self._compute[1] += 1
         self._last_step = step
         self._busy = 0.0
+        self._forget_first_calls(step)
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             if self.network is not None and self.network.collective != "reduce_scatter":
                 self.network = replace(self.network, collective="reduce_scatter", local_size=1,

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.costmodel import CostModel
+from ..feedback import ErrorFeedback
 from .candidates import Candidate, prototype
 from .decide import BucketMeasure, Measurements, Network
 
@@ -46,10 +47,13 @@ def _sync(device: torch.device) -> None:
 
 def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "cpu",
                shapes: Sequence[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-               reps: int = 3) -> float:
+               reps: int = 3, feedback: bool = True) -> float:
     """Best-of-``reps`` seconds of ``compress_fixed`` + ``decompress`` of ``candidate`` on a
     ``numel`` tensor on ``device`` (powersgd: each matrix of ``shapes`` in turn, as the
     bucket's collective codes them; pieces it sends as they are cost nothing here).
+    ``feedback``: through :class:`~commpress.ErrorFeedback` with a residual in place, as
+    ``"auto"`` runs every choice (its compensation and residual passes are part of the cost:
+    for blockquant the fused pass costs about twice the plain quantization).
 
     One untimed warm-up run first (JIT, allocation).  Cached per (device, ops backend,
     numel, shapes, dtype, candidate): a bucket of a size seen before costs nothing.
@@ -63,10 +67,11 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
         return 0.0
     dev = torch.device(device)
     shp = tuple(tuple(int(x) for x in s) for s in shapes) if shapes else None
-    key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate)
+    key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate, bool(feedback))
     if key in _CODEC:
         return _CODEC[key]
     comp = prototype(candidate)
+    coder = ErrorFeedback(comp) if feedback else comp
     gen = torch.Generator(device="cpu").manual_seed(numel)
     flat = torch.randn(numel, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
     if candidate.kind == "powersgd":
@@ -82,11 +87,11 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
 
     def run() -> None:
         for i, x in enumerate(pieces):
-            payload = comp.compress_fixed(x, key=("auto-codec-probe", i))
+            payload = coder.compress_fixed(x, key=("auto-codec-probe", i))
             comp.decompress(payload)
         _sync(dev)
 
-    run()
+    run()   # warm-up: JIT, allocations and, with feedback, the residuals the timed runs add
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -173,9 +173,14 @@ _BF16 = Choice(Candidate("bf16"))
 _ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
 
 
-def _rounds(candidate: Candidate) -> int:
-    """Collective rounds of a candidate's call (two-phase quantized and PowerSGD: 2)."""
-    return _ROUNDS[prototype(candidate).aggregation]
+def _rounds(candidate: Candidate, world: int) -> int:
+    """Collective rounds of a candidate's call on ``world`` ranks: PowerSGD 2, a quantized kind
+    2 (two-phase) except at ``world <= 2``, where it runs one ``all_gather`` (``gather_all``,
+    what the cost model always takes there), the others 1."""
+    kind = prototype(candidate).aggregation
+    if kind == "gather" and world <= 2:
+        return 1
+    return _ROUNDS[kind]
 
 
 def _two_level_slots(codec: ErrorFeedback, key: Any, numel: int, hierarchy: Any,
@@ -410,10 +415,18 @@ class AutoCodec:
             exposed = now - self._backward_end
             self._compute[0] += max(0.0, wall - exposed - self._busy)
             self._compute[1] += 1
-        self._last_end = now
         self._backward_end = None
+        self._forget_first_calls(step)
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             self.check(step, group)
+        self._last_end = time.perf_counter()   # the check's own time is not the next step's compute
+
+    def _forget_first_calls(self, step: int) -> None:
+        """Drop the call times of the steps before the first check point's own: the first
+        compressed step's calls carry one-time costs (buffers, first kernel calls), which the
+        per-round cost (:meth:`_with_round_cost`) would charge to every round of the first plan."""
+        if step == self.first_check - 1:
+            self._meas.clear()
 
     def check(self, step: int, group: Any) -> tuple[int, ...]:
         """One check point (collective: every rank at the same step); returns the switched units."""
@@ -488,8 +501,8 @@ class AutoCodec:
                           reps=2 if unit.numel > (1 << 22) else 3)
 
     def _rounds_of(self, candidate: Candidate) -> int:
-        """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds`)."""
-        return _rounds(candidate)
+        """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds` on the flat group)."""
+        return _rounds(candidate, self.world)
 
     def _unit_slots(self, codec: ErrorFeedback, key: Any, numel: int, owner: bool) -> list[tuple[Any, int, int]]:
         """Where ``codec`` keeps unit ``key``'s residuals (DDP: :func:`_slots`)."""

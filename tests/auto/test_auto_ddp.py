@@ -217,14 +217,17 @@ def test_auto_options_are_checked():
     assert state.config()["compressor_params"]["candidates"] == ["topk(ratio=0.01)"]
 
 
-def test_round_cost_from_agreed_call_times(monkeypatch):
+@pytest.mark.parametrize("world, bq_rounds", [(4, 2), (2, 1)])
+def test_round_cost_from_agreed_call_times(monkeypatch, world, bq_rounds):
     """What the units' calls took beyond the model, per round of the choices in force, is added
-    to every candidate per round (dense 1, blockquant and powersgd 2): pure on agreed numbers."""
+    to every candidate per round (dense 1, powersgd 2, blockquant 2 from its two phases, 1 at
+    P <= 2 where it runs one all_gather): pure on agreed numbers."""
     from commpress.auto import BucketMeasure, Measurements
 
     monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
     auto = AutoCodec(AutoSpec())
-    net = Network(2, CostModel(0.0, 0.0, 0.0, 0.0))      # the model predicts nothing
+    auto.world = world
+    net = Network(world, CostModel(0.0, 0.0, 0.0, 0.0))      # the model predicts nothing
     bq, ps = Candidate("blockquant", 8), Candidate("powersgd", 1)
 
     class U:
@@ -232,19 +235,39 @@ def test_round_cost_from_agreed_call_times(monkeypatch):
             self.key = key
 
     units = [U("a"), U("b")]
-    auto.choices["b"] = Choice(bq)                          # a: dense (1 round), b: blockquant (2)
+    auto.choices["b"] = Choice(bq)                          # a: dense (1 round), b: blockquant
     buckets = tuple(BucketMeasure(u.key, 1024, ((32, 32),), 0.0, {bq: 0.001, ps: 0.002}) for u in units)
     m = Measurements(net, buckets, 0.01, extra=(0.003, 0.006 + 0.001))   # b also spent its codec time
     out = auto._with_round_cost(m, units)
-    assert auto.round_s == pytest.approx(0.009 / 3)
+    per_round = 0.009 / (1 + bq_rounds)
+    assert auto.round_s == pytest.approx(per_round)
     from commpress.auto.decide import codec_seconds
 
     for b in out.buckets:
-        assert codec_seconds(Choice(Candidate("dense")), b, net) == pytest.approx(0.003)
-        assert codec_seconds(Choice(bq), b, net) == pytest.approx(0.001 + 0.006)
-        assert codec_seconds(Choice(ps), b, net) == pytest.approx(0.002 + 0.006)
-    # on a 2 x 2 two-level path the codec seconds are a shard's (1/2), the per-call seconds whole,
-    # plus two intra-node rounds
-    net2 = Network(4, CostModel(0.0, 0.0), local_size=2, intra=CostModel(0.0, 0.0), inter=CostModel(0.0, 0.0))
-    b = out.buckets[0]
-    assert codec_seconds(Choice(bq, "two_level"), b, net2) == pytest.approx(0.001 / 2 + 0.006 + 2 * 0.003)
+        assert codec_seconds(Choice(Candidate("dense")), b, net) == pytest.approx(per_round)
+        assert codec_seconds(Choice(bq), b, net) == pytest.approx(0.001 + bq_rounds * per_round)
+        assert codec_seconds(Choice(ps), b, net) == pytest.approx(0.002 + 2 * per_round)
+    if world == 4:   # on a 2 x 2 two-level path the codec seconds are a shard's (1/2), the per-call
+        # seconds whole, plus two intra-node rounds
+        net2 = Network(4, CostModel(0.0, 0.0), local_size=2, intra=CostModel(0.0, 0.0), inter=CostModel(0.0, 0.0))
+        b = out.buckets[0]
+        assert codec_seconds(Choice(bq, "two_level"), b, net2) == pytest.approx(0.001 / 2 + 2 * per_round
+                                                                               + 2 * per_round)
+
+
+def test_first_check_prices_rounds_from_its_own_step_only():
+    """The first compressed step's call times (one-time costs) are dropped before the first
+    check point: that check's per-round cost is its own step's."""
+    auto = AutoCodec(AutoSpec())
+    auto.first_check = 3
+
+    class U:
+        key = "a"
+
+    for step, seconds in ((1, 5.0), (2, 4.0)):
+        auto.measured(U, seconds)
+        auto._forget_first_calls(step)
+    assert auto._meas == {}                     # steps 1 and 2 precede the first check's step
+    auto.measured(U, 0.25)
+    auto._forget_first_calls(3)
+    assert auto._meas == {"a": [0.25, 1]}

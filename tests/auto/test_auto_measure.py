@@ -55,6 +55,28 @@ def test_codec_cost_cached_per_size(monkeypatch):
         codec_cost(Candidate("bf16"), -1)
 
 
+def test_codec_cost_runs_the_candidate_under_error_feedback(monkeypatch):
+    """auto runs every choice through ErrorFeedback: its cost is measured that way (with a
+    residual in place), unless asked for the plain compressor."""
+    from commpress.feedback import ErrorFeedback
+
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    clear_codec_cache()
+    calls = []
+    real = ErrorFeedback.compress_fixed
+
+    def spy(self, tensor, **kw):
+        calls.append(self._live(kw["key"], tensor) is not None)
+        return real(self, tensor, **kw)
+
+    monkeypatch.setattr(ErrorFeedback, "compress_fixed", spy)
+    codec_cost(Candidate("blockquant", 4), 4096, reps=2)
+    assert calls == [False, True, True]      # the warm-up leaves the residual the timed runs add
+    calls.clear()
+    codec_cost(Candidate("blockquant", 4), 4096, reps=2, feedback=False)
+    assert calls == []
+
+
 def _agree_and_decide(rank, world):
     import os
     os.environ["COMMPRESS_BACKEND"] = "torch"
