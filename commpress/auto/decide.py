@@ -108,8 +108,8 @@ class Network:
         return 1 < self.local_size < self.world
 
     def scaled(self, factor: float) -> "Network":
-        """Every model's seconds per byte times ``factor``: the bind-time calibration corrected
-        by the measured / predicted collective seconds of the last window (agreed first)."""
+        """Every model's seconds per byte times ``factor`` (a slower or faster link; the
+        runtime re-measures the flat one with :func:`fit_bandwidth`)."""
         if not (isinstance(factor, (int, float)) and factor > 0 and math.isfinite(factor)):
             raise ValueError(f"Network.scaled: factor must be a finite number > 0, got {factor!r}")
 
@@ -447,6 +447,45 @@ def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDI
             if p.objective(cur) - p.objective(best) <= margin * p.objective(cur):
                 return p.decision(cur)
     return p.decision(best)
+
+
+# ---------------------------------------------------------------- the network, re-measured
+#: a window whose measured calls moved fewer bytes keeps the calibrated seconds per byte
+MIN_FIT_BYTES = 1 << 14
+
+
+def fit_bandwidth(network: Network, choices: "list[Choice] | tuple[Choice, ...]",
+                  buckets: "tuple[BucketMeasure, ...]", comm_s: "list[float] | tuple[float, ...]") -> Network:
+    """``network`` with its flat model's seconds per byte fitted to what the buckets' collectives
+    took in the last window: ``β = Σ (comm_b − α·messages_b) / Σ bytes_b`` over the buckets with
+    a measurement (``comm_s[b] > 0``), by the terms of the choice each ran (:func:`kind_terms`).
+
+    ``comm_s``: seconds inside the collective calls per call, agreed as the **minimum** over
+    ranks: the rank that arrives last waits for no peer, so its time is the transfer alone.
+    Unchanged with a hierarchy (one β would not tell the two links apart), for FSDP2's
+    reduce-scatter (its hook measures no collective seconds), or when the window moved fewer
+    than :data:`MIN_FIT_BYTES`.  Pure: the same on every rank for the same agreed numbers, so
+    a bandwidth that moved after registration re-decides (:func:`drifted`) on every rank alike.
+    """
+    if network.hierarchical or network.collective != "allreduce" or network.world <= 1:
+        return network
+    flat = network.flat
+    moved, seconds = 0.0, 0.0
+    for choice, b, t in zip(choices, buckets, comm_s):
+        if not (t > 0 and math.isfinite(t)) or b.numel == 0 or choice.path != "flat":
+            continue
+        c = choice.candidate
+        shapes = [tuple(s) for s in b.shapes] if c.kind == "powersgd" and b.shapes else None
+        msgs, nbytes, _, _ = kind_terms(prototype(c), b.numel, network.world, b.dtype,
+                                        None if shapes is not None else (b.numel,), shapes)
+        if nbytes <= 0:
+            continue
+        moved += nbytes
+        seconds += max(0.0, t - flat.alpha * msgs)
+    if moved < MIN_FIT_BYTES:
+        return network
+    fitted = CostModel(flat.alpha, seconds / moved, flat.gamma, flat.delta)
+    return Network(network.world, fitted, network.local_size, network.intra, network.inter, network.collective)
 
 
 # ---------------------------------------------------------------- re-evaluation and hysteresis

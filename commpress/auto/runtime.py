@@ -65,9 +65,13 @@ intra-node rounds.
 watches), the norm windows and the carries still to send.  A resume is bitwise until the
 next check point: from there the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
 
-Not measured: the network after binding (the α-β calibration at binding is kept; the
-bandwidth drift of the issue is not detected), device time on CUDA (the clock is the
-host's).
+**The network, re-measured**: each unit's seconds inside its collectives (agreed as the minimum
+over ranks: the last rank to arrive waits for no peer) re-fit the flat link's seconds per byte at
+every check point (:func:`~commpress.auto.decide.fit_bandwidth`, ``remeasure=True``); the decider
+watches it, so a bandwidth that moved by more than ``drift`` since the last decision re-decides.
+With a hierarchy the intra- and inter-node calibrations made at binding stand.
+
+Not measured: device time on CUDA (the clock is the host's).
 """
 
 from __future__ import annotations
@@ -86,14 +90,15 @@ from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
-from .decide import BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds
+from .decide import (BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds,
+                     fit_bandwidth)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
 log = logging.getLogger("commpress")
 
 #: the keywords ``register(model, "auto", ...)`` takes besides the hook's own
-AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critical", "prices")
+AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critical", "prices", "remeasure")
 DEFAULT_CHECK_EVERY = 100
 
 
@@ -113,7 +118,10 @@ class AutoSpec(Compressor):
     ``all_reduce`` each); ``every``: steps between re-decisions; ``margin``: hysteresis
     (relative predicted gain needed to switch); ``drift``: re-decide sooner when a unit's
     hidden window moved by more than this fraction of the compute; ``critical``:
-    Accordion's gradient-norm change threshold; ``prices``: a :class:`~commpress.auto.Prices`.
+    Accordion's gradient-norm change threshold; ``prices``: a :class:`~commpress.auto.Prices`;
+    ``remeasure``: at each check point, fit the link's seconds per byte to what the window's
+    collectives took (:func:`~commpress.auto.decide.fit_bandwidth`; ``False`` keeps the
+    calibration made at registration).
     It never compresses anything itself (:class:`AutoCodec` runs the choices).
     """
 
@@ -123,7 +131,7 @@ class AutoSpec(Compressor):
 
     def __init__(self, candidates: Any = DEFAULT_CANDIDATES, check_every: int = DEFAULT_CHECK_EVERY,
                  every: int = 1000, margin: float = 0.05, drift: float = 0.25, critical: float = 0.5,
-                 prices: Prices | None = None) -> None:
+                 prices: Prices | None = None, remeasure: bool = True) -> None:
         cands = tuple(_candidate(c) for c in candidates)
         if not cands:
             raise ValueError("auto: candidates must not be empty")
@@ -131,14 +139,17 @@ class AutoSpec(Compressor):
             raise ValueError(f"auto: check_every must be an int >= 1, got {check_every!r}")
         if prices is not None and not isinstance(prices, Prices):
             raise TypeError(f"auto: prices must be a commpress.auto.Prices or None, got {type(prices).__name__}")
+        if not isinstance(remeasure, bool):
+            raise TypeError(f"auto: remeasure must be a bool, got {remeasure!r}")
         self.candidates = cands
         self.check_every = check_every
+        self.remeasure = remeasure
         self.prices = prices if prices is not None else Prices()
         # validates every, margin, drift and critical
         self.decider_args = dict(margin=margin, every=every, drift=drift, critical=critical)
         Decider(candidates=cands, prices=self.prices, **self.decider_args)
         self._config = {"candidates": [describe(c) for c in cands], "check_every": check_every,
-                        "prices": dataclasses.asdict(self.prices), **self.decider_args}
+                        "prices": dataclasses.asdict(self.prices), "remeasure": remeasure, **self.decider_args}
 
     def compress(self, tensor, *, step=0, key=0, generator=None):
         raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
@@ -332,11 +343,14 @@ class AutoCodec:
             return "dense"
         return "bf16" if kinds == {_BF16} else None
 
-    def measured(self, unit: Any, seconds: float) -> None:
-        """Host seconds of the unit's collective call this step."""
-        m = self._meas.setdefault(unit.key, [0.0, 0])
+    def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
+        """Host seconds of the unit's collective call this step, and of those the seconds
+        inside its collectives (``comm_seconds``: what re-measures the bandwidth,
+        :func:`~commpress.auto.decide.fit_bandwidth`)."""
+        m = self._meas.setdefault(unit.key, [0.0, 0, 0.0])
         m[0] += seconds
         m[1] += 1
+        m[2] += comm_seconds
 
     def hierarchy_of(self, unit: Any) -> Any:
         """The ``hierarchy=`` of the unit's call: the two-level :class:`~commpress.collectives.Hierarchy`
@@ -451,19 +465,20 @@ class AutoCodec:
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
             compute = self._compute[0] / self._compute[1] if self._compute[1] else 0.0
-            measured = [self._meas.get(u.key, (0.0, 0)) for u in units]
-            measured = [s_ / n if n else 0.0 for s_, n in measured]
+            window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
+            measured = [s_ / n if n else 0.0 for s_, n, _ in window]
+            comm = [c / n if n else 0.0 for _, n, c in window]
         except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
             error = exc
             measures = [BucketMeasure(u.key, u.numel) for u in units]
-            compute, measured = math.inf, [0.0] * len(units)
+            compute, measured, comm = math.inf, [0.0] * len(units), [0.0] * len(units)
         try:
             network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
             if network.hierarchical and (self.momentum or self.hierarchy is None):
                 # momentum correction: a velocity cannot be split across paths (flat only)
                 network = Network(network.world, network.flat, collective=network.collective)
             m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
-                                   extra=[(x, "min") for x in measured])
+                                   extra=[(x, "min") for x in measured + comm])
         except ValueError as exc:
             if error is not None:
                 raise error from exc
@@ -471,7 +486,13 @@ class AutoCodec:
                 raise RuntimeError(f"auto: another rank failed to measure at step {step} "
                                    "(its error is raised there)") from exc
             raise
-        m = self._with_round_cost(m, units)
+        calls, comm = m.extra[:len(units)], m.extra[len(units):]
+        # the bandwidth the window's collectives moved their bytes at (the signature the decider
+        # watches: a link that slowed down or sped up since the last decision re-decides)
+        network = m.network
+        if self.spec.remeasure:
+            network = fit_bandwidth(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
+        m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
         decision, switched = self.decider.update(step, m)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
@@ -481,7 +502,7 @@ class AutoCodec:
             log.info("commpress auto: step %d: %s", step,
                      ", ".join(f"unit {b} -> {describe(decision.choices[b])}" for b in switched))
         # the window's means become the report; a unit that switched has none for its new choice
-        for key, (s, n) in self._meas.items():
+        for key, (s, n, _) in self._meas.items():
             if n:
                 self._last_meas[key] = s / n
         for b in switched:
@@ -627,7 +648,7 @@ class AutoCodec:
         cur = self.decider.current
         out: dict[str, dict[str, Any]] = {}
         for i, (u, name) in enumerate(zip(units, self._names(units))):
-            s, n = self._meas.get(u.key, (0.0, 0))
+            s, n, _ = self._meas.get(u.key, (0.0, 0, 0.0))
             meas = s / n if n else self._last_meas.get(u.key)
             pred = cur.predicted_s[i] if cur is not None and i < len(cur.predicted_s) else None
             out[name] = {"choice": describe(self.choices.get(u.key, DENSE)),

@@ -455,6 +455,7 @@ class Step:
             codec = cfg.auto.codec(unit, t, self._bucket, self.transaction)
             lowrank = codec.aggregation == "lowrank"
             hierarchy = cfg.auto.hierarchy_of(unit)
+        in_comm = cs.comm_seconds
         with Timer() as timer, scaled:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
@@ -462,7 +463,7 @@ class Step:
                             shapes=unit.shapes if lowrank else None, out=t,
                             hierarchy=hierarchy, prescale=prescale, dense=dense)
         if cfg.auto is not None:
-            cfg.auto.measured(unit, timer.seconds)
+            cfg.auto.measured(unit, timer.seconds, cs.comm_seconds - in_comm)
         if cfg.unit_rides(unit):  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
             unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=hierarchy,
                                                     algorithm=cs.last_algorithm or cfg.algorithm)

@@ -47,7 +47,9 @@ def _train(model, opt, rank, steps):
 
 
 def _register(model, opt):
-    return commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, check_every=2, every=2, margin=0.0)
+    # remeasure=False: the synthetic networks below stand (a measured bandwidth would replace them)
+    return commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, check_every=2, every=2, margin=0.0,
+                                  remeasure=False)
 
 
 def auto_worker(rank, world):
@@ -98,7 +100,7 @@ def auto_worker(rank, world):
     torch.manual_seed(0)
     model4 = DDP(Net(), bucket_cap_mb=0.01)
     opt4 = torch.optim.SGD(model4.parameters(), lr=0.05)
-    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=3)
+    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=3, remeasure=False)
     state4.codec.network = Network(world, FAST)
     paths = []
     for step in range(7):
@@ -111,7 +113,8 @@ def auto_worker(rank, world):
     # the whole bucket cast (half the dense bytes); the measured steps send the 1-D part in fp32
     model5 = DDP(Net(), bucket_cap_mb=0.01)
     opt5 = torch.optim.SGD(model5.parameters(), lr=0.05)
-    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=3, candidates=[("bf16",)])
+    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=3, candidates=[("bf16",)],
+                                    remeasure=False)
     state5.codec.network = Network(world, SLOW)
     halves = []
     for step in range(7):
@@ -120,6 +123,15 @@ def auto_worker(rank, world):
     out["bf16"] = halves, sorted(e["choice"] for e in state5.stats.as_dict()["auto"].values())
     out["bf16_params"] = torch.cat([p.detach().reshape(-1) for p in model5.parameters()])
     state5.close()
+    # remeasure (the default): a calibration that says 1 s per byte is replaced at the first check
+    # point by what the units' collectives took (loopback: far below that)
+    model6 = DDP(Net(), bucket_cap_mb=0.01)
+    opt6 = torch.optim.SGD(model6.parameters(), lr=0.05)
+    state6 = commpress.ddp.register(model6, "auto", min_numel=256, check_every=3)
+    state6.codec.network = Network(world, CostModel(0.0, 1.0))
+    _train(model6, opt6, rank, range(4))
+    out["fitted_beta"] = state6.codec.decider.watched.network[1]
+    state6.close()
 
     # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
     # the check point (no hang)
@@ -163,6 +175,7 @@ def test_register_auto_on_two_ranks():
     assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
     # all dense without momentum: DDP's own path between the check windows (steps 1, 2, 4, 5 measure;
     # step 0 is the warm-up, DDP's path too)
+    assert 0 < a["fitted_beta"] < 1e-4 and b["fitted_beta"] == a["fitted_beta"]   # agreed: the same on every rank
     paths, choices = a["fast"]
     assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
     assert [p == ["dense"] for p in paths] == [True, False, False, True, False, False, True], paths
@@ -270,4 +283,4 @@ def test_first_check_prices_rounds_from_its_own_step_only():
     assert auto._meas == {}                     # steps 1 and 2 precede the first check's step
     auto.measured(U, 0.25)
     auto._forget_first_calls(3)
-    assert auto._meas == {"a": [0.25, 1]}
+    assert auto._meas == {"a": [0.25, 1, 0.0]}

@@ -118,7 +118,7 @@ def two_level_worker(rank, world):
     model3 = DDP(Net(), bucket_cap_mb=0.01)
     opt3 = torch.optim.SGD(model3.parameters(), lr=0.05, momentum=0.9)
     state3 = commpress.ddp.register(model3, "auto", hierarchy="auto", optimizer=opt3, min_numel=256,
-                                    check_every=2, every=2, margin=0.0)
+                                    check_every=2, every=2, margin=0.0, remeasure=False)
     auto3 = state3.codec
     out["auto_modes"] = (state3.hierarchy.mode, auto3.hierarchy.mode, auto3.network.local_size, auto3.momentum)
     auto3.network = _net(world, FAST, SLOW)

@@ -206,3 +206,31 @@ def test_stats_record_shape():
     assert rec["bucket0"]["choice"] == describe(d.choices[0])
     assert rec["bucket0"]["predicted_ms"] == pytest.approx(1e3 * d.predicted_s[0])
     assert rec["bucket0"]["measured_ms"] == pytest.approx(12.0)
+
+
+def test_fit_bandwidth_from_measured_collective_seconds():
+    """The flat link's seconds per byte, fitted to what the buckets' collectives took (by the
+    terms of the choice each ran); a link that slowed down since the calibration then re-decides."""
+    from commpress.auto.decide import fit_bandwidth
+    from commpress.collectives.hierarchy import kind_terms
+    from commpress.auto.candidates import prototype
+
+    m = measures(GBIT, [0.02, 0.0])
+    choices = [Choice(Candidate("blockquant", 4)), Choice(Candidate("dense"))]
+    slow = CostModel(GBIT.alpha, 10 * GBIT.beta)                     # the link is 10x slower now
+    comm = [slow.time(*kind_terms(prototype(c.candidate), b.numel, 2, b.dtype, (b.numel,), None)[:2])
+            for c, b in zip(choices, m.buckets)]
+    fitted = fit_bandwidth(m.network, choices, m.buckets, comm)
+    assert fitted.flat.beta == pytest.approx(slow.beta) and fitted.flat.alpha == GBIT.alpha
+    assert fit_bandwidth(m.network, choices, m.buckets, [comm[0], 0.0]).flat.beta == pytest.approx(slow.beta)
+    # nothing measured, too few bytes, a hierarchy or FSDP2's reduce-scatter: the calibration stands
+    assert fit_bandwidth(m.network, choices, m.buckets, [0.0, 0.0]) == m.network
+    tiny = measures(GBIT, [0.02, 0.0], numel=64)
+    assert fit_bandwidth(tiny.network, choices, tiny.buckets, [1.0, 1.0]) == tiny.network
+    two = Network(4, GBIT, 2, GBIT, GBIT)
+    assert fit_bandwidth(two, choices, m.buckets, comm) == two
+    rs = Network(2, GBIT, collective="reduce_scatter")
+    assert fit_bandwidth(rs, choices, m.buckets, comm) == rs
+    dec = Decider(every=100, drift=0.25)
+    dec.update(10, m)
+    assert dec.due(20, Measurements(fitted, m.buckets, m.compute_s))   # the bandwidth moved: re-decide
