@@ -102,6 +102,9 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "vs torch-powersgd-r1 (3.0 s): 1.20x, goal ahead: met" in text
     assert "1.20x, goal ahead: met, inside" not in text and "a tie" not in text
     assert "1/(1 - 0.75) = 4.0x" in text                     # DDP's communication share bounds the speedup
+    # issue 17's per-step goals: the median step against the config's compute-only step
+    assert "step of blockquant-4bit vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.8x: MISSED" in text
+    assert "step of topk-1% vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.3x: MISSED (inside its density warm-up" in text
     assert sweep.check_goals(sweep.Leg("digits", 4, "1gbit", ()), summary) == []
     # none reached: the goals are missed, saying how close the best came and what bounds it
     rows = [row("ddp", "ddp", 6.0), row("topk-1%", "commpress", None, final=0.90, step_s=0.08),
