@@ -660,7 +660,13 @@ def auto_lines(rows: list[dict]) -> list[str]:
             pred = "?" if e.get("predicted_ms") is None else f"{e['predicted_ms']:.1f}"
             meas = "?" if e.get("measured_ms") is None else f"{e['measured_ms']:.1f}"
             parts.append(f"bucket {name}: {e['choice']} (predicted {pred} ms, measured {meas} ms)")
-        lines.append(f"- {r['config']} seed {r.get('seed', 0)} chose: " + "; ".join(parts))
+        line = f"- {r['config']} seed {r.get('seed', 0)} chose: " + "; ".join(parts)
+        net = r.get("auto_network") or {}
+        cal, priced = net.get("calibrated"), net.get("priced")
+        if cal and priced:   # the link as calibrated at registration and as the last decision priced it
+            line += (f"; link {cal['mb_per_s']:.0f} MB/s calibrated, {priced['mb_per_s']:.0f} MB/s measured, "
+                     f"{net.get('round_ms', 0.0):.1f} ms per round beyond the model")
+        lines.append(line)
     return lines + [""] if lines else []
 
 

@@ -325,6 +325,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
                    account=_median_account(accounts[skip:]))
         if "auto" in st:  # register(model, "auto"): each bucket's choice, predicted and measured ms
             out["auto"] = st["auto"]
+            out["auto_network"] = st.get("auto_network")
         if cfg.compressor == "auto":  # its codecs change at run time: the hook's measured codec seconds
             out["compression_s"] = float(out["account"].get("codec_total", 0.0))
     else:

@@ -171,6 +171,9 @@ class Stats:
     #: with ``register(model, "auto")``: returns ``as_dict()["auto"]`` (each unit's choice, predicted
     #: and measured ms; see :meth:`commpress.auto.runtime.AutoCodec.report`)
     auto_report: Any = None
+    #: with ``"auto"``: returns ``as_dict()["auto_network"]`` (the link the last decision priced:
+    #: :meth:`commpress.auto.runtime.AutoCodec.network_report`)
+    auto_network: Any = None
 
     def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
                compress_seconds: float = 0.0, hook_seconds: float = 0.0, rounds: int = 0,
@@ -282,7 +285,8 @@ class Stats:
             "account": self.account(),
             # process-wide: which backend (torch / numba / cuda) ran each op's last call
             "backends": ops.backends_used(),
-        } | ({"auto": self.auto_report()} if self.auto_report is not None else {})
+        } | ({"auto": self.auto_report()} if self.auto_report is not None else {}) | (
+            {"auto_network": self.auto_network()} if self.auto_network is not None else {})
 
 
 def _ratio(dense: int, sent: int) -> float:

@@ -347,6 +347,7 @@ class DDPState(TakeoverMixin, HookState):
         auto.queued = self.overlap
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
+        self.stats.auto_network = lambda: self.codec.network_report()
         self._forward_hook = model.register_forward_hook(lambda *_: self.codec.begin())
 
     def _freeze(self) -> HookConfig:

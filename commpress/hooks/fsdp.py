@@ -288,6 +288,7 @@ class FSDPState(TakeoverMixin, HookState):
         layouts = {name: _unit_layout(u.module) for name, u in self.units.items()}
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
         self.stats.auto_report = lambda: self.codec.report()
+        self.stats.auto_network = lambda: self.codec.network_report()
 
     def _momentum_changed(self) -> None:
         if self.auto:

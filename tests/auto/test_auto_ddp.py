@@ -131,6 +131,7 @@ def auto_worker(rank, world):
     state6.codec.network = Network(world, CostModel(0.0, 1.0))
     _train(model6, opt6, rank, range(4))
     out["fitted_beta"] = state6.codec.decider.watched.network[1]
+    out["auto_network"] = state6.stats.as_dict()["auto_network"]
     state6.close()
 
     # a state bound at its first bucket, and a rank that fails to measure: every rank raises at
@@ -176,6 +177,9 @@ def test_register_auto_on_two_ranks():
     # all dense without momentum: DDP's own path between the check windows (steps 1, 2, 4, 5 measure;
     # step 0 is the warm-up, DDP's path too)
     assert 0 < a["fitted_beta"] < 1e-4 and b["fitted_beta"] == a["fitted_beta"]   # agreed: the same on every rank
+    net = a["auto_network"]                       # what the user sees: the calibration and the priced link
+    assert net["calibrated"]["mb_per_s"] == pytest.approx(1e-6)
+    assert net["priced"]["mb_per_s"] == pytest.approx(1e-6 / a["fitted_beta"]) and net["round_ms"] >= 0
     paths, choices = a["fast"]
     assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
     assert [p == ["dense"] for p in paths] == [True, False, False, True, False, False, True], paths

@@ -195,5 +195,9 @@ def test_auto_rows_show_their_choices():
     (line, blank) = sweep.auto_lines(rows)
     assert line == ("- auto seed 1 chose: bucket 0: bf16 (predicted 3.2 ms, measured 4.0 ms); "
                     "bucket 1: topk(ratio=0.01) (predicted 1.0 ms, measured ? ms)") and blank == ""
+    rows[1]["auto_network"] = {"calibrated": {"alpha_ms": 0.1, "mb_per_s": 125.0},
+                               "priced": {"alpha_ms": 0.1, "mb_per_s": 110.4}, "round_ms": 0.84}
+    assert sweep.auto_lines(rows)[0].endswith("; link 125 MB/s calibrated, 110 MB/s measured, "
+                                              "0.8 ms per round beyond the model")
     assert sweep.auto_lines(rows[:1]) == []
     assert C.unavailable_reason(C.BY_NAME["auto"]) is None
