@@ -381,6 +381,12 @@ def test_level_quantize_extremes():
         scale = part.abs().amax().reshape(1)
         assert_bitwise(nb.level_quantize(part, scale, part.numel(), 1, 3),
                        R.level_quantize(part, scale, part.numel(), 1, 3), "terngrad")
+    # the rescue is exact scaling: a bucket scaled by 2**e out of range gets the same codes and
+    # its norm times 2**e
+    y = torch.randn(600, generator=torch.Generator().manual_seed(3))
+    norms = R.bucket_norms(y, 64)
+    for e in (100, -100):
+        assert_bitwise(nb.qsgd_quantize(y * 2.0**e, 7, 64, 5), (R.level_quantize(y, norms, 64, 7, 5), norms * 2.0**e))
 
 
 @settings(max_examples=25)
