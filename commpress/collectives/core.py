@@ -16,7 +16,8 @@ aggregation steady-state messages (status inside, see :mod:`.wire`)
 =========== ===================================================================
 
 ``dense=`` (the DDP hook's 1-D and small parameters) rides raw in the ``"allgather"`` /
-``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce,
+``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce
+(so does a sparsifier's whole compensated tensor with error feedback, gathered there),
 and in the ``"two_phase"`` phases at any P (its chunks to their owners, the owners' sums to
 all: ring bytes): no round of its own (:func:`carries_dense`); elsewhere it takes its own
 ``all_reduce``.
@@ -87,7 +88,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     ranks **exactly**, written back in place: the DDP hook's dense part (1-D and small
     parameters) sent with the payload.  Where it costs no more bytes than its own ring
     all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
-    ``"gather_all"`` message at P <= 2, the quantized ``"two_phase"`` phases at any P) it
+    ``"gather_all"`` message at P <= 2, and there also a sparsifier's whole compensated
+    tensor with error feedback, sent as one all_gather; the quantized ``"two_phase"``
+    phases at any P) it
     rides raw in the payload's messages, no round of its own, and the P contributions are
     added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank;
     its NaN/inf joins this rank's status (with error feedback: the result all-NaN and the

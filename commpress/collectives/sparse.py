@@ -41,7 +41,9 @@ feedback, ``"dense"`` sends the whole compensated tensor rather than its
 densified selection: the same bytes, an exact sum, and the residual empties;
 ``"auto"`` sends the whole compensated tensor in bf16 (the residual keeps the
 rounding) whenever the all-gather message would be no smaller than that: a
-density warm-up's first stage costs a bf16 step, not a dense fp32 one.  The
+density warm-up's first stage costs a bf16 step, not a dense fp32 one.  Both
+whole-tensor sends carry a ``dense=`` part at P <= 2 by going as one all-gather
+(the bytes of the ring all_reduce at P=2, one round for the two).  The
 other algorithms need the counts, so they run :func:`sparse_allreduce` below
 with its header.
 
