@@ -471,7 +471,26 @@ extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i
 // non-negative values, a group of 256 is a subtree of the reference's tree, and the host runs
 // levels until G == 1; the last (finalize 1) divides the root by the chunk's length
 // min(chunk, n_orig - c*chunk), or (finalize 2, bucket norms) takes its square root in fp64
-// rounded once to fp32.  Leaves (first level only) are y (leaf 0), |y| (1) or y*y (2).  Warps loop over (segment, group) items, one per warp: no barriers.
+// rounded once to fp32 when the root is in [NORM_TINY, inf) and otherwise writes -1, for
+// norm_rescue_kernel.  Leaves (first level only) are y (leaf 0), |y| (1) or y*y (2).  Warps loop
+// over (segment, group) items, one per warp: no barriers.
+#define NORM_TINY 8.673617379884035e-19f  // 2**-60: reference.NORM_TINY
+#define F32_MAX 3.4028234663852886e38
+
+// The pairwise tree of a group of 256 leaves, 8 adjacent ones per lane; the root on lane 0.
+__device__ __forceinline__ float warp_tree256(float* v, int lane) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
+    v[0] = __fadd_rn(v[0], v[1]);
+    v[1] = __fadd_rn(v[2], v[3]);
+    float s = __fadd_rn(v[0], v[1]);
+    for (int o = 1; o < 32; o <<= 1) {
+        float other = __shfl_down_sync(FULL, s, o);
+        if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
+    }
+    return s;
+}
+
 extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i64 seg, i64 nseg,
                                           int leaf, int finalize, i64 chunk, i64 n_orig) {
     int lane = threadIdx.x & 31;
@@ -486,19 +505,58 @@ extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i6
             float y = first + e < len ? in[base + first + e] : 0.0f;
             v[e] = leaf == 1 ? fabsf(y) : leaf == 2 ? __fmul_rn(y, y) : y;
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
-        v[0] = __fadd_rn(v[0], v[1]);
-        v[1] = __fadd_rn(v[2], v[3]);
-        float s = __fadd_rn(v[0], v[1]);
-        for (int o = 1; o < 32; o <<= 1) {
-            float other = __shfl_down_sync(FULL, s, o);
-            if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
-        }
+        float s = warp_tree256(v, lane);
         if (lane == 0) {
-            if (finalize == 2) out[c] = (float)sqrt((double)s);
+            if (finalize == 2) out[c] = s >= NORM_TINY && s < __int_as_float(INF_KEY) ? (float)sqrt((double)s) : -1.0f;
             else if (finalize) out[c] = __fdiv_rn(s, (float)min(chunk, n_orig - c * chunk));
             else out[it] = s;
+        }
+    }
+}
+
+// The rescue of reference.bucket_norms, one warp per bucket whose norm tree256_kernel marked -1
+// (the others return at once): k from the bucket's largest bits(|x|) (reference.norm_shift),
+// the pairwise tree of (x * 2**k)**2 in groups of 256 (warp_tree256) whose roots lane 0 combines
+// in the reference's order (a stack of complete subtrees, as zero padding adds nothing), then
+// sqrt(S) * 2**-k in fp64, saturated at the fp32 maximum when finite, rounded once to fp32.
+extern "C" __global__ void norm_rescue_kernel(const float* x, float* norms, i64 n, i64 bucket, i64 nb) {
+    int lane = threadIdx.x & 31;
+    for (i64 c = global_warp(); c < nb; c += grid_warps()) {  // warp-uniform
+        if (!(norms[c] < 0.0f)) continue;
+        i64 base = c * bucket, len = min(bucket, n - base);
+        int m = 0;
+        for (i64 j = lane; j < len; j += 32) m = max(m, __float_as_int(x[base + j]) & ABS_MASK);
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+        int k = min(max(127 - (m >> 23), -126), 126);
+        float f = __int_as_float((127 + k) << 23);
+        float stack[64];
+        int level[64];
+        int top = 0;
+        for (i64 g0 = 0; g0 < len; g0 += 256) {  // warp-uniform
+            i64 first = g0 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float y = first + e < len ? __fmul_rn(x[base + first + e], f) : 0.0f;
+                v[e] = __fmul_rn(y, y);
+            }
+            float s = warp_tree256(v, lane);
+            if (lane == 0) {
+                int lv = 0;
+                while (top > 0 && level[top - 1] == lv) {
+                    s = __fadd_rn(stack[--top], s);
+                    ++lv;
+                }
+                stack[top] = s;
+                level[top++] = lv;
+            }
+        }
+        if (lane == 0) {
+            float acc = top ? stack[top - 1] : 0.0f;
+            for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+            double r = sqrt((double)acc) * __longlong_as_double((i64)(1023 - k) << 52);
+            if (r > F32_MAX && r < __longlong_as_double(0x7ff0000000000000LL)) r = F32_MAX;
+            norms[c] = (float)r;
         }
     }
 }
@@ -622,9 +680,21 @@ extern "C" __global__ void table_dequantize_kernel(const u8* packed, const float
 }
 
 // ------------------------------------------------------------------ QSGD / TernGrad levels
+// reference.level_multiplier: m = fl / s, or, where that is not a normal fp32 (nor 0),
+// m = fl / (s * p) with the exact pre-scale p of |x| (2**64 when fl / s overflowed, 2**-64 when
+// it is subnormal).
+__device__ __forceinline__ float level_multiplier(float fl, float s, float* p) {
+    float m = __fdiv_rn(fl, s);
+    *p = 1.0f;
+    if (m == __int_as_float(INF_KEY)) *p = 18446744073709551616.0f;
+    else if (m > 0.0f && m < 1.1754943508222875e-38f) *p = 5.421010862427522e-20f;
+    else return m;
+    return __fdiv_rn(fl, __fmul_rn(s, *p));
+}
+
 // Codes of level_quantize packed directly (one thread per 8 elements): for bucket b,
-// m = levels / (s_b > 0 ? s_b : 1); q = clamp(floor(|x| * m + u_j), 0, levels) (NaN -> 0);
-// code levels -+ q by x's sign bit.
+// (m, p) = level_multiplier(levels, s_b > 0 ? s_b : 1); q = clamp(floor((|x| * p) * m + u_j), 0,
+// levels) (NaN -> 0); code levels -+ q by x's sign bit.
 extern "C" __global__ void level_quantize_kernel(const float* x, const float* scales, u8* packed,
                                                  int bits, i64 bucket, int levels, i64 n, i64 nbytes,
                                                  u32 k0, u32 k1) {
@@ -633,8 +703,8 @@ extern "C" __global__ void level_quantize_kernel(const float* x, const float* sc
     for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
         i64 j0 = g * 8;
         i64 b = j0 / bucket, next = (b + 1) * bucket;
-        float s = scales[b];
-        float mul = __fdiv_rn(fl, s > 0.0f ? s : 1.0f);
+        float s = scales[b], pre;
+        float mul = level_multiplier(fl, s > 0.0f ? s : 1.0f, &pre);
         u64 acc = 0;
         for (int e = 0; e < 8; ++e) {
             i64 j = j0 + e;
@@ -643,10 +713,10 @@ extern "C" __global__ void level_quantize_kernel(const float* x, const float* sc
                 ++b;
                 next += bucket;
                 s = scales[b];
-                mul = __fdiv_rn(fl, s > 0.0f ? s : 1.0f);
+                mul = level_multiplier(fl, s > 0.0f ? s : 1.0f, &pre);
             }
             float v = x[j];
-            float q = floorf(__fadd_rn(__fmul_rn(fabsf(v), mul), uniform24((u32)j, k0, k1)));
+            float q = floorf(__fadd_rn(__fmul_rn(__fmul_rn(fabsf(v), pre), mul), uniform24((u32)j, k0, k1)));
             if (q != q) q = 0.0f;
             int qi = (int)fminf(fmaxf(q, 0.0f), fl);
             u32 code = (u32)(__float_as_int(v) < 0 ? levels - qi : levels + qi);

@@ -16,7 +16,8 @@ aggregation steady-state messages (status inside, see :mod:`.wire`)
 =========== ===================================================================
 
 ``dense=`` (the DDP hook's 1-D and small parameters) rides raw in the ``"allgather"`` /
-``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce,
+``"gather_all"`` message at P <= 2, where an all_gather sends the bytes of a ring all_reduce
+(so does a sparsifier's whole compensated tensor with error feedback, gathered there),
 and in the ``"two_phase"`` phases at any P (its chunks to their owners, the owners' sums to
 all: ring bytes): no round of its own (:func:`carries_dense`); elsewhere it takes its own
 ``all_reduce``.
@@ -87,7 +88,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     ranks **exactly**, written back in place: the DDP hook's dense part (1-D and small
     parameters) sent with the payload.  Where it costs no more bytes than its own ring
     all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
-    ``"gather_all"`` message at P <= 2, the quantized ``"two_phase"`` phases at any P) it
+    ``"gather_all"`` message at P <= 2, and there also a sparsifier's whole compensated
+    tensor with error feedback, sent as one all_gather; the quantized ``"two_phase"``
+    phases at any P) it
     rides raw in the payload's messages, no round of its own, and the P contributions are
     added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank;
     its NaN/inf joins this rank's status (with error feedback: the result all-NaN and the
@@ -168,16 +171,19 @@ def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto"
     """Whether ``allreduce(..., dense=)`` with these settings sends the dense part inside the
     payload's messages (no round of its own), no hierarchy, ``world > 1``: a gather kind
     (``"two_phase"``: in its two phases, any P; ``"gather_all"``: P <= 2; ``"auto"``: either)
-    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``).  With ``"auto"`` a call may
-    still pick an algorithm that cannot carry it (a sparse ``"dense"`` all_reduce,
-    ``"gather_all"`` at P > 2); the dense part then takes an all_reduce of its own."""
+    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``, and ``"dense"`` with error
+    feedback: the whole compensated tensor then goes in one all_gather with the dense part).
+    With ``"auto"`` a call may still pick an algorithm that cannot carry it (a sparse
+    ``"dense"`` all_reduce without error feedback, ``"gather_all"`` at P > 2); the dense part
+    then takes an all_reduce of its own."""
     kind = getattr(unwrap(compressor), "aggregation", None)
     if hierarchy is not None or world < 2:
         return False
     free = wire.Rider.free(world)
     if kind == "gather":
         return algorithm in ("auto", "two_phase") or (algorithm == "gather_all" and free)
-    return kind == "sparse" and algorithm in ("auto", "allgather") and free
+    return (kind == "sparse" and free
+            and (algorithm in ("auto", "allgather") or (algorithm == "dense" and has_feedback(compressor))))
 
 
 def _check_dense(dense, tensor) -> None:

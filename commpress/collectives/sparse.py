@@ -41,7 +41,9 @@ feedback, ``"dense"`` sends the whole compensated tensor rather than its
 densified selection: the same bytes, an exact sum, and the residual empties;
 ``"auto"`` sends the whole compensated tensor in bf16 (the residual keeps the
 rounding) whenever the all-gather message would be no smaller than that: a
-density warm-up's first stage costs a bf16 step, not a dense fp32 one.  The
+density warm-up's first stage costs a bf16 step, not a dense fp32 one.  Both
+whole-tensor sends carry a ``dense=`` part at P <= 2 by going as one all-gather
+(the bytes of the ring all_reduce at P=2, one round for the two).  The
 other algorithms need the counts, so they run :func:`sparse_allreduce` below
 with its header.
 
@@ -478,7 +480,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     result all-NaN and keeps every residual of ``transaction`` as it was.  ``dense``
     (:class:`~.wire.Rider`): rides raw in the ``"allgather"`` message when that costs no
     more bytes than its own all_reduce (P <= 2), summed in rank order; its NaN/inf joins
-    this rank's status flag.  Left uncarried otherwise (the caller all-reduces it).
+    this rank's status flag.  With error feedback the whole-tensor path (``"dense"``, or
+    ``"auto"``'s bf16 one) carries it alike at P <= 2 (:func:`_whole_dense`).  Left uncarried
+    otherwise (the caller all-reduces it).
     """
     inner = unwrap(compressor)
     world = _comm.world(group)
@@ -487,10 +491,11 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
     if world > 1 and has_feedback(compressor):
         if algorithm == "dense":
-            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32)
+            return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32,
+                                dense)
         if algorithm == "auto" and _gather_not_smaller(tensor, inner, step, world):
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,
-                                whole_wire_dtype(tensor.dtype))
+                                whole_wire_dtype(tensor.dtype), dense)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
                                             transaction=transaction, error=error, stats=stats)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
@@ -585,7 +590,7 @@ def _gather_not_smaller(tensor, inner, step: int, world: int) -> bool:
 
 
 def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
-                 wire_dtype: torch.dtype) -> torch.Tensor:
+                 wire_dtype: torch.dtype, dense: wire.Rider | None = None) -> torch.Tensor:
     """One all_reduce of the whole compensated tensor (``x + beta * e``) instead of a selection.
 
     ``"dense"`` with error feedback sends it in fp32: the bytes of the densified selection, an
@@ -593,7 +598,10 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
     (:func:`whole_wire_dtype`; the residual keeps the rounding error), when the all-gather
     message is no smaller (a density warm-up's early stages, large ratios): half the bytes of
     a dense fp32 step and nothing gained by dropping coordinates.  Sums in ``wire_dtype``, as
-    PyTorch's fp16/bf16 hooks do."""
+    PyTorch's fp16/bf16 hooks do.  With a ``dense`` part at P <= 2: one all_gather that carries
+    it too (:func:`_whole_gathered`)."""
+    if dense is not None and wire.Rider.free(_comm.world(group)):
+        return _whole_gathered(tensor, ef, group, key, stats, transaction, error, out, wire_dtype, dense)
     n, world = tensor.numel(), _comm.world(group)
     code, msg = error
     buf = _comm.scratch("sparse_whole", n + 1 + wire.SUM_SLOTS, wire_dtype, tensor.device)
@@ -616,6 +624,57 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
             out = buf[:n].to(tensor.dtype, copy=True).reshape(tensor.shape)
         else:
             out.view(-1).copy_(buf[:n])
+    transaction.mark_bad(bad)
+    wire.poison_(out, bad)
+    if stats is not None:
+        stats.add(calls=1, algorithm="dense")
+    return out
+
+
+def _whole_gathered(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
+                    wire_dtype: torch.dtype, dense: wire.Rider) -> torch.Tensor:
+    """:func:`_whole_dense` carrying the bucket's dense part, at P <= 2: one ``all_gather`` of
+    ``[status word | whole compensated tensor in wire_dtype | dense part raw]`` instead of the
+    whole tensor's ring all_reduce plus the dense part's own (at P=2 an all_gather sends what a
+    ring all_reduce sends: the same bytes, up to 8-byte alignment, in one round).  Both are
+    summed in rank order (:func:`wire.add_rows`): the whole tensor rounded once to
+    ``wire_dtype`` (what the all_reduce of the two wire values gives), the dense part exactly
+    as when it rides in the ``"allgather"`` message (fp32 for fp16 / bf16, rounded once).  The
+    dense part's NaN/inf joins this rank's status: the result all-NaN and every residual kept."""
+    n, world = tensor.numel(), _comm.world(group)
+    code, msg = error
+    d = dense.tensor.reshape(-1)
+    layout = wire.Layout.of((torch.empty(n, dtype=wire_dtype, device="meta"), d))
+    sig = wire.signature("whole", n, str(wire_dtype), d.numel(), str(d.dtype))
+    message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
+    whole, slot = layout.read(message)
+    bad_local = None
+    if not code:
+        try:
+            with codec_timer(stats, "compress"):
+                bad_local = ef.send_whole(tensor, key, whole, transaction)  # straight into the message
+        except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    if code:
+        whole.zero_()
+    slot.copy_(d)
+    dense.carried = True
+    wire.status_word(tensor.device, error=code, sig=sig, nonfinite=dense.flag(bad_local),
+                     out=message[:wire.STATUS_BYTES].view(torch.int32))
+    gathered = _comm.all_gather(message, group=group, stats=stats)
+    statuses = wire.read_status(gathered)
+    wire.check_byte_statuses(statuses, sig, "allreduce", msg)
+    with codec_timer(stats, "decompress"):
+        rows = [layout.read(gathered[r]) for r in range(world)]
+        direct = out is not None and out.dtype == wire_dtype and out.is_contiguous()
+        acc = out.view(-1) if direct else _comm.scratch("sparse_whole_sum", n, wire_dtype, tensor.device)
+        wire.add_rows(acc, [row[0] for row in rows])
+        wire.add_rows(d, [row[1] for row in rows])
+        if out is None:  # acc is a reused scratch buffer: never hand it out
+            out = acc.to(tensor.dtype, copy=True).reshape(tensor.shape)
+        elif not direct:
+            out.view(-1).copy_(acc)
+    bad = wire.any_nonfinite(statuses)
     transaction.mark_bad(bad)
     wire.poison_(out, bad)
     if stats is not None:

@@ -25,7 +25,11 @@ class QSGD(Compressor):
     ``[-levels, levels]`` bit-packed with ``ceil(log2(2*levels+1))`` bits
     (:func:`commpress.ops.qsgd_quantize`: norms, codes and packing in one pass).  Stochastic rounding with noise derived from ``generator`` makes it
     unbiased; per-entry variance is at most ``(norm/levels)**2 / 4``.  A non-finite
-    entry makes its bucket's norm non-finite and the decoded bucket NaN.
+    entry makes its bucket's norm non-finite and the decoded bucket NaN.  A finite bucket always
+    gets a finite norm: where its squares would overflow fp32 (``|x|`` above ~1.8e19) or
+    underflow, the norm is summed again on ``x`` scaled by an exact power of two
+    (:func:`commpress.ops.reference.bucket_norms`), and a norm above the fp32 range saturates at
+    its maximum (still ``>= max|x|``, so the codes stay unbiased).
     """
 
     aggregation = "gather"

@@ -14,6 +14,7 @@ Parallel kernels split the input into chunks of ``clen`` elements (a multiple of
 
 from __future__ import annotations
 
+import math
 import threading
 import types
 
@@ -31,6 +32,13 @@ _ABS = np.int32(0x7FFFFFFF)
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
 _U24 = np.float32(1.0 / 16777216.0)
+_F1 = np.float32(1.0)
+_INF32 = np.float32(np.inf)
+_NORM_TINY = np.float32(2.0 ** -60)  # reference.NORM_TINY
+_F32_MAX64 = np.float64(np.finfo(np.float32).max)
+_F32_MIN = np.float32(2.0 ** -126)
+_PRESCALE = np.float32(2.0 ** 64)  # reference.LEVEL_PRESCALE
+_INV_PRESCALE = np.float32(2.0 ** -64)
 _NAN32 = np.float32(np.nan)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
@@ -1117,17 +1125,20 @@ def mx_dequantize(packed, scale_bytes, table, scale_tab, bits, n, clen, out, acc
 
 # ---------------------------------------------------------------- QSGD / TernGrad levels
 @njit(inline="always", **_SOPTS)
-def _tree_sum_sq(x, a, b):
-    """Sum of x[a:b]**2 in the reference's fixed pairwise order (see :func:`_tree_sum_abs`)."""
+def _tree_sum_sq(x, a, b, f):
+    """Sum of (x[a:b] * f)**2 in the reference's fixed pairwise order (see :func:`_tree_sum_abs`);
+    ``f`` is a power of two (the literal 1.0 folds away after inlining)."""
     stack = np.empty(64, np.float32)
     level = np.empty(64, np.int64)
     top = 0
     j = a
     while j + 8 <= b:
-        v0 = x[j] * x[j] + x[j + 1] * x[j + 1]
-        v1 = x[j + 2] * x[j + 2] + x[j + 3] * x[j + 3]
-        v2 = x[j + 4] * x[j + 4] + x[j + 5] * x[j + 5]
-        v3 = x[j + 6] * x[j + 6] + x[j + 7] * x[j + 7]
+        y0, y1, y2, y3 = x[j] * f, x[j + 1] * f, x[j + 2] * f, x[j + 3] * f
+        y4, y5, y6, y7 = x[j + 4] * f, x[j + 5] * f, x[j + 6] * f, x[j + 7] * f
+        v0 = y0 * y0 + y1 * y1
+        v1 = y2 * y2 + y3 * y3
+        v2 = y4 * y4 + y5 * y5
+        v3 = y6 * y6 + y7 * y7
         v = (v0 + v1) + (v2 + v3)
         lv = 3
         while top > 0 and level[top - 1] == lv:
@@ -1139,7 +1150,8 @@ def _tree_sum_sq(x, a, b):
         top += 1
         j += 8
     while j < b:
-        v = x[j] * x[j]
+        y = x[j] * f
+        v = y * y
         lv = 0
         while top > 0 and level[top - 1] == lv:
             top -= 1
@@ -1157,13 +1169,63 @@ def _tree_sum_sq(x, a, b):
     return acc
 
 
+@njit(inline="always", **_SOPTS)
+def _norm_shift(xi, a, b):
+    """``reference.norm_shift`` of the largest bits(|x|) over x[a:b] (``xi``: x's int32 view)."""
+    m = np.int32(0)
+    for t in range(a, b):
+        m = max(m, xi[t] & _ABS)
+    return min(max(np.int32(127) - (m >> 23), np.int32(-126)), np.int32(126))
+
+
+@njit(inline="always", **_SOPTS)
+def _pow2_f32(k):
+    """2**k as fp32 (k in [-126, 127]); exact."""
+    return np.float32(math.ldexp(1.0, k))
+
+
+@njit(inline="always", **_SOPTS)
+def _norm_fast_ok(s):
+    """The unscaled sum of squares ``s`` is the norm's (``reference.NORM_TINY <= s < inf``)."""
+    return s >= _NORM_TINY and s < _INF32
+
+
+@njit(inline="always", **_SOPTS)
+def _norm_rescued(s, k):
+    """fp32 of sqrt(s) * 2**-k (fp64), saturated at the fp32 maximum when finite."""
+    r = np.sqrt(np.float64(s)) * math.ldexp(1.0, -k)
+    if r > _F32_MAX64 and r < np.inf:
+        r = _F32_MAX64
+    return np.float32(r)
+
+
 @parallel_kernel
-def bucket_norms(x, bucket, norms):
-    """norms[b] = sqrt(tree-sum of squares over bucket ``b``) in fp32."""
+def bucket_norms(x, xi, bucket, norms):
+    """norms[b] = sqrt(tree-sum of squares over bucket ``b``) in fp32, summed again scaled by a
+    power of two when the plain sum overflowed or is tiny (``reference.bucket_norms``)."""
     n = x.size
     for c in prange(norms.size):
         a = c * bucket
-        norms[c] = np.float32(np.sqrt(np.float64(_tree_sum_sq(x, a, min(a + bucket, n)))))
+        e = min(a + bucket, n)
+        s = _tree_sum_sq(x, a, e, _F1)
+        if _norm_fast_ok(s):
+            norms[c] = np.float32(np.sqrt(np.float64(s)))
+        else:
+            k = _norm_shift(xi, a, e)
+            norms[c] = _norm_rescued(_tree_sum_sq(x, a, e, _pow2_f32(k)), k)
+
+
+@njit(inline="always", **_SOPTS)
+def _level_multiplier(fl, s):
+    """``reference.level_multiplier`` for one bucket's scale ``s > 0``: (m, p)."""
+    m = fl / s
+    if m == _INF32:
+        p = _PRESCALE
+    elif m > _F0 and m < _F32_MIN:
+        p = _INV_PRESCALE
+    else:
+        return m, _F1
+    return fl / (s * p), p
 
 
 @parallel_kernel
@@ -1188,9 +1250,9 @@ def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
             s = scales[bk]
             if not (s > _F0):
                 s = np.float32(1.0)
-            mul = fl / s
+            mul, pre = _level_multiplier(fl, s)
             for t in range(j, e):
-                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                y = (abs(x[t]) * pre) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
                 q = np.floor(y)
                 q = _F0 if q != q else min(max(q, _F0), fl)
                 qi = np.int32(q)
@@ -1219,12 +1281,17 @@ def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms):
         buf = np.empty(bucket, np.float32)
         for s0 in range(a, b, bucket):
             s1 = min(s0 + bucket, b)
-            nrm = np.float32(np.sqrt(np.float64(_pairwise_level_sum(x[s0:s1], True, buf))))
+            sq = _pairwise_level_sum(x[s0:s1], True, buf, _F1)
+            if _norm_fast_ok(sq):
+                nrm = np.float32(np.sqrt(np.float64(sq)))
+            else:
+                k = _norm_shift(xi, s0, s1)
+                nrm = _norm_rescued(_pairwise_level_sum(x[s0:s1], True, buf, _pow2_f32(k)), k)
             norms[s0 // bucket] = nrm
             s = nrm if nrm > _F0 else np.float32(1.0)
-            mul = fl / s
+            mul, pre = _level_multiplier(fl, s)
             for t in range(s0, s1):
-                y = abs(x[t]) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
+                y = (abs(x[t]) * pre) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
                 q = np.floor(y)
                 q = _F0 if q != q else min(max(q, _F0), fl)
                 qi = np.int32(q)
@@ -1262,15 +1329,16 @@ def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumul
 
 # ---------------------------------------------------------------- sign + scale + error feedback
 @njit(inline="always", **_SOPTS)
-def _pairwise_level_sum(v, square, buf):
-    """Sum of |v| (or v*v) in the reference's pairwise order (zero-padded to a power of two,
-    adjacent pairs level by level), computed level by level in ``buf`` (>= half that power):
-    vectorizable, unlike the streaming :func:`_tree_sum_abs`; for cache-sized ``v``."""
+def _pairwise_level_sum(v, square, buf, f):
+    """Sum of |v| (or (v*f)**2, ``f`` a power of two: the literal 1.0 folds away after inlining)
+    in the reference's pairwise order (zero-padded to a power of two, adjacent pairs level by
+    level), computed level by level in ``buf`` (>= half that power): vectorizable, unlike the
+    streaming :func:`_tree_sum_abs`; for cache-sized ``v``."""
     m = v.size
     if m == 0:
         return _F0
     if m == 1:
-        return v[0] * v[0] if square else abs(v[0])
+        return (v[0] * f) * (v[0] * f) if square else abs(v[0])
     p = 2
     while p < m:
         p *= 2
@@ -1278,12 +1346,14 @@ def _pairwise_level_sum(v, square, buf):
     full = m >> 1
     if square:
         for i in range(full):
-            buf[i] = v[2 * i] * v[2 * i] + v[2 * i + 1] * v[2 * i + 1]
+            y0 = v[2 * i] * f
+            y1 = v[2 * i + 1] * f
+            buf[i] = y0 * y0 + y1 * y1
     else:
         for i in range(full):
             buf[i] = abs(v[2 * i]) + abs(v[2 * i + 1])
     if m & 1:
-        buf[full] = v[m - 1] * v[m - 1] if square else abs(v[m - 1])
+        buf[full] = (v[m - 1] * f) * (v[m - 1] * f) if square else abs(v[m - 1])
         full += 1
     for i in range(full, half):
         buf[i] = _F0
@@ -1317,7 +1387,7 @@ def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
             for j in range(b - a):
                 cs[j] = xs[j] + rs[j]
         if chunk <= _PAIRWISE_MAX:
-            s = _pairwise_level_sum(cs, False, buf) / np.float32(b - a)
+            s = _pairwise_level_sum(cs, False, buf, _F1) / np.float32(b - a)
         else:
             s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
         scales[c] = s

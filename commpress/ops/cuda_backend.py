@@ -695,7 +695,8 @@ def _valid_levels(levels) -> bool:
 
 def _tree(xf: torch.Tensor, chunk: int, leaf: int, finalize: int, out: torch.Tensor) -> None:
     """``out[c]`` = the reference's pairwise tree over chunk ``c`` of ``xf`` (leaves y, |y| or y*y:
-    ``leaf`` 0, 1, 2), then its mean (``finalize`` 1) or fp64 square root (2).  One launch of
+    ``leaf`` 0, 1, 2), then its mean (``finalize`` 1) or fp64 square root (2: -1 where the sum of
+    squares is outside ``[NORM_TINY, inf)``, for norm_rescue_kernel).  One launch of
     tree256_kernel per factor of 256 in the chunk (module doc of the kernel)."""
     n = xf.numel()
     nchunks = out.numel()
@@ -712,7 +713,9 @@ def _tree(xf: torch.Tensor, chunk: int, leaf: int, finalize: int, out: torch.Ten
 
 
 def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
-    """See :func:`commpress.ops.reference.bucket_norms` (pairwise tree in groups of 256)."""
+    """See :func:`commpress.ops.reference.bucket_norms` (pairwise tree in groups of 256; then one
+    warp per bucket whose sum of squares overflowed or is tiny sums it again scaled: the others
+    cost that kernel one read of their norm)."""
     if not _mine(x) or x.dtype not in _FLOATS or not valid_block(bucket):
         return _fallback("bucket_norms", x, bucket)
     xf = _flat_f32(x)
@@ -721,6 +724,8 @@ def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
     norms = torch.empty(-(-n // b), dtype=torch.float32, device=x.device)
     if n:
         _tree(xf, b, 2, 2, norms)
+        _launch(x.device, "norm_rescue_kernel", norms.numel() * 32, xf, norms, _i64(n), _i64(b),
+                _i64(norms.numel()))
     return norms
 
 

@@ -632,7 +632,8 @@ def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
     n = xf.numel()
     b = max(1, min(int(bucket), n))
     norms = np.empty((n + b - 1) // b, np.float32)
-    K.bucket_norms(xf.numpy(), b, norms)
+    xn = xf.numpy()
+    K.bucket_norms(xn, xn.view(np.int32), b, norms)
     return torch.from_numpy(norms)
 
 

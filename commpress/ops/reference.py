@@ -468,36 +468,100 @@ def level_bits(levels: int) -> int:
     return max(1, (2 * int(levels)).bit_length())
 
 
+#: The unscaled sum of squares is used when it lies in [NORM_TINY, inf); otherwise (it overflowed,
+#: came near underflow, or the bucket is zero or not finite) the bucket is summed again scaled.
+NORM_TINY = 2.0 ** -60
+#: Largest finite fp32: a finite bucket whose norm exceeds it gets this norm instead of inf.
+F32_MAX = 3.4028234663852886e38
+
+
+def norm_shift(absbits: torch.Tensor) -> torch.Tensor:
+    """``k`` (int32) with ``2**k * m`` in ``[1, 2)`` for ``m`` the fp32 whose bits are ``absbits``
+    (the bucket's largest ``bits(|x|)``), clamped to ``[-126, 126]`` so that ``2**k`` and ``2**-k``
+    are normal fp32 (zero and subnormal ``m`` get 126; inf and NaN -126)."""
+    return (127 - (absbits >> 23)).clamp(-126, 126).to(torch.int32)
+
+
+def pow2_f32(k: torch.Tensor) -> torch.Tensor:
+    """``2**k`` as fp32, built from its bits (exact; ``k`` in ``[-126, 127]``)."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def pow2_f64(k: torch.Tensor) -> torch.Tensor:
+    """``2**k`` as fp64, built from its bits (exact; ``k`` in ``[-1022, 1023]``)."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
-    """fp32 L2 norm of each ``bucket``-entry slice (last one shorter): ``sqrt`` of the
-    :func:`pairwise_sum_rows` of ``x*x`` (a fixed order, so every backend agrees),
-    the root correctly rounded to fp32."""
+    """fp32 L2 norm of each ``bucket``-entry slice (last one shorter), overflow- and underflow-safe.
+
+    ``S = `` the :func:`pairwise_sum_rows` of ``x*x`` (a fixed order, so every backend agrees);
+    the norm is ``sqrt(S)`` (fp64, rounded once to fp32: correctly rounded on every backend).
+    When ``S`` is not in ``[NORM_TINY, inf)`` (the squares overflowed, or the bucket is tiny, zero
+    or not finite) the bucket is summed again on ``y = x * 2**k``, ``k`` from :func:`norm_shift` of
+    its largest ``|x|`` (exact scaling: ``max|y|`` in ``[1, 2)``, so ``y*y`` cannot overflow), and
+    the norm is ``sqrt(S_y) * 2**-k`` in fp64, rounded once to fp32 and, for a finite bucket,
+    saturated at ``F32_MAX`` (still ``>= max|x|``, which is all :func:`level_quantize` needs).  A
+    NaN/inf entry still gives a NaN/inf norm.  Where both sums are free of over/underflow they
+    are equal up to the exact factor ``4**k``, so the rescue changes no ordinary bucket's norm;
+    the fast backends sum a bucket a second time only when it needs the rescue.
+    """
     xf = x.reshape(-1).float()
     n = xf.numel()
     b = max(1, min(int(bucket), n))
     nb = (n + b - 1) // b
     padded = torch.zeros(nb * b, dtype=torch.float32, device=xf.device)
-    padded[:n] = xf * xf
+    padded[:n] = xf
+    rows = padded.reshape(nb, b)
+    s0 = pairwise_sum_rows(rows * rows)
     # sqrt in fp64, rounded once to fp32: the correctly rounded fp32 root on every backend
     # (torch's own fp32 sqrt on CPU can be one ulp off)
-    return torch.sqrt(pairwise_sum_rows(padded.reshape(nb, b)).double()).float()
+    fast = torch.sqrt(s0.double()).float()
+    # the rescue, computed for every bucket and selected on the device (no host read)
+    k = norm_shift((rows.view(torch.int32) & 0x7FFFFFFF).amax(1))
+    y = rows * pow2_f32(k)[:, None]
+    r = torch.sqrt(pairwise_sum_rows(y * y).double()) * pow2_f64(-k)
+    r = torch.where(torch.isfinite(r), r.clamp(max=F32_MAX), r).float()
+    ok = (s0 >= NORM_TINY) & (s0 < float("inf"))
+    return torch.where(ok, fast, r)
+
+
+#: Exact pre-scale of ``|x|`` in :func:`level_quantize` when ``levels / s`` overflows (tiny ``s``),
+#: and its inverse when ``levels / s`` is subnormal (``s`` near the fp32 maximum).
+LEVEL_PRESCALE = 2.0 ** 64
+_F32_MIN = 2.0 ** -126
+
+
+def level_multiplier(fl: torch.Tensor, s: torch.Tensor):
+    """Per-bucket ``(m, p)`` (fp32) of :func:`level_quantize` for scales ``s > 0``: ``m = fl / s``
+    and ``p = 1`` when that is a normal fp32 or 0 (``s`` inf); otherwise ``p = 2**64`` (``fl / s``
+    overflowed: ``s`` tiny) or ``2**-64`` (``fl / s`` subnormal: ``s`` huge) and ``m = fl / (s*p)``,
+    so ``(|x| * p) * m`` is ``|x| * fl / s`` without a lost exponent."""
+    m0 = fl / s
+    big = torch.isinf(m0)
+    small = (m0 > 0) & (m0 < _F32_MIN)
+    one = torch.ones_like(s)
+    p = torch.where(big, one * LEVEL_PRESCALE, torch.where(small, one * (1.0 / LEVEL_PRESCALE), one))
+    return torch.where(big | small, fl / (s * p), m0), p
 
 
 def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, seed: int):
     """Stochastic codes of QSGD/TernGrad, bit-packed with :func:`level_bits` bits.
 
-    Entry ``i`` of bucket ``b``: ``m = levels / s_b`` (``s_b`` replaced by 1 unless
-    ``> 0``), ``q = clamp(floor(|x_i| * m + u_i), 0, levels)`` (NaN -> 0), code
+    Entry ``i`` of bucket ``b``: ``(m, p) = level_multiplier(levels, s_b)`` (``s_b`` replaced by 1
+    unless ``> 0``), ``q = clamp(floor((|x_i| * p) * m + u_i), 0, levels)`` (NaN -> 0), code
     ``levels - q`` when ``x_i``'s sign bit is set else ``levels + q``.
-    ``E[code - levels] = x_i * m``.
+    ``E[code - levels] = x_i * levels / s_b`` (``p`` is 1 unless ``levels / s_b`` is not a normal fp32).
     """
     xf = x.reshape(-1).float()
     n = xf.numel()
     b = max(1, min(int(bucket), n))
     s = scales.reshape(-1).float()
-    mul = torch.tensor(float(levels), dtype=torch.float32, device=xf.device) / torch.where(
-        s > 0, s, torch.ones_like(s))
-    y = xf.abs() * mul.repeat_interleave(b)[:n] + counter_uniform(seed, 0, n, xf.device)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    fl = torch.tensor(float(levels), dtype=torch.float32, device=xf.device)
+    mul, pre = level_multiplier(fl, s)
+    y = (xf.abs() * pre.repeat_interleave(b)[:n]) * mul.repeat_interleave(b)[:n] + counter_uniform(
+        seed, 0, n, xf.device)
     q = torch.nan_to_num(torch.floor(y).clamp(0, levels), nan=0.0).to(torch.int32)
     neg = xf.view(torch.int32) < 0
     codes = torch.where(neg, levels - q, levels + q)

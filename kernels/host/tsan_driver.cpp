@@ -121,6 +121,19 @@ int main() {
         expect(scale[0] > 0.5f && scale[0] < 1.0f, "mean |x| of a normal sample");
     }
 
+    // the QSGD norm rescue: squares that overflow fp32, a warp per bucket (three groups of 256)
+    {
+        std::vector<float> big(n), norms(5, -1.0f);
+        for (i64 j = 0; j < n; ++j) big[j] = x[j] * 1e20f;
+        const float* in = big.data();
+        float* np_ = norms.data();
+        i64 bucket = 600, nb = 5;
+        run("norm_rescue_kernel", grid, threads, &in, &np_, (void*)&n, &bucket, &nb);
+        double s = 0;
+        for (i64 j = 0; j < bucket; ++j) s += (double)big[j] * big[j];
+        expect(std::fabs(norms[0] / std::sqrt(s) - 1) < 1e-5, "rescued norm of bucket 0");
+    }
+
     // fp8 (sub-warp groups and full warps) and MX (a warp per block, codes packed by shuffles)
     {
         int mbits = 3, emin = -6, sbit = 128, fmax_key = 0x43e00000, sto = 1;  // e4m3, max 448
@@ -200,6 +213,6 @@ int main() {
     }
 
     if (failures) return 1;
-    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, fp8, MX, sign feedback, scatter under TSan)\n");
+    std::printf("tsan_driver: ok (radix select, selection, absmax, tree, norm rescue, fp8, MX, sign feedback, scatter under TSan)\n");
     return 0;
 }

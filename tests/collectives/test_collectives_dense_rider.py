@@ -23,6 +23,10 @@ CASES = {
     "topk": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "allgather"),
     "blockquant": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "gather_all"),
     "two_phase": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "two_phase"),
+    # the whole compensated tensor (the gathered slots would be no smaller): bf16 with "auto",
+    # fp32 with "dense"; at P=2 one all_gather carries the dense part too
+    "whole": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.25, density_warmup=0)), "auto"),
+    "whole32": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "dense"),
 }
 
 
@@ -50,10 +54,11 @@ def rider_worker(rank, world):
             out[key] = dict(same=torch.equal(got, ref), dense=d.clone(), exact=torch.equal(d, expect.to(dtype)),
                             close=torch.allclose(d.float(), expect, rtol=1e-2, atol=1e-2),
                             rounds=(s_with.rounds, s_without.rounds),
+                            algorithms=(s_with.last_algorithm, s_without.last_algorithm),
                             extra=s_with.bytes_sent - s_without.bytes_sent)
     # a NaN in one rank's dense part: the result all-NaN, every residual kept, the next call clean
     out["nan"] = []
-    for name in ("topk", "two_phase"):
+    for name in ("topk", "two_phase", "whole"):
         make, algorithm = CASES[name]
         ef = make()
         allreduce(data(rank, 0, N), ef, key="nan", step=0, algorithm=algorithm, dense=data(rank, 0, D))
@@ -68,7 +73,7 @@ def rider_worker(rank, world):
                            bool(torch.isfinite(after).all())))
     # bad input on one rank: every rank raises in the same call, and the next call works
     outcomes = []
-    for name in ("topk", "blockquant", "two_phase"):
+    for name in ("topk", "blockquant", "two_phase", "whole"):
         c = CASES[name][0]()
         for step in range(3):
             x = data(rank, step, N)
@@ -94,6 +99,8 @@ def test_dense_part_summed_exactly_in_rank_order(world):
             for dtype in ("torch.float32", "torch.bfloat16"):
                 r = got[f"{name}:{dtype}"]
                 assert r["same"], (name, dtype)           # the payload's result does not change
+                if name.startswith("whole"):  # the whole compensated tensor, not a selection
+                    assert r["algorithms"] == ("dense", "dense"), r
                 rides = world == 2 or name == "two_phase"
                 # riding: the exact sum in rank order (fp32 for bf16); its own all_reduce: gloo's order
                 assert r["exact"] if rides else r["close"], (name, dtype)
@@ -108,7 +115,7 @@ def test_dense_part_summed_exactly_in_rank_order(world):
                     assert r["extra"] == 2 * nbytes * (world - 1) // world, r
         for poisoned, dense_nan, kept, recovered in got["nan"]:
             assert poisoned and dense_nan and kept and recovered, got["nan"]
-        assert got["errors"] == ["ok", "raised", "ok"] * 3
+        assert got["errors"] == ["ok", "raised", "ok"] * 4
 
 
 def test_carries_dense_and_argument_checks():
@@ -116,7 +123,9 @@ def test_carries_dense_and_argument_checks():
     bq = commpress.ErrorFeedback(commpress.get("blockquant", bits=4))
     assert carries_dense(topk, world=2) and carries_dense(bq, world=2)
     assert carries_dense(topk, world=2, algorithm="allgather")
-    assert not carries_dense(topk, world=2, algorithm="dense")
+    assert not carries_dense(topk, world=2, algorithm="dense")  # the densified selection's all_reduce
+    ef_topk = commpress.ErrorFeedback(topk)  # its "dense": the whole compensated tensor, gathered at P=2
+    assert carries_dense(ef_topk, world=2, algorithm="dense") and not carries_dense(ef_topk, world=3, algorithm="dense")
     assert carries_dense(bq, world=4, algorithm="two_phase") and carries_dense(bq, world=4)
     assert not carries_dense(bq, world=4, algorithm="gather_all")
     assert not carries_dense(topk, world=3) and not carries_dense(topk, world=1)

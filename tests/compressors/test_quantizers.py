@@ -128,3 +128,39 @@ def test_quantizers_handle_all_zero_input():
     for name in ("qsgd", "terngrad", "signsgd", "blockquant"):
         c = commpress.get(name)
         assert torch.equal(c.decompress(c.compress(x)), x), name
+
+
+@pytest.mark.parametrize("name,scale", [("qsgd", 2.0**100), ("qsgd", 1.5e38), ("qsgd", 2.0**-100),
+                                        ("qsgd", 2.0**-140), ("terngrad", 1.5e38), ("terngrad", 2.0**-140)])
+def test_level_quantizers_on_huge_and_tiny_finite_input(name, scale):
+    """A finite input whose squares overflow fp32 (|x| > ~1.8e19) or underflow still gives a finite
+    payload that decodes unbiased within 5 sigma, every value a multiple of ``s/levels`` no larger
+    than the payload's scale ``s >= max|x|`` of its bucket (an L2 norm that would exceed the fp32
+    range saturates at its maximum)."""
+    levels = 3 if name == "qsgd" else 1
+    c = commpress.get(name, levels=levels, bucket=L) if name == "qsgd" else commpress.get(name)
+    x = (X.double() * (scale / BASE.abs().max().item())).float()  # max|x| = scale (rounded to fp32)
+    assert torch.isfinite(x).all()
+    total = torch.zeros(L, dtype=torch.float64)
+    for t in range(TRIALS):
+        p = c.compress(x, step=t, key="u", generator=torch.Generator().manual_seed(1000 + t))
+        s = p.tensors[1].double()
+        assert torch.isfinite(s).all(), s
+        y = c.decompress(p)
+        assert torch.isfinite(y).all()
+        total += y.double().reshape(TILES, L).sum(0)
+    s = s.repeat_interleave(L) if name == "qsgd" else s.expand(x.numel())
+    assert (s >= x.double().abs()).all()
+    if name == "qsgd" and scale < 1e30:  # an unsaturated norm is the L2 norm (rounded to fp32)
+        torch.testing.assert_close(s, x.double().reshape(-1, L).norm(dim=1).repeat_interleave(L),
+                                   rtol=1e-6, atol=2.0**-149)
+    xd = x.double()
+    if scale < 2.0**-126:  # subnormal steps s/levels are rounded to subnormals: looser
+        return
+    q = y.double() / (s / levels)
+    torch.testing.assert_close(q, torch.round(q), atol=1e-3, rtol=0)
+    assert (q.abs() <= levels + 1e-3).all()
+    mean = total / (TILES * TRIALS)
+    var = ((s / levels) ** 2 * _frac_variance(xd.abs() / s * levels)).reshape(TILES, L).mean(0)
+    err = (mean - xd[:L]).abs()
+    assert (err <= 5 * torch.sqrt(var / (TILES * TRIALS)) + 1e-6 * xd.abs().max()).all()

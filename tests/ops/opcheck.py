@@ -81,3 +81,20 @@ def run_selection(backend, op, x, arg, dtype=torch.float32):
         if rr is not None:
             assert_bitwise(rn, rr, f"{op}/{name} residual")
             assert_bitwise(xn, xr, f"{op}/{name} input")
+
+
+def norm_extremes(seed: int = 0) -> torch.Tensor:
+    """700 finite fp32 entries whose buckets' sums of squares overflow (up to ~1.6e38 per entry),
+    underflow (down to subnormals), are zero, or mix both: QSGD's norm rescue and the level
+    multiplier's pre-scale (reference.bucket_norms, reference.level_multiplier)."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(700, generator=g).clamp(-1.9, 1.9)
+    x = r.clone()
+    x[:100] *= 2.0 ** 100
+    x[100:200] *= 2.0 ** 126
+    x[200:300] *= 2.0 ** -100
+    x[300:400] *= 2.0 ** -140
+    x[400:450] = 0.0
+    x[450:] *= torch.pow(2.0, torch.randint(-149, 127, (250,), generator=g).float())
+    x[460] = 3.4e38
+    return x

@@ -18,7 +18,7 @@ from commpress.ops import _usage, cuda_backend
 from commpress.ops import reference as R
 
 from cuda_targets import gpu_target, host_target  # noqa: E402
-from opcheck import assert_bitwise, f32_arrays, messy_large, tensor  # noqa: E402
+from opcheck import assert_bitwise, f32_arrays, messy_large, norm_extremes, tensor  # noqa: E402
 
 HOST_SIZES = [0, 1, 7, 20, 700]
 GPU_SIZES = [0, 1, 7, 1000, 65537, 1_000_003]
@@ -113,6 +113,19 @@ def test_qsgd_and_terngrad_levels(cb, target):
             assert_bitwise(cb.level_quantize(target.to(x), target.to(scale), n, 1, 3), want, "terngrad")
             _decode_both(cb, target, "level_dequantize", (want, scale), (n, 1), n)
 
+
+
+def test_level_quantize_extremes(cb, target):
+    """Buckets whose sums of squares overflow or underflow fp32 (norm_rescue_kernel: one and
+    several groups of 256 per bucket) and scales whose ``levels / s`` is not a normal fp32."""
+    x = norm_extremes()
+    for levels, bucket in ((7, 7), (3, 300), (127, 600), (1, 10**9)):
+        want = R.qsgd_quantize(x, levels, bucket, 5)
+        assert_bitwise(cb.qsgd_quantize(target.to(x), levels, bucket, 5), want, f"qsgd {levels}/{bucket}")
+    for part in (x[100:200], x[300:400], x[450:]):  # TernGrad: one scale max|x|, huge or subnormal
+        scale = part.abs().amax().reshape(1)
+        assert_bitwise(cb.level_quantize(target.to(part), target.to(scale), part.numel(), 1, 3),
+                       R.level_quantize(part, scale, part.numel(), 1, 3), "terngrad")
 
 def test_sign_pack_feedback(cb, target):
     for n in sizes(target):

@@ -12,7 +12,7 @@ from commpress.ops import reference as R
 
 nb = pytest.importorskip("commpress.ops.numba_backend")
 
-from opcheck import assert_bitwise, f32_arrays, run_selection, tensor  # noqa: E402
+from opcheck import assert_bitwise, f32_arrays, norm_extremes, run_selection, tensor  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -364,6 +364,31 @@ def test_fp8_dequantize_takes_float8_codes():
 
 
 # ---------------------------------------------------------------- QSGD / TernGrad levels, sign + EF
+def test_level_quantize_extremes():
+    """Buckets whose sums of squares overflow or underflow fp32 (the norm's scaled second sum) and
+    scales whose ``levels / s`` is not a normal fp32 (the pre-scale) match the reference; the
+    streaming tree (bucket_norms) and the cache-sized one (fused qsgd) both take the rescue."""
+    x = norm_extremes()
+    for bucket in (1, 7, 64, 300, 10**9):
+        norms = R.bucket_norms(x, bucket)
+        assert torch.isfinite(norms).all(), bucket
+        assert_bitwise(nb.bucket_norms(x, bucket), norms, f"norms {bucket}")
+        for levels in (1, 7, 127):
+            packed = R.level_quantize(x, norms, bucket, levels, 5)
+            assert_bitwise(nb.level_quantize(x, norms, bucket, levels, 5), packed, f"codes {bucket}/{levels}")
+            assert_bitwise(nb.qsgd_quantize(x, levels, bucket, 5), (packed, norms), f"qsgd {bucket}/{levels}")
+    for part in (x[100:200], x[300:400], x[450:]):  # TernGrad: one scale max|x|, huge or subnormal
+        scale = part.abs().amax().reshape(1)
+        assert_bitwise(nb.level_quantize(part, scale, part.numel(), 1, 3),
+                       R.level_quantize(part, scale, part.numel(), 1, 3), "terngrad")
+    # the rescue is exact scaling: a bucket scaled by 2**e out of range gets the same codes and
+    # its norm times 2**e
+    y = torch.randn(600, generator=torch.Generator().manual_seed(3))
+    norms = R.bucket_norms(y, 64)
+    for e in (100, -100):
+        assert_bitwise(nb.qsgd_quantize(y * 2.0**e, 7, 64, 5), (R.level_quantize(y, norms, 64, 7, 5), norms * 2.0**e))
+
+
 @settings(max_examples=25)
 @given(a=f32_arrays(), bucket=st.sampled_from([1, 3, 8, 64, 10**9]), levels=st.sampled_from([1, 2, 3, 7, 8, 127]),
        seed=st.integers(0, 2**64 - 1))
