@@ -52,6 +52,8 @@ NETS = ("100mbit", "10gbit")
 STEPS = 30
 CHECK_EVERY = 10
 SKIP = 3                   # steps left out of the median: DDP's bucket rebuild, auto's first decision (step 2)
+TASKS = {"digits": "digits MLP 64-1024-1024-10 (1.1M parameters, SGD + momentum, batch 32 per rank)",
+         "tiny": "MLP 64-128-10 on random batches"}
 TIE = 0.10                 # two fixed paths within 10% of each other: either path is right
 
 
@@ -81,18 +83,45 @@ def _plan(state: Any) -> dict[str, str]:
     return {name: e["choice"] for name, e in state.stats.as_dict().get("auto", {}).items()}
 
 
+def _tiny_task(seed: int) -> Any:
+    """A 64-128-10 MLP on random batches (no data set to load): the tests' task."""
+    import torch
+    from torch import nn
+
+    from .train import Task, _ce
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def batch(gen):
+        return torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+
+    return Task("tiny", "none", model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), batch, _ce,
+                lambda m, r, w: 0.0, {"model": "MLP 64-128-10, random batches"})
+
+
+def make_task(name: str, seed: int) -> Any:
+    """``digits`` (the digits MLP of :mod:`benchmarks.train`, 1.1M parameters) or ``tiny``."""
+    if name == "tiny":
+        return _tiny_task(seed)
+    if name != "digits":
+        raise ValueError(f"task must be 'digits' or 'tiny', got {name!r}")
+    from .train import make_task as train_task
+
+    return train_task("digits", "quick", seed)
+
+
 def train_config(rank: int, world: int, config: dict[str, Any], *, steps: int, seed: int, local_size: int,
-                 check_every: int, report: Callable[[dict], None]) -> dict[str, Any]:
+                 check_every: int, report: Callable[[dict], None], task: str = "digits") -> dict[str, Any]:
     """Train ``config`` for ``steps`` steps from the seed's weights; rank 0's measurements."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .netem import nic_bytes
-    from .train import make_task
 
     w0 = time.perf_counter()
-    task = make_task("digits", "quick", seed)
+    task_name, task = task, make_task(task, seed)
     ddp = DDP(task.model)
     opt = task.make_opt(ddp.parameters())
     state = _register(ddp, config, local_size, check_every)
@@ -124,7 +153,7 @@ def train_config(rank: int, world: int, config: dict[str, Any], *, steps: int, s
     crossed = torch.tensor([-1.0 if c0 is None or c1 is None else float(c1 - c0)], dtype=torch.float64)
     dist.all_reduce(crossed)             # summed over the nodes (0 from the non-leaders)
     timed = times[SKIP:] or times
-    out = {**config, "steps": steps, "step_ms": 1e3 * statistics.median(timed),
+    out = {**config, "task": task_name, "steps": steps, "step_ms": 1e3 * statistics.median(timed),
            "step_ms_spread": [1e3 * min(timed), 1e3 * max(timed)], "setup_s": setup_s,
            "wall_s": time.perf_counter() - w0,
            "bytes_across_nodes_per_step": (float(crossed) / len(timed) if float(crossed) >= 0 else None)}
@@ -150,11 +179,11 @@ def train_config(rank: int, world: int, config: dict[str, Any], *, steps: int, s
 
 def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], steps: int = STEPS,
               seed: int = 0, local_size: int = 2, check_every: int = CHECK_EVERY,
-              kinds: list[tuple[str, Any]] | None = None) -> list[dict[str, Any]]:
+              kinds: list[tuple[str, Any]] | None = None, task: str = "digits") -> list[dict[str, Any]]:
     """``auto`` first, then DDP, then each kind of its final plan (and of ``kinds``) fixed on both paths."""
     from commpress.auto.candidates import Candidate
 
-    common = dict(steps=steps, seed=seed, local_size=local_size, check_every=check_every, report=report)
+    common = dict(steps=steps, seed=seed, local_size=local_size, check_every=check_every, report=report, task=task)
     rows = [train_config(rank, world_size, {"name": "auto", "kind": "auto", "param": None, "path": "chosen"},
                          **common)]
     chosen = [(c.candidate.kind, c.candidate.param) for c in _final_choices(rows[0])]
@@ -223,7 +252,7 @@ def verdict(rows: list[dict[str, Any]], tie: float = TIE) -> list[dict[str, Any]
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """The markdown summary: per setting, auto's plan, every configuration's step, the verdict."""
     lines = ["# auto on an emulated 2x2 topology: flat or two-level", "",
-             f"4 ranks (2 nodes x 2 ranks), digits MLP, {meta['steps']} steps per configuration, median step "
+             f"4 ranks (2 nodes x 2 ranks), {TASKS[meta.get('task', 'digits')]}, {meta['steps']} steps per configuration, median step "
              f"after the first {SKIP}; auto checks every {meta['check_every']} steps. "
              f"{meta['oversubscribed_note']}", ""]
     for net, res in results.items():
@@ -244,6 +273,7 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                           "MB across nodes/step": "n/a" if b is None else f"{b / 1e6:.2f}"})
         lines += [markdown_table(table, ["config", "what", "step ms", "vs DDP", "MB across nodes/step"]), ""]
         hist = "; ".join(f"step {h['step']}: " + ", ".join(f"{u} {c}" for u, c in h["plan"].items())
+                         + (f" (predicted step {h['predicted_step_ms']:.0f} ms)" if h.get("predicted_step_ms") else "")
                          for h in auto.get("history", []))
         if hist:
             lines += [f"auto's plan after each check point: {hist}", ""]
@@ -261,7 +291,7 @@ def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def run_setting(net: str, *, steps: int, check_every: int, seed: int, kinds: list[tuple[str, Any]],
-                timeout: float, echo: bool = False) -> dict[str, Any]:
+                timeout: float, echo: bool = False, task: str = "digits") -> dict[str, Any]:
     """One network setting: ``net`` a rate (``100mbit``, ``1gbit,1ms``) on the emulated topology, or
     ``loopback``.  Returns ``{"network", "rows", "verdict"}`` (or ``"error"``)."""
     from .netem import LaunchError, Loopback, launch, make_cluster
@@ -282,7 +312,7 @@ def run_setting(net: str, *, steps: int, check_every: int, seed: int, kinds: lis
         try:
             got = launch("benchmarks.auto2x2:rank_main", world, cluster=cluster, on_message=progress, echo=echo,
                          kwargs={"steps": steps, "seed": seed, "local_size": local, "check_every": check_every,
-                                 "kinds": kinds}, timeout=timeout, pg_timeout=180.0)
+                                 "kinds": kinds, "task": task}, timeout=timeout, pg_timeout=180.0)
         except LaunchError as exc:
             print(f"!! {net} failed: {str(exc)[-3000:]}", file=sys.stderr)
             return {"network": network, "error": str(exc).splitlines()[0][:300]}
@@ -316,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"auto's check_every (and every) (default {CHECK_EVERY})")
     p.add_argument("--kinds", default="", help="more kinds to run fixed on both paths, e.g. 'blockquant(bits=4)' "
                                               "(default: only the kinds auto chose)")
+    p.add_argument("--task", choices=("digits", "tiny"), default="digits",
+                   help="digits: the digits MLP (1.1M parameters); tiny: a 64-128-10 MLP on random batches (tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="parent folder of results/auto2x2-<timestamp>/")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a setting's ranks are killed")
@@ -346,14 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {"command": command.strip(), "steps": args.steps, "check_every": args.check_every,
                             "skip": SKIP, "tie": TIE, "topology": "2x2", "cores": cores,
                             "oversubscribed": world > cores, "oversubscribed_note": note,
-                            "load_average": os.getloadavg()[0], "seed": args.seed}
+                            "load_average": os.getloadavg()[0], "seed": args.seed, "task": args.task}
     print(note, file=sys.stderr)
     out = results_dir("auto2x2", args.out)
     t0 = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     for net in nets:
         results[net] = run_setting(net, steps=args.steps, check_every=args.check_every, seed=args.seed,
-                                   kinds=kinds, timeout=args.timeout, echo=args.echo)
+                                   kinds=kinds, timeout=args.timeout, echo=args.echo, task=args.task)
     meta["seconds"] = time.monotonic() - t0
     meta["networks"] = {n: r["network"] for n, r in results.items()}
     meta["verdict"] = {n: r.get("verdict") for n, r in results.items()}
