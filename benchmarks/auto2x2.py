@@ -19,7 +19,7 @@ batches for every configuration, ``--steps`` steps each:
 2. DDP (the reference), and for each compressor kind in auto's final plan (``dense`` included) and
    each kind of ``--kinds``, that kind fixed for the whole model on the **flat** path (dense: DDP
    itself) and on the **two-level** path (``register(model, kind, hierarchy=2)``; dense:
-   ``"identity"``).
+   ``"identity"`` under error feedback, as auto runs it: without, the hook sends it DDP's way).
 
 Per configuration: the median step time (rank 0's wall time of forward + backward + optimizer step)
 over the steps after the first ``SKIP`` (auto's first decision ends step 2), and the bytes that
@@ -76,6 +76,8 @@ def _register(ddp: Any, config: dict[str, Any], local_size: int, check_every: in
     if config["kind"] == "dense" and not two:
         return None                                  # DDP's own all_reduce
     comp = Candidate(config["kind"], config["param"]).build()   # dense: "identity"
+    if config["kind"] == "dense":   # under error feedback, as auto runs it: else the hook sends it DDP's way, flat
+        return commpress.ddp.register(ddp, comp, hierarchy=local_size, error_feedback=True)
     return commpress.ddp.register(ddp, comp, hierarchy=local_size if two else None)
 
 
