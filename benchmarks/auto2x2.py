@@ -22,7 +22,7 @@ batches for every configuration, ``--steps`` steps each:
    ``"identity"`` under error feedback, as auto runs it: without, the hook sends it DDP's way).
 
 Per configuration: the median step time (rank 0's wall time of forward + backward + optimizer step)
-over the steps after the first ``SKIP`` (auto's first decision ends step 2), and the bytes that
+over the steps after the first ``SKIP`` (auto's first decision ends step 3), and the bytes that
 crossed nodes per step (the growth of each node's veth transmit counter, summed over the nodes; not
 measurable on loopback).  Verdict per unit: auto's path for its kind is right when it is the faster
 of that kind's two fixed paths, or when the two are within ``TIE`` of each other (either is then as
@@ -51,7 +51,7 @@ TOPOLOGY = (2, 2)          # nodes x ranks per node
 NETS = ("100mbit", "10gbit")
 STEPS = 30
 CHECK_EVERY = 10
-SKIP = 3                   # steps left out of the median: DDP's bucket rebuild, auto's first decision (step 2)
+SKIP = 3                   # steps left out of the median: DDP's bucket rebuild, auto's first decision (end of step 3)
 TASKS = {"digits": "digits MLP 64-1024-1024-10 (1.1M parameters, SGD + momentum, batch 32 per rank)",
          "tiny": "MLP 64-128-10 on random batches"}
 TIE = 0.10                 # two fixed paths within 10% of each other: either path is right
@@ -254,7 +254,8 @@ def verdict(rows: list[dict[str, Any]], tie: float = TIE) -> list[dict[str, Any]
 def render(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """The markdown summary: per setting, auto's plan, every configuration's step, the verdict."""
     lines = ["# auto on an emulated 2x2 topology: flat or two-level", "",
-             f"4 ranks (2 nodes x 2 ranks), {TASKS[meta.get('task', 'digits')]}, {meta['steps']} steps per configuration, median step "
+             f"4 ranks (2 nodes x 2 ranks), {TASKS[meta.get('task', 'digits')]}, {meta['steps']} steps per "
+             "configuration, median step "
              f"after the first {SKIP}; auto checks every {meta['check_every']} steps. "
              f"{meta['oversubscribed_note']}", ""]
     for net, res in results.items():

@@ -39,8 +39,8 @@ def _launch(target, world, *, cluster, kwargs, timeout, **_):
 @pytest.mark.timeout(120)
 def test_smallest_run_on_loopback(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(netem, "launch", _launch)
-    rc = auto2x2.main(["--nets", "loopback", "--task", "tiny", "--steps", "4", "--check-every", "2", "--kinds", "blockquant(bits=4)",
-                       "--out", str(tmp_path), "--timeout", "100"])
+    rc = auto2x2.main(["--nets", "loopback", "--task", "tiny", "--steps", "4", "--check-every", "2",
+                       "--kinds", "blockquant(bits=4)", "--out", str(tmp_path), "--timeout", "100"])
     assert rc == 0
     (run_dir,) = tmp_path.iterdir()
     doc = json.loads((run_dir / "results.json").read_text())
