@@ -15,6 +15,8 @@ SUITES = {
     "kernels": "ops backends (torch reference, numba, CUDA) vs memcpy of the same bytes",
     "overhead": "hot-path overhead on loopback: DDP / allreduce / FSDP2 vs plain and PyTorch's hooks "
                 "(--quick)",
+    "auto2x2": "register(model, \"auto\", hierarchy=2) on an emulated 2 nodes x 2 ranks: its path per bucket "
+               "against flat and two-level fixed (--nets 100mbit,10gbit)",
     "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
              "(--quick, --net 1gbit)",
 }

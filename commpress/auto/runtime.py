@@ -17,9 +17,11 @@ What it measures, without a host read in the steady state:
   end (the last bucket's arrival), for :class:`~commpress.auto.measure.OverlapRecorder`;
   the backward start is a forward hook on the DDP model;
 * per unit, the gradient norm, accumulated on the device (read at check points);
-* per unit, the host seconds of its collective call (``measured_ms``);
+* per unit, the host seconds of its collective call (``measured_ms``), but for the first
+  call after a switch (one-time costs of the new codec: kernel compilation, first-call plans);
 * the step's compute seconds: wall time between two step ends, less the time from
-  the backward end to the step end (the exposed communication) and the hooks' own time.
+  the backward end to the step end (the exposed communication) and the hooks' own time;
+  a check point's own time (codec costs measured, the decision) is not charged to the next step.
 
 **Check points** (:meth:`AutoCodec.end_step`): at the end of the second compressed step
 (step ``warmup_steps + 1``: the first has no step before it to time) and then every ``check_every`` steps, on every rank at the same
@@ -290,6 +292,7 @@ class AutoCodec:
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
         self._fresh: set[Any] = set()           # units switched to dense that have not run since
+        self._unmeasured: set[Any] = set()      # units switched whose first call is not measured
         self._last_step: int | None = None
         self._round_s_decided: float | None = None
         # what a path switch handed to a unit's next input (this rank's share, scaled as the input)
@@ -348,7 +351,12 @@ class AutoCodec:
     def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
         """Host seconds of the unit's collective call this step, and of those the seconds
         inside its collectives (``comm_seconds``: what re-measures the bandwidth,
-        :func:`~commpress.auto.decide.fit_bandwidth`)."""
+        :func:`~commpress.auto.decide.fit_bandwidth`).  The first call after a switch is left
+        out: it holds one-time costs of the new codec (kernel compilation, the first call's
+        plans and validation), not what its steady state costs per call."""
+        if unit.key in self._unmeasured:
+            self._unmeasured.discard(unit.key)
+            return
         m = self._meas.setdefault(unit.key, [0.0, 0, 0.0])
         m[0] += seconds
         m[1] += 1
@@ -635,6 +643,7 @@ class AutoCodec:
                 self._carry[key] = rest if prev is None else prev.add_(rest)
         self.codecs[key] = new
         self.choices[key] = choice
+        self._unmeasured.add(key)
         if choice == DENSE:
             self._fresh.add(key)
 

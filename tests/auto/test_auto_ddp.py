@@ -288,3 +288,46 @@ def test_first_check_prices_rounds_from_its_own_step_only():
     auto.measured(U, 0.25)
     auto._forget_first_calls(3)
     assert auto._meas == {"a": [0.25, 1, 0.0]}
+
+
+def test_one_time_costs_stay_out_of_the_next_decision(monkeypatch):
+    """A check point's own time (its codec probes: seconds when kernels compile) is not the next
+    step's compute, and a unit's first call after a switch (the new codec's compilation, first-call
+    plans) is not its per-call time: on a cold start they made "auto" read 100 ms steps as seconds
+    and flee to bf16 on a 100 Mbit/s link (benchmarks/auto2x2.py)."""
+    from commpress.auto import runtime
+
+    clock = [0.0]
+    monkeypatch.setattr(runtime, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    auto = AutoCodec(AutoSpec(check_every=2))
+    auto.first_check = 2
+
+    class U:
+        key, numel, shapes, names = "u", 1024, [(32, 32)], ["w"]
+
+    class Layout:
+        units = [U]
+
+    seen = []
+
+    def check(step, group):   # a slow check point (5 s of codec probes); switches the unit at the first
+        seen.append((step, auto._compute[0] / max(auto._compute[1], 1), dict(auto._meas)))
+        clock[0] += 5.0
+        auto._compute, auto._meas = [0.0, 0], {}
+        if step == 2:
+            auto.switch(U.key, U.numel, Choice(Candidate("blockquant", 8)))
+
+    monkeypatch.setattr(auto, "check", check)
+    calls = {3: 3.0, 4: 0.004, 5: 0.006, 6: 0.005}       # step 3: the first call of the new codec
+    for step in range(1, 7):
+        auto.begin()
+        clock[0] += 0.010                                  # backward: compute
+        auto.arrive(0, last=True)
+        if step in calls:
+            auto.measured(U, calls[step])
+        clock[0] += 0.001                                  # exposed communication
+        auto.end_step(step, Layout, None)
+    (_, _, _), (s4, compute4, meas4), (s6, compute6, meas6) = seen
+    assert (s4, s6) == (4, 6)
+    assert compute4 == pytest.approx(0.010) and compute6 == pytest.approx(0.010)
+    assert meas4 == {"u": [0.004, 1, 0.0]} and meas6 == {"u": [0.011, 2, 0.0]}
