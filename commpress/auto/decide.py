@@ -108,8 +108,8 @@ class Network:
         return 1 < self.local_size < self.world
 
     def scaled(self, factor: float) -> "Network":
-        """Every model's seconds per byte times ``factor`` (a slower or faster link; the
-        runtime re-measures the flat one with :func:`fit_bandwidth`)."""
+        """Every model's seconds per byte times ``factor`` (a slower or faster link: the
+        runtime tracks the flat one with :class:`LinkTracker`)."""
         if not (isinstance(factor, (int, float)) and factor > 0 and math.isfinite(factor)):
             raise ValueError(f"Network.scaled: factor must be a finite number > 0, got {factor!r}")
 
@@ -450,42 +450,71 @@ def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDI
 
 
 # ---------------------------------------------------------------- the network, re-measured
-#: a window whose measured calls moved fewer bytes keeps the calibrated seconds per byte
-MIN_FIT_BYTES = 1 << 14
+class LinkTracker:
+    """How much slower or faster the flat link has become since registration, from the seconds
+    the buckets' collectives took (agreed across ranks), as a factor on the calibrated seconds
+    per byte (:meth:`Network.scaled`).
 
-
-def fit_bandwidth(network: Network, choices: "list[Choice] | tuple[Choice, ...]",
-                  buckets: "tuple[BucketMeasure, ...]", comm_s: "list[float] | tuple[float, ...]") -> Network:
-    """``network`` with its flat model's seconds per byte fitted to what the buckets' collectives
-    took in the last window: ``β = Σ (comm_b − α·messages_b) / Σ bytes_b`` over the buckets with
-    a measurement (``comm_s[b] > 0``), by the terms of the choice each ran (:func:`kind_terms`).
-
-    ``comm_s``: seconds inside the collective calls per call, agreed as the **minimum** over
-    ranks: the rank that arrives last waits for no peer, so its time is the transfer alone.
-    Unchanged with a hierarchy (one β would not tell the two links apart), for FSDP2's
-    reduce-scatter (its hook measures no collective seconds), or when the window moved fewer
-    than :data:`MIN_FIT_BYTES`.  Pure: the same on every rank for the same agreed numbers, so
-    a bandwidth that moved after registration re-decides (:func:`drifted`) on every rank alike.
+    Each check window gives ``ratio = Σ measured / Σ predicted`` over the buckets with a
+    measurement, predicted by the model in use for the choice each ran.  The ratio is only
+    compared between windows of the **same plan**: the first window of a plan is its reference
+    (the absolute level is not trusted: the minimum over ranks misses what the first rank to
+    arrive already sent, a shaper's burst passes small messages at line rate, so a compressed
+    plan's messages and a dense plan's would read different links).  When two windows in a row
+    moved the same way by more than ``drift`` from the reference, the link changed: the factor
+    takes their geometric mean over the reference, and the decider, which watches the network's
+    numbers (:func:`drifted`), re-decides.  One noisy window changes nothing.  Pure and
+    deterministic on agreed numbers: the same on every rank; :meth:`state_dict` for a resume.
     """
-    if network.hierarchical or network.collective != "allreduce" or network.world <= 1:
-        return network
-    flat = network.flat
-    moved, seconds = 0.0, 0.0
-    for choice, b, t in zip(choices, buckets, comm_s):
-        if not (t > 0 and math.isfinite(t)) or b.numel == 0 or choice.path != "flat":
-            continue
-        c = choice.candidate
-        shapes = [tuple(s) for s in b.shapes] if c.kind == "powersgd" and b.shapes else None
-        msgs, nbytes, _, _ = kind_terms(prototype(c), b.numel, network.world, b.dtype,
-                                        None if shapes is not None else (b.numel,), shapes)
-        if nbytes <= 0:
-            continue
-        moved += nbytes
-        seconds += max(0.0, t - flat.alpha * msgs)
-    if moved < MIN_FIT_BYTES:
-        return network
-    fitted = CostModel(flat.alpha, seconds / moved, flat.gamma, flat.delta)
-    return Network(network.world, fitted, network.local_size, network.intra, network.inter, network.collective)
+
+    def __init__(self, drift: float = 0.25) -> None:
+        if not (isinstance(drift, (int, float)) and drift > 0):
+            raise ValueError(f"LinkTracker: drift must be a number > 0, got {drift!r}")
+        self.drift = float(drift)
+        self.scale = 1.0
+        self.plan: tuple[str, ...] | None = None
+        self.ref: float | None = None
+        self.last: float | None = None
+
+    def update(self, network: Network, plan: "list[Choice] | tuple[Choice, ...]",
+               buckets: "tuple[BucketMeasure, ...]", comm_s: "list[float] | tuple[float, ...]") -> Network:
+        """Feed one window (``plan``: the choice each bucket ran; ``comm_s``: its agreed seconds
+        inside the collectives per call, 0 = not measured); returns ``network`` scaled by the
+        factor (unchanged with a hierarchy or FSDP2's reduce-scatter: not tracked)."""
+        if network.hierarchical or network.collective != "allreduce" or network.world <= 1:
+            return network
+        now = network.scaled(self.scale) if self.scale != 1.0 else network
+        measured = predicted = 0.0
+        for choice, b, t in zip(plan, buckets, comm_s):
+            if t > 0 and math.isfinite(t) and b.numel > 0 and choice.path == "flat":
+                measured += t
+                predicted += comm_seconds(choice, b, now)
+        if measured <= 0 or predicted <= 0:
+            return now
+        ratio = measured / predicted
+        key = tuple(describe(c) for c in plan)
+        if key != self.plan or self.ref is None:   # a new plan: its first window is the reference
+            self.plan, self.ref, self.last = key, ratio, None
+            return now
+        last, self.last = self.last, ratio
+        ref, d = self.ref, self.drift
+        if last is not None and all(abs(r / ref - 1.0) > d for r in (last, ratio)) and (last > ref) == (ratio > ref):
+            self.scale *= math.sqrt(last * ratio) / ref   # the ratio against the rescaled model is the reference again
+            self.last = None
+            return network.scaled(self.scale)
+        return now
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "plan": None if self.plan is None else list(self.plan),
+                "ref": self.ref, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"scale", "plan", "ref", "last"}:
+            raise ValueError("LinkTracker state must have keys ['last', 'plan', 'ref', 'scale']")
+        self.scale = float(state["scale"])
+        self.plan = None if state["plan"] is None else tuple(state["plan"])
+        self.ref = None if state["ref"] is None else float(state["ref"])
+        self.last = None if state["last"] is None else float(state["last"])
 
 
 # ---------------------------------------------------------------- re-evaluation and hysteresis

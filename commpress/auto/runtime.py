@@ -67,11 +67,12 @@ intra-node rounds.
 watches), the norm windows and the carries still to send.  A resume is bitwise until the
 next check point: from there the plan depends on wall-clock timings, which differ between any two runs (resumed or not).
 
-**The network, re-measured**: each unit's seconds inside its collectives (agreed as the minimum
-over ranks: the last rank to arrive waits for no peer) re-fit the flat link's seconds per byte at
-every check point (:func:`~commpress.auto.decide.fit_bandwidth`, ``remeasure=True``); the decider
-watches it, so a bandwidth that moved by more than ``drift`` since the last decision re-decides.
-With a hierarchy the intra- and inter-node calibrations made at binding stand.
+**The network, tracked**: each unit's seconds inside its collectives (agreed as the minimum over
+ranks) against their prediction, compared between check windows of the same plan, tell how much
+the flat link slowed down or sped up since binding (:class:`~commpress.auto.decide.LinkTracker`,
+``remeasure=True``): two windows in a row off by more than ``drift`` scale the calibrated seconds
+per byte, and the decider, which watches them, re-decides.  With a hierarchy the intra- and
+inter-node calibrations made at binding stand.
 
 Not measured: device time on CUDA (the clock is the host's).
 """
@@ -92,8 +93,8 @@ from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
-from .decide import (BucketMeasure, Decider, Measurements, Network, Prices, codec_seconds, comm_seconds,
-                     fit_bandwidth)
+from .decide import (BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
+                     comm_seconds)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
@@ -121,9 +122,9 @@ class AutoSpec(Compressor):
     (relative predicted gain needed to switch); ``drift``: re-decide sooner when a unit's
     hidden window moved by more than this fraction of the compute; ``critical``:
     Accordion's gradient-norm change threshold; ``prices``: a :class:`~commpress.auto.Prices`;
-    ``remeasure``: at each check point, fit the link's seconds per byte to what the window's
-    collectives took (:func:`~commpress.auto.decide.fit_bandwidth`; ``False`` keeps the
-    calibration made at registration).
+    ``remeasure``: track how much the link slowed down or sped up since registration from what
+    the windows' collectives took (:class:`~commpress.auto.decide.LinkTracker`; ``False`` keeps
+    the calibration made at registration as it is).
     It never compresses anything itself (:class:`AutoCodec` runs the choices).
     """
 
@@ -299,7 +300,8 @@ class AutoCodec:
         self._carry: dict[Any, torch.Tensor] = {}
         self._spent: set[Any] = set()           # units whose carry went into this step's input
         self._carry_commit = _CarryCommit(self._carry)
-        #: the network the last check point priced with (re-measured, :func:`fit_bandwidth`)
+        #: how far the flat link moved since binding, and the network the last check point priced with
+        self.link = LinkTracker(spec.decider_args["drift"])
         self.priced: Network | None = None
 
     # -- what a step reads ------------------------------------------------------
@@ -351,7 +353,7 @@ class AutoCodec:
     def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
         """Host seconds of the unit's collective call this step, and of those the seconds
         inside its collectives (``comm_seconds``: what re-measures the bandwidth,
-        :func:`~commpress.auto.decide.fit_bandwidth`).  The first call after a switch is left
+        :class:`~commpress.auto.decide.LinkTracker`).  The first call after a switch is left
         out: it holds one-time costs of the new codec (kernel compilation, the first call's
         plans and validation), not what its steady state costs per call."""
         if unit.key in self._unmeasured:
@@ -501,7 +503,7 @@ class AutoCodec:
         # watches: a link that slowed down or sped up since the last decision re-decides)
         network = m.network
         if self.spec.remeasure:
-            network = fit_bandwidth(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
+            network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
         self.priced = network
         decision, switched = self.decider.update(step, m)
@@ -699,11 +701,12 @@ class AutoCodec:
             "fresh": [k for k in keys if k in self._fresh],
             "carry_keys": list(self._carry),
             "carry": [t.clone() for t in self._carry.values()],
+            "link": self.link.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
-        extra = {"carry_keys", "carry"}   # absent in checkpoints from before the two-level path
+        extra = {"carry_keys", "carry", "link"}   # absent in checkpoints from before the two-level path / link tracking
         if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
             raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
@@ -721,3 +724,6 @@ class AutoCodec:
         self._carry = {k: t.float().clone() for k, t in zip(state.get("carry_keys", []), state.get("carry", []))}
         self._carry_commit = _CarryCommit(self._carry)
         self._spent = set()
+        self.link = LinkTracker(self.spec.decider_args["drift"])
+        if "link" in state:
+            self.link.load_state_dict(state["link"])

@@ -208,29 +208,39 @@ def test_stats_record_shape():
     assert rec["bucket0"]["measured_ms"] == pytest.approx(12.0)
 
 
-def test_fit_bandwidth_from_measured_collective_seconds():
-    """The flat link's seconds per byte, fitted to what the buckets' collectives took (by the
-    terms of the choice each ran); a link that slowed down since the calibration then re-decides."""
-    from commpress.auto.decide import fit_bandwidth
-    from commpress.collectives.hierarchy import kind_terms
-    from commpress.auto.candidates import prototype
+def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
+    """The link's factor moves only when two windows in a row of the same plan read the
+    collectives more than ``drift`` slower (or faster) than the plan's first window; the decider,
+    watching the network, then re-decides.  A noisy window, or a new plan, changes nothing."""
+    from commpress.auto.decide import LinkTracker
 
     m = measures(GBIT, [0.02, 0.0])
-    choices = [Choice(Candidate("blockquant", 4)), Choice(Candidate("dense"))]
-    slow = CostModel(GBIT.alpha, 10 * GBIT.beta)                     # the link is 10x slower now
-    comm = [slow.time(*kind_terms(prototype(c.candidate), b.numel, 2, b.dtype, (b.numel,), None)[:2])
-            for c, b in zip(choices, m.buckets)]
-    fitted = fit_bandwidth(m.network, choices, m.buckets, comm)
-    assert fitted.flat.beta == pytest.approx(slow.beta) and fitted.flat.alpha == GBIT.alpha
-    assert fit_bandwidth(m.network, choices, m.buckets, [comm[0], 0.0]).flat.beta == pytest.approx(slow.beta)
-    # nothing measured, too few bytes, a hierarchy or FSDP2's reduce-scatter: the calibration stands
-    assert fit_bandwidth(m.network, choices, m.buckets, [0.0, 0.0]) == m.network
-    tiny = measures(GBIT, [0.02, 0.0], numel=64)
-    assert fit_bandwidth(tiny.network, choices, tiny.buckets, [1.0, 1.0]) == tiny.network
-    two = Network(4, GBIT, 2, GBIT, GBIT)
-    assert fit_bandwidth(two, choices, m.buckets, comm) == two
-    rs = Network(2, GBIT, collective="reduce_scatter")
-    assert fit_bandwidth(rs, choices, m.buckets, comm) == rs
+    plan = [Choice(Candidate("blockquant", 4)), Choice(Candidate("dense"))]
+    pred = [comm_seconds(c, b, m.network) for c, b in zip(plan, m.buckets)]
+    tr = LinkTracker(drift=0.25)
+    seen = [tr.update(m.network, plan, m.buckets, [0.7 * p for p in pred])]   # reference: 0.7x the model
+    seen.append(tr.update(m.network, plan, m.buckets, [1.4 * p for p in pred]))   # one window off: noise
+    seen.append(tr.update(m.network, plan, m.buckets, [0.7 * p for p in pred]))
+    assert all(n == m.network for n in seen) and tr.scale == 1.0
+    slow = [comm_seconds(c, b, m.network.scaled(3.0)) * 0.7 for c, b in zip(plan, m.buckets)]
+    assert tr.update(m.network, plan, m.buckets, slow) == m.network              # the first slow window
+    scaled = tr.update(m.network, plan, m.buckets, slow)                          # the second: 3x slower
+    assert tr.scale == pytest.approx(3.0, rel=0.05) and scaled.flat.beta == pytest.approx(3 * GBIT.beta, rel=0.05)
     dec = Decider(every=100, drift=0.25)
     dec.update(10, m)
-    assert dec.due(20, Measurements(fitted, m.buckets, m.compute_s))   # the bandwidth moved: re-decide
+    assert dec.due(20, Measurements(scaled, m.buckets, m.compute_s))             # the bandwidth moved: re-decide
+    # a new plan's first window is its reference, whatever it reads; unmeasured windows change nothing
+    other = [Choice(Candidate("bf16")), Choice(Candidate("dense"))]
+    assert tr.update(m.network, other, m.buckets, [5.0, 5.0]).flat.beta == pytest.approx(scaled.flat.beta)
+    assert tr.update(m.network, other, m.buckets, [0.0, 0.0]).flat.beta == pytest.approx(scaled.flat.beta)
+    state = tr.state_dict()
+    again = LinkTracker()
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    # not tracked: a hierarchy, FSDP2's reduce-scatter
+    two = Network(4, GBIT, 2, GBIT, GBIT)
+    assert LinkTracker().update(two, plan, m.buckets, slow) == two
+    rs = Network(2, GBIT, collective="reduce_scatter")
+    assert LinkTracker().update(rs, plan, m.buckets, slow) == rs
+    with pytest.raises(ValueError, match="drift"):
+        LinkTracker(drift=0)
