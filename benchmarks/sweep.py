@@ -396,6 +396,8 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     if best is None:
         return [f"- {leg.key}: no commpress config ran: goals not evaluated"]
     ddp = summary.get("ddp")
+    if best.get("target") is None:   # the target is DDP's final metric: no DDP row, no target
+        return [f"- {leg.key}: DDP did not run (its final metric is the target): goals not evaluated"]
     if best["ttt_s"]:
         lines = [f"- {leg.key}: fastest commpress config {best['config']}, {best['ttt_s']:.1f} s to the target"]
     else:

@@ -113,6 +113,10 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "goals MISSED; closest blockquant-4bit, accuracy 0.9300 against the target 0.9500" in lines[0]
     assert "costs 2.00x DDP's" in lines[-1]
     assert sweep._best(sweep.summarize_configs(rows), "commpress") is None
+    # no DDP row (--configs without ddp): no target, the goals are not evaluated (no crash)
+    rows = [dict(row("blockquant-4bit", "commpress", None), target=None)]
+    assert sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), sweep.summarize_configs(rows)) == [
+        "- digits, 2 ranks, 1gbit: DDP did not run (its final metric is the target): goals not evaluated"]
     rows = [row("ddp", "ddp", 6.0), row("torch-fp16", "torch_fp16", 3.3), row("bf16", "commpress", 3.0),
             row("torch-powersgd-r1", "torch_powersgd", None)]
     text = "\n".join(sweep.check_goals(sweep.Leg("lm", 2, "100mbit", ()), sweep.summarize_configs(rows)))
