@@ -835,6 +835,9 @@ def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, 
         if not s < np.float32(np.inf):
             bad = True
         lv = lvb[:k]
+        # a finite block with a finite inv: |t * inv| <= qmax * (1 + 2**-23), so floor(t * inv + 0.5)
+        # is already a whole level in [-qmax, qmax] (never NaN): the NaN fix and clamp are no-ops
+        plain = s < np.float32(np.inf) and inv < np.float32(np.inf)
         if stochastic:
             for j in range(k):
                 u = np.float32(np.int32(_bits24(s0 + j, k0, k1))) * _U24
@@ -842,10 +845,19 @@ def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, 
         elif feedback:  # the level, and the residual c - level * (s / qmax), in one loop
             step = s / fq
             os = out[s0:s1]
+            if plain:
+                for j in range(k):
+                    q = np.floor(t[j] * inv + _HALF)
+                    lv[j] = q
+                    os[j] = t[j] - q * step
+            else:
+                for j in range(k):
+                    q = _level(t[j] * inv + _HALF, fq)
+                    lv[j] = q
+                    os[j] = t[j] - q * step
+        elif plain:
             for j in range(k):
-                q = _level(t[j] * inv + _HALF, fq)
-                lv[j] = q
-                os[j] = t[j] - q * step
+                lv[j] = np.floor(t[j] * inv + _HALF)
         else:
             for j in range(k):
                 lv[j] = _level(t[j] * inv + _HALF, fq)
