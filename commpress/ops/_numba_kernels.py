@@ -804,7 +804,7 @@ def _unpack_chunk(packed, a, m, bits, codes):
         _unpack_range(packed, a, a + m, bits, codes, a)
 
 
-@njit(inline="always", **_SOPTS)
+@njit(**_SOPTS)  # not inlined: one compiled body for the four kernels below (compile time)
 def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, block, a, b,
                     out, packed, scales):
     """Quantize elements ``[a, b)`` (whole blocks; ``a`` a multiple of 8) into ``packed`` and
@@ -914,34 +914,39 @@ def block_dequantize(pa, sa, pb, sb, two, bits, block, n, clen, out, accumulate)
     """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk; with ``two``, a second
     payload ``(pb, sb)`` is added in the same pass: ``out = (out +) da + db``, the sum in that
     order (as two accumulating calls), written once."""
-    qmax = np.int32((1 << (bits - 1)) - 1)
-    fq = np.float32(qmax)
     nch = (n + clen - 1) // clen
     for c in prange(nch):
         a = c * clen
-        b = min(a + clen, n)
-        ca = _chunk_codes(pa, a, b, bits, np.empty(b - a + 4, np.uint8))
-        cb = _chunk_codes(pb, a, b, bits, np.empty(b - a + 4, np.uint8)) if two else ca
-        for s0 in range(a, b, block):
-            s1 = min(s0 + block, b)
-            ka = sa[s0 // block] / fq
-            kb = sb[s0 // block] / fq
-            os = out[s0:s1]
-            xa = ca[s0 - a:s1 - a]
-            xb = cb[s0 - a:s1 - a]
-            if two and accumulate:
-                for j in range(s1 - s0):
-                    os[j] = (os[j] + (np.float32(np.int32(xa[j])) - fq) * ka) \
-                        + (np.float32(np.int32(xb[j])) - fq) * kb
-            elif two:
-                for j in range(s1 - s0):
-                    os[j] = (np.float32(np.int32(xa[j])) - fq) * ka + (np.float32(np.int32(xb[j])) - fq) * kb
-            elif accumulate:
-                for j in range(s1 - s0):
-                    os[j] = os[j] + (np.float32(np.int32(xa[j])) - fq) * ka
-            else:
-                for j in range(s1 - s0):
-                    os[j] = (np.float32(np.int32(xa[j])) - fq) * ka
+        _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, min(a + clen, n), out, accumulate)
+
+
+@njit(**_SOPTS)  # not inlined: one compiled body for the parallel kernel and its serial twin
+def _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, b, out, accumulate):
+    """:func:`block_dequantize` of elements ``[a, b)`` (whole blocks, ``a`` a multiple of 8)."""
+    qmax = np.int32((1 << (bits - 1)) - 1)
+    fq = np.float32(qmax)
+    ca = _chunk_codes(pa, a, b, bits, np.empty(b - a + 4, np.uint8))
+    cb = _chunk_codes(pb, a, b, bits, np.empty(b - a + 4, np.uint8)) if two else ca
+    for s0 in range(a, b, block):
+        s1 = min(s0 + block, b)
+        ka = sa[s0 // block] / fq
+        kb = sb[s0 // block] / fq
+        os = out[s0:s1]
+        xa = ca[s0 - a:s1 - a]
+        xb = cb[s0 - a:s1 - a]
+        if two and accumulate:
+            for j in range(s1 - s0):
+                os[j] = (os[j] + (np.float32(np.int32(xa[j])) - fq) * ka) \
+                    + (np.float32(np.int32(xb[j])) - fq) * kb
+        elif two:
+            for j in range(s1 - s0):
+                os[j] = (np.float32(np.int32(xa[j])) - fq) * ka + (np.float32(np.int32(xb[j])) - fq) * kb
+        elif accumulate:
+            for j in range(s1 - s0):
+                os[j] = os[j] + (np.float32(np.int32(xa[j])) - fq) * ka
+        else:
+            for j in range(s1 - s0):
+                os[j] = (np.float32(np.int32(xa[j])) - fq) * ka
 
 
 # ---------------------------------------------------------------- sign + scale
