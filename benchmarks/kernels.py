@@ -2,8 +2,9 @@
 
 ``python -m benchmarks kernels`` (defaults: 2**24 fp32 elements, 2 threads, CPU
 backends).  ``ef_*_compress_fixed`` time the public error-feedback path
-(``ErrorFeedback(topk|dgc 1%).compress_fixed``, what a hook calls) rather than one op,
-alternating with the memcpy (best of ``--repeat`` each).
+(``ErrorFeedback(topk|dgc 1%|blockquant).compress_fixed``, what a hook calls) rather than one
+op, and ``blockquant*_decode_sum_2`` the receive side of a gather allreduce at 2 ranks (decode two
+payloads and sum them in rank order), alternating with the memcpy (best of ``--repeat`` each).
 On a shared machine use one thread and CPU time, e.g.
 ``python -m benchmarks kernels --ops ef_topk_1pct_compress_fixed --threads 1 --clock cpu --repeat 7``.  Every ratio is measured in the same run: a memcpy (``copy_`` of the
 tensor) is timed right before each op, so load drift on a shared machine moves
@@ -37,7 +38,11 @@ TARGETS = {
     "blockquant4_compress": (1.5, "<= 1.5x memcpy"),
     "blockquant8_decode_accumulate": (1.5, "<= 1.5x memcpy"),
     "blockquant4_decode_accumulate": (1.5, "<= 1.5x memcpy"),
+    "ef_blockquant4_compress_fixed": (3.0, "<= 3x memcpy (public API: ErrorFeedback(blockquant 4).compress_fixed)"),
+    "blockquant4_decode_sum_2": (3.0, "<= 3x memcpy (decode 2 payloads + sum, public API)"),
 }
+#: ops on the public path (Python around the kernels): timed alternating with the memcpy.
+PUBLIC = ("ef_", "blockquant4_decode_sum", "blockquant8_decode_sum")
 
 
 def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min",
@@ -66,33 +71,66 @@ def _timer(device: torch.device, repeat: int, warmup: int, stat: str = "min",
     return run
 
 
-def _ef_compress_fixed(x: torch.Tensor, name: str, ratio: float) -> Callable[[str], Callable[[], Any]]:
-    """backend -> one ``ErrorFeedback(name, ratio).compress_fixed(x)`` in steady state: the public
-    path a hook takes (compensate with the residual, select, write the next residual, verdict).
-    The backend is forced with ``COMMPRESS_BACKEND`` for the call; each backend gets its own
-    ErrorFeedback, primed by one call so that a residual exists."""
+def _forced(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``COMMPRESS_BACKEND=backend`` (the public paths pick their ops' backend)."""
+
+    def run():
+        before = os.environ.get("COMMPRESS_BACKEND")
+        os.environ["COMMPRESS_BACKEND"] = backend
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["COMMPRESS_BACKEND"]
+            else:
+                os.environ["COMMPRESS_BACKEND"] = before
+
+    return run
+
+
+def _ef_compress_fixed(x: torch.Tensor, name: str, ratio: float | None = None,
+                       **params: Any) -> Callable[[str], Callable[[], Any]]:
+    """backend -> one ``ErrorFeedback(get(name, ratio=ratio, **params)).compress_fixed(x)`` in
+    steady state: the public path a hook takes (compensate with the residual, encode, write the
+    next residual, verdict).  The backend is forced with ``COMMPRESS_BACKEND`` for the call; each
+    backend gets its own ErrorFeedback, primed by one call so that a residual exists."""
     import commpress
     from benchmarks.common import steady_params
 
+    if ratio is not None:
+        params = {"ratio": ratio, **params}
+
     def make(backend: str) -> Callable[[], Any]:
-        ef = commpress.ErrorFeedback(commpress.get(name, **steady_params(name, {"ratio": ratio})))
+        ef = commpress.ErrorFeedback(commpress.get(name, **steady_params(name, params)))
         step = iter(range(1 << 62))
-
-        def run():
-            before = os.environ.get("COMMPRESS_BACKEND")
-            os.environ["COMMPRESS_BACKEND"] = backend
-            try:
-                return ef.compress_fixed(x, step=next(step), key="bench")
-            finally:
-                if before is None:
-                    del os.environ["COMMPRESS_BACKEND"]
-                else:
-                    os.environ["COMMPRESS_BACKEND"] = before
-
+        run = _forced(backend, lambda: ef.compress_fixed(x, step=next(step), key="bench"))
         run()
         return run
 
     return make
+
+
+def _decode_sum(x: torch.Tensor, bits: int, world: int = 2) -> Callable[[str], Callable[[], Any]]:
+    """backend -> the receive side of a gather allreduce at ``world`` ranks on the public path:
+    ``world`` blockquant payloads of ``x``'s size decoded and summed in rank order into one buffer
+    (``decompress_sum`` where the compressor has it, else ``decompress`` then ``decompress_add``,
+    as ``collectives/quantized.py`` does)."""
+    import commpress
+
+    bq = commpress.get("blockquant", bits=bits, block=BLOCK)
+    g = torch.Generator().manual_seed(3)
+    payloads = [bq.compress_fixed(x * float(torch.rand((), generator=g)) - 0.1 * s) for s in range(world)]
+    out = torch.empty_like(x)
+
+    def once():
+        if hasattr(bq, "decompress_sum"):
+            return bq.decompress_sum(payloads, out)
+        bq.decompress(payloads[0], out=out)
+        for p in payloads[1:]:
+            bq.decompress_add(p, out)
+        return out
+
+    return lambda backend: _forced(backend, once)
 
 
 def _interleaved(fn: Callable[[], Any], memcpy: Callable[[], Any], repeat: int, clock: str) -> tuple[float, float]:
@@ -136,6 +174,10 @@ def _cases(x: torch.Tensor, k: int) -> dict[str, Callable[[str], Callable[[], An
         "dgc_threshold_1pct_residual": lambda b: lambda: ops.threshold_compact(x, dgc_threshold(), res, backend=b),
         "ef_topk_1pct_compress_fixed": _ef_compress_fixed(x, "topk", 0.01),
         "ef_dgc_1pct_compress_fixed": _ef_compress_fixed(x, "dgc", 0.01),
+        "ef_blockquant4_compress_fixed": _ef_compress_fixed(x, "blockquant", bits=4, block=BLOCK),
+        "ef_blockquant8_compress_fixed": _ef_compress_fixed(x, "blockquant", bits=8, block=BLOCK),
+        "blockquant4_decode_sum_2": _decode_sum(x, 4),
+        "blockquant8_decode_sum_2": _decode_sum(x, 8),
         "threshold_1pct_no_residual": lambda b: lambda: ops.threshold_compact(x, 2.576, backend=b),
         "blockquant8_compress": lambda b: lambda: ops.block_quantize(x, 8, BLOCK, backend=b),
         "blockquant4_compress": lambda b: lambda: ops.block_quantize(x, 4, BLOCK, backend=b),
@@ -246,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in backends:
             if (name, b) in unsupported:
                 continue
-            if name.startswith("ef_"):  # memcpy and the op alternate, best of each: load drift hits both
+            if name.startswith(PUBLIC):  # memcpy and the op alternate, best of each: load drift hits both
                 t, mc = _interleaved(cases[name](b), lambda: dst.copy_(x), args.repeat, args.clock)
             else:
                 mc = memcpy()

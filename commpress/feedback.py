@@ -303,7 +303,7 @@ class ErrorFeedback(Compressor):
         live = self._residuals.get(key)
         if live is None or live.numel() != like.numel() or live.device != like.device:
             return None
-        return live.view(like.shape)
+        return live if live.shape == like.shape else live.view(like.shape)
 
     def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0,
                       out: torch.Tensor | None = None) -> torch.Tensor:

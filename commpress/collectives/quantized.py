@@ -152,9 +152,20 @@ def _phase1(flat, payloads, code, sig, bad, group, stats, extra=None):
 def _owner_sum(inner, received, layout, template) -> torch.Tensor:
     """Decode the P pieces of this rank's chunk and add them in rank order (fp32)."""
     acc = torch.empty(template.numel, dtype=torch.float32, device=received.device)
-    for s in range(received.shape[0]):
-        _decode_into(inner, _piece(layout.read(received[s])[:len(template.tensors)], template), acc, add=s > 0)
+    k = len(template.tensors)
+    _decode_sum_into(inner, [_piece(layout.read(received[s])[:k], template) for s in range(received.shape[0])], acc)
     return acc
+
+
+def _decode_sum_into(inner, pieces: list[Payload], dst: torch.Tensor) -> None:
+    """``dst`` (flat fp32) := the sum of the decoded ``pieces`` in their order: in fused passes
+    when the compressor has ``decompress_sum`` (blockquant: two pieces per pass over ``dst``),
+    else the first decoded into ``dst`` and each later one added (:func:`_decode_into`)."""
+    if len(pieces) > 1 and pieces[0].dtype == torch.float32 and hasattr(inner, "decompress_sum"):
+        inner.decompress_sum(pieces, dst)
+        return
+    for s, piece in enumerate(pieces):
+        _decode_into(inner, piece, dst, add=s > 0)
 
 
 def _decode_into(inner, piece: Payload, dst: torch.Tensor, add: bool) -> None:
@@ -319,10 +330,9 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out
     starts = [sum(per[:r]) for r in range(world + 1)]
     decoded = [layout.read(gathered[s]) for s in range(world)]
     with codec_timer(stats, "decompress"):
-        for r in range(world):
-            dst = out[bounds[r]:bounds[r + 1]]
-            for s in range(world):  # rank order on every rank, straight into out
-                _decode_into(inner, _piece(decoded[s][starts[r]:starts[r + 1]], payloads[r]), dst, add=s > 0)
+        for r in range(world):  # rank order on every rank, straight into out
+            _decode_sum_into(inner, [_piece(decoded[s][starts[r]:starts[r + 1]], payloads[r]) for s in range(world)],
+                             out[bounds[r]:bounds[r + 1]])
     if dense is not None:
         wire.add_rows(dense.tensor.view(-1), [decoded[s][-1] for s in range(world)])
     return wire.read_status(gathered)

@@ -78,3 +78,11 @@ class BlockQuant(Compressor):
         packed, scales = payload.tensors
         return ops.block_dequantize(packed, scales, self.bits, self.block, payload.numel, out=out,
                                     accumulate=True)
+
+    def decompress_sum(self, payloads: list[Payload], out: torch.Tensor) -> torch.Tensor:
+        """``out = decompress(payloads[0]) + decompress(payloads[1]) + ...``, added in this order
+        (bitwise :meth:`decompress` then :meth:`decompress_add` of each later one), two payloads
+        per pass over ``out`` (:func:`commpress.ops.block_dequantize_sum`; ``out``: flat
+        contiguous fp32 of the payloads' common ``numel``)."""
+        return ops.block_dequantize_sum([p.tensors[0] for p in payloads], [p.tensors[1] for p in payloads],
+                                        self.bits, self.block, payloads[0].numel, out=out)

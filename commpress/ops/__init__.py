@@ -103,6 +103,9 @@ def _dispatching(op: str) -> Callable:
     @functools.wraps(ref)
     def call(*args, backend: str | None = None, **kwargs):
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None:  # tensors in a list (block_dequantize_sum)
+            device = next((t.device for a in args if isinstance(a, (list, tuple))
+                           for t in a if isinstance(t, torch.Tensor)), None)
         if device is None:  # ops without tensor arguments (counter_bits, ...) take a device
             device = kwargs.get("device", next((a for a in args if isinstance(a, torch.device)), "cpu"))
             device = torch.device(device)

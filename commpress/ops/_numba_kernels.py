@@ -40,11 +40,12 @@ _F32_MIN = np.float32(2.0 ** -126)
 _PRESCALE = np.float32(2.0 ** 64)  # reference.LEVEL_PRESCALE
 _INV_PRESCALE = np.float32(2.0 ** -64)
 _NAN32 = np.float32(np.nan)
+_ZERO64 = np.uint64(0)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
 _PAIRWISE_MAX = 1 << 16  # longest run summed level by level in a scratch buffer
 _OPTS = dict(parallel=True, cache=True, nogil=True)
-_SOPTS = dict(cache=True, nogil=True)
+_SOPTS = dict(cache=True, nogil=True, error_model="numpy")  # as parallel=True implies
 
 _MODE = threading.local()
 
@@ -666,12 +667,19 @@ def bitmap_write(bitmap, n, clen, counts, idx_out):
 
 
 # ---------------------------------------------------------------- block quantization
+# Per block of ``block`` entries (all kernels): the block is staged in a private buffer while it
+# is in L1 (``tmp``), so every loop is a plain unit-stride loop over distinct arrays that LLVM
+# vectorizes without runtime overlap checks failing (an output that is also an input would
+# otherwise send the loop down its scalar path); integer arithmetic stays int32 (numba widens
+# int32 operations to int64, which AVX2 has no float conversion for); codes are packed and
+# unpacked a 32-bit word (4 codes) at a time.
 @njit(inline="always", **_SOPTS)
 def _absmax_key(xi, a, b):
+    """max over ``xi[a:b]`` of ``bits & 0x7fffffff`` (int32 throughout: one vector max per 8)."""
     seg = xi[a:b]
     m = np.int32(0)
     for j in range(seg.size):
-        m = max(m, seg[j] & _ABS)
+        m = max(m, np.int32(seg[j] & _ABS))
     return m
 
 
@@ -704,172 +712,249 @@ def block_absmax(xi, block, scales):
 
 
 @njit(inline="always", **_SOPTS)
-def _code(y, lim, qmax):
-    """floor(y), NaN -> 0, clamped to [-lim, lim], offset by qmax, as uint8."""
+def _level(y, lim):
+    """floor(y) as fp32, NaN -> 0, clamped to [-lim, lim] (branch-free; never -0.0 here: the
+    callers' ``y`` is ``v * inv + 0.5`` or ``+ u`` with ``u >= 0``)."""
     q = np.floor(y)
-    q = _F0 if q != q else q
-    q = min(max(q, -lim), lim)
-    return np.uint8(np.int32(q) + qmax)
+    q = q if q == q else _F0
+    return min(max(q, -lim), lim)
+
+
+@njit(inline="always", **_SOPTS)
+def _compensate_plain(x, r, beta, scale, how, out):
+    """out = x*scale + r*beta as :func:`_compensate`, without the flags (``out`` distinct)."""
+    m = out.size
+    if how == 0:
+        for j in range(m):
+            out[j] = x[j]
+    elif how == 1:
+        for j in range(m):
+            out[j] = x[j] + r[j]
+    elif how == 3:
+        for j in range(m):
+            out[j] = x[j] + r[j] * beta
+    elif how == 4:
+        for j in range(m):
+            out[j] = x[j] * scale
+    elif how == 5:
+        for j in range(m):
+            out[j] = x[j] * scale + r[j]
+    else:
+        for j in range(m):
+            out[j] = x[j] * scale + r[j] * beta
+
+
+@njit(inline="always", **_SOPTS)
+def _levels_to_codes(lv, qmax, codes):
+    """codes[j] = uint8(int32(lv[j]) + qmax) (``lv``: whole levels in [-qmax, qmax])."""
+    q = np.int32(qmax)
+    for j in range(lv.size):
+        codes[j] = np.uint8(np.int32(lv[j]) + q)
+
+
+@njit(inline="always", **_SOPTS)
+def _pack_chunk(codes, m, a, bits, packed):
+    """Pack the chunk's ``m`` codes ``codes[0:m]`` (a private buffer of at least ``m + 4``
+    entries, 4-byte aligned) as elements ``[a, a + m)``, ``a`` a multiple of 8: 2 and 4 bits a
+    32-bit word of 4 codes at a time (codes below ``2**bits``), other widths by :func:`_pack_range`."""
+    if bits == 4:
+        w = m >> 2
+        c32 = codes[:4 * w].view(np.uint32)
+        p16 = packed[a >> 1:(a >> 1) + 2 * w].view(np.uint16)
+        for k in range(w):  # bytes c0 c1 c2 c3 -> (c0 | c1 << 4), (c2 | c3 << 4)
+            v = c32[k]
+            v = (v | (v >> np.uint32(4))) & np.uint32(0x00FF00FF)
+            p16[k] = np.uint16((v | (v >> np.uint32(8))) & np.uint32(0xFFFF))
+        for j in range(4 * w, m, 2):
+            hi = codes[j + 1] if j + 1 < m else np.uint8(0)
+            packed[(a + j) >> 1] = codes[j] | np.uint8(hi << np.uint8(4))
+    elif bits == 2:
+        w = m >> 2
+        c32 = codes[:4 * w].view(np.uint32)
+        p8 = packed[a >> 2:(a >> 2) + w]
+        for k in range(w):  # c0 | c1 << 2 | c2 << 4 | c3 << 6
+            v = c32[k]
+            v = (v | (v >> np.uint32(6))) & np.uint32(0x000F000F)
+            p8[k] = np.uint8((v | (v >> np.uint32(12))) & np.uint32(0xFF))
+        if m > 4 * w:
+            v = np.uint8(0)
+            for j in range(4 * w, m):
+                v |= np.uint8(codes[j] << np.uint8(2 * (j - 4 * w)))
+            packed[(a >> 2) + w] = v
+    else:
+        _pack_range(codes, a, a, a + m, bits, packed)
+
+
+@njit(inline="always", **_SOPTS)
+def _unpack_chunk(packed, a, m, bits, codes):
+    """Inverse of :func:`_pack_chunk`: the codes of elements ``[a, a + m)`` into ``codes[0:m]``."""
+    if bits == 4:
+        w = m >> 2
+        c32 = codes[:4 * w].view(np.uint32)
+        p16 = packed[a >> 1:(a >> 1) + 2 * w].view(np.uint16)
+        for k in range(w):
+            v = np.uint32(p16[k])
+            v = (v | (v << np.uint32(8))) & np.uint32(0x00FF00FF)
+            c32[k] = (v | (v << np.uint32(4))) & np.uint32(0x0F0F0F0F)
+        for j in range(4 * w, m):
+            codes[j] = (packed[(a + j) >> 1] >> np.uint8(4 * (j & 1))) & np.uint8(15)
+    elif bits == 2:
+        w = m >> 2
+        c32 = codes[:4 * w].view(np.uint32)
+        p8 = packed[a >> 2:(a >> 2) + w]
+        for k in range(w):
+            v = np.uint32(p8[k])
+            v = (v | (v << np.uint32(12))) & np.uint32(0x000F000F)
+            c32[k] = (v | (v << np.uint32(6))) & np.uint32(0x03030303)
+        for j in range(4 * w, m):
+            codes[j] = (packed[(a >> 2) + w] >> np.uint8(2 * (j - 4 * w))) & np.uint8(3)
+    else:
+        _unpack_range(packed, a, a + m, bits, codes, a)
+
+
+@njit(**_SOPTS)  # not inlined: one compiled body for the four kernels below (compile time)
+def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, block, a, b,
+                    out, packed, scales):
+    """Quantize elements ``[a, b)`` (whole blocks; ``a`` a multiple of 8) into ``packed`` and
+    ``scales``; the values are ``x*scale + r*beta`` (:func:`_compensate_plain`, ``how``), each
+    block staged in a private buffer.  ``feedback``: also ``out[j] := c_j - decoded_j`` (the new
+    residual; ``out`` may be ``x`` or ``r``).  Returns True when some block's scale is not finite."""
+    qmax = np.int32((1 << (bits - 1)) - 1)
+    fq = np.float32(qmax)
+    m = b - a
+    if bits == 8:
+        codes = packed[a:b]  # 8-bit codes are the packed bytes: written in place
+    else:
+        codes = np.empty(m + 4, np.uint8)
+    width = min(block, m)
+    tmpi = np.empty(width, np.int32)
+    tmp = tmpi.view(np.float32)
+    lvb = np.empty(width, np.float32)
+    kbuf = np.empty(1, np.int32)
+    fbuf = kbuf.view(np.float32)
+    bad = False
+    for s0 in range(a, b, block):
+        s1 = min(s0 + block, b)
+        k = s1 - s0
+        t = tmp[:k]
+        _compensate_plain(x[s0:s1], r[s0:s1], beta, scale, how, t)
+        s, inv = _block_scale(tmpi, 0, k, kbuf, fbuf, fq)
+        scales[s0 // block] = s
+        if not s < np.float32(np.inf):
+            bad = True
+        lv = lvb[:k]
+        # a finite block with a finite inv: |t * inv| <= qmax * (1 + 2**-23), so floor(t * inv + 0.5)
+        # is already a whole level in [-qmax, qmax] (never NaN): the NaN fix and clamp are no-ops
+        plain = s < np.float32(np.inf) and inv < np.float32(np.inf)
+        if stochastic:
+            for j in range(k):
+                u = np.float32(np.int32(_bits24(s0 + j, k0, k1))) * _U24
+                lv[j] = _level(t[j] * inv + u, fq)
+        elif feedback:  # the level, and the residual c - level * (s / qmax), in one loop
+            step = s / fq
+            os = out[s0:s1]
+            if plain:
+                for j in range(k):
+                    q = np.floor(t[j] * inv + _HALF)
+                    lv[j] = q
+                    os[j] = t[j] - q * step
+            else:
+                for j in range(k):
+                    q = _level(t[j] * inv + _HALF, fq)
+                    lv[j] = q
+                    os[j] = t[j] - q * step
+        elif plain:
+            for j in range(k):
+                lv[j] = np.floor(t[j] * inv + _HALF)
+        else:
+            for j in range(k):
+                lv[j] = _level(t[j] * inv + _HALF, fq)
+        _levels_to_codes(lv, qmax, codes[s0 - a:s1 - a])
+    if bits != 8:
+        _pack_chunk(codes, m, a, bits, packed)
+    return bad
 
 
 @parallel_kernel
 def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales):
-    """Absmax block quantization + packing in one pass per chunk.
+    """Absmax block quantization + packing in one pass per chunk (:func:`_quantize_chunk`).
 
     ``clen`` is a multiple of ``block`` and of 8, so chunks hold whole blocks and
     whole bytes.  ``scales`` is fp32; ``packed`` uint8 of ``ceil(n*bits/8)``.
     """
     n = x.size
-    qmax = (1 << (bits - 1)) - 1
-    fq = np.float32(qmax)
-    lim = np.float32(qmax)
     nch = (n + clen - 1) // clen
     for c in prange(nch):
         a = c * clen
-        b = min(a + clen, n)
-        direct4 = bits == 4 and block % 2 == 0 and not stochastic
-        if bits == 8:
-            codes = packed[a:b]  # 8-bit codes are the packed bytes: write them in place
-        elif direct4:
-            codes = packed[0:0]  # 4-bit codes go straight into their bytes (blocks start on a byte)
-        else:
-            codes = np.empty(b - a, np.uint8)
-        kbuf = np.empty(1, np.int32)
-        fbuf = kbuf.view(np.float32)
-        for s0 in range(a, b, block):
-            s1 = min(s0 + block, b)
-            s, inv = _block_scale(xi, s0, s1, kbuf, fbuf, fq)
-            scales[s0 // block] = s
-            xs = x[s0:s1]
-            if direct4:
-                half = (s1 - s0) >> 1
-                pk = packed[s0 >> 1:(s0 >> 1) + half]
-                for t in range(half):
-                    c0 = _code(xs[2 * t] * inv + _HALF, lim, qmax)
-                    c1 = _code(xs[2 * t + 1] * inv + _HALF, lim, qmax)
-                    pk[t] = c0 | np.uint8(c1 << np.uint8(4))
-                if (s1 - s0) & 1:
-                    packed[(s1 - 1) >> 1] = _code(xs[s1 - s0 - 1] * inv + _HALF, lim, qmax)
-                continue
-            cs = codes[s0 - a:s1 - a]
-            if stochastic:
-                for j in range(xs.size):
-                    u = np.float32(np.int32(_bits24(s0 + j, k0, k1))) * _U24
-                    cs[j] = _code(xs[j] * inv + u, lim, qmax)
-            else:
-                for j in range(xs.size):
-                    cs[j] = _code(xs[j] * inv + _HALF, lim, qmax)
-        if bits != 8 and not direct4:
-            _pack_range(codes, a, a, b, bits, packed)
+        _quantize_chunk(x, x, _F0, _F0, 0, False, stochastic, k0, k1, bits, block, a, min(a + clen, n),
+                        x, packed, scales)
 
 
 @parallel_kernel
-def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, outi, packed, scales):
+def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales):
     """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
-    blocks, while it is in cache: ``c = x*scale + r*beta`` (:func:`_compensate`) into ``out``
-    (``outi`` its int32 view), each block's absmax scale and codes from ``c``, then
-    ``out := c - decoded``, the new residual.  ``clen`` as for :func:`block_quantize`; ``out``
-    may be ``x`` or ``r`` (elementwise).  Returns the number of chunks with a non-finite scale."""
+    blocks, each block while it is in L1: ``c = x*scale + r*beta`` (:func:`_compensate`), its
+    absmax scale and codes, then ``out := c - decoded``, the new residual.  ``clen`` as for
+    :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  Returns the number of
+    chunks with a non-finite scale."""
     n = x.size
-    qmax = (1 << (bits - 1)) - 1
-    fq = np.float32(qmax)
-    lim = np.float32(qmax)
     nch = (n + clen - 1) // clen
     bad = np.zeros(nch, np.uint8)
     for c in prange(nch):
         a = c * clen
-        b = min(a + clen, n)
-        flags = np.empty(_PIECE, np.uint8)
-        for p0 in range(a, b, _PIECE):
-            p1 = min(p0 + _PIECE, b)
-            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, _F0, out[p0:p1], flags)
-        direct4 = bits == 4 and block % 2 == 0
-        if bits == 8:
-            codes = packed[a:b]  # 8-bit codes are the packed bytes
-        elif direct4:
-            codes = packed[0:0]  # 4-bit codes go straight into their bytes (blocks start on a byte)
-        else:
-            codes = np.empty(b - a, np.uint8)
-        kbuf = np.empty(1, np.int32)
-        fbuf = kbuf.view(np.float32)
-        for s0 in range(a, b, block):
-            s1 = min(s0 + block, b)
-            s, inv = _block_scale(outi, s0, s1, kbuf, fbuf, fq)
-            scales[s0 // block] = s
-            if not s < np.float32(np.inf):
-                bad[c] = 1
-            step = s / fq
-            os = out[s0:s1]
-            if direct4:
-                half = (s1 - s0) >> 1
-                pk = packed[s0 >> 1:(s0 >> 1) + half]
-                for t in range(half):
-                    c0 = _code(os[2 * t] * inv + _HALF, lim, qmax)
-                    c1 = _code(os[2 * t + 1] * inv + _HALF, lim, qmax)
-                    pk[t] = c0 | np.uint8(c1 << np.uint8(4))
-                    os[2 * t] = os[2 * t] - (np.float32(c0) - fq) * step
-                    os[2 * t + 1] = os[2 * t + 1] - (np.float32(c1) - fq) * step
-                if (s1 - s0) & 1:
-                    j = s1 - s0 - 1
-                    c0 = _code(os[j] * inv + _HALF, lim, qmax)
-                    packed[(s1 - 1) >> 1] = c0
-                    os[j] = os[j] - (np.float32(c0) - fq) * step
-                continue
-            cs = codes[s0 - a:s1 - a]
-            for j in range(s1 - s0):  # two loops, so each vectorizes
-                cs[j] = _code(os[j] * inv + _HALF, lim, qmax)
-            for j in range(s1 - s0):
-                os[j] = os[j] - (np.float32(cs[j]) - fq) * step
-        if bits != 8 and not direct4:
-            _pack_range(codes, a, a, b, bits, packed)
+        if _quantize_chunk(x, r, beta, scale, how, True, False, _ZERO64, _ZERO64, bits, block, a,
+                           min(a + clen, n), out, packed, scales):
+            bad[c] = 1
     return bad.sum()
 
 
+@njit(inline="always", **_SOPTS)
+def _chunk_codes(packed, a, b, bits, buf):
+    """The codes of elements ``[a, b)``: a slice of ``packed`` for 8 bits, else unpacked into ``buf``."""
+    if bits == 8:
+        return packed[a:b]
+    _unpack_chunk(packed, a, b - a, bits, buf)
+    return buf
+
+
 @parallel_kernel
-def block_dequantize(packed, scales, bits, block, n, clen, out, accumulate):
-    """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk."""
-    qmax = (1 << (bits - 1)) - 1
-    fq = np.float32(qmax)
+def block_dequantize(pa, sa, pb, sb, two, bits, block, n, clen, out, accumulate):
+    """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk; with ``two``, a second
+    payload ``(pb, sb)`` is added in the same pass: ``out = (out +) da + db``, the sum in that
+    order (as two accumulating calls), written once."""
     nch = (n + clen - 1) // clen
     for c in prange(nch):
         a = c * clen
-        b = min(a + clen, n)
-        direct4 = bits == 4 and block % 2 == 0
-        if bits == 8:
-            codes = packed[a:b]
-        elif direct4:
-            codes = packed[0:0]
+        _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, min(a + clen, n), out, accumulate)
+
+
+@njit(**_SOPTS)  # not inlined: one compiled body for the parallel kernel and its serial twin
+def _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, b, out, accumulate):
+    """:func:`block_dequantize` of elements ``[a, b)`` (whole blocks, ``a`` a multiple of 8)."""
+    qmax = np.int32((1 << (bits - 1)) - 1)
+    fq = np.float32(qmax)
+    ca = _chunk_codes(pa, a, b, bits, np.empty(b - a + 4, np.uint8))
+    cb = _chunk_codes(pb, a, b, bits, np.empty(b - a + 4, np.uint8)) if two else ca
+    for s0 in range(a, b, block):
+        s1 = min(s0 + block, b)
+        ka = sa[s0 // block] / fq
+        kb = sb[s0 // block] / fq
+        os = out[s0:s1]
+        xa = ca[s0 - a:s1 - a]
+        xb = cb[s0 - a:s1 - a]
+        if two and accumulate:
+            for j in range(s1 - s0):
+                os[j] = (os[j] + (np.float32(np.int32(xa[j])) - fq) * ka) \
+                    + (np.float32(np.int32(xb[j])) - fq) * kb
+        elif two:
+            for j in range(s1 - s0):
+                os[j] = (np.float32(np.int32(xa[j])) - fq) * ka + (np.float32(np.int32(xb[j])) - fq) * kb
+        elif accumulate:
+            for j in range(s1 - s0):
+                os[j] = os[j] + (np.float32(np.int32(xa[j])) - fq) * ka
         else:
-            codes = np.empty(b - a, np.uint8)
-            _unpack_range(packed, a, b, bits, codes, a)
-        for s0 in range(a, b, block):
-            s1 = min(s0 + block, b)
-            step = scales[s0 // block] / fq
-            os = out[s0:s1]
-            if direct4:
-                half = (s1 - s0) >> 1
-                pk = packed[s0 >> 1:(s0 >> 1) + half]
-                for t in range(half):
-                    v = pk[t]
-                    d0 = (np.float32(v & np.uint8(15)) - fq) * step
-                    d1 = (np.float32(v >> np.uint8(4)) - fq) * step
-                    if accumulate:
-                        os[2 * t] = os[2 * t] + d0
-                        os[2 * t + 1] = os[2 * t + 1] + d1
-                    else:
-                        os[2 * t] = d0
-                        os[2 * t + 1] = d1
-                if (s1 - s0) & 1:
-                    d = (np.float32(packed[(s1 - 1) >> 1] & np.uint8(15)) - fq) * step
-                    os[s1 - s0 - 1] = os[s1 - s0 - 1] + d if accumulate else d
-                continue
-            cs = codes[s0 - a:s1 - a]
-            if accumulate:
-                for j in range(cs.size):
-                    os[j] = os[j] + (np.float32(cs[j]) - fq) * step
-            else:
-                for j in range(cs.size):
-                    os[j] = (np.float32(cs[j]) - fq) * step
+            for j in range(s1 - s0):
+                os[j] = (np.float32(np.int32(xa[j])) - fq) * ka
 
 
 # ---------------------------------------------------------------- sign + scale

@@ -556,6 +556,19 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
     return dst
 
 
+def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
+                         out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.block_dequantize_sum`: one :func:`block_dequantize`
+    launch per payload, accumulating after the first (the reference's order)."""
+    if (not isinstance(packed, (list, tuple)) or not isinstance(scales, (list, tuple))
+            or len(packed) != len(scales) or not packed):
+        return ref.block_dequantize_sum(packed, scales, bits, block, numel, out, accumulate)
+    dst = block_dequantize(packed[0], scales[0], bits, block, numel, out, accumulate)
+    for p, s in zip(packed[1:], scales[1:]):
+        dst = block_dequantize(p, s, bits, block, numel, dst, True)
+    return dst
+
+
 def sign_pack(x: torch.Tensor, chunk: int):
     """See :func:`commpress.ops.reference.sign_pack` (scales: pairwise tree in groups of 256)."""
     if not _mine(x) or x.dtype not in _FLOATS or not valid_block(chunk):
@@ -818,6 +831,7 @@ OPS = {
     "block_absmax": block_absmax,
     "block_quantize": block_quantize,
     "block_dequantize": block_dequantize,
+    "block_dequantize_sum": block_dequantize_sum,
     "sign_pack": sign_pack,
     "sign_unpack": sign_unpack,
     "fp8_quantize": fp8_quantize,

@@ -476,9 +476,41 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
         return ref.block_dequantize(packed, scales, bits, block, numel, out, accumulate)
     bits, block = int(bits), int(block)
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
-    K.block_dequantize(packed.reshape(-1).contiguous().numpy(),
-                       scales.reshape(-1).float().contiguous().numpy(), bits, block, numel,
-                       _quant_chunk(block), dst.numpy(), bool(accumulate and out is not None))
+    p, s = _dequant_inputs(packed, scales)
+    K.block_dequantize(p, s, p, s, False, bits, block, numel, _quant_chunk(block), dst.numpy(),
+                       bool(accumulate and out is not None))
+    return dst
+
+
+def _dequant_inputs(packed: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    return packed.reshape(-1).contiguous().numpy(), scales.reshape(-1).float().contiguous().numpy()
+
+
+def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
+                         out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """See :func:`commpress.ops.reference.block_dequantize_sum`: two payloads per pass, each
+    chunk of ``out`` written once per pair (the sum in the reference's order)."""
+    numel = int(numel)
+    pieces = list(zip(packed, scales)) if isinstance(packed, (list, tuple)) and isinstance(scales, (list, tuple)) \
+        and len(packed) == len(scales) else None
+    if (not pieces or not valid_bits(bits) or not valid_block(block) or numel < 0
+            or not _cpu(out, *packed, *scales)
+            or any(p.dtype != torch.uint8 or p.numel() < (numel * int(bits) + 7) // 8
+                   or s.numel() < (numel + int(block) - 1) // int(block) for p, s in pieces)
+            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
+                                     or out.numel() != numel or not out.is_contiguous()
+                                     or out.requires_grad))):
+        return ref.block_dequantize_sum(packed, scales, bits, block, numel, out, accumulate)
+    bits, block = int(bits), int(block)
+    dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
+    d = dst.numpy()
+    clen = _quant_chunk(block)
+    acc = bool(accumulate and out is not None)
+    arrays = [_dequant_inputs(p, s) for p, s in pieces]
+    for i in range(0, len(arrays), 2):
+        pa, sa = arrays[i]
+        pb, sb = arrays[i + 1] if i + 1 < len(arrays) else arrays[i]
+        K.block_dequantize(pa, sa, pb, sb, i + 1 < len(arrays), bits, block, numel, clen, d, acc or i > 0)
     return dst
 
 
@@ -490,16 +522,24 @@ def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta
         return ref.block_quantize_feedback(x, residual, beta, bits, block, new_residual, scale)
     bits, block = int(bits), int(block)
     n = x.numel()
-    xf = _f32(x.reshape(-1)).numpy()
-    out = new_residual.view(-1).numpy()
+    xf = _flat_np(x)
+    out = _flat_np(new_residual)
     has_r = residual is not None
-    rf = residual.view(-1).numpy() if has_r else xf
+    rf = _flat_np(residual) if has_r else xf
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     scales = np.empty((n + block - 1) // block, np.float32)
     bad = K.block_quantize_feedback(xf, rf, np.float32(beta), np.float32(scale), how, bits, block,
-                                    _quant_chunk(block), out, out.view(np.int32), packed, scales)
-    return torch.from_numpy(packed), torch.from_numpy(scales), torch.tensor(bool(bad == 0))
+                                    _quant_chunk(block), out, packed, scales)
+    return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(np.array(bad == 0))
+
+
+def _flat_np(t: torch.Tensor) -> np.ndarray:
+    """A flat fp32 numpy view of ``t`` (contiguous fp32 ones, the hot path, with no torch call but
+    ``numpy()``), else of its fp32 copy."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t.detach().numpy().reshape(-1) if t.requires_grad else t.numpy().reshape(-1)
+    return _f32(t).numpy()
 
 
 # ---------------------------------------------------------------- sign + scale
@@ -721,16 +761,27 @@ def _serial_when_small(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        size = max((a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
-                   default=None)
-        if size is None:  # counter ops: n is the third argument
+        size = -1
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                size = max(size, a.numel())
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                size = max(size, a.numel())
+        if size < 0 and args and isinstance(args[0], (list, tuple)):  # block_dequantize_sum: numel
+            size = int(args[4]) if len(args) > 4 else int(kwargs.get("numel", 0))
+        if size < 0:  # counter ops: n is the third argument
             n = args[2] if len(args) > 2 else kwargs.get("n", 0)
             size = int(n) if isinstance(n, (int, np.integer)) else 0
         wanted = 1 if size < SERIAL_BELOW else max(1, min(numba.config.NUMBA_NUM_THREADS,
                                                           torch.get_num_threads()))
-        if wanted == 1:
-            with K.serial_kernels():
+        if wanted == 1:  # serial twins (K.serial_kernels' flag, set inline: a hot path)
+            before = K.in_serial_mode()
+            K._MODE.serial = True
+            try:
                 return fn(*args, **kwargs)
+            finally:
+                K._MODE.serial = before
         threads = numba.get_num_threads()
         if wanted == threads:
             return fn(*args, **kwargs)
@@ -760,6 +811,7 @@ _OPS = {
     "block_absmax": block_absmax,
     "block_quantize": block_quantize,
     "block_dequantize": block_dequantize,
+    "block_dequantize_sum": block_dequantize_sum,
     "sign_pack": sign_pack,
     "sign_unpack": sign_unpack,
     "fp8_quantize": fp8_quantize,

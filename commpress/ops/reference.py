@@ -270,6 +270,25 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
     return _emit(vals, out, accumulate)
 
 
+def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
+                         out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """The sum of several :func:`block_quantize` payloads of ``numel`` entries, in order:
+    ``packed`` and ``scales`` are equal-length sequences (at least one payload), and the result
+    is ``d_0 + d_1 + ... + d_{P-1}`` (``d_i`` :func:`block_dequantize` of payload ``i``, fp32,
+    added left to right), or ``out + d_0 + d_1 + ...`` with ``out`` and ``accumulate``: bitwise
+    what one decode followed by accumulating decodes gives (a gather collective's rank-order sum).
+    """
+    if not isinstance(packed, (list, tuple)) or not isinstance(scales, (list, tuple)):
+        raise TypeError("block_dequantize_sum: packed and scales must be lists (or tuples) of tensors")
+    if len(packed) != len(scales) or not packed:
+        raise ValueError(f"block_dequantize_sum: need as many scales as packed payloads, at least one; "
+                         f"got {len(packed)} and {len(scales)}")
+    dst = block_dequantize(packed[0], scales[0], bits, block, numel, out, accumulate)
+    for p, s in zip(packed[1:], scales[1:]):
+        dst = block_dequantize(p, s, bits, block, numel, dst, True)
+    return dst
+
+
 # ---------------------------------------------------------------- 1-bit sign + scale
 def pairwise_sum_rows(m: torch.Tensor) -> torch.Tensor:
     """Row sums of a 2-D fp32 tensor in a fixed, backend-independent order.
@@ -637,7 +656,7 @@ __all__ = [
     "magnitude_key", "threshold_compact", "topk_compact", "topk_compact_feedback",
     "scatter_add_",
     "pack_bits", "unpack_bits", "bitmap_encode", "bitmap_decode", "hash_partition",
-    "qmax_for", "block_absmax", "block_quantize", "block_dequantize",
+    "qmax_for", "block_absmax", "block_quantize", "block_dequantize", "block_dequantize_sum",
     "sign_pack", "sign_unpack",
     "minifloat_codes", "fp8_quantize", "fp8_dequantize", "mx_quantize", "mx_dequantize",
     "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback", "block_quantize_feedback",

@@ -181,3 +181,22 @@ def test_owner_feedback_conserves_mass(world):
         assert np.abs(sum(res[r][2] for r in range(world))).max() > 0  # the owner really kept a residual
     # and without the residuals the output is not the true sum (signsgd is lossy)
     assert np.abs(sent - true).max() > 1e-3
+
+
+def test_decode_sum_is_the_rank_order_sum_bitwise():
+    """The receive side's fused sum (blockquant's ``decompress_sum``, two payloads per pass) is
+    bitwise the decode of the first payload plus each later one added in rank order, the path a
+    compressor without it takes."""
+    from commpress.collectives.quantized import _decode_into, _decode_sum_into
+
+    for name, params in (("blockquant", {"bits": 4, "block": 32}), ("blockquant", {"bits": 8, "block": 7}),
+                         ("signsgd", {"chunk": 16})):
+        inner = commpress.get(name, **params)
+        for world in (2, 3, 4):
+            pieces = [inner.compress_fixed(data(r, 9)) for r in range(world)]
+            want = torch.empty(N)
+            for s, p in enumerate(pieces):
+                _decode_into(inner, p, want, add=s > 0)
+            got = torch.full((N,), float("nan"))
+            _decode_sum_into(inner, pieces, got)
+            assert _bits(got) == _bits(want), (name, params, world)

@@ -173,6 +173,13 @@ def test_quantize_dequantize_every_width(cb, target, bits):
                 assert_bitwise(o_dev, o_ref, f"dequantize bits={bits} block={block} acc={acc}")
             assert_bitwise(cb.block_dequantize(*target.to(want), bits, block, n),
                            R.block_dequantize(*want, bits, block, n), "dequantize new")
+        pieces = [R.block_quantize(x * k, bits, 32) for k in (1.0, -3.0, 0.5)]
+        packed, scales = [p for p, _ in pieces], [s for _, s in pieces]
+        base = torch.randn(n)
+        o_ref, o_dev = base.clone(), target.to(base)
+        R.block_dequantize_sum(packed, scales, bits, 32, n, o_ref, True)
+        cb.block_dequantize_sum(target.to(packed), target.to(scales), bits, 32, n, o_dev, True)
+        assert_bitwise(o_dev, o_ref, f"dequantize_sum bits={bits}")
         codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
         packed = R.pack_bits(codes, bits)
         assert_bitwise(cb.pack_bits(target.to(codes), bits), packed, f"pack {bits}")
@@ -368,6 +375,8 @@ def test_every_op_runs_kernels(cb, target):
         "block_absmax": lambda: cb.block_absmax(x, 8),
         "block_quantize": lambda: cb.block_quantize(x, 4, 8),
         "block_dequantize": lambda: cb.block_dequantize(*cb.block_quantize(x, 4, 8), 4, 8, 100),
+        "block_dequantize_sum": lambda: cb.block_dequantize_sum(*zip(cb.block_quantize(x, 4, 8),
+                                                                      cb.block_quantize(x * 2, 4, 8)), 4, 8, 100),
         "sign_pack": lambda: cb.sign_pack(x, 8),
         "sign_unpack": lambda: cb.sign_unpack(*cb.sign_pack(x, 8), 8, 100),
         "fp8_quantize": lambda: cb.fp8_quantize(x, "e4m3", 8),

@@ -226,6 +226,43 @@ def test_block_dequantize(bits, block, data):
         assert_bitwise(r2, r1, f"out accumulate={acc}")
 
 
+@settings(max_examples=15)
+@given(bits=st.integers(1, 8), block=st.integers(1, 70), pieces=st.integers(1, 5), acc=st.booleans(),
+       data=st.data())
+def test_block_dequantize_sum(bits, block, pieces, acc, data):
+    """Several payloads summed two per pass: bitwise the reference's decode, then accumulating
+    decodes in order (odd and even counts, into ``out`` or a fresh tensor)."""
+    n = data.draw(st.integers(0, 300))
+    nbytes, nscales = (n * bits + 7) // 8, (n + block - 1) // block
+    packed = [torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=nbytes, max_size=nbytes)),
+                           dtype=torch.uint8) for _ in range(pieces)]
+    scales = [tensor(data.draw(f32_arrays(nscales, nscales))) for _ in range(pieces)]
+    base = tensor(data.draw(f32_arrays(n, n)))
+    o_ref, o_nb = base.clone(), base.clone()
+    want = R.block_dequantize_sum(packed, scales, bits, block, n, o_ref, acc)
+    got = nb.block_dequantize_sum(packed, scales, bits, block, n, o_nb, acc)
+    assert got is o_nb
+    assert_bitwise(got, want, f"out accumulate={acc}")
+    assert_bitwise(nb.block_dequantize_sum(packed, scales, bits, block, n),
+                   R.block_dequantize_sum(packed, scales, bits, block, n), "fresh")
+
+
+def test_block_dequantize_payloads_at_odd_offsets():
+    """Payloads that are views at odd byte offsets of a message (the word-wise unpacking reads
+    them unaligned), several chunks and a ragged tail."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1001, generator=g)
+    for bits in (2, 4, 8):
+        pieces = [R.block_quantize(x * k, bits, 64) for k in (1.0, -2.0, 0.3)]
+        packed = [torch.cat([torch.zeros(1 + i, dtype=torch.uint8), p])[1 + i:] for i, (p, _) in enumerate(pieces)]
+        scales = [s for _, s in pieces]
+        assert packed[0].data_ptr() % 2 == 1
+        assert_bitwise(nb.block_dequantize_sum(packed, scales, bits, 64, x.numel()),
+                       R.block_dequantize_sum(packed, scales, bits, 64, x.numel()), f"bits={bits}")
+        assert_bitwise(nb.block_dequantize(packed[0], scales[0], bits, 64, x.numel()),
+                       R.block_dequantize(*pieces[0], bits, 64, x.numel()), f"bits={bits} one")
+
+
 @settings(max_examples=30)
 @given(a=f32_arrays(), bits=st.integers(2, 8), block=st.integers(1, 70), beta=st.sampled_from([1.0, 0.5]),
        scale=st.sampled_from([1.0, 0.5, 1 / 3]), alias=st.sampled_from([None, None, "r", "x"]), data=st.data())
@@ -248,22 +285,24 @@ def test_block_quantize_feedback(a, bits, block, beta, scale, alias, data):
     assert_bitwise(new_nb, new_ref, what + " new residual")
 
 
-def test_block_quantize_feedback_nibble_path():
-    """4 bits with an even block writes the nibbles straight into their bytes: odd tails, several
-    chunks, NaN/inf blocks, a residual aliasing the output."""
+def test_block_quantize_feedback_packed_words():
+    """2 and 4 bits pack a 32-bit word of codes at a time: odd tails, several chunks, NaN/inf
+    blocks, tiny scales (an infinite ``qmax / s``), a residual aliasing the output."""
     g = torch.Generator().manual_seed(5)
     for n in (1, 2, 7, 130, 1001):
-        for block in (2, 4, 64):
+        for block, bits in ((2, 4), (3, 4), (4, 2), (64, 4), (5, 2)):
             x = torch.randn(n, generator=g) * 3
             r = torch.randn(n, generator=g)
             if n > 100:
                 x[17], x[90] = float("nan"), float("inf")
+                x[128:192] = torch.tensor(1e-39)  # subnormal block (with r zeroed): inv overflows
+                r[128:192] = 0.0
             for alias in (False, True):
                 outs = []
                 for op in (R.block_quantize_feedback, nb.block_quantize_feedback):
                     rs = r.clone()
                     new = rs if alias else torch.empty(n)
-                    outs.append((op(x, rs, 1.0, 4, block, new), new))
+                    outs.append((op(x, rs, 1.0, bits, block, new), new))
                 (want, new_ref), (got, new_nb) = outs
                 assert_bitwise(got, want, f"n={n} block={block} alias={alias}")
                 assert_bitwise(new_nb, new_ref, f"n={n} block={block} alias={alias} residual")
