@@ -784,16 +784,7 @@ extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const floa
                 v[e] = fabsf(cj);
             }
             if (first < len) packed[(a + first) >> 3] = (u8)byte;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = __fadd_rn(v[2 * e], v[2 * e + 1]);
-            v[0] = __fadd_rn(v[0], v[1]);
-            v[1] = __fadd_rn(v[2], v[3]);
-            float s = __fadd_rn(v[0], v[1]);
-            for (int o = 1; o < 32; o <<= 1) {
-                float other = __shfl_down_sync(FULL, s, o);
-                if ((lane & (2 * o - 1)) == 0) s = __fadd_rn(s, other);
-            }
-            s = __shfl_sync(FULL, s, 0);
+            float s = __shfl_sync(FULL, warp_tree256(v, lane), 0);
             if (lane == g) mine = s;
         }
         for (int o = 1; o < 32; o <<= 1) {
