@@ -75,8 +75,13 @@ def auto_worker(rank, world):
         moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
                       float(before[0].abs().sum() + before[1].abs().sum())))
     auto.switch = spy
-    for step in range(5):                      # checks at the ends of steps 1 and 3: compress
+    for step in range(4):                      # checks at the ends of steps 1 and 3: compress
         train_step(model, opt, rank, step)
+    # a unit that switched again at step 3 (margin 0: timing decides) has its first call at step 4,
+    # which is not measured (one-time costs): its report says so (measured None)
+    fresh = set(auto._unmeasured)
+    out["fresh"] = [name for u, name in zip(auto._units, auto._names(auto._units)) if u.key in fresh]
+    train_step(model, opt, rank, 4)
     history.append(sorted(state.stats.as_dict()["auto"].items()))   # step 4's call times measured
     out["algorithms"] = sorted(state.stats.last_step["units"][u]["algorithm"] for u in state.units)
     auto.network = _net(world, FAST)           # the network moved: dense again at the end of step 5
@@ -191,8 +196,9 @@ def test_register_auto_on_two_ranks():
     assert all(c != "dense" for c in first), first                        # the slow network: compressed
     assert all(c == "dense" for c in second), second                      # the fast one: dense again
     assert all(alg != "identity:reduce_scatter" for alg in a["algorithms"]), a["algorithms"]
-    for _, e in a["history"][0]:
-        assert e["predicted_ms"] > 0 and e["measured_ms"] is not None and e["params"]
+    for name, e in a["history"][0]:
+        assert e["predicted_ms"] > 0 and e["params"]
+        assert (e["measured_ms"] is None) == (name in a["fresh"]), (name, e, a["fresh"])
     # every switch carried residual and velocity bitwise, non-zero ones included
     for r in (a, b):
         assert r["moved"] and all(ok for _, ok, _ in r["moved"])
