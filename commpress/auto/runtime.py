@@ -307,9 +307,8 @@ class AutoCodec:
         self._carry: dict[Any, torch.Tensor] = {}
         self._spent: set[Any] = set()           # units whose carry went into this step's input
         self._carry_commit = _CarryCommit(self._carry)
-        #: how far the flat link moved since binding, and the network the last check point priced with
+        #: how far the flat link moved since binding (the last check point priced it scaled by that)
         self.link = LinkTracker(_link_drift(spec))
-        self.priced: Network | None = None
 
     # -- what a step reads ------------------------------------------------------
     def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None) -> ErrorFeedback:
@@ -512,7 +511,6 @@ class AutoCodec:
         if self.spec.remeasure:
             network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
-        self.priced = network
         decision, switched = self.decider.update(step, m)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
@@ -680,14 +678,15 @@ class AutoCodec:
 
     def network_report(self) -> dict[str, Any]:
         """The flat link as calibrated at registration and as the last check point priced it
-        (``"priced"``: re-measured from the window's collectives, ``None`` before the first check
+        (``"priced"``: scaled by :class:`~commpress.auto.decide.LinkTracker`, ``None`` before the first check
         point), in ms per message and MB/s, and the measured per-round cost beyond the model."""
         def link(mod: CostModel | None) -> dict[str, float] | None:
             if mod is None:
                 return None
             return {"alpha_ms": 1e3 * mod.alpha, "mb_per_s": 1e-6 / mod.beta if mod.beta > 0 else math.inf}
         return {"calibrated": link(self.network.flat if self.network is not None else None),
-                "priced": link(self.priced.flat if self.priced is not None else None),
+                "priced": link(self.network.scaled(self.link.scale).flat
+                               if self.network is not None and self.checks else None),
                 "round_ms": 1e3 * self.round_s}
 
     # -- state ---------------------------------------------------------------------

@@ -1108,14 +1108,8 @@ def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scale
         fbuf = kbuf.view(np.float32)
         for s0 in range(a, b, block):
             s1 = min(s0 + block, b)
-            m = _absmax_key(xi, s0, s1)
-            if m > _INF_KEY:
-                amax = _NAN32
-            else:
-                kbuf[0] = m
-                amax = fbuf[0]
+            amax, inv = _block_scale(xi, s0, s1, kbuf, fbuf, fmax)
             scales[s0 // block] = amax / fmax
-            inv = fmax / amax if amax > _F0 else _F0
             for p0 in range(s0, s1, _PIECE):
                 p1 = min(p0 + _PIECE, s1)
                 yp = ybuf[:p1 - p0]
