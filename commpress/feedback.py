@@ -264,10 +264,12 @@ class ErrorFeedback(Compressor):
 
     # -- the input scale (a hook's 1/P), folded into the first pass -----------
     @contextlib.contextmanager
-    def scaled_input(self, key: Any, scale: float) -> Iterator[None]:
+    def scaled_input(self, key: Any, scale: float, *, chunks: int = 0) -> Iterator[None]:
         """Within the block, compress (or :meth:`compensate`) ``tensor * scale`` for ``key``
         on this thread, the multiplication folded into the compensation pass instead of a
-        pass of its own (the DDP hook's averaging ``1/P``).
+        pass of its own (the DDP hook's averaging ``1/P``).  ``chunks=P``: for each of the
+        keys ``(key, 0) .. (key, P-1)`` instead, the chunks a quantized collective compresses
+        (:func:`commpress.collectives.quantized.quantized_allreduce`).
 
         ``scale`` is rounded to fp32 and ``tensor * scale`` is rounded on its own before
         the residual is added: fp32 results are bitwise those of ``tensor.mul_(scale)``
@@ -278,12 +280,15 @@ class ErrorFeedback(Compressor):
         as before.  Only the first compression (or compensation) of ``key`` itself in the
         block is scaled.
         """
-        slot = (threading.get_ident(), key)
-        self._input_scales[slot] = float(scale)
+        me = threading.get_ident()
+        slots = [(me, (key, r)) for r in range(chunks)] if chunks else [(me, key)]
+        for slot in slots:
+            self._input_scales[slot] = float(scale)
         try:
             yield
         finally:
-            self._input_scales.pop(slot, None)
+            for slot in slots:
+                self._input_scales.pop(slot, None)
 
     def _scaled(self, tensor: torch.Tensor, key: Any) -> tuple[torch.Tensor, float]:
         """``(tensor, scale)`` to compensate: the :meth:`scaled_input` scale of ``key`` is

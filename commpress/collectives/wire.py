@@ -279,35 +279,28 @@ def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None =
 class Layout:
     """Where each tensor of a payload sits in a byte message (after the status word)."""
 
-    specs: tuple[tuple[torch.dtype, tuple[int, ...], int], ...]   # (dtype, shape, byte offset)
-    width: int                                                     # message bytes, a multiple of 8
+    specs: tuple[tuple[torch.dtype, tuple[int, ...], int, int], ...]   # (dtype, shape, byte offset, bytes)
+    width: int                                                          # message bytes, a multiple of 8
 
     @staticmethod
     def of(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> "Layout":
         specs, off = [], STATUS_BYTES
         for t in tensors:
-            specs.append((t.dtype, tuple(t.shape), off))
-            off = align8(off + nbytes_of(t))
+            n = nbytes_of(t)
+            specs.append((t.dtype, tuple(t.shape), off, n))
+            off = align8(off + n)
         return Layout(tuple(specs), align8(off))
 
     def write(self, msg: torch.Tensor, tensors, status: torch.Tensor) -> None:
         """Fill ``msg`` (uint8, ``width`` bytes) with ``status`` (int32[2]) and ``tensors``."""
         msg[:STATUS_BYTES].view(torch.int32).copy_(status)
-        for t, (dtype, shape, off) in zip(tensors, self.specs):
-            n = nbytes_of(t)
+        for t, (dtype, _, off, n) in zip(tensors, self.specs):
             if n:
                 msg[off:off + n].view(dtype).copy_(t.reshape(-1))
 
     def read(self, msg: torch.Tensor) -> list[torch.Tensor]:
         """The tensors of a message (views into ``msg``, which must start 8-aligned)."""
-        out = []
-        for dtype, shape, off in self.specs:
-            size = 1
-            for s in shape:
-                size *= s
-            n = size * torch.empty((), dtype=dtype).element_size()
-            out.append(msg[off:off + n].view(dtype).reshape(shape))
-        return out
+        return [msg[off:off + n].view(dtype).view(shape) for dtype, shape, off, n in self.specs]
 
 
 # ---------------------------------------------------------------- a dense part riding in a message

@@ -139,8 +139,9 @@ def _fsdp(rank: int, world: int) -> dict:
             "algorithms": algos, "steps": state.step}
 
 
-def _folded_scale(rank: int) -> dict:
-    """The same training with the 1/P folded into error feedback and with the old mul_."""
+def _folded_scale(rank: int, world: int, name: str, **kw) -> dict:
+    """The same training with the 1/P folded into error feedback and with the old mul_
+    (a sparsifier folds it for the unit's key, a gather kind for its P chunk keys)."""
     from commpress.hooks import ddp_step
 
     flats, residuals = [], []
@@ -148,21 +149,25 @@ def _folded_scale(rank: int) -> dict:
         model = DDP(_net())
         with pytest.MonkeyPatch.context() as mp:
             if not fold:
-                mp.setattr(ddp_step, "_scale_in_feedback", lambda cfg: False)
-            with commpress.ddp.register(model, "topk", ratio=0.05, min_numel=256) as state:
+                mp.setattr(ddp_step, "_scale_in_feedback", lambda cfg: None)
+            with commpress.ddp.register(model, name, min_numel=256, **kw) as state:
                 _train(model, rank, 4)
-                assert ddp_step._scale_in_feedback(state.frozen) == fold
+                assert (ddp_step._scale_in_feedback(state.frozen) is not None) == fold
                 flats.append(_flat(model))
-                residuals.append([state.codec.residual(u.key).clone() for u in state.units])
+                keys = [u.key for u in state.units] if name == "topk" else [
+                    (u.key, r) for u in state.units for r in range(world)]
+                residuals.append([state.codec.residual(k).clone() for k in keys])
     same = torch.equal(flats[0].view(torch.int32), flats[1].view(torch.int32)) and all(
         torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*residuals))
-    return {"bitwise": same, "units": len(residuals[0])}
+    return {"bitwise": same, "units": len(residuals[0]),
+            "nonzero": all(bool(r.abs().sum() > 0) for r in residuals[0])}
 
 
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     return {"powersgd": _powersgd_momentum(rank), "failure": _hook_failure(rank),
-            "all_gather": _all_gather(rank), "fsdp": _fsdp(rank, world), "folded": _folded_scale(rank)}
+            "all_gather": _all_gather(rank), "fsdp": _fsdp(rank, world), "folded": _folded_scale(rank, world, "topk", ratio=0.05),
+            "folded_gather": _folded_scale(rank, world, "blockquant", bits=4, error_feedback=True)}
 
 
 @pytest.mark.timeout(240)
@@ -183,7 +188,8 @@ def test_the_default_backend_with_the_overlap_worker():
         s = out["fsdp"]
         assert s["replicas"] and s["finite"] and s["steps"] == 3, s
         assert "blockquant:all_gather" in s["algorithms"] and "topk:sparse_reduce_scatter" in s["algorithms"], s
-        assert out["folded"]["bitwise"] and out["folded"]["units"] >= 1, out["folded"]
+        for folded in (out["folded"], out["folded_gather"]):
+            assert folded["bitwise"] and folded["units"] >= 1 and folded["nonzero"], folded
 
 
 def test_hook_error_names_bucket_compressor_and_cause_for_any_cause():
