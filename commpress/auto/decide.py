@@ -461,7 +461,7 @@ def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDI
 class LinkTracker:
     """How much slower or faster the flat link has become since registration, from the seconds
     the buckets' collectives took (agreed across ranks), as a factor on the calibrated seconds
-    per byte (:meth:`Network.scaled`).
+    per byte (:meth:`Network.scaled`).  DDP's all-reduce and FSDP2's reduce-scatter alike.
 
     Each check window gives ``ratio = Σ measured / Σ predicted`` over the buckets with a
     measurement, predicted by the model in use for the choice each ran (:func:`link_seconds`:
@@ -489,8 +489,8 @@ class LinkTracker:
                buckets: "tuple[BucketMeasure, ...]", comm_s: "list[float] | tuple[float, ...]") -> Network:
         """Feed one window (``plan``: the choice each bucket ran; ``comm_s``: its agreed seconds
         inside the collectives per call, 0 = not measured); returns ``network`` scaled by the
-        factor (unchanged with a hierarchy or FSDP2's reduce-scatter: not tracked)."""
-        if network.hierarchical or network.collective != "allreduce" or network.world <= 1:
+        factor (unchanged with a hierarchy: not tracked)."""
+        if network.hierarchical or network.world <= 1:
             return network
         now = network.scaled(self.scale) if self.scale != 1.0 else network
         measured = predicted = 0.0

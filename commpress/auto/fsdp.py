@@ -25,7 +25,9 @@ carried) and the same ``state_dict``.  What differs from DDP
   seconds are ``P`` passes over a chunk of ``m`` elements (compress every chunk, decode
   every piece at the owner), measured on this device in the reduce dtype.
 * **What is measured**: each unit's reduce-scatter call (host seconds; ``measured_ms``
-  and the per-round cost beyond the α-β model), the gradient norm per unit (on the device,
+  and the per-round cost beyond the α-β model) and the seconds inside its collective, against
+  their prediction (:class:`~commpress.auto.decide.LinkTracker`, ``remeasure``: the link as DDP
+  tracks it), the gradient norm per unit (on the device,
   read at check points), and the step's compute seconds: wall time between two step ends
   (the end of backward) less the time inside the units' reduce-scatter calls.
   **Not measured: overlap.** The hook's call runs on the backward's thread and, with gloo
@@ -100,9 +102,10 @@ class ReduceScatterAutoCodec(AutoCodec):
         correction.  Agreed state only: the same on every rank.  Ask before :meth:`codec`."""
         return not self.momentum and key not in self._fresh and self.choices.get(key, DENSE) == DENSE
 
-    def measured(self, unit: Any, seconds: float) -> None:
-        """Host seconds of the unit's reduce-scatter call (also taken out of the compute)."""
-        super().measured(unit, seconds)
+    def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
+        """Host seconds of the unit's reduce-scatter call (also taken out of the compute) and of
+        those the seconds inside its collectives (the link's tracking)."""
+        super().measured(unit, seconds, comm_seconds)
         self._busy += seconds
 
     # -- what differs from DDP ---------------------------------------------------

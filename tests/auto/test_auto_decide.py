@@ -237,10 +237,15 @@ def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
     again = LinkTracker()
     again.load_state_dict(state)
     assert again.state_dict() == state
-    # not tracked: a hierarchy, FSDP2's reduce-scatter
+    # not tracked: a hierarchy
     two = Network(4, GBIT, 2, GBIT, GBIT)
     assert LinkTracker().update(two, plan, m.buckets, slow) == two
+    # FSDP2's reduce-scatter: tracked on its own prediction
     rs = Network(2, GBIT, collective="reduce_scatter")
-    assert LinkTracker().update(rs, plan, m.buckets, slow) == rs
+    tr = LinkTracker(drift=0.25)
+    base = [link_seconds(c, b, rs) for c, b in zip(plan, m.buckets)]
+    slow = [link_seconds(c, b, rs.scaled(3.0)) for c, b in zip(plan, m.buckets)]
+    assert [tr.update(rs, plan, m.buckets, t) for t in (base, slow)] == [rs, rs]
+    assert tr.update(rs, plan, m.buckets, slow).flat.beta == pytest.approx(3 * GBIT.beta, rel=0.05)
     with pytest.raises(ValueError, match="drift"):
         LinkTracker(drift=0)
