@@ -89,9 +89,12 @@ class ReduceScatterAutoCodec(AutoCodec):
         self._units = [self.infos[k] for k in self.order]
 
     def unit(self, key: str, numel: int, dtype: torch.dtype) -> FSDPUnit:
-        """The unit ``key`` with the size and dtype of this call's input (recorded)."""
+        """The unit ``key`` with the size and dtype of this call's input (recorded; a call that
+        changes either validates again and, like a new codec's first call, is not measured)."""
         info = self.infos.get(key)
         if info is None or info.numel != numel or info.dtype != dtype:
+            if info is not None and info.numel:
+                self._unmeasured.add(key)
             info = self.infos[key] = replace(info or FSDPUnit(key), numel=int(numel), dtype=dtype)
             self._units = [self.infos.get(k, FSDPUnit(k)) for k in self.order]
         return info
@@ -152,7 +155,6 @@ class ReduceScatterAutoCodec(AutoCodec):
             self._compute[1] += 1
         self._last_step = step
         self._busy = 0.0
-        self._forget_first_calls(step)
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             if self.network is not None and self.network.collective != "reduce_scatter":
                 self.network = replace(self.network, collective="reduce_scatter", local_size=1,
