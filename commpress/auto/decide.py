@@ -58,7 +58,7 @@ overlap moved by more than ``drift`` (relative) since the last decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -279,6 +279,14 @@ def comm_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> flo
     return network.flat.time(*kind_terms(proto, n, network.world, bucket.dtype, shape, shapes))
 
 
+def link_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
+    """The part of :func:`comm_seconds` spent inside the collectives, what the hooks measure
+    (``CommStats.comm_seconds``): latency and bytes (α, β) only; the local work the cost model
+    also charges (γ per sparse entry, δ per dense element) runs outside them.  Flat path."""
+    f = network.flat
+    return comm_seconds(choice, bucket, replace(network, flat=CostModel(f.alpha, f.beta, 0.0, 0.0)))
+
+
 def codec_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
     """The measured codec seconds; on the two-level path a rank codes one shard (``1/L``).
     Plus the per-call seconds ``call_s`` (and on the two-level path its two intra-node rounds
@@ -453,10 +461,11 @@ def decide(m: Measurements, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDI
 class LinkTracker:
     """How much slower or faster the flat link has become since registration, from the seconds
     the buckets' collectives took (agreed across ranks), as a factor on the calibrated seconds
-    per byte (:meth:`Network.scaled`).
+    per byte (:meth:`Network.scaled`).  DDP's all-reduce and FSDP2's reduce-scatter alike.
 
     Each check window gives ``ratio = Σ measured / Σ predicted`` over the buckets with a
-    measurement, predicted by the model in use for the choice each ran.  The ratio is only
+    measurement, predicted by the model in use for the choice each ran (:func:`link_seconds`:
+    the time inside the collectives, as measured).  The ratio is only
     compared between windows of the **same plan**: the first window of a plan is its reference
     (the absolute level is not trusted: the minimum over ranks misses what the first rank to
     arrive already sent, a shaper's burst passes small messages at line rate, so a compressed
@@ -480,15 +489,15 @@ class LinkTracker:
                buckets: "tuple[BucketMeasure, ...]", comm_s: "list[float] | tuple[float, ...]") -> Network:
         """Feed one window (``plan``: the choice each bucket ran; ``comm_s``: its agreed seconds
         inside the collectives per call, 0 = not measured); returns ``network`` scaled by the
-        factor (unchanged with a hierarchy or FSDP2's reduce-scatter: not tracked)."""
-        if network.hierarchical or network.collective != "allreduce" or network.world <= 1:
+        factor (unchanged with a hierarchy: not tracked)."""
+        if network.hierarchical or network.world <= 1:
             return network
         now = network.scaled(self.scale) if self.scale != 1.0 else network
         measured = predicted = 0.0
         for choice, b, t in zip(plan, buckets, comm_s):
             if t > 0 and math.isfinite(t) and b.numel > 0 and choice.path == "flat":
                 measured += t
-                predicted += comm_seconds(choice, b, now)
+                predicted += link_seconds(choice, b, now)
         if measured <= 0 or predicted <= 0:
             return now
         ratio = measured / predicted

@@ -25,7 +25,9 @@ carried) and the same ``state_dict``.  What differs from DDP
   seconds are ``P`` passes over a chunk of ``m`` elements (compress every chunk, decode
   every piece at the owner), measured on this device in the reduce dtype.
 * **What is measured**: each unit's reduce-scatter call (host seconds; ``measured_ms``
-  and the per-round cost beyond the α-β model), the gradient norm per unit (on the device,
+  and the per-round cost beyond the α-β model) and the seconds inside its collective, against
+  their prediction (:class:`~commpress.auto.decide.LinkTracker`, ``remeasure``: the link as DDP
+  tracks it), the gradient norm per unit (on the device,
   read at check points), and the step's compute seconds: wall time between two step ends
   (the end of backward) less the time inside the units' reduce-scatter calls.
   **Not measured: overlap.** The hook's call runs on the backward's thread and, with gloo
@@ -87,9 +89,12 @@ class ReduceScatterAutoCodec(AutoCodec):
         self._units = [self.infos[k] for k in self.order]
 
     def unit(self, key: str, numel: int, dtype: torch.dtype) -> FSDPUnit:
-        """The unit ``key`` with the size and dtype of this call's input (recorded)."""
+        """The unit ``key`` with the size and dtype of this call's input (recorded; a call that
+        changes either validates again and, like a new codec's first call, is not measured)."""
         info = self.infos.get(key)
         if info is None or info.numel != numel or info.dtype != dtype:
+            if info is not None and info.numel:
+                self._unmeasured.add(key)
             info = self.infos[key] = replace(info or FSDPUnit(key), numel=int(numel), dtype=dtype)
             self._units = [self.infos.get(k, FSDPUnit(k)) for k in self.order]
         return info
@@ -100,9 +105,10 @@ class ReduceScatterAutoCodec(AutoCodec):
         correction.  Agreed state only: the same on every rank.  Ask before :meth:`codec`."""
         return not self.momentum and key not in self._fresh and self.choices.get(key, DENSE) == DENSE
 
-    def measured(self, unit: Any, seconds: float) -> None:
-        """Host seconds of the unit's reduce-scatter call (also taken out of the compute)."""
-        super().measured(unit, seconds)
+    def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
+        """Host seconds of the unit's reduce-scatter call (also taken out of the compute) and of
+        those the seconds inside its collectives (the link's tracking)."""
+        super().measured(unit, seconds, comm_seconds)
         self._busy += seconds
 
     # -- what differs from DDP ---------------------------------------------------
@@ -149,7 +155,6 @@ class ReduceScatterAutoCodec(AutoCodec):
             self._compute[1] += 1
         self._last_step = step
         self._busy = 0.0
-        self._forget_first_calls(step)
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             if self.network is not None and self.network.collective != "reduce_scatter":
                 self.network = replace(self.network, collective="reduce_scatter", local_size=1,

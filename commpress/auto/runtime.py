@@ -18,7 +18,8 @@ What it measures, without a host read in the steady state:
   the backward start is a forward hook on the DDP model;
 * per unit, the gradient norm, accumulated on the device (read at check points);
 * per unit, the host seconds of its collective call (``measured_ms``), but for the first
-  call after a switch (one-time costs of the new codec: kernel compilation, first-call plans);
+  call of each codec it gets (its first, after a switch, after a resume: one-time costs of the
+  new codec, kernel compilation, first-call plans and validation);
 * the step's compute seconds: wall time between two step ends, less the time from
   the backward end to the step end (the exposed communication) and the hooks' own time;
   a check point's own time (codec costs measured, the decision) is not charged to the next step.
@@ -300,7 +301,7 @@ class AutoCodec:
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
         self._fresh: set[Any] = set()           # units switched to dense that have not run since
-        self._unmeasured: set[Any] = set()      # units switched whose first call is not measured
+        self._unmeasured: set[Any] = set()      # units with a new codec, whose next call is not measured
         self._last_step: int | None = None
         self._round_s_decided: float | None = None
         # what a path switch handed to a unit's next input (this rank's share, scaled as the input)
@@ -322,6 +323,7 @@ class AutoCodec:
         if c is None:
             c = self.codecs[key] = self._build(DENSE)
             self.choices[key] = DENSE
+            self._unmeasured.add(key)
         acc = self._norms.get(key)
         if acc is None or acc.device != t.device:
             acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
@@ -359,9 +361,10 @@ class AutoCodec:
     def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
         """Host seconds of the unit's collective call this step, and of those the seconds
         inside its collectives (``comm_seconds``: what re-measures the bandwidth,
-        :class:`~commpress.auto.decide.LinkTracker`).  The first call after a switch is left
-        out: it holds one-time costs of the new codec (kernel compilation, the first call's
-        plans and validation), not what its steady state costs per call."""
+        :class:`~commpress.auto.decide.LinkTracker`).  The first call of each codec the unit
+        gets (:meth:`codec`, :meth:`switch`, :meth:`load_state_dict`) is left out: it holds
+        one-time costs of the new codec (kernel compilation, the first call's plans and
+        validation), not what its steady state costs per call."""
         if unit.key in self._unmeasured:
             self._unmeasured.discard(unit.key)
             return
@@ -448,17 +451,9 @@ class AutoCodec:
             self._compute[0] += max(0.0, wall - exposed - self._busy)
             self._compute[1] += 1
         self._backward_end = None
-        self._forget_first_calls(step)
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             self.check(step, group)
         self._last_end = time.perf_counter()   # the check's own time is not the next step's compute
-
-    def _forget_first_calls(self, step: int) -> None:
-        """Drop the call times of the steps before the first check point's own: the first
-        compressed step's calls carry one-time costs (buffers, first kernel calls), which the
-        per-round cost (:meth:`_with_round_cost`) would charge to every round of the first plan."""
-        if step == self.first_check - 1:
-            self._meas.clear()
 
     def check(self, step: int, group: Any) -> tuple[int, ...]:
         """One check point (collective: every rank at the same step); returns the switched units."""
@@ -727,6 +722,7 @@ class AutoCodec:
         self._prev_norms = None if prev is None else [float(x) for x in prev]
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
         self._fresh = set(state["fresh"])
+        self._unmeasured = set(codecs)   # new codecs: their first calls hold one-time costs
         self._carry = {k: t.float().clone() for k, t in zip(state.get("carry_keys", []), state.get("carry", []))}
         self._carry_commit = _CarryCommit(self._carry)
         self._spent = set()

@@ -417,7 +417,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
             unit.calls += 1
         if st.auto:
-            st.codec.measured(info, t.seconds)
+            st.codec.measured(info, t.seconds, cs.comm_seconds)
         st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
                         compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
         return None
@@ -539,7 +539,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     :class:`~commpress.Compressor` or a registry name with
     ``**compressor_params``, or ``"auto"``: each unit's compressor chosen and re-chosen
     from measurements (:mod:`commpress.auto.fsdp`; its options ``candidates``,
-    ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` as for DDP;
+    ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices``, ``remeasure`` as for DDP;
     not with ``replicate_group`` or ``reduce_scatter=False``; ``state.stats.as_dict()["auto"]``
     shows the choices).  ``error_feedback``: ``True``, ``False`` or
     ``"auto"`` (on for biased compressors).  ``all_gather``: ``None`` (dense

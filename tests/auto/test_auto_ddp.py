@@ -276,22 +276,32 @@ def test_round_cost_from_agreed_call_times(monkeypatch, world, bq_rounds):
                                                                                + 2 * per_round)
 
 
-def test_first_check_prices_rounds_from_its_own_step_only():
-    """The first compressed step's call times (one-time costs) are dropped before the first
-    check point: that check's per-round cost is its own step's."""
+def test_a_new_codecs_first_call_is_not_measured():
+    """One mechanism keeps one-time costs out of the call times: the first call of each codec a
+    unit gets (its first, after a switch, after a resume) is not measured, the next ones are."""
     auto = AutoCodec(AutoSpec())
-    auto.first_check = 3
 
     class U:
         key = "a"
 
-    for step, seconds in ((1, 5.0), (2, 4.0)):
-        auto.measured(U, seconds)
-        auto._forget_first_calls(step)
-    assert auto._meas == {}                     # steps 1 and 2 precede the first check's step
-    auto.measured(U, 0.25)
-    auto._forget_first_calls(3)
-    assert auto._meas == {"a": [0.25, 1, 0.0]}
+    def call(seconds):
+        auto.codec(U, torch.ones(4), 0)
+        auto.measured(U, seconds, seconds / 2)
+
+    call(5.0)                                   # the first compressed step: buffers, first kernel calls
+    assert auto._meas == {}
+    call(0.25)
+    assert auto._meas == {"a": [0.25, 1, 0.125]}
+    auto.switch("a", 4, Choice(Candidate("bf16")))
+    call(4.0)                                   # the new codec's first call
+    assert auto._meas == {"a": [0.25, 1, 0.125]}
+    state = auto.state_dict()
+    resumed = AutoCodec(AutoSpec())
+    resumed.load_state_dict(state)
+    auto = resumed
+    call(3.0)                                   # a resumed codec's first call
+    call(0.5)
+    assert auto._meas == {"a": [0.5, 1, 0.25]}
 
 
 def test_one_time_costs_stay_out_of_the_next_decision(monkeypatch):

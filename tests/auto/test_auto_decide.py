@@ -212,17 +212,17 @@ def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
     """The link's factor moves only when two windows in a row of the same plan read the
     collectives more than ``drift`` slower (or faster) than the plan's first window; the decider,
     watching the network, then re-decides.  A noisy window, or a new plan, changes nothing."""
-    from commpress.auto.decide import LinkTracker
+    from commpress.auto.decide import LinkTracker, link_seconds
 
     m = measures(GBIT, [0.02, 0.0])
     plan = [Choice(Candidate("blockquant", 4)), Choice(Candidate("dense"))]
-    pred = [comm_seconds(c, b, m.network) for c, b in zip(plan, m.buckets)]
+    pred = [link_seconds(c, b, m.network) for c, b in zip(plan, m.buckets)]
     tr = LinkTracker(drift=0.25)
     seen = [tr.update(m.network, plan, m.buckets, [0.7 * p for p in pred])]   # reference: 0.7x the model
     seen.append(tr.update(m.network, plan, m.buckets, [1.4 * p for p in pred]))   # one window off: noise
     seen.append(tr.update(m.network, plan, m.buckets, [0.7 * p for p in pred]))
     assert all(n == m.network for n in seen) and tr.scale == 1.0
-    slow = [comm_seconds(c, b, m.network.scaled(3.0)) * 0.7 for c, b in zip(plan, m.buckets)]
+    slow = [link_seconds(c, b, m.network.scaled(3.0)) * 0.7 for c, b in zip(plan, m.buckets)]
     assert tr.update(m.network, plan, m.buckets, slow) == m.network              # the first slow window
     scaled = tr.update(m.network, plan, m.buckets, slow)                          # the second: 3x slower
     assert tr.scale == pytest.approx(3.0, rel=0.05) and scaled.flat.beta == pytest.approx(3 * GBIT.beta, rel=0.05)
@@ -237,10 +237,15 @@ def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
     again = LinkTracker()
     again.load_state_dict(state)
     assert again.state_dict() == state
-    # not tracked: a hierarchy, FSDP2's reduce-scatter
+    # not tracked: a hierarchy
     two = Network(4, GBIT, 2, GBIT, GBIT)
     assert LinkTracker().update(two, plan, m.buckets, slow) == two
+    # FSDP2's reduce-scatter: tracked on its own prediction
     rs = Network(2, GBIT, collective="reduce_scatter")
-    assert LinkTracker().update(rs, plan, m.buckets, slow) == rs
+    tr = LinkTracker(drift=0.25)
+    base = [link_seconds(c, b, rs) for c, b in zip(plan, m.buckets)]
+    slow = [link_seconds(c, b, rs.scaled(3.0)) for c, b in zip(plan, m.buckets)]
+    assert [tr.update(rs, plan, m.buckets, t) for t in (base, slow)] == [rs, rs]
+    assert tr.update(rs, plan, m.buckets, slow).flat.beta == pytest.approx(3 * GBIT.beta, rel=0.05)
     with pytest.raises(ValueError, match="drift"):
         LinkTracker(drift=0)

@@ -4,7 +4,8 @@ One 2-rank run does the distributed checks in one worker (the harness's cost is 
 the same choices on both ranks from their own timings, a slow (synthetic) network choosing
 compressed kinds and a fast one dense again, every switch conserving residual and velocity
 (momentum taken over from the optimizer), full parameters bitwise across ranks, a bitwise
-resume up to the next check point, an all-dense plan bitwise FSDP2's default, the options
+resume up to the next check point, an all-dense plan bitwise FSDP2's default, a link model
+made 100x too fast scaled back from the seconds inside the reduce-scatters, the options
 refused on every rank, and a rank that fails to measure raising on both.
 """
 
@@ -83,6 +84,7 @@ def auto_worker(rank, world):
     out["fresh"] = [name for u, name in zip(auto._units, auto._names(auto._units)) if u.key in fresh]
     train_step(model, opt, rank, 4)
     history.append(sorted(state.stats.as_dict()["auto"].items()))   # step 4's call times measured
+    out["comm"] = {k: (m[0], m[2]) for k, m in auto._meas.items()}   # call and in-collective seconds
     out["algorithms"] = sorted(state.stats.last_step["units"][u]["algorithm"] for u in state.units)
     auto.network = _net(world, FAST)           # the network moved: dense again at the end of step 5
     train_step(model, opt, rank, 5)
@@ -144,6 +146,24 @@ def auto_worker(rank, world):
         owed.append(sum(float(r.abs().sum()) for c in state6.codec.codecs.values() for r in c._residuals.values()))
     out["back_to_dense"] = paths, owed
 
+    # the link tracked (remeasure, the default): a model that turns 100x too optimistic mid-run (as
+    # if the link had slowed down 100x after registration) is corrected after two check windows
+    # that read it so, from the seconds inside the units' reduce-scatters.  Dense only: one plan
+    # throughout (a switch would start a new reference window, whatever the timings)
+    model8 = fsdp_shard(small_net(), world)
+    opt8 = torch.optim.SGD(model8.parameters(), lr=0.05)
+    state8 = commpress.fsdp.register(model8, "auto", check_every=1, candidates=[("dense",)])
+    auto8 = state8.codec
+    auto8.network = _net(world, CostModel(0.0, 1e-9, 0.0, 0.0))    # seconds per byte only
+    for step in range(5):
+        train_step(model8, opt8, rank, step)
+    before = auto8.link.scale
+    auto8.network = _net(world, CostModel(0.0, 1e-11, 0.0, 0.0))
+    for step in range(5, 8):
+        train_step(model8, opt8, rank, step)
+    out["link"] = (before, auto8.link.scale, state8.stats.as_dict()["auto_network"])
+    state8.close()
+
     # an optimizer attached after registration (Lightning): the unit codecs get its momentum
     model7 = fsdp_shard(small_net(), world)
     opt7 = torch.optim.SGD(model7.parameters(), lr=0.05, momentum=0.9)
@@ -199,6 +219,14 @@ def test_register_auto_on_two_ranks():
     for name, e in a["history"][0]:
         assert e["predicted_ms"] > 0 and e["params"]
         assert (e["measured_ms"] is None) == (name in a["fresh"]), (name, e, a["fresh"])
+    # a measured compressed call: the seconds inside its collective are part of the call's
+    assert len(a["comm"]) == 2 - len(a["fresh"]) and all(0 < c <= s for s, c in a["comm"].values()), a["comm"]
+    # the link tracked: the 100x too fast model scaled back, the same on both ranks
+    before, after, net = a["link"]
+    assert b["link"][:2] == a["link"][:2]
+    assert after / before > 10, a["link"]
+    assert net["calibrated"]["mb_per_s"] == pytest.approx(1e-6 / 1e-11)
+    assert net["priced"]["mb_per_s"] == pytest.approx(1e-6 / (1e-11 * after)) and net["round_ms"] >= 0
     # every switch carried residual and velocity bitwise, non-zero ones included
     for r in (a, b):
         assert r["moved"] and all(ok for _, ok, _ in r["moved"])
