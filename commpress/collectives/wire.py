@@ -348,13 +348,23 @@ def read_status(msgs: torch.Tensor) -> torch.Tensor:
 
 def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
                 nonfinite: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 ``[flags, signature]`` on ``device`` built without a host read or copy."""
+    """int32 ``[flags, signature]`` on ``device`` built without a host read or copy (on the CPU,
+    where flags are host memory already, read and written as one small tensor: a torch op on a
+    tiny tensor costs more there than the read)."""
+    extra = _DEVICE_ERROR.flag
+    if out is None and torch.device(device).type == "cpu" and (nonfinite is None or nonfinite.device.type == "cpu") \
+            and (extra is None or extra.device.type == "cpu"):
+        flags = int(error) << 8
+        if nonfinite is not None and bool(nonfinite.numpy()):
+            flags |= NONFINITE
+        if extra is not None and not error and bool(extra.numpy()):
+            flags += E_MISUSE << 8
+        return torch.tensor([flags, int(sig)], dtype=torch.int32)
     w = out if out is not None else torch.empty(2, dtype=torch.int32, device=device)
     w[0].fill_(int(error) << 8)
     w[1].fill_(int(sig))
     if nonfinite is not None:
         w[0:1].add_(nonfinite.to(torch.int32).reshape(1))
-    extra = _DEVICE_ERROR.flag
     if extra is not None and not error:
         w[0:1].add_(extra.to(torch.int32).reshape(1) * (E_MISUSE << 8))
     return w
