@@ -192,14 +192,18 @@ class OverlapRecorder:
         self._count = 0
 
 
-def norm_change(previous: Sequence[float], current: Sequence[float]) -> list[float]:
-    """Accordion's statistic per bucket: ``|‖g_prev‖ - ‖g_now‖| / ‖g_prev‖``, the norms of the
-    gradient accumulated over the previous and the current window (1.0 where the previous
-    norm is 0 and the current is not: treated as critical; 0.0 where both are 0)."""
+def norm_change(previous: Sequence[float | None], current: Sequence[float | None]) -> list[float]:
+    """Accordion's statistic per bucket: ``|‖g_prev‖ - ‖g_now‖| / ‖g_prev‖``, the gradient norms
+    of the previous and the current window (per step: windows differ in length).  1.0 where
+    the previous norm is 0 and the current is not (treated as critical); 0.0 where both are
+    0, and where either window has no norm (``None``: the bucket did not run through a codec)."""
     if len(previous) != len(current):
         raise ValueError(f"norm_change: {len(previous)} previous norms but {len(current)} current")
     out = []
     for a, b in zip(previous, current):
+        if a is None or b is None:
+            out.append(0.0)
+            continue
         a, b = float(a), float(b)
         if not (math.isfinite(a) and math.isfinite(b)):
             out.append(1.0)

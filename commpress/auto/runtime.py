@@ -293,6 +293,7 @@ class AutoCodec:
         self._last_end: float | None = None
         self._compute = [0.0, 0]
         self._norms: dict[Any, torch.Tensor] = {}
+        self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
         self._prev_norms: list[float] | None = None
         self._unit_bucket: dict[Any, int] = {}
         self._meas: dict[Any, list[float]] = {}
@@ -328,6 +329,7 @@ class AutoCodec:
         if acc is None or acc.device != t.device:
             acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
         acc.add_(torch.linalg.vector_norm(t))
+        self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
         owed = self._carry.get(key)
         if owed is not None:   # a path switch's carry: sent once, by this step (dropped at its commit)
             t.view(-1).add_(owed.to(device=t.device, dtype=t.dtype))
@@ -525,6 +527,7 @@ class AutoCodec:
         self._compute = [0.0, 0]
         for acc in self._norms.values():
             acc.zero_()
+        self._norm_steps.clear()
         self.checks += 1
         return switched
 
@@ -580,14 +583,17 @@ class AutoCodec:
             buckets.append(dataclasses.replace(b, call_s=call, round_s=self.round_s))
         return dataclasses.replace(m, buckets=tuple(buckets))
 
-    def _read_norms(self, units: list[Any]) -> list[float]:
-        """The accumulated gradient norms (the check point's one host read)."""
-        accs = [self._norms.get(u.key) for u in units]
+    def _read_norms(self, units: list[Any]) -> list[float | None]:
+        """Each unit's gradient norm per step over the window (the check point's one host read);
+        ``None`` for a unit with no step in it (all-dense steps run DDP's own all_reduce): windows
+        differ in length (the first after the dense warm-up, a unit dense for a while), and
+        comparing their sums read a spurious critical regime."""
+        accs = [self._norms.get(u.key) if self._norm_steps.get(u.key) else None for u in units]
         present = [a for a in accs if a is not None]
         if not present:
-            return [0.0] * len(units)
+            return [None] * len(units)
         values = iter(torch.stack([a.float() for a in present]).cpu().tolist())
-        return [next(values) if a is not None else 0.0 for a in accs]
+        return [next(values) / self._norm_steps[u.key] if a is not None else None for u, a in zip(units, accs)]
 
     def _path_slots(self, codec: ErrorFeedback, key: Any, numel: int, path: str,
                     owner: bool) -> list[tuple[Any, int, int]]:
@@ -699,6 +705,7 @@ class AutoCodec:
             "prev_norms": self._prev_norms,
             "norm_keys": list(self._norms),
             "norms": [t.clone() for t in self._norms.values()],
+            "norm_steps": [self._norm_steps.get(k, 0) for k in self._norms],
             "fresh": [k for k in keys if k in self._fresh],
             "carry_keys": list(self._carry),
             "carry": [t.clone() for t in self._carry.values()],
@@ -707,7 +714,8 @@ class AutoCodec:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
-        extra = {"carry_keys", "carry", "link"}   # absent in checkpoints from before the two-level path / link tracking
+        # absent in checkpoints from before the two-level path / link tracking / per-step norms
+        extra = {"carry_keys", "carry", "link", "norm_steps"}
         if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
             raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
@@ -719,8 +727,9 @@ class AutoCodec:
         self.decider.load_state_dict(state["decider"])
         self.codecs, self.choices = codecs, choices
         prev = state["prev_norms"]
-        self._prev_norms = None if prev is None else [float(x) for x in prev]
+        self._prev_norms = None if prev is None else [None if x is None else float(x) for x in prev]
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
+        self._norm_steps = {k: int(n) for k, n in zip(state["norm_keys"], state.get("norm_steps", []))}
         self._fresh = set(state["fresh"])
         self._unmeasured = set(codecs)   # new codecs: their first calls hold one-time costs
         self._carry = {k: t.float().clone() for k, t in zip(state.get("carry_keys", []), state.get("carry", []))}

@@ -304,6 +304,39 @@ def test_a_new_codecs_first_call_is_not_measured():
     assert auto._meas == {"a": [0.5, 1, 0.25]}
 
 
+def test_gradient_norm_windows_are_compared_per_step():
+    """Accordion's statistic compares a window's gradient norm per step: windows differ in length
+    (the first after the all-dense warm-up has one step, later ones ``check_every``), and their
+    sums read a steady gradient as a critical regime (on digits "auto" fell back to 8 bits after
+    its first compressed window).  A window with no codec step has no norm (no change), and the
+    per-step norms survive a resume."""
+    from commpress.auto.measure import norm_change
+
+    auto = AutoCodec(AutoSpec())
+
+    class U:
+        key = "a"
+
+    def window(steps):
+        for _ in range(steps):
+            auto.codec(U, torch.full((4,), 0.5), 0)    # norm 1 every step
+        norms = auto._read_norms([U])
+        for acc in auto._norms.values():      # what a check point does after reading them
+            acc.zero_()
+        auto._norm_steps.clear()
+        return norms
+
+    assert window(0) == [None]
+    one, twenty = window(1), window(20)
+    assert one == twenty == [pytest.approx(1.0)]
+    assert norm_change(one, twenty) == [0.0] and norm_change([None], one) == [0.0]
+    auto.codec(U, torch.full((4,), 0.5), 0)
+    auto.codec(U, torch.full((4,), 1.5), 0)             # norms 1 and 3: 2 per step
+    resumed = AutoCodec(AutoSpec())
+    resumed.load_state_dict(auto.state_dict())
+    assert resumed._read_norms([U]) == auto._read_norms([U]) == [pytest.approx(2.0)]
+
+
 def test_one_time_costs_stay_out_of_the_next_decision(monkeypatch):
     """A check point's own time (its codec probes: seconds when kernels compile) is not the next
     step's compute, and a unit's first call after a switch (the new codec's compilation, first-call

@@ -40,6 +40,7 @@ def test_overlap_recorder_averages_steps():
 def test_norm_change():
     assert norm_change([1.0, 2.0, 0.0, 0.0], [1.5, 2.0, 0.0, 3.0]) == pytest.approx([0.5, 0.0, 0.0, 1.0])
     assert norm_change([float("nan")], [1.0]) == [1.0]
+    assert norm_change([None, 1.0], [1.0, None]) == [0.0, 0.0]    # a window without a norm: no change
 
 
 def test_codec_cost_cached_per_size(monkeypatch):
