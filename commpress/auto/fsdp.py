@@ -151,8 +151,7 @@ class ReduceScatterAutoCodec(AutoCodec):
         agree, decide and switch (a collective: every rank at the same step)."""
         now = time.perf_counter()
         if self._last_step == step - 1 and self._last_end is not None:
-            self._compute[0] += max(0.0, now - self._last_end - self._busy)
-            self._compute[1] += 1
+            self._compute.append(max(0.0, now - self._last_end - self._busy))
         self._last_step = step
         self._busy = 0.0
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:

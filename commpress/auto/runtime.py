@@ -21,7 +21,8 @@ What it measures, without a host read in the steady state:
   call of each codec it gets (its first, after a switch, after a resume: one-time costs of the
   new codec, kernel compilation, first-call plans and validation);
 * the step's compute seconds: wall time between two step ends, less the time from
-  the backward end to the step end (the exposed communication) and the hooks' own time;
+  the backward end to the step end (the exposed communication) and the hooks' own time
+  (the median over the window's steps);
   a check point's own time (codec costs measured, the decision) is not charged to the next step.
 
 **Check points** (:meth:`AutoCodec.end_step`): at the end of the second compressed step
@@ -83,6 +84,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from typing import Any
 
@@ -291,7 +293,7 @@ class AutoCodec:
         self._backward_end: float | None = None
         self._busy = 0.0
         self._last_end: float | None = None
-        self._compute = [0.0, 0]
+        self._compute: list[float] = []         # this window's compute seconds, one per timed step
         self._norms: dict[Any, torch.Tensor] = {}
         self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
         self._prev_norms: list[float] | None = None
@@ -450,8 +452,7 @@ class AutoCodec:
                 and self._backward_end > self._last_end):
             wall = now - self._last_end
             exposed = now - self._backward_end
-            self._compute[0] += max(0.0, wall - exposed - self._busy)
-            self._compute[1] += 1
+            self._compute.append(max(0.0, wall - exposed - self._busy))
         self._backward_end = None
         if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
             self.check(step, group)
@@ -479,7 +480,7 @@ class AutoCodec:
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
-            compute = self._compute[0] / self._compute[1] if self._compute[1] else 0.0
+            compute = self._window_compute()
             window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
             measured = [s_ / n if n else 0.0 for s_, n, _ in window]
             comm = [c / n if n else 0.0 for _, n, c in window]
@@ -524,7 +525,7 @@ class AutoCodec:
             self._last_meas.pop(units[b].key, None)
         self._meas.clear()
         self.recorder.reset()
-        self._compute = [0.0, 0]
+        self._compute = []
         for acc in self._norms.values():
             acc.zero_()
         self._norm_steps.clear()
@@ -582,6 +583,11 @@ class AutoCodec:
             call = {c: self.round_s * self._rounds_of(c) for c in (*b.codec_s, DENSE.candidate)}
             buckets.append(dataclasses.replace(b, call_s=call, round_s=self.round_s))
         return dataclasses.replace(m, buckets=tuple(buckets))
+
+    def _window_compute(self) -> float:
+        """The window's compute seconds per step: the median of its timed steps (a step that also
+        evaluated, saved a checkpoint or was preempted is not the model's compute)."""
+        return statistics.median(self._compute) if self._compute else 0.0
 
     def _read_norms(self, units: list[Any]) -> list[float | None]:
         """Each unit's gradient norm per step over the window (the check point's one host read);

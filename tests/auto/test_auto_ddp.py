@@ -358,9 +358,9 @@ def test_one_time_costs_stay_out_of_the_next_decision(monkeypatch):
     seen = []
 
     def check(step, group):   # a slow check point (5 s of codec probes); switches the unit at the first
-        seen.append((step, auto._compute[0] / max(auto._compute[1], 1), dict(auto._meas)))
+        seen.append((step, sum(auto._compute) / max(len(auto._compute), 1), dict(auto._meas)))
         clock[0] += 5.0
-        auto._compute, auto._meas = [0.0, 0], {}
+        auto._compute, auto._meas = [], {}
         if step == 2:
             auto.switch(U.key, U.numel, Choice(Candidate("blockquant", 8)))
 
@@ -378,3 +378,26 @@ def test_one_time_costs_stay_out_of_the_next_decision(monkeypatch):
     assert (s4, s6) == (4, 6)
     assert compute4 == pytest.approx(0.010) and compute6 == pytest.approx(0.010)
     assert meas4 == {"u": [0.004, 1, 0.0]} and meas6 == {"u": [0.011, 2, 0.0]}
+
+
+def test_compute_is_the_windows_median_step(monkeypatch):
+    """A step that also evaluates (or checkpoints, or is preempted) is not compute: the check
+    point's compute seconds are the median of the window's steps, not their mean (the sweep's
+    digits run read 20 ms of compute for 12 and priced every choice on a step too long)."""
+    from commpress.auto import runtime
+
+    clock = [0.0]
+    monkeypatch.setattr(runtime, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    auto = AutoCodec(AutoSpec(check_every=100))
+    auto.first_check = 1000
+
+    class Layout:
+        units = []
+
+    for step in range(1, 12):
+        auto.begin()
+        clock[0] += 0.010 if step != 6 else 0.500          # step 6 also ran an evaluation
+        auto.arrive(0, last=True)
+        clock[0] += 0.001
+        auto.end_step(step, Layout, None)
+    assert len(auto._compute) == 10 and auto._window_compute() == pytest.approx(0.010)
