@@ -291,16 +291,25 @@ class Layout:
             off = align8(off + n)
         return Layout(tuple(specs), align8(off))
 
+    # (every torch call on these small views costs a dispatch, several microseconds on a CPU:
+    # the ones that would change nothing, a uint8 view of uint8 or a 1-D shape, are skipped)
     def write(self, msg: torch.Tensor, tensors, status: torch.Tensor) -> None:
         """Fill ``msg`` (uint8, ``width`` bytes) with ``status`` (int32[2]) and ``tensors``."""
         msg[:STATUS_BYTES].view(torch.int32).copy_(status)
         for t, (dtype, _, off, n) in zip(tensors, self.specs):
             if n:
-                msg[off:off + n].view(dtype).copy_(t.reshape(-1))
+                dst = msg[off:off + n]
+                (dst if dtype == torch.uint8 else dst.view(dtype)).copy_(t if t.dim() == 1 else t.reshape(-1))
 
     def read(self, msg: torch.Tensor) -> list[torch.Tensor]:
         """The tensors of a message (views into ``msg``, which must start 8-aligned)."""
-        return [msg[off:off + n].view(dtype).view(shape) for dtype, shape, off, n in self.specs]
+        out = []
+        for dtype, shape, off, n in self.specs:
+            v = msg[off:off + n]
+            if dtype != torch.uint8:
+                v = v.view(dtype)
+            out.append(v if len(shape) == 1 else v.view(shape))
+        return out
 
 
 # ---------------------------------------------------------------- a dense part riding in a message

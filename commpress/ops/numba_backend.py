@@ -483,7 +483,12 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
 
 
 def _dequant_inputs(packed: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    return packed.reshape(-1).contiguous().numpy(), scales.reshape(-1).float().contiguous().numpy()
+    """Flat numpy views (copies only where needed: a torch call per tensor costs more than the
+    checks on the hot path's flat contiguous fp32 inputs)."""
+    p = packed if packed.dim() == 1 and packed.is_contiguous() else packed.reshape(-1).contiguous()
+    if not (scales.dim() == 1 and scales.dtype == torch.float32 and scales.is_contiguous()):
+        scales = scales.reshape(-1).float().contiguous()
+    return p.numpy(), scales.numpy()
 
 
 def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
