@@ -315,8 +315,15 @@ class AutoCodec:
         self.link = LinkTracker(_link_drift(spec))
 
     # -- what a step reads ------------------------------------------------------
-    def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None) -> ErrorFeedback:
-        """The unit's codec (dense until a decision); adds ``t``'s norm to the unit's
+    def in_force(self, unit: Any) -> ErrorFeedback | None:
+        """The codec :meth:`codec` will return for ``unit`` with its input left as it is (no carry
+        owed), or ``None``: what a hook may fold its ``1/P`` into (:meth:`ErrorFeedback.scaled_input`)."""
+        return None if unit.key in self._carry else self.codecs.get(unit.key)
+
+    def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None,
+              scale: float = 1.0) -> ErrorFeedback:
+        """The unit's codec (dense until a decision); adds ``t``'s norm (times ``scale``: the
+        hook's ``1/P`` when it is folded into the codec, not yet applied to ``t``) to the unit's
         accumulator on the device (no host read).  A carry left by a path switch
         (:meth:`switch`) is added to ``t`` (already scaled by the hook's ``1/P``); its
         commit is staged in ``transaction`` (the step's: kept when the step is bad or rolled
@@ -330,7 +337,7 @@ class AutoCodec:
         acc = self._norms.get(key)
         if acc is None or acc.device != t.device:
             acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
-        acc.add_(torch.linalg.vector_norm(t))
+        acc.add_(torch.linalg.vector_norm(t), alpha=scale)
         self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
         owed = self._carry.get(key)
         if owed is not None:   # a path switch's carry: sent once, by this step (dropped at its commit)

@@ -369,13 +369,15 @@ class HookConfig:
         return mix_seed(self.seed, self.rank, step, stable_hash(key))
 
 
-def _scale_in_feedback(cfg: HookConfig) -> int | None:
+def _scale_in_feedback(cfg: HookConfig, codec: Any = None, hierarchy: Any = None) -> int | None:
     """How the unit's ``1/P`` is folded into error feedback (:meth:`ErrorFeedback.scaled_input`)
     instead of a ``mul_`` pass, without a hierarchy (which compresses the node's sum): 0 for a
     sparsifier (the collective compresses the unit's key exactly once), ``P`` for a gather kind
-    (its P chunk keys, each compressed once); ``None``: not folded."""
-    codec = cfg.codec
-    if not isinstance(codec, ErrorFeedback) or cfg.hierarchy is not None:
+    (its P chunk keys, each compressed once); ``None``: not folded.  ``codec`` / ``hierarchy``:
+    the unit's own with ``"auto"`` (else the configuration's)."""
+    if codec is None:
+        codec, hierarchy = cfg.codec, cfg.hierarchy
+    if not isinstance(codec, ErrorFeedback) or hierarchy is not None:
         return None
     kind = getattr(codec.compressor, "aggregation", None)
     return 0 if kind == "sparse" else cfg.world_size if kind == "gather" else None
@@ -508,18 +510,21 @@ class Step:
         cs.last_algorithm = ""
         prescale = None
         scaled = contextlib.nullcontext()
+        codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
+        if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
+            codec, hierarchy = cfg.auto.in_force(unit), cfg.auto.hierarchy_of(unit)
+        folded = 1.0
         if cfg.world_size > 1:
             if cfg.fold_scale:
                 prescale = cfg.scale
-            elif (chunks := _scale_in_feedback(cfg)) is not None:  # the 1/P rides in error feedback's pass
-                scaled = cfg.codec.scaled_input(unit.key, cfg.scale, chunks=chunks)
+            elif codec is not None and (chunks := _scale_in_feedback(cfg, codec, hierarchy)) is not None:
+                scaled = codec.scaled_input(unit.key, cfg.scale, chunks=chunks)   # rides in error feedback's pass
+                folded = cfg.scale
             else:
                 t.mul_(cfg.scale)
-        codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
-        if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
-            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction)
+        if cfg.auto is not None:
+            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction, scale=folded)
             lowrank = codec.aggregation == "lowrank"
-            hierarchy = cfg.auto.hierarchy_of(unit)
         in_comm = cs.comm_seconds
         with Timer() as timer, scaled:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,

@@ -196,6 +196,52 @@ def test_register_auto_on_two_ranks():
     assert b["error"] is not None and "another rank failed" in b["error"]
 
 
+def folded_worker(rank, world):
+    """auto with blockquant 4-bit everywhere, the 1/P folded into the units' error feedback and
+    with the old mul_ pass: the same parameters, residuals and gradient norms, bitwise."""
+    from commpress.hooks import ddp_step
+
+    runs = []
+    for fold in (True, False):
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        folds = []
+        real = ddp_step._scale_in_feedback
+
+        def spy(cfg, *a):
+            folds.append(real(cfg, *a) if fold else None)
+            return folds[-1]
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ddp_step, "_scale_in_feedback", spy)
+            state = commpress.ddp.register(model, "auto", min_numel=256, check_every=2, remeasure=False,
+                                           candidates=[("blockquant", 4)])
+            state.codec.network = Network(world, SLOW)
+            _train(model, opt, rank, range(8))   # ends one step after a check point
+            auto = state.codec
+            keys = sorted(auto.codecs)
+            res = [auto.codecs[k].residual((k, r)) for k in keys for r in range(world)]
+            runs.append(([p.detach().clone() for p in model.parameters()], [r.clone() for r in res if r is not None],
+                         [auto._norms[k].clone() for k in keys], sum(f is not None for f in folds),
+                         sorted(v["choice"] for v in state.stats.as_dict()["auto"].values())))
+            state.close()
+    (p1, r1, n1, f1, c1), (p2, r2, n2, f2, c2) = runs
+    same = lambda a, b: len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32))
+                                                 for x, y in zip(a, b))
+    close = len(n1) == len(n2) > 0 and all(torch.allclose(x, y, rtol=1e-5) and bool(x > 0) for x, y in zip(n1, n2))
+    return {"params": same(p1, p2), "residuals": same(r1, r2) and len(r1) > 0, "norms": close,
+            "folded_calls": f1, "choices": c1}
+
+
+@pytest.mark.timeout(120)
+def test_auto_folds_the_average_into_error_feedback():
+    for out in run(folded_worker, 2, timeout=110):
+        assert out["params"] and out["residuals"] and out["folded_calls"] > 0, out
+        assert set(out["choices"]) == {"blockquant(bits=4)"}, out
+        assert out["norms"], out   # the norm statistic sees the averaged gradient either way (to rounding)
+
+
 def test_switch_carries_residual_and_velocity(monkeypatch):
     """Every kind to every other, world 2 rank 1 slots (chunks and the owner's): what is owed
     (residual and velocity, in the unit's coordinates) is the same before and after."""

@@ -149,7 +149,7 @@ def _folded_scale(rank: int, world: int, name: str, **kw) -> dict:
         model = DDP(_net())
         with pytest.MonkeyPatch.context() as mp:
             if not fold:
-                mp.setattr(ddp_step, "_scale_in_feedback", lambda cfg: None)
+                mp.setattr(ddp_step, "_scale_in_feedback", lambda cfg, *a: None)
             with commpress.ddp.register(model, name, min_numel=256, **kw) as state:
                 _train(model, rank, 4)
                 assert (ddp_step._scale_in_feedback(state.frozen) is not None) == fold
