@@ -470,9 +470,7 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
             or packed.dtype != torch.uint8 or numel < 0
             or packed.numel() < (numel * int(bits) + 7) // 8
             or scales.numel() < (numel + int(block) - 1) // int(block)
-            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
-                                     or out.numel() != numel or not out.is_contiguous()
-                                     or out.requires_grad))):
+            or not _flat_f32_out(out, numel)):
         return ref.block_dequantize(packed, scales, bits, block, numel, out, accumulate)
     bits, block = int(bits), int(block)
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
@@ -480,6 +478,12 @@ def block_dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bloc
     K.block_dequantize(p, s, p, s, False, bits, block, numel, _quant_chunk(block), dst.numpy(),
                        bool(accumulate and out is not None))
     return dst
+
+
+def _flat_f32_out(out: torch.Tensor | None, numel: int) -> bool:
+    """``out`` is absent or a flat contiguous fp32 buffer of ``numel`` the kernels may write."""
+    return out is None or (out.dtype == torch.float32 and out.dim() == 1 and out.numel() == numel
+                           and out.is_contiguous() and not out.requires_grad)
 
 
 def _dequant_inputs(packed: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -502,9 +506,7 @@ def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
             or not _cpu(out, *packed, *scales)
             or any(p.dtype != torch.uint8 or p.numel() < (numel * int(bits) + 7) // 8
                    or s.numel() < (numel + int(block) - 1) // int(block) for p, s in pieces)
-            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
-                                     or out.numel() != numel or not out.is_contiguous()
-                                     or out.requires_grad))):
+            or not _flat_f32_out(out, numel)):
         return ref.block_dequantize_sum(packed, scales, bits, block, numel, out, accumulate)
     bits, block = int(bits), int(block)
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
@@ -569,9 +571,7 @@ def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int
     if (not _cpu(bits, scales, out) or not valid_block(chunk) or bits.dtype != torch.uint8
             or numel < 0 or bits.numel() < (numel + 7) // 8
             or scales.numel() < (numel + int(chunk) - 1) // int(chunk)
-            or (out is not None and (out.dtype != torch.float32 or out.dim() != 1
-                                     or out.numel() != numel or not out.is_contiguous()
-                                     or out.requires_grad))):
+            or not _flat_f32_out(out, numel)):
         return ref.sign_unpack(bits, scales, chunk, numel, out, accumulate)
     chunk = int(chunk)
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
