@@ -54,38 +54,40 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 8))
 
 
-def _packed_vs_copied(rank: int, world: int, name: str, kw: dict) -> dict:
+def _train(rank: int, world: int, name: str, kw: dict, pack: bool) -> dict:
+    """Five steps with packing allowed or refused; the parameters, whether the replicas agree and
+    how many calls packed.  One model per launch (the two variants run in separate processes)."""
     torch.set_num_threads(1)
-    flats, used = [], []
-    for pack in (True, False):
-        calls = []
+    calls = []
 
-        def spy(pieces, real=ddp_step.packing):
-            calls.append(real(pieces))
-            return calls[-1] if pack else None
+    def spy(pieces, real=ddp_step.packing):
+        calls.append(real(pieces))
+        return calls[-1] if pack else None
 
-        model = DDP(_net())
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ddp_step, "packing", spy)
-            with commpress.ddp.register(model, name, min_numel=256, **kw):
-                opt = torch.optim.SGD(model.parameters(), lr=0.05)
-                for step in range(5):
-                    g = torch.Generator().manual_seed(100 * step + rank)
-                    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(model(x), y).backward()
-                    opt.step()
-        flats.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-        used.append(sum(c is not None for c in calls))
-    rows = [torch.empty_like(flats[0]) for _ in range(world)]
-    dist.all_gather(rows, flats[0])
-    return {"bitwise": torch.equal(flats[0].view(torch.int32), flats[1].view(torch.int32)),
-            "replicas": all(torch.equal(rows[0], r) for r in rows), "packed_calls": used[0]}
+    model = DDP(_net())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ddp_step, "packing", spy)
+        with commpress.ddp.register(model, name, min_numel=256, **kw):
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step in range(5):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rows = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(rows, flat)
+    return {"flat": flat, "replicas": all(torch.equal(rows[0], r) for r in rows),
+            "packed_calls": sum(c is not None for c in calls)}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name,kw", [("blockquant", {"bits": 4}), ("topk", {"ratio": 0.05}),
                                      ("powersgd", {"rank": 2})])
 def test_packed_units_train_bitwise_as_copied_ones(name, kw):
-    for out in run(_packed_vs_copied, 2, name, kw, timeout=100):
-        assert out["bitwise"] and out["replicas"] and out["packed_calls"] >= 3, out
+    packed = run(_train, 2, name, kw, True, timeout=50)
+    copied = run(_train, 2, name, kw, False, timeout=50)
+    for a, b in zip(packed, copied):
+        assert a["replicas"] and b["replicas"] and a["packed_calls"] >= 3 and b["packed_calls"] >= 3, (a, b)
+        assert torch.equal(a["flat"].view(torch.int32), b["flat"].view(torch.int32))
