@@ -412,7 +412,7 @@ class Attempt:
 
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "commpress"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commpress", "commpress.fsdp"])
     return ctx
 
 

@@ -13,12 +13,22 @@ import sys
 
 from .compressors import Compressor, Payload, available, get, register
 from .feedback import ErrorFeedback
-from .hooks import ddp, fsdp
+from .hooks import ddp
 from . import diloco  # noqa: E402 - after the compressors and collectives it builds on
 
-# `import commpress.ddp` / `from commpress.fsdp import register` work like attribute access.
+# `import commpress.ddp` works like attribute access.  `commpress.fsdp` (commpress/fsdp.py) is
+# imported on first use: FSDP2's modules (DTensor's op table) take ~2 s to import, which every
+# DDP rank process would otherwise pay.
 sys.modules[f"{__name__}.ddp"] = ddp
-sys.modules[f"{__name__}.fsdp"] = fsdp
+
+
+def __getattr__(name: str):
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.fsdp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 logging.getLogger("commpress").addHandler(logging.NullHandler())
 

@@ -25,8 +25,10 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # torch._dynamo: DDP's constructor imports it, seconds per rank process otherwise
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commpress"])
+        # torch._dynamo: DDP's constructor imports it; commpress.fsdp: FSDP2 (import commpress
+        # leaves it out); seconds per rank process otherwise
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commpress",
+                                     "commpress.fsdp"])
     return _CTX
 
 

@@ -23,6 +23,19 @@ def test_hook_modules_import_by_their_public_names():
         commpress.fsdp.register)
 
 
+def test_import_commpress_leaves_fsdp2_out_until_commpress_fsdp_is_used():
+    """FSDP2's modules take seconds to import: a DDP rank process does not pay them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, commpress; assert 'torch.distributed.fsdp' not in sys.modules; "
+            "f = commpress.fsdp; import commpress.fsdp as g; import commpress.hooks.fsdp as h; "
+            "from commpress.fsdp import register; "
+            "assert f is g is h is commpress.hooks.fsdp and register is h.register; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_collectives_public_functions():
     from commpress import collectives
 

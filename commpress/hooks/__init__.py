@@ -5,6 +5,15 @@
 
 from __future__ import annotations
 
-from . import common, ddp, fsdp
+from . import common, ddp
+
+
+def __getattr__(name: str):
+    if name == "fsdp":   # imported on first use (FSDP2's own imports take ~2 s; see commpress/__init__)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.fsdp")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["common", "ddp", "fsdp"]
