@@ -12,9 +12,11 @@ functions.  The torch.distributed functions are looked up at call time.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Callable
 import time
+import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,28 @@ def rank(group=None) -> int:
     return dist.get_rank(group)
 
 
+_GROUP_SERIALS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_SERIALS = itertools.count()
+_SERIALS_LOCK = threading.Lock()
+
+
 def group_key(group=None) -> tuple:
-    """A hashable identity of ``group`` for caches."""
+    """A hashable identity of ``group`` for caches: a serial number the group object gets on
+    first use (held weakly), never its ``id()``.  A group created after another was destroyed
+    can reuse the dead one's address on one rank and not on another; a cache keyed by the
+    address then handed one rank the old group's calibration while the other calibrated,
+    a collective the first never joined (seen as gloo's "3948 vs 64" size mismatch)."""
     g = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    return (id(g), world(group))
+    if g is None:
+        return (None, world(group))
+    with _SERIALS_LOCK:
+        try:
+            serial = _GROUP_SERIALS.get(g)
+            if serial is None:
+                serial = _GROUP_SERIALS[g] = next(_SERIALS)
+        except TypeError:  # an object without weak references: its address, as before
+            serial = ("id", id(g))
+    return (serial, world(group))
 
 
 def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:

@@ -181,6 +181,35 @@ def test_auto_with_calibrated_model(world):
     assert chosen[0.001] != "dense"
 
 
+def fresh_groups_worker(rank, world, n):
+    import gc
+
+    import torch.distributed as dist
+
+    from commpress.collectives import _comm, costmodel
+
+    keys, states = [], []
+    for _ in range(n):
+        g = dist.new_group(list(range(world)))
+        keys.append(_comm.group_key(g))
+        states.append(costmodel.model_state(g))
+        costmodel._CACHE.put(_comm.group_key(g), costmodel.CostModel(1e-4, 1e-9))  # as a calibration leaves it
+        dist.all_reduce(torch.ones(1), group=g)   # both ranks connected before one tears it down
+        dist.destroy_process_group(g)
+        del g
+        gc.collect()   # the next group may land at the dead one's address
+    return keys, states
+
+
+def test_a_new_group_never_inherits_a_destroyed_groups_calibration():
+    """Caches are keyed by a serial per group object, not its address: a group created after
+    another was destroyed starts uncalibrated on every rank (keyed by ``id()``, one rank reused
+    the old calibration while the other calibrated: a collective mismatch)."""
+    for keys, states in run(fresh_groups_worker, 2, 12, timeout=120):
+        assert len(set(keys)) == len(keys)
+        assert states == [0] * len(states)
+
+
 def test_commstats():
     s = CommStats()
     s.add(10, 20, 1)
