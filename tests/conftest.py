@@ -31,17 +31,14 @@ HAS_CUDA = _has_cuda()
 #: files of the suite's longest tests (each 20-130 s on 2 cores), run first: with two pytest-xdist
 #: workers taking one file at a time in collection order, the top-level test_examples.py came last
 #: and left one worker idle while the other ran it
-SLOW_FIRST = ("tests/test_examples.py", "tests/benchmarks/test_gpu_check.py", "tests/hooks/test_ddp_train.py",
-              "tests/compressors/test_train_momentum.py", "tests/hooks/test_fsdp.py",
-              "tests/ops/test_ops_cuda_parity.py", "tests/benchmarks/test_sweep.py")
+SLOW_FIRST = ("test_examples.py", "benchmarks/test_gpu_check.py", "hooks/test_ddp_train.py",
+              "compressors/test_train_momentum.py", "hooks/test_fsdp.py", "ops/test_ops_cuda_parity.py",
+              "benchmarks/test_sweep.py")   # paths under tests/
 
 
 def _slow_rank(item) -> int:
     path = item.nodeid.split("::", 1)[0]
-    for i, slow in enumerate(SLOW_FIRST):
-        if path.endswith(slow.split("tests/", 1)[1]):
-            return i
-    return len(SLOW_FIRST)
+    return next((i for i, slow in enumerate(SLOW_FIRST) if path.endswith("/" + slow)), len(SLOW_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
