@@ -226,15 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results", help="results root folder")
     args = ap.parse_args(argv)
 
-    try:
-        import numba
-
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
-    # after numba: starting numba's OpenMP threading layer resets the OpenMP thread count
-    # torch reads (torch.get_num_threads() was 2 after --threads 1, with a second thread)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # the numba kernels follow torch's thread count
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")

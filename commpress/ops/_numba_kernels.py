@@ -8,18 +8,25 @@ Every kernel reproduces :mod:`commpress.ops.reference` bit for bit:
 * magnitude comparisons run on the int32 bit pattern of fp32 values
   (``bits & 0x7fffffff``), which orders NaN > inf > finite like the reference.
 
-Parallel kernels split the input into chunks of ``clen`` elements (a multiple of
-64, chosen by the caller) so that results never depend on the thread count.
+Every kernel is compiled once, without ``prange``: numba's own thread pool never
+starts (it spun in every rank process sharing a host's cores), and a first call
+compiles one build, not a parallel one and its serial twin.  The chunked kernels
+take the range of chunks ``[c0, c1)`` they run as their last two arguments;
+:func:`run_split` hands the ranges to a small thread pool when the caller asked
+for several threads (:func:`use_threads`; the numba backend does for large inputs
+when torch has several threads).  Chunks are ``clen`` elements (a multiple of 64,
+chosen by the caller), so results never depend on the thread count.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
-import types
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 _M32 = np.uint64(0xFFFFFFFF)
 _C1 = np.uint64(0x7FEB352D)
@@ -44,64 +51,117 @@ _ZERO64 = np.uint64(0)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
 _PAIRWISE_MAX = 1 << 16  # longest run summed level by level in a scratch buffer
-_OPTS = dict(parallel=True, cache=True, nogil=True)
-_SOPTS = dict(cache=True, nogil=True, error_model="numpy")  # as parallel=True implies
+_SOPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 _MODE = threading.local()
 
 
-def serial_kernels() -> "_SerialScope":
-    """Context manager: parallel kernels called in it (on this thread) run their serial twin.
+def kernel_threads() -> int:
+    """Threads the kernels called on this thread may use (1 unless :func:`use_threads` says more)."""
+    return getattr(_MODE, "threads", 1)
 
-    A serial twin is the same Python function compiled with ``parallel=False``
-    (``prange`` becomes ``range``), so it never wakes numba's thread pool.  Rank
-    processes that share a host's cores (``torch.get_num_threads() == 1``) use it:
-    a pool would spin in every rank and oversubscribe the cores.
-    """
-    return _SerialScope()
+
+class use_threads:
+    """Context manager: kernels called in it (on this thread) split their chunks over ``threads``
+    threads: the calling one and ``threads - 1`` of a small pool.  1 (the default outside it) runs
+    every kernel on the calling thread and starts no thread."""
+
+    __slots__ = ("threads", "_before")
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, int(threads))
+
+    def __enter__(self):
+        self._before = kernel_threads()
+        _MODE.threads = self.threads
+
+    def __exit__(self, *exc):
+        _MODE.threads = self._before
+
+
+def serial_kernels() -> use_threads:
+    """Context manager: kernels called in it (on this thread) run on the calling thread only."""
+    return use_threads(1)
 
 
 def in_serial_mode() -> bool:
-    """True inside :func:`serial_kernels` on this thread."""
-    return getattr(_MODE, "serial", False)
+    """True when kernels called on this thread run on it alone (:func:`kernel_threads` is 1)."""
+    return kernel_threads() == 1
 
 
-class _SerialScope:
-    def __enter__(self):
-        self._before = getattr(_MODE, "serial", False)
-        _MODE.serial = True
-
-    def __exit__(self, *exc):
-        _MODE.serial = self._before
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
-class _Kernel:
-    """A ``parallel=True`` kernel with a lazily compiled serial twin (see :func:`serial_kernels`)."""
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                       thread_name_prefix="commpress-kernels")
+        return _POOL
 
-    def __init__(self, py_func):
-        self.py_func = py_func
-        self.parallel = njit(**_OPTS)(py_func)
-        self._serial = None
+
+def _forget_pool() -> None:
+    """After a fork the child has none of the pool's threads: a new pool starts on first use."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def pool_started() -> bool:
+    """Whether this process has started the kernels' thread pool (only multi-thread calls do)."""
+    return _POOL is not None
+
+
+def run_split(units: int, fn, align: int = 1) -> None:
+    """``fn(a, b)`` over ``[0, units)`` split into :func:`kernel_threads` contiguous ranges (edges a
+    multiple of ``align``): the first on the calling thread, the others on the pool, all finished
+    (or one's error raised) before it returns.  Results never depend on the split: every kernel
+    writes each unit's output from that unit's input alone."""
+    t = min(kernel_threads(), -(-units // align))
+    if t <= 1:
+        fn(0, units)
+        return
+    edges = [0] + [units * i // t // align * align for i in range(1, t)] + [units]
+    pool = _pool()
+    rest = [pool.submit(fn, edges[i], edges[i + 1]) for i in range(1, t)]
+    try:
+        fn(0, edges[1])
+    finally:
+        for f in rest:
+            f.result()
+
+
+class _Chunked:
+    """A kernel compiled once (no ``prange``) whose last two arguments are the range ``[c0, c1)``
+    of chunks it runs; called with the others, it runs every chunk, split by :func:`run_split`.
+    The kernels are ``nogil``, so the pool's threads run them side by side."""
+
+    def __init__(self, py_func, units):
+        self.jit = njit(**_SOPTS)(py_func)
+        self.units = units
         self.__name__ = py_func.__name__
         self.__doc__ = py_func.__doc__
 
-    @property
-    def serial(self):
-        if self._serial is None:
-            f = self.py_func
-            twin = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial",
-                                      f.__defaults__, f.__closure__)
-            twin.__qualname__ = f.__qualname__ + "_serial"  # its own on-disk cache entry
-            self._serial = njit(**_SOPTS)(twin)
-        return self._serial
-
     def __call__(self, *args):
-        return (self.serial if getattr(_MODE, "serial", False) else self.parallel)(*args)
+        jit, n = self.jit, self.units(*args)
+        if kernel_threads() == 1:
+            jit(*args, 0, n)
+        else:
+            run_split(n, lambda a, b: jit(*args, a, b))
 
 
-def parallel_kernel(py_func) -> _Kernel:
-    """Decorator for the kernels that use ``prange`` (a parallel and a serial build)."""
-    return _Kernel(py_func)
+def chunked(units):
+    """Decorator for a kernel over chunks ``[c0, c1)`` (its last two parameters); ``units(*args)``
+    gives the number of chunks from the other arguments."""
+    return lambda py_func: _Chunked(py_func, units)
+
+
+def _nch(n, clen) -> int:
+    return (n + clen - 1) // clen
 
 
 # ---------------------------------------------------------------- hashing
@@ -123,51 +183,75 @@ def _bits24(i, k0, k1):
     return h >> _S8
 
 
-@parallel_kernel
-def counter_bits(start, n, k0, k1, out):
-    """out[j] = 24-bit hash of element ``start + j`` (int64 ``out``)."""
+_GRAIN = 64  # split edges of the elementwise kernels (whole cache lines)
+
+
+@njit(**_SOPTS)
+def _counter_bits(start, n, k0, k1, out):
     s = np.uint64(start)
-    for j in prange(n):
+    for j in range(n):
         out[j] = np.int64(_bits24((s + np.uint64(j)) & _M32, k0, k1))
 
 
-@parallel_kernel
-def counter_uniform(start, n, k0, k1, out):
-    """out[j] = counter_bits / 2**24 as fp32."""
+def counter_bits(start, n, k0, k1, out):
+    """out[j] = 24-bit hash of element ``start + j`` (int64 ``out``)."""
+    run_split(n, lambda a, b: _counter_bits(np.uint64(int(start) + a), b - a, k0, k1, out[a:b]), _GRAIN)
+
+
+@njit(**_SOPTS)
+def _counter_uniform(start, n, k0, k1, out):
     s = np.uint64(start)
-    for j in prange(n):
+    for j in range(n):
         out[j] = np.float32(np.int32(_bits24((s + np.uint64(j)) & _M32, k0, k1))) * _U24
 
 
-@parallel_kernel
-def hash_owner(idx, world, out):
-    """out[j] = mix32(idx[j] mod 2**32) mod world (int64 ``out``)."""
+def counter_uniform(start, n, k0, k1, out):
+    """out[j] = counter_bits / 2**24 as fp32."""
+    run_split(n, lambda a, b: _counter_uniform(np.uint64(int(start) + a), b - a, k0, k1, out[a:b]), _GRAIN)
+
+
+@njit(**_SOPTS)
+def _hash_owner(idx, world, out):
     w = np.uint64(world)
-    for j in prange(idx.size):
+    for j in range(idx.size):
         out[j] = np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)
 
 
-@parallel_kernel
-def hash_partition(idx, world, clen, counts, order):
-    """Stable grouping of ``idx`` by owner: fills ``counts`` (world) and ``order``."""
+def hash_owner(idx, world, out):
+    """out[j] = mix32(idx[j] mod 2**32) mod world (int64 ``out``)."""
+    run_split(idx.size, lambda a, b: _hash_owner(idx[a:b], world, out[a:b]), _GRAIN)
+
+
+@chunked(lambda idx, world, clen, local: _nch(idx.size, clen))
+def _hash_count(idx, world, clen, local, c0, c1):
+    """local[c, r] = entries of chunk ``c`` owned by rank ``r``."""
     n = idx.size
-    nch = (n + clen - 1) // clen
     w = np.uint64(world)
-    local = np.zeros((nch, world), np.int64)
-    for c in prange(nch):
+    for c in range(c0, c1):
         lo = c * clen
         hi = min(lo + clen, n)
         for j in range(lo, hi):
             local[c, np.int64(_mix32(np.uint64(idx[j]) & _M32) % w)] += 1
+
+
+@njit(**_SOPTS)
+def _hash_offsets(local, counts):
+    """Per owner, the counts; ``local`` becomes each chunk's first position in ``order``."""
     run = 0
-    for r in range(world):
+    for r in range(local.shape[1]):
         counts[r] = 0
-        for c in range(nch):
+        for c in range(local.shape[0]):
             cnt = local[c, r]
             local[c, r] = run
             run += cnt
             counts[r] += cnt
-    for c in prange(nch):
+
+
+@chunked(lambda idx, world, clen, local, order: _nch(idx.size, clen))
+def _hash_place(idx, world, clen, local, order, c0, c1):
+    n = idx.size
+    w = np.uint64(world)
+    for c in range(c0, c1):
         lo = c * clen
         hi = min(lo + clen, n)
         pos = local[c].copy()
@@ -177,12 +261,24 @@ def hash_partition(idx, world, clen, counts, order):
             pos[r] += 1
 
 
+def hash_partition(idx, world, clen, counts, order):
+    """Stable grouping of ``idx`` by owner: fills ``counts`` (world) and ``order``."""
+    local = np.zeros((_nch(idx.size, clen), world), np.int64)
+    _hash_count(idx, world, clen, local)
+    _hash_offsets(local, counts)
+    _hash_place(idx, world, clen, local, order)
+
+
 # ---------------------------------------------------------------- selection
-@parallel_kernel
+@njit(**_SOPTS)
+def _magnitude_key(xi, out):
+    for j in range(xi.size):
+        out[j] = np.int64(xi[j] & _ABS)
+
+
 def magnitude_key(xi, out):
     """out[j] = xi[j] & 0x7fffffff as int64 (``xi``: fp32 bits as int32)."""
-    for j in prange(xi.size):
-        out[j] = np.int64(xi[j] & _ABS)
+    run_split(xi.size, lambda a, b: _magnitude_key(xi[a:b], out[a:b]), _GRAIN)
 
 
 @njit(inline="always", **_SOPTS)
@@ -224,8 +320,8 @@ def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, z
     return pos
 
 
-@parallel_kernel
-def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
+@chunked(lambda xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts: counts.size)
+def _select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts, c0, c1):
     """One pass: compact each chunk's selected entries into its slot of ``cap`` entries.
 
     ``ibuf``/``vbuf`` hold ``nchunks * cap`` entries.  Returns the per-chunk
@@ -235,9 +331,7 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
     selected in place); 2 ``res = xi`` with the selected zeroed; 3 ``res = xi``.
     """
     n = xi.size
-    nch = (n + clen - 1) // clen
-    counts = np.zeros(nch, np.int64)
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         flags = np.empty(_PIECE, np.uint8)
@@ -248,11 +342,19 @@ def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
         if cnt <= cap and mode == 1:  # in place: zero only once the chunk's values are safe
             for t in range(cnt):
                 res[io[t]] = 0
+
+
+def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
+    counts = np.zeros(_nch(xi.size, clen), np.int64)
+    _select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts)
     return counts
 
 
-@parallel_kernel
-def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode):
+select_chunks.__doc__ = _select_chunks.__doc__
+
+
+@chunked(lambda xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode: counts.size)
+def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode, c0, c1):
     """Concatenate the chunk slots of :func:`select_chunks`; rescan overflowed chunks."""
     n = xi.size
     nch = counts.size
@@ -261,7 +363,7 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
     for c in range(nch):
         offsets[c] = run
         run += counts[c]
-    for c in prange(nch):
+    for c in range(c0, c1):
         o = offsets[c]
         cnt = counts[c]
         if cnt <= cap:
@@ -339,8 +441,8 @@ def _compensate(x, r, beta, scale, how, thr, out, flags):
             flags[j] = not abs(c) < thr
 
 
-@parallel_kernel
-def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf):
+@chunked(lambda x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts: counts.size)
+def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts, c0, c1):
     """:func:`select_chunks` (mode 0, keys ``[lo, max]``) of the compensated ``c = x*scale +
     r*beta``, written into ``out`` (fp32; ``outi`` its int32 view): one loop per piece
     computes ``c``, stores it and flags ``not |c| < thr`` (``thr``: the float of key ``lo``,
@@ -348,9 +450,7 @@ def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ib
     ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
     Overflowed chunks are rescanned from ``outi`` by :func:`select_gather`."""
     n = x.size
-    nch = (n + clen - 1) // clen
-    counts = np.zeros(nch, np.int64)
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         flags = np.empty(_PIECE, np.uint8)
@@ -362,15 +462,22 @@ def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ib
             _compensate(x[p0:p1], r[p0:p1], beta, scale, how, thr, out[p0:p1], flags)
             pos = _scan_flags(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
         counts[c] = pos
+
+
+def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf):
+    counts = np.zeros(_nch(x.size, clen), np.int64)
+    _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts)
     return counts
 
 
-@parallel_kernel
-def compensate(x, r, beta, scale, how, out, clen):
+select_chunks_feedback.__doc__ = _select_chunks_feedback.__doc__
+
+
+@chunked(lambda x, r, beta, scale, how, out, clen: _nch(x.size, clen))
+def compensate(x, r, beta, scale, how, out, clen, c0, c1):
     """out = x*scale + r*beta (see :func:`_compensate`; no selection)."""
     n = x.size
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         flags = np.empty(_PIECE, np.uint8)
@@ -433,41 +540,59 @@ def topk_finish(cidx, cval, k, take):
     return idx, val
 
 
-@parallel_kernel
-def zero_at(res, idx):
-    """res[idx[j]] = 0 for every j (in parallel)."""
-    for j in prange(idx.size):
+@njit(**_SOPTS)
+def _zero_at(res, idx):
+    for j in range(idx.size):
         res[idx[j]] = 0
 
 
-@parallel_kernel
-def restore_unselected(res, cidx, cval, take):
-    """res[cidx[j]] = cval[j] for the candidates not taken (their residual was zeroed in the pass)."""
-    for j in prange(cidx.size):
+def zero_at(res, idx):
+    """res[idx[j]] = 0 for every j."""
+    run_split(idx.size, lambda a, b: _zero_at(res, idx[a:b]), _GRAIN)
+
+
+@njit(**_SOPTS)
+def _restore_unselected(res, cidx, cval, take):
+    for j in range(cidx.size):
         if take[j] == 0:
             res[cidx[j]] = cval[j]
 
 
-@parallel_kernel
+def restore_unselected(res, cidx, cval, take):
+    """res[cidx[j]] = cval[j] for the candidates not taken (their residual was zeroed in the pass)."""
+    run_split(cidx.size, lambda a, b: _restore_unselected(res, cidx[a:b], cval[a:b], take[a:b]), _GRAIN)
+
+
+@njit(**_SOPTS)
+def _first_out_of_range(idx, n):
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return j
+    return -1
+
+
+@chunked(lambda out, idx, val, step, nparts: nparts)
+def _scatter_parts(out, idx, val, step, nparts, c0, c1):
+    """:func:`scatter_add` into the ranges ``[p * step, (p + 1) * step)`` of ``out``, ``p`` in ``[c0, c1)``."""
+    for p in range(c0, c1):
+        a = p * step
+        b = a + step
+        for j in range(idx.size):
+            t = idx[j]
+            if t >= a and t < b:
+                out[t] += val[j]
+
+
 def scatter_add(out, idx, val, nparts):
-    """out[idx[j]] += val[j] in ``j`` order, parallel over ranges of ``out`` (duplicates safe).
+    """out[idx[j]] += val[j] in ``j`` order, split over ``nparts`` ranges of ``out`` (duplicates safe).
 
     Returns -1, or the position of the first index out of ``[0, out.size)``
     (then nothing was written).
     """
-    n = out.size
-    m = idx.size
-    for j in range(m):
-        if idx[j] < 0 or idx[j] >= n:
-            return j
-    step = (n + nparts - 1) // nparts
-    for p in prange(nparts):
-        a = p * step
-        b = a + step
-        for j in range(m):
-            t = idx[j]
-            if t >= a and t < b:
-                out[t] += val[j]
+    bad = _first_out_of_range(idx, out.size)
+    if bad >= 0:
+        return bad
+    _scatter_parts(out, idx, val, (out.size + nparts - 1) // nparts, nparts)
     return -1
 
 
@@ -600,21 +725,19 @@ def _unpack_range(packed, a, b, bits, codes, cbase):
                 sh += ub
 
 
-@parallel_kernel
-def pack_bits(codes, bits, clen, packed):
+@chunked(lambda codes, bits, clen, packed: _nch(codes.size, clen))
+def pack_bits(codes, bits, clen, packed, c0, c1):
     """Little-endian bit packing of uint8 ``codes`` (``clen`` a multiple of 8)."""
     n = codes.size
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         _pack_range(codes, 0, a, min(a + clen, n), bits, packed)
 
 
-@parallel_kernel
-def unpack_bits(packed, bits, n, clen, codes):
+@chunked(lambda packed, bits, n, clen, codes: _nch(n, clen))
+def unpack_bits(packed, bits, n, clen, codes, c0, c1):
     """Inverse of :func:`pack_bits` into uint8 ``codes`` (``n`` entries)."""
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         _unpack_range(packed, a, min(a + clen, n), bits, codes, 0)
 
@@ -632,23 +755,26 @@ def bitmap_encode(idx, n, bitmap):
     return -1
 
 
-@parallel_kernel
-def bitmap_count(bitmap, n, clen):
-    """Per chunk of ``clen`` entries (multiple of 8), the number of set bits below ``n``."""
-    nch = (n + clen - 1) // clen
-    counts = np.zeros(nch, np.int64)
-    for c in prange(nch):
+@chunked(lambda bitmap, n, clen, counts: counts.size)
+def _bitmap_count(bitmap, n, clen, counts, c0, c1):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         cnt = 0
         for j in range(a, b):
             cnt += (bitmap[j >> 3] >> (j & 7)) & 1
         counts[c] = cnt
+
+
+def bitmap_count(bitmap, n, clen):
+    """Per chunk of ``clen`` entries (multiple of 8), the number of set bits below ``n``."""
+    counts = np.zeros(_nch(n, clen), np.int64)
+    _bitmap_count(bitmap, n, clen, counts)
     return counts
 
 
-@parallel_kernel
-def bitmap_write(bitmap, n, clen, counts, idx_out):
+@chunked(lambda bitmap, n, clen, counts, idx_out: counts.size)
+def bitmap_write(bitmap, n, clen, counts, idx_out, c0, c1):
     """Write the set-bit indices (ascending) using the chunk counts of :func:`bitmap_count`."""
     nch = counts.size
     offsets = np.empty(nch, np.int64)
@@ -656,7 +782,7 @@ def bitmap_write(bitmap, n, clen, counts, idx_out):
     for c in range(nch):
         offsets[c] = run
         run += counts[c]
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         pos = offsets[c]
@@ -701,11 +827,11 @@ def _block_scale(xi, s0, s1, kbuf, fbuf, fq):
     return s, inv
 
 
-@parallel_kernel
-def block_absmax(xi, block, scales):
+@chunked(lambda xi, block, scales: scales.size)
+def block_absmax(xi, block, scales, c0, c1):
     """scales[b] = max |x| over block ``b`` as fp32 bits (int32 view), NaN if any NaN."""
     n = xi.size
-    for b in prange(scales.size):
+    for b in range(c0, c1):
         a = b * block
         m = _absmax_key(xi, a, min(a + block, n))
         scales[b] = m if m <= _INF_KEY else np.int32(0x7FC00000)
@@ -875,37 +1001,42 @@ def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, 
     return bad
 
 
-@parallel_kernel
-def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales):
+@chunked(lambda x, xi, bits, block, stochastic, k0, k1, clen, packed, scales: _nch(x.size, clen))
+def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales, c0, c1):
     """Absmax block quantization + packing in one pass per chunk (:func:`_quantize_chunk`).
 
     ``clen`` is a multiple of ``block`` and of 8, so chunks hold whole blocks and
     whole bytes.  ``scales`` is fp32; ``packed`` uint8 of ``ceil(n*bits/8)``.
     """
     n = x.size
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         _quantize_chunk(x, x, _F0, _F0, 0, False, stochastic, k0, k1, bits, block, a, min(a + clen, n),
                         x, packed, scales)
 
 
-@parallel_kernel
-def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales):
+@chunked(lambda x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad: bad.size)
+def _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad, c0, c1):
     """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
     blocks, each block while it is in L1: ``c = x*scale + r*beta`` (:func:`_compensate`), its
     absmax scale and codes, then ``out := c - decoded``, the new residual.  ``clen`` as for
     :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  Returns the number of
     chunks with a non-finite scale."""
     n = x.size
-    nch = (n + clen - 1) // clen
-    bad = np.zeros(nch, np.uint8)
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         if _quantize_chunk(x, r, beta, scale, how, True, False, _ZERO64, _ZERO64, bits, block, a,
                            min(a + clen, n), out, packed, scales):
             bad[c] = 1
-    return bad.sum()
+
+
+def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales):
+    bad = np.zeros(_nch(x.size, clen), np.uint8)
+    _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad)
+    return int(bad.sum())
+
+
+block_quantize_feedback.__doc__ = _block_quantize_feedback.__doc__
 
 
 @njit(inline="always", **_SOPTS)
@@ -917,18 +1048,17 @@ def _chunk_codes(packed, a, b, bits, buf):
     return buf
 
 
-@parallel_kernel
-def block_dequantize(pa, sa, pb, sb, two, bits, block, n, clen, out, accumulate):
+@chunked(lambda pa, sa, pb, sb, two, bits, block, n, clen, out, accumulate: _nch(n, clen))
+def block_dequantize(pa, sa, pb, sb, two, bits, block, n, clen, out, accumulate, c0, c1):
     """out[j] (+)= (code_j - qmax) * (scale / qmax), unpacking per chunk; with ``two``, a second
     payload ``(pb, sb)`` is added in the same pass: ``out = (out +) da + db``, the sum in that
     order (as two accumulating calls), written once."""
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, min(a + clen, n), out, accumulate)
 
 
-@njit(**_SOPTS)  # not inlined: one compiled body for the parallel kernel and its serial twin
+@njit(**_SOPTS)
 def _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, b, out, accumulate):
     """:func:`block_dequantize` of elements ``[a, b)`` (whole blocks, ``a`` a multiple of 8)."""
     qmax = np.int32((1 << (bits - 1)) - 1)
@@ -1000,21 +1130,21 @@ def _tree_sum_abs(x, a, b):
     return acc
 
 
-@parallel_kernel
-def sign_scales(x, chunk, scales):
+@chunked(lambda x, chunk, scales: scales.size)
+def sign_scales(x, chunk, scales, c0, c1):
     """scales[c] = tree-sum |x| over chunk ``c`` / its length (fp32)."""
     n = x.size
-    for c in prange(scales.size):
+    for c in range(c0, c1):
         a = c * chunk
         b = min(a + chunk, n)
         scales[c] = _tree_sum_abs(x, a, b) / np.float32(b - a)
 
 
-@parallel_kernel
-def sign_bits(x, packed):
+@chunked(lambda x, packed: packed.size)
+def sign_bits(x, packed, c0, c1):
     """Bit j = not (x[j] < 0), little-endian, 8 entries per byte."""
     n = x.size
-    for byte in prange(packed.size):
+    for byte in range(c0, c1):
         a = byte * 8
         v = 0
         for t in range(min(8, n - a)):
@@ -1023,11 +1153,10 @@ def sign_bits(x, packed):
         packed[byte] = np.uint8(v)
 
 
-@parallel_kernel
-def sign_unpack(packed, scales, chunk, n, out, accumulate):
+@chunked(lambda packed, scales, chunk, n, out, accumulate: scales.size)
+def sign_unpack(packed, scales, chunk, n, out, accumulate, c0, c1):
     """out[j] (+)= +scale or -scale of ``j``'s chunk by bit ``j``."""
-    nch = scales.size
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * chunk
         b = min(a + chunk, n)
         s = scales[c]
@@ -1094,12 +1223,11 @@ def _minifloat_any(fmt, y, yi, base, stochastic, k0, k1, codes, cbase):
         _minifloat_codes(y, yi, base, _F3M, _F3K, _F3E, _F3B, _F3S, _F3T, stochastic, k0, k1, codes, cbase)
 
 
-@parallel_kernel
-def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scales):
+@chunked(lambda x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scales: _nch(x.size, clen))
+def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scales, c0, c1):
     """Per block: scale = absmax / fmax, codes of x * (fmax / absmax); one pass per chunk of blocks."""
     n = x.size
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         ybuf = np.empty(min(block, _PIECE), np.float32)
@@ -1119,11 +1247,10 @@ def fp8_quantize(x, xi, block, fmt, fmax, stochastic, k0, k1, clen, codes, scale
                 _minifloat_any(fmt, yp, yib[:p1 - p0], p0, stochastic, k0, k1, codes, p0)
 
 
-@parallel_kernel
-def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate):
+@chunked(lambda codes, scales, table, block, n, clen, out, accumulate: _nch(n, clen))
+def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate, c0, c1):
     """out[j] (+)= table[codes[j]] * scales[j // block]."""
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         for s0 in range(a, b, block):
@@ -1139,15 +1266,14 @@ def fp8_dequantize(codes, scales, table, block, n, clen, out, accumulate):
                     os[j] = table[cs[j]] * s
 
 
-@parallel_kernel
-def mx_quantize(x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_bytes):
+@chunked(lambda x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_bytes: _nch(x.size, clen))
+def mx_quantize(x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_bytes, c0, c1):
     """OCP MX blocks of 32: E8M0 scale byte and ``bits``-bit element codes, packed per chunk.
 
     ``clen`` is a multiple of 32 (so chunks start on a byte of the packed stream).
     """
     n = x.size
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         if bits == 8:
@@ -1177,11 +1303,10 @@ def mx_quantize(x, xi, bits, emax, fmt, stochastic, k0, k1, clen, packed, scale_
             _pack_range(codes, a, a, b, bits, packed)
 
 
-@parallel_kernel
-def mx_dequantize(packed, scale_bytes, table, scale_tab, bits, n, clen, out, accumulate):
+@chunked(lambda packed, scale_bytes, table, scale_tab, bits, n, clen, out, accumulate: _nch(n, clen))
+def mx_dequantize(packed, scale_bytes, table, scale_tab, bits, n, clen, out, accumulate, c0, c1):
     """out[j] (+)= table[code_j] * scale_tab[scale_bytes[j // 32]], unpacking per chunk."""
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         if bits == 8:
@@ -1278,12 +1403,12 @@ def _norm_rescued(s, k):
     return np.float32(r)
 
 
-@parallel_kernel
-def bucket_norms(x, xi, bucket, norms):
+@chunked(lambda x, xi, bucket, norms: norms.size)
+def bucket_norms(x, xi, bucket, norms, c0, c1):
     """norms[b] = sqrt(tree-sum of squares over bucket ``b``) in fp32, summed again scaled by a
     power of two when the plain sum overflowed or is tiny (``reference.bucket_norms``)."""
     n = x.size
-    for c in prange(norms.size):
+    for c in range(c0, c1):
         a = c * bucket
         e = min(a + bucket, n)
         s = _tree_sum_sq(x, a, e, _F1)
@@ -1307,15 +1432,14 @@ def _level_multiplier(fl, s):
     return fl / (s * p), p
 
 
-@parallel_kernel
-def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
+@chunked(lambda x, xi, scales, bucket, levels, bits, k0, k1, clen, packed: _nch(x.size, clen))
+def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1):
     """QSGD/TernGrad stochastic codes (see ``reference.level_quantize``), packed per chunk
     of ``clen`` entries (a multiple of 8)."""
     n = x.size
-    nch = (n + clen - 1) // clen
     fl = np.float32(levels)
     lv = np.int32(levels)
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         if bits == 8:
@@ -1341,16 +1465,15 @@ def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed):
             _pack_range(codes, a, a, b, bits, packed)
 
 
-@parallel_kernel
-def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms):
+@chunked(lambda x, xi, bucket, levels, bits, k0, k1, clen, packed, norms: _nch(x.size, clen))
+def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms, c0, c1):
     """:func:`bucket_norms` + :func:`level_quantize` in one pass: each bucket (at most
     ``_PAIRWISE_MAX`` entries) is summed while in cache, then coded.  ``clen`` is a
     multiple of ``bucket`` and of 8."""
     n = x.size
-    nch = (n + clen - 1) // clen
     fl = np.float32(levels)
     lv = np.int32(levels)
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         if bits == 8:
@@ -1379,12 +1502,11 @@ def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms):
             _pack_range(codes, a, a, b, bits, packed)
 
 
-@parallel_kernel
-def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate):
+@chunked(lambda packed, scales, bucket, levels, bits, n, clen, out, accumulate: _nch(n, clen))
+def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate, c0, c1):
     """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels)."""
     fl = np.float32(levels)
-    nch = (n + clen - 1) // clen
-    for c in prange(nch):
+    for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
         if bits == 8:
@@ -1444,15 +1566,13 @@ def _pairwise_level_sum(v, square, buf, f):
     return buf[0]
 
 
-@parallel_kernel
-def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
+@chunked(lambda x, res, beta, use_beta, chunk, new_res, packed, scales, bad: bad.size)
+def _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, bad, c0, c1):
     """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
     new_res = c - (+-scale).  ``chunk`` must be a multiple of 8 (whole bytes per chunk);
     returns False when some c or scale is not finite."""
     n = x.size
-    nchunks = scales.size
-    bad = np.zeros(nchunks, np.uint8)
-    for c in prange(nchunks):
+    for c in range(c0, c1):
         a = c * chunk
         b = min(a + chunk, n)
         cs = new_res[a:b]
@@ -1482,4 +1602,12 @@ def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
         for j in range(m):
             cj = cs[j]
             cs[j] = cj + s if cj < _F0 else cj - s
-    return bad.sum() == 0
+
+
+def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
+    bad = np.zeros(scales.size, np.uint8)
+    _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, bad)
+    return not bad.any()
+
+
+sign_pack_feedback.__doc__ = _sign_pack_feedback.__doc__

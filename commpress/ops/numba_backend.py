@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
-import numba
 import numpy as np
 import torch
 
@@ -31,8 +31,11 @@ log = logging.getLogger("commpress")
 MIN_CHUNK = 1 << 15
 #: Elements per block-quantization chunk (whole blocks, kept cache-resident).
 QUANT_CHUNK = 1 << 14
-#: Inputs smaller than this (elements) run on one thread.
-SERIAL_BELOW = 1 << 17
+#: Inputs smaller than this (elements) run on the calling thread alone.  Handing chunks to the
+#: kernels' pool and waiting for them costs ~130 us per call on a 2-core VM (two thread wake-ups),
+#: so a second thread paid for block quantization, top-k and the counter hash only from 2**20
+#: elements there (1.6x, 1.25x, 1.8x; ``tests/ops/test_ops_numba_threads.py`` checks the bits).
+SERIAL_BELOW = 1 << 20
 #: Strided sample size used by top-k to estimate its candidate threshold.
 TOPK_SAMPLE = 1 << 14
 
@@ -60,8 +63,8 @@ def _bits_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _threads() -> int:
-    """Threads the next kernel runs on (1 for serial twins; never starts numba's pool then)."""
-    return 1 if K.in_serial_mode() else numba.get_num_threads()
+    """Threads the next kernel call may split its chunks over (:func:`._numba_kernels.use_threads`)."""
+    return K.kernel_threads()
 
 
 def _chunk(n: int, multiple: int = 64) -> int:
@@ -753,15 +756,18 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
     return torch.from_numpy(packed), torch.from_numpy(scales), torch.tensor(bool(fin))
 
 
-def _serial_when_small(fn):
-    """Run ``fn`` on at most ``torch.get_num_threads()`` numba threads; serial kernels at one.
+#: Most threads one call splits its chunks over: the cores this process may run on.
+MAX_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    Numba follows torch's intra-op thread count.  When that is 1 (``torchrun``
+
+def _serial_when_small(fn):
+    """Run ``fn`` on ``torch.get_num_threads()`` threads (at most :data:`MAX_THREADS`), or on the
+    calling thread alone for inputs under :data:`SERIAL_BELOW` elements.
+
+    The kernels follow torch's intra-op thread count.  When that is 1 (``torchrun``
     workers sharing a host should call ``torch.set_num_threads(1)``; a rank that
-    owns one core has 1 anyway) or the input is small, the kernels' serial twins
-    run (:func:`~commpress.ops._numba_kernels.serial_kernels`): numba's pool is
-    never woken, so it cannot spin in every rank process and oversubscribe the
-    cores.  (``numba.set_num_threads`` is per calling thread.)
+    owns one core has 1 anyway) every kernel runs on the calling thread and no
+    thread is started (:func:`~commpress.ops._numba_kernels.use_threads`).
     """
 
     @functools.wraps(fn)
@@ -778,23 +784,15 @@ def _serial_when_small(fn):
         if size < 0:  # counter ops: n is the third argument
             n = args[2] if len(args) > 2 else kwargs.get("n", 0)
             size = int(n) if isinstance(n, (int, np.integer)) else 0
-        wanted = 1 if size < SERIAL_BELOW else max(1, min(numba.config.NUMBA_NUM_THREADS,
-                                                          torch.get_num_threads()))
-        if wanted == 1:  # serial twins (K.serial_kernels' flag, set inline: a hot path)
-            before = K.in_serial_mode()
-            K._MODE.serial = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                K._MODE.serial = before
-        threads = numba.get_num_threads()
-        if wanted == threads:
+        wanted = 1 if size < SERIAL_BELOW else max(1, min(MAX_THREADS, torch.get_num_threads()))
+        before = getattr(K._MODE, "threads", 1)
+        if wanted == before:
             return fn(*args, **kwargs)
-        numba.set_num_threads(wanted)
+        K._MODE.threads = wanted  # K.use_threads, set inline: a hot path
         try:
             return fn(*args, **kwargs)
         finally:
-            numba.set_num_threads(threads)
+            K._MODE.threads = before
 
     return call
 

@@ -1,4 +1,4 @@
-"""The numba backend matches the torch reference on ~1e6-element inputs (default chunking)."""
+"""The numba backend matches the torch reference on ~1e6-element inputs (default chunking, 2 threads)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from commpress.ops import reference as R
 
 nb = pytest.importorskip("commpress.ops.numba_backend")
+from commpress.ops import _numba_kernels as K  # noqa: E402
 
 from opcheck import assert_bitwise, messy_large, run_selection  # noqa: E402
 
@@ -18,6 +19,13 @@ N_LARGE = 1_000_003
 @pytest.fixture(scope="module")
 def large():
     return messy_large(N_LARGE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """Every call's chunks split over two threads (the calling one and the kernels' pool)."""
+    with K.use_threads(2):
+        yield
 
 
 def test_large_selection(large):

@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 from commpress.ops import reference as R
 
 nb = pytest.importorskip("commpress.ops.numba_backend")
+from commpress.ops import _numba_kernels as K  # noqa: E402
 
 from opcheck import assert_bitwise, f32_arrays, norm_extremes, run_selection, tensor  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def small_chunks():
-    """Tiny chunks and top-k samples so small inputs exercise the multi-chunk paths."""
-    with pytest.MonkeyPatch.context() as mp:
+    """Tiny chunks and top-k samples so small inputs exercise the multi-chunk paths, each call's
+    chunks split over 3 threads (uneven ranges; more threads than this machine's pool has)."""
+    with pytest.MonkeyPatch.context() as mp, K.use_threads(3):
         mp.setattr(nb, "MIN_CHUNK", 64)
         mp.setattr(nb, "QUANT_CHUNK", 16)
         mp.setattr(nb, "TOPK_SAMPLE", 8)
