@@ -63,6 +63,16 @@ def test_netspec_parse():
             NetSpec.parse(bad)
 
 
+def test_the_token_bucket_holds_two_ms_of_the_rate_like_a_nic_queue():
+    """A NIC banks nothing while idle: tbf's bucket must not let a message that follows compute
+    leave at once (512 KiB did: 42 ms of a 100 Mbit/s link)."""
+    assert NetSpec.parse("1gbit").bytes_per_s() == 125e6
+    assert NetSpec.parse("125mbps").bytes_per_s() == 125e6       # tc's *bps are bytes
+    assert NetSpec.parse("10gbit").burst_bytes() == 2_500_000
+    assert NetSpec.parse("100mbit").burst_bytes() == netem.MIN_BURST   # 25 KB, raised to the floor
+    assert NetSpec.parse("10mbit,1ms").burst_bytes() == netem.MIN_BURST
+
+
 def test_up_creates_shaped_links_and_down_removes_everything():
     ip = FakeIP()
     c = Cluster(3, "1gbit", runner=ip, list_out=ip.list_out, tag="cpbench-test-")
@@ -71,6 +81,7 @@ def test_up_creates_shaped_links_and_down_removes_everything():
         tbf = [cmd for cmd in ip.calls if "tbf" in cmd]
         assert len(tbf) == 6                     # both ends of 3 links
         assert all("1gbit" in cmd for cmd in tbf)
+        assert all(cmd[cmd.index("burst") + 1] == "250000b" for cmd in tbf)   # 2 ms of 1 Gbit/s
         assert c.rank_command(1) == ["ip", "netns", "exec", "cpbench-test-r1"]
         # every address lives inside a namespace of this cluster
         for cmd in ip.calls:
