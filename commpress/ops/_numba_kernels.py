@@ -322,14 +322,7 @@ def _compact_range(xi, a, b, lo_key, hi_key, idx_out, val_out, pos, res, copy, z
 
 @chunked(lambda xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts: counts.size)
 def _select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts, c0, c1):
-    """One pass: compact each chunk's selected entries into its slot of ``cap`` entries.
-
-    ``ibuf``/``vbuf`` hold ``nchunks * cap`` entries.  Returns the per-chunk
-    counts; a chunk whose count exceeds ``cap`` overflowed: its residual is left
-    as it was (mode 1) or a plain copy (mode 2) and :func:`select_gather`
-    rescans it.  ``mode``: 0 no residual; 1 ``res`` is ``xi`` (zero the
-    selected in place); 2 ``res = xi`` with the selected zeroed; 3 ``res = xi``.
-    """
+    """One chunk range of :func:`select_chunks` (counts into ``counts``)."""
     n = xi.size
     for c in range(c0, c1):
         a = c * clen
@@ -345,12 +338,17 @@ def _select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts,
 
 
 def select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode):
+    """One pass: compact each chunk's selected entries into its slot of ``cap`` entries.
+
+    ``ibuf``/``vbuf`` hold ``nchunks * cap`` entries.  Returns the per-chunk
+    counts; a chunk whose count exceeds ``cap`` overflowed: its residual is left
+    as it was (mode 1) or a plain copy (mode 2) and :func:`select_gather`
+    rescans it.  ``mode``: 0 no residual; 1 ``res`` is ``xi`` (zero the
+    selected in place); 2 ``res = xi`` with the selected zeroed; 3 ``res = xi``.
+    """
     counts = np.zeros(_nch(xi.size, clen), np.int64)
     _select_chunks(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, res, mode, counts)
     return counts
-
-
-select_chunks.__doc__ = _select_chunks.__doc__
 
 
 @chunked(lambda xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, val_out, res, mode: counts.size)
@@ -443,12 +441,7 @@ def _compensate(x, r, beta, scale, how, thr, out, flags):
 
 @chunked(lambda x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts: counts.size)
 def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts, c0, c1):
-    """:func:`select_chunks` (mode 0, keys ``[lo, max]``) of the compensated ``c = x*scale +
-    r*beta``, written into ``out`` (fp32; ``outi`` its int32 view): one loop per piece
-    computes ``c``, stores it and flags ``not |c| < thr`` (``thr``: the float of key ``lo``,
-    at most inf), then the flags are scanned while the piece is in cache.  One pass reads
-    ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
-    Overflowed chunks are rescanned from ``outi`` by :func:`select_gather`."""
+    """One chunk range of :func:`select_chunks_feedback` (counts into ``counts``)."""
     n = x.size
     for c in range(c0, c1):
         a = c * clen
@@ -465,12 +458,15 @@ def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, i
 
 
 def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf):
+    """:func:`select_chunks` (mode 0, keys ``[lo, max]``) of the compensated ``c = x*scale +
+    r*beta``, written into ``out`` (fp32; ``outi`` its int32 view): one loop per piece
+    computes ``c``, stores it and flags ``not |c| < thr`` (``thr``: the float of key ``lo``,
+    at most inf), then the flags are scanned while the piece is in cache.  One pass reads
+    ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
+    Overflowed chunks are rescanned from ``outi`` by :func:`select_gather`."""
     counts = np.zeros(_nch(x.size, clen), np.int64)
     _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts)
     return counts
-
-
-select_chunks_feedback.__doc__ = _select_chunks_feedback.__doc__
 
 
 @chunked(lambda x, r, beta, scale, how, out, clen: _nch(x.size, clen))
@@ -1017,11 +1013,7 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales,
 
 @chunked(lambda x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad: bad.size)
 def _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad, c0, c1):
-    """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
-    blocks, each block while it is in L1: ``c = x*scale + r*beta`` (:func:`_compensate`), its
-    absmax scale and codes, then ``out := c - decoded``, the new residual.  ``clen`` as for
-    :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  Returns the number of
-    chunks with a non-finite scale."""
+    """One chunk range of :func:`block_quantize_feedback` (``bad[c]`` set for a non-finite scale)."""
     n = x.size
     for c in range(c0, c1):
         a = c * clen
@@ -1031,12 +1023,14 @@ def _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, pac
 
 
 def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales):
+    """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
+    blocks, each block while it is in L1: ``c = x*scale + r*beta`` (:func:`_compensate`), its
+    absmax scale and codes, then ``out := c - decoded``, the new residual.  ``clen`` as for
+    :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  Returns the number of
+    chunks with a non-finite scale."""
     bad = np.zeros(_nch(x.size, clen), np.uint8)
     _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad)
     return int(bad.sum())
-
-
-block_quantize_feedback.__doc__ = _block_quantize_feedback.__doc__
 
 
 @njit(inline="always", **_SOPTS)
@@ -1568,9 +1562,7 @@ def _pairwise_level_sum(v, square, buf, f):
 
 @chunked(lambda x, res, beta, use_beta, chunk, new_res, packed, scales, bad: bad.size)
 def _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, bad, c0, c1):
-    """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
-    new_res = c - (+-scale).  ``chunk`` must be a multiple of 8 (whole bytes per chunk);
-    returns False when some c or scale is not finite."""
+    """One chunk range of :func:`sign_pack_feedback` (``bad[c]`` set for a non-finite chunk)."""
     n = x.size
     for c in range(c0, c1):
         a = c * chunk
@@ -1605,9 +1597,10 @@ def _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, 
 
 
 def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
+    """Per chunk, while in cache: c = x + res (* beta), scale = mean |c|, sign bits,
+    new_res = c - (+-scale).  ``chunk`` must be a multiple of 8 (whole bytes per chunk);
+    returns False when some c or scale is not finite."""
     bad = np.zeros(scales.size, np.uint8)
     _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, bad)
     return not bad.any()
 
-
-sign_pack_feedback.__doc__ = _sign_pack_feedback.__doc__
