@@ -13,6 +13,8 @@ SUITES = {
     "compressors": "compress/decompress speed and payload size of every compressor",
     "collectives": "sparse / quantized allreduce algorithms vs dense (supports --net RATE[,DELAY])",
     "kernels": "ops backends (torch reference, numba, CUDA) vs memcpy of the same bytes",
+    "pipeline": "quantized gather_all allreduce: one message vs one per chunk, on an emulated link "
+                "(--net 1gbit --numels ...)",
     "overhead": "hot-path overhead on loopback: DDP / allreduce / FSDP2 vs plain and PyTorch's hooks "
                 "(--quick)",
     "auto2x2": "register(model, \"auto\", hierarchy=2) on an emulated 2 nodes x 2 ranks: its path per bucket "

@@ -166,6 +166,38 @@ def all_gather(t: torch.Tensor, group=None, stats: CommStats | None = None) -> t
     return out.reshape((p,) + tuple(t.shape))
 
 
+class Gathering:
+    """An all-gather in flight (:func:`all_gather_start`): :meth:`wait` returns ``[P, *shape]``
+    and charges ``stats`` with the round and the host seconds spent issuing and waiting."""
+
+    def __init__(self, work, out: torch.Tensor, shape: tuple, cost: tuple[int, int, int],
+                 stats: CommStats | None, issued: float) -> None:
+        self._work, self._out, self._shape = work, out, shape
+        self._cost, self._stats, self._issued = cost, stats, issued
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self._work.wait()
+        if self._stats is not None:
+            self._stats.add(*self._cost, rounds=1, seconds=self._issued + time.perf_counter() - t0)
+        return self._out.reshape(self._shape)
+
+
+def all_gather_start(t: torch.Tensor, group=None, stats: CommStats | None = None) -> Gathering:
+    """Start an all-gather of a same-shape tensor from every rank (``P >= 2``); the caller
+    keeps ``t`` unchanged until :meth:`Gathering.wait`.  What a pipeline overlaps its next
+    piece's compression (and its last piece's decoding) with."""
+    _enter("all_gather")
+    p = world(group)
+    t = t.contiguous()
+    out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
+    t0 = time.perf_counter()
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, t.reshape(-1), group=group, async_op=True)
+    return Gathering(work, out, (p,) + tuple(t.shape), all_gather_cost(t.numel() * t.element_size(), p),
+                     stats, time.perf_counter() - t0)
+
+
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, group=None, stats: CommStats | None = None) -> torch.Tensor:
     """All-gather ``t`` (contiguous, same size on every rank) into the flat ``out`` of ``P * t.numel()``."""
     _enter("all_gather_into")

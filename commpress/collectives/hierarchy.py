@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
 from typing import Any
 
 import torch
@@ -47,7 +45,7 @@ import torch.distributed as dist
 
 from ..feedback import nonfinite_flag, owns_transaction
 from . import _comm, costmodel, wire
-from .wire import fingerprint, has_feedback, local_check, unwrap
+from .wire import fingerprint, has_feedback, local_check, payload_bytes, unwrap
 from .core import ALLREDUCE_ALGORITHMS
 from .core import allreduce as flat_allreduce
 from .costmodel import CostModel
@@ -288,22 +286,6 @@ def _host_status(t: torch.Tensor) -> bool:
 #: device through the inter call's status.  Tests set ``lambda t: False`` to run the CUDA logic on CPU.
 HOST_STATUS = _host_status
 
-_PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
-_PROBES_LOCK = threading.Lock()
-
-
-def payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
-    """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size;
-    keyed weakly by the compressor, so a new compressor never reuses a dead one's entry)."""
-    k = (numel, str(dtype))
-    with _PROBES_LOCK:
-        found = _PROBES.get(inner, {}).get(k)
-    if found is None:
-        z = torch.zeros(numel, dtype=dtype if dtype in inner.supported_dtypes else torch.float32)
-        found = inner.compress_fixed(z, key=("hierarchy-probe",)).nbytes if numel else 0
-        with _PROBES_LOCK:
-            _PROBES.setdefault(inner, {})[k] = found
-    return found
 
 
 def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, shapes

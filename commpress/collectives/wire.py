@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -206,6 +207,25 @@ def compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, k
         return compressor.compress_fixed(tensor, step=step, key=key, generator=generator,
                                          transaction=transaction)
     return compressor.compress_fixed(tensor, step=step, key=key, generator=generator)
+
+
+_PROBES: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+_PROBES_LOCK = threading.Lock()
+
+
+def payload_bytes(inner: Any, numel: int, dtype: torch.dtype) -> int:
+    """Bytes of ``inner``'s fixed-size payload of ``numel`` elements (measured once per size, by
+    compressing zeros; keyed weakly by the compressor, so a new compressor never reuses a dead
+    one's entry).  What a caller plans with before it compresses anything."""
+    k = (numel, str(dtype))
+    with _PROBES_LOCK:
+        found = _PROBES.get(inner, {}).get(k)
+    if found is None:
+        z = torch.zeros(numel, dtype=dtype if dtype in inner.supported_dtypes else torch.float32)
+        found = inner.compress_fixed(z, key=("size-probe",)).nbytes if numel else 0
+        with _PROBES_LOCK:
+            _PROBES.setdefault(inner, {})[k] = found
+    return found
 
 
 def has_feedback(compressor: Any) -> bool:
