@@ -523,7 +523,7 @@ class Step:
             else:
                 t.mul_(cfg.scale)
         if cfg.auto is not None:
-            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction, scale=folded)
+            codec = cfg.auto.codec(unit, t, self._bucket, self.transaction, scale=folded, step=self.ctx.step)
             lowrank = codec.aggregation == "lowrank"
         in_comm = cs.comm_seconds
         with Timer() as timer, scaled:

@@ -215,10 +215,11 @@ def folded_worker(rank, world):
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ddp_step, "_scale_in_feedback", spy)
-            state = commpress.ddp.register(model, "auto", min_numel=256, check_every=2, remeasure=False,
+            state = commpress.ddp.register(model, "auto", min_numel=256, check_every=16, remeasure=False,
                                            candidates=[("blockquant", 4)])
             state.codec.network = Network(world, SLOW)
-            _train(model, opt, rank, range(8))   # ends one step after a check point
+            # ends at step 10, after the check point of step 2, on a step that samples the norms
+            _train(model, opt, rank, range(11))
             auto = state.codec
             keys = sorted(auto.codecs)
             res = [auto.codecs[k].residual((k, r)) for k in keys for r in range(world)]
@@ -447,3 +448,25 @@ def test_compute_is_the_windows_median_step(monkeypatch):
         clock[0] += 0.001
         auto.end_step(step, Layout, None)
     assert len(auto._compute) == 10 and auto._window_compute() == pytest.approx(0.010)
+
+
+def test_gradient_norms_are_sampled_every_few_steps_and_at_each_check_point():
+    """A norm is a pass over the unit on the step's critical path: the hook takes it every
+    NORM_EVERY-th step of a window and at each check point's own step (the window's mean over
+    those estimates its mean); a call without a step (FSDP2's) takes it every time."""
+    from commpress.auto.runtime import NORM_EVERY
+
+    auto = AutoCodec(AutoSpec(check_every=20))
+    auto.first_check = 1
+
+    class U:
+        key = "a"
+
+    sampled = [s for s in range(1, 42) if auto.samples_norm(s)]
+    assert sampled == [1, 1 + NORM_EVERY, 1 + 2 * NORM_EVERY, 21, 21 + NORM_EVERY, 21 + 2 * NORM_EVERY, 41]
+    for step in range(2, 22):   # the window that ends at the check point of step 21
+        auto.codec(U, torch.full((4,), 0.5 * step), 0, step=step)   # norm = step
+    assert auto._norm_steps["a"] == 3
+    assert auto._read_norms([U]) == [pytest.approx((9 + 17 + 21) / 3)]
+    auto.codec(U, torch.full((4,), 0.5), 0)
+    assert auto._norm_steps["a"] == 4
