@@ -154,7 +154,7 @@ class ReduceScatterAutoCodec(AutoCodec):
             self._compute.append(max(0.0, now - self._last_end - self._busy))
         self._last_step = step
         self._busy = 0.0
-        if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
+        if self.is_check(step):
             if self.network is not None and self.network.collective != "reduce_scatter":
                 self.network = replace(self.network, collective="reduce_scatter", local_size=1,
                                        intra=None, inter=None)

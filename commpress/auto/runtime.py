@@ -26,9 +26,11 @@ What it measures, without a host read in the steady state:
   (the median over the window's steps);
   a check point's own time (codec costs measured, the decision) is not charged to the next step.
 
-**Check points** (:meth:`AutoCodec.end_step`): at the end of the second compressed step
-(step ``warmup_steps + 1``: the first has no step before it to time) and then every ``check_every`` steps, on every rank at the same
-step.  One host read of the norms, each candidate's codec cost at each unit's size
+**Check points** (:meth:`AutoCodec.end_step`, :meth:`AutoCodec.is_check`): at the end of the
+first compressed step (its compute timed from its forward's start: no step ended before it on the
+units' path), :data:`EARLY_CHECK` steps later (the first window timed from step end to step end,
+whose calls of the chosen codecs give the per-round cost the first decision had to do without),
+and then every ``check_every`` steps from the first, on every rank at the same step.  One host read of the norms, each candidate's codec cost at each unit's size
 (measured once, cached), and **one** ``all_reduce`` of a float64 vector
 (:func:`~commpress.auto.measure.agree_measurements`).  The :class:`~commpress.auto.decide.Decider`
 then re-decides (every ``every`` steps, or when the overlap drifted) with hysteresis:
@@ -109,6 +111,8 @@ AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critic
 DEFAULT_CHECK_EVERY = 100
 #: a window's gradient norm is sampled every this many steps (:meth:`AutoCodec.samples_norm`)
 NORM_EVERY = 8
+#: the second check point comes this many steps after the first (:meth:`AutoCodec.is_check`)
+EARLY_CHECK = 4
 
 
 def _candidate(c: Any) -> Candidate:
@@ -296,6 +300,7 @@ class AutoCodec:
         self._backward_end: float | None = None
         self._busy = 0.0
         self._last_end: float | None = None
+        self._forward_start: float | None = None
         self._compute: list[float] = []         # this window's compute seconds, one per timed step
         self._norms: dict[Any, torch.Tensor] = {}
         self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
@@ -364,6 +369,15 @@ class AutoCodec:
         that takes it."""
         return (step - self.first_check) % self.spec.check_every % NORM_EVERY == 0
 
+    def is_check(self, step: int) -> bool:
+        """Whether a check point ends step ``step``: ``first_check`` (DDP: the first compressed step),
+        :data:`EARLY_CHECK` steps later (the first window timed from one step end to the next,
+        with the calls of the codecs the first decision chose: what learns the per-round cost)
+        and every ``check_every`` steps from the first."""
+        if step < self.first_check:
+            return False
+        return (step - self.first_check) % self.spec.check_every == 0 or step == self.first_check + EARLY_CHECK
+
     def fast(self, step: int) -> str | None:
         """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
         ``all_reduce``, of the bucket cast to bf16 for ``"bf16"``, as PyTorch's bf16 hook), else
@@ -374,8 +388,7 @@ class AutoCodec:
         function of agreed state and the step: the same on every rank and every bucket of a step."""
         if self.momentum or self._fresh or self._carry or not self.choices or step < self.first_check:
             return None
-        phase = (step - self.first_check) % self.spec.check_every
-        if phase == 0 or phase == self.spec.check_every - 1:
+        if self.is_check(step) or self.is_check(step + 1):
             return None
         kinds = set(self.choices.values())
         if kinds == {DENSE}:
@@ -436,6 +449,11 @@ class AutoCodec:
         return None
 
     # -- overlap, from the hook call (the backward's thread) --------------------
+    def forward_start(self) -> None:
+        """The forward pass starts (the first check point times its step from here: no step
+        ended before it on the units' path)."""
+        self._forward_start = time.perf_counter()
+
     def begin(self) -> None:
         """The forward pass ended: the backward starts."""
         self.recorder.begin()
@@ -473,8 +491,13 @@ class AutoCodec:
             wall = now - self._last_end
             exposed = now - self._backward_end
             self._compute.append(max(0.0, wall - exposed - self._busy))
+        elif (not self._compute and self._forward_start is not None and self._backward_end is not None
+              and self._backward_end > self._forward_start):
+            # no step end before this one (the first compressed step): its forward and backward,
+            # less the hooks' own time (the optimizer's step is left out: the next window has it)
+            self._compute.append(max(0.0, self._backward_end - self._forward_start - self._busy))
         self._backward_end = None
-        if step >= self.first_check and (step - self.first_check) % self.spec.check_every == 0:
+        if self.is_check(step):
             self.check(step, group)
         self._last_end = time.perf_counter()   # the check's own time is not the next step's compute
 

@@ -251,6 +251,7 @@ class DDPState(TakeoverMixin, HookState):
         self.bound = False
         self._pending_load: dict[str, Any] | None = None
         self._forward_hook = None
+        self._forward_pre_hook = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)  # taken over at binding
         if model is not None:
@@ -341,14 +342,15 @@ class DDPState(TakeoverMixin, HookState):
             if self.momentum:
                 log.info("commpress auto: momentum correction keeps every unit on the flat path "
                          "(a velocity cannot be split between the flat and the two-level path)")
-        # the first check point ends the second compressed step: the first has no step before it
-        # to time the compute from (the warm-up steps take DDP's path), so it measures nothing
-        auto.first_check = self.warmup_steps + 1
+        # the first check point ends the first compressed step (step 0 binds: its arrivals are not
+        # timed); its compute is timed from the forward's start (a forward pre-hook)
+        auto.first_check = max(1, self.warmup_steps)
         auto.queued = self.overlap
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
         self.stats.auto_network = lambda: self.codec.network_report()
         self._forward_hook = model.register_forward_hook(lambda *_: self.codec.begin())
+        self._forward_pre_hook = model.register_forward_pre_hook(lambda *_: self.codec.forward_start())
 
     def _freeze(self) -> HookConfig:
         """Every decision a step needs, taken once (scale-by-world and the cast among them)."""
@@ -422,6 +424,9 @@ class DDPState(TakeoverMixin, HookState):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+        if self._forward_pre_hook is not None:
+            self._forward_pre_hook.remove()
+            self._forward_pre_hook = None
         self.release_optimizer()
 
     def __enter__(self) -> "DDPState":

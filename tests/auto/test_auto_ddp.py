@@ -71,19 +71,19 @@ def auto_worker(rank, world):
         moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
                       float(before[0].abs().sum() + before[1].abs().sum())))
     auto.switch = spy
-    _train(model, opt, rank, range(4))          # the first check at the end of step 2: compress
+    _train(model, opt, rank, range(3))          # the first check at the end of step 1: compress
     history.append(sorted(state.stats.as_dict()["auto"].items()))
-    auto.network = Network(world, FAST)         # the network moved: re-decided at step 4
-    _train(model, opt, rank, range(4, 7))
+    auto.network = Network(world, FAST)         # the network moved: re-decided at step 3
+    _train(model, opt, rank, range(3, 6))
     history.append(sorted(state.stats.as_dict()["auto"].items()))
     out["history"], out["moved"] = history, moved
     saved = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
-    _train(model, opt, rank, range(7, 9))       # the next check point is the end of step 8
+    _train(model, opt, rank, range(6, 8))       # the next check point is the end of step 7
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     out["algorithms"] = dict(state.stats.algorithms)
     state.close()
 
-    # resume from the end of step 6: bitwise through step 8
+    # resume from the end of step 5: bitwise through step 7
     hook_state, params, opt_state = saved
     torch.manual_seed(1)
     model2 = DDP(with_params(Net(), params), bucket_cap_mb=0.01)
@@ -92,7 +92,7 @@ def auto_worker(rank, world):
     state2 = _register(model2, opt2)
     state2.codec.network = Network(world, FAST)
     state2.load_state_dict(hook_state)
-    _train(model2, opt2, rank, range(7, 9))
+    _train(model2, opt2, rank, range(6, 8))
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
 
@@ -100,10 +100,10 @@ def auto_worker(rank, world):
     torch.manual_seed(0)
     model4 = DDP(Net(), bucket_cap_mb=0.01)
     opt4 = torch.optim.SGD(model4.parameters(), lr=0.05)
-    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=3, remeasure=False)
+    state4 = commpress.ddp.register(model4, "auto", min_numel=256, check_every=6, remeasure=False)
     state4.codec.network = Network(world, FAST)
     paths = []
-    for step in range(7):
+    for step in range(10):
         _train(model4, opt4, rank, [step])
         paths.append(sorted({u["algorithm"] for u in state4.stats.last_step["units"].values()}))
     out["fast"] = paths, sorted(e["choice"] for e in state4.stats.as_dict()["auto"].values())
@@ -113,11 +113,11 @@ def auto_worker(rank, world):
     # the whole bucket cast (half the dense bytes); the measured steps send the 1-D part in fp32
     model5 = DDP(Net(), bucket_cap_mb=0.01)
     opt5 = torch.optim.SGD(model5.parameters(), lr=0.05)
-    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=3, candidates=[("bf16",)],
+    state5 = commpress.ddp.register(model5, "auto", min_numel=256, check_every=6, candidates=[("bf16",)],
                                     remeasure=False)
     state5.codec.network = Network(world, SLOW)
     halves = []
-    for step in range(7):
+    for step in range(10):
         _train(model5, opt5, rank, [step])
         halves.append(2 * state5.stats.last_step["bytes_sent"] == state5.stats.last_step["dense_bytes"])
     out["bf16"] = halves, sorted(e["choice"] for e in state5.stats.as_dict()["auto"].values())
@@ -177,8 +177,8 @@ def test_register_auto_on_two_ranks():
         assert any(owed > 0 for kind, _, owed in r["moved"])
     # resume: bitwise up to the next check point
     assert torch.equal(a["resumed"], a["params"]) and torch.equal(b["resumed"], b["params"])
-    # all dense without momentum: DDP's own path between the check windows (steps 1, 2, 4, 5 measure;
-    # step 0 is the warm-up, DDP's path too)
+    # all dense without momentum: DDP's own path between the check windows (check points end steps 1,
+    # 5 (the early one) and 7; they and the steps before them measure; step 0 is the warm-up, DDP's path too)
     before, after, net = a["link"]
     assert b["link"][:2] == a["link"][:2]                 # agreed: the same on every rank
     assert after / before > 10                            # the 100x too fast model was scaled back
@@ -186,10 +186,11 @@ def test_register_auto_on_two_ranks():
     assert net["priced"]["mb_per_s"] == pytest.approx(1e-6 / (1e-11 * after)) and net["round_ms"] >= 0
     paths, choices = a["fast"]
     assert choices == ["dense", "dense"] and b["fast"] == a["fast"]
-    assert [p == ["dense"] for p in paths] == [True, False, False, True, False, False, True], paths
+    assert [p == ["dense"] for p in paths] == [True, False, True, True, False, False, False, False, True, True], paths
     assert torch.equal(a["fast_params"], b["fast_params"])
     halves, choices = a["bf16"]
-    assert choices == ["bf16", "bf16"] and halves == [False, False, False, True, False, False, True], halves
+    assert choices == ["bf16", "bf16"] and halves == [False, False, True, True, False, False, False, False, True,
+                                                      True], halves
     assert torch.equal(a["bf16_params"], b["bf16_params"])
     # one rank's failure raised on both
     assert "no timer on this rank" in a["error"]
@@ -470,3 +471,40 @@ def test_gradient_norms_are_sampled_every_few_steps_and_at_each_check_point():
     assert auto._read_norms([U]) == [pytest.approx((9 + 17 + 21) / 3)]
     auto.codec(U, torch.full((4,), 0.5), 0)
     assert auto._norm_steps["a"] == 4
+
+
+def test_the_first_check_point_ends_the_first_compressed_step(monkeypatch):
+    """No step ended before the first compressed one on the units' path: its compute is timed from
+    its forward's start (less the hooks' own time), so the first decision comes after one step, not
+    two (each a dense step: ~20 ms more than a compressed one at 1 Gbit/s on digits).  A second
+    check point EARLY_CHECK steps later has the chosen codecs' calls: the per-round cost."""
+    from commpress.auto import runtime
+    from commpress.auto.runtime import EARLY_CHECK
+
+    clock = [0.0]
+    monkeypatch.setattr(runtime, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    auto = AutoCodec(AutoSpec(check_every=100))
+    auto.first_check = 1
+    assert [s for s in range(210) if auto.is_check(s)] == [1, 1 + EARLY_CHECK, 101, 201]
+
+    class Layout:
+        units = []
+
+    seen = []
+    monkeypatch.setattr(auto, "check", lambda step, group: seen.append((step, list(auto._compute))))
+    for step in (1, 2):
+        auto.forward_start()
+        clock[0] += 0.004                  # forward
+        auto.begin()
+        clock[0] += 0.005                  # backward ...
+        t0 = auto.arrive(0, last=False)
+        clock[0] += 0.002                  # ... a hook's own time ...
+        auto.leave(0, t0)
+        clock[0] += 0.003                  # ... backward
+        auto.arrive(1, last=True)
+        clock[0] += 0.001                  # exposed communication
+        auto.end_step(step, Layout, None)
+        clock[0] += 0.002                  # optimizer step
+    assert seen == [(1, [pytest.approx(0.012)])]   # forward + backward, the hook's 2 ms left out
+    # from the second step on: step end to step end (the optimizer included), as before
+    assert auto._compute == [pytest.approx(0.012), pytest.approx(0.014)]
