@@ -372,8 +372,8 @@ class AutoCodec:
     def is_check(self, step: int) -> bool:
         """Whether a check point ends step ``step``: ``first_check`` (DDP: the first compressed step),
         :data:`EARLY_CHECK` steps later (the first window timed from one step end to the next,
-        with the calls of the codecs the first decision chose: what learns the per-round cost)
-        and every ``check_every`` steps from the first."""
+        with the calls of the codecs the first decision chose: what learns the per-round cost;
+        not a reference for the link's tracking) and every ``check_every`` steps from the first."""
         if step < self.first_check:
             return False
         return (step - self.first_check) % self.spec.check_every == 0 or step == self.first_check + EARLY_CHECK
@@ -550,6 +550,11 @@ class AutoCodec:
         # watches: a link that slowed down or sped up since the last decision re-decides)
         network = m.network
         if self.spec.remeasure:
+            if (step - self.first_check) % self.spec.check_every:
+                # the early window (a few steps right after the first switch) is no reference for the
+                # link: its plan's later windows would be compared with it (an early one read fast
+                # made a digits run price its 1 Gbit/s link at 50 MB/s and wander to powersgd)
+                comm = [0.0] * len(units)
             network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
         decision, switched = self.decider.update(step, m)

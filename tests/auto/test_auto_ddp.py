@@ -508,3 +508,30 @@ def test_the_first_check_point_ends_the_first_compressed_step(monkeypatch):
     assert seen == [(1, [pytest.approx(0.012)])]   # forward + backward, the hook's 2 ms left out
     # from the second step on: step end to step end (the optimizer included), as before
     assert auto._compute == [pytest.approx(0.012), pytest.approx(0.014)]
+
+
+def test_the_early_check_point_is_no_reference_for_the_link():
+    """The window of the early check point (a few steps right after the first switch) learns the
+    per-round cost but does not feed the link tracker: the windows of its plan would otherwise be
+    compared with it; the regular check points do."""
+    from commpress.auto.runtime import EARLY_CHECK
+
+    auto = AutoCodec(AutoSpec(check_every=20, candidates=[("blockquant", 4)]))
+    auto.first_check, auto.world = 1, 2
+    auto.network = Network(2, CostModel(1e-4, 1e-8))
+
+    class U:
+        key, numel, shapes, names = "u", 4096, [(64, 64)], ["w"]
+
+    class Layout:
+        units = [U]
+
+    fed, real = [], auto.link.update
+    auto.link.update = lambda network, plan, buckets, comm: fed.append(list(comm)) or real(network, plan, buckets, comm)
+    for step in range(1, 22):
+        auto.codec(U, torch.randn(4096), 0, step=step)
+        auto.measured(U, 0.004, 0.003)
+        auto.end_step(step, Layout, None)
+    # step 1: the unit's first call is not measured; step 1 + EARLY_CHECK: withheld; step 21: fed
+    assert 1 + EARLY_CHECK < 21 and fed == [[0.0], [0.0], [pytest.approx(0.003)]]
+    assert auto.link.ref is not None
