@@ -365,8 +365,8 @@ def _gather_all(flat, inner, payloads, code, sig, bad, bounds, group, stats, out
 #: at 1 Gbit/s 300K elements 4.2 -> 4.8 ms (a chunk 0.6 ms on the wire), 600K and 800K even
 #: (1.3, 1.8 ms), 1.13M 10.9 -> 9.4 ms, 2.26M 22.7 -> 17.0, 4.5M 45.6 -> 32.8; at 100 Mbit/s
 #: 140K even (3 ms), 300K 20.6 -> 16.9, 1.13M 77.7 -> 63.1; on loopback never better.  Set
-#: below the digits bucket's 2.6 ms (1.13M at a nominal 1 Gbit/s): calibrations there read up
-#: to ~20% faster links run to run, and a threshold at 2 ms left it in one message in some runs.
+#: well below the digits bucket's chunk (2.6 ms at the nominal 1 Gbit/s): calibrations of that
+#: link read 104 to 156 MB/s run to run, and at 156 MB/s a 2 ms threshold left it in one message.
 PIPELINE_MIN_WIRE_S = 1.5e-3
 
 
