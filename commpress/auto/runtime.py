@@ -23,14 +23,17 @@ What it measures, without a host read in the steady state:
   new codec, kernel compilation, first-call plans and validation);
 * the step's compute seconds: wall time between two step ends, less the time from
   the backward end to the step end (the exposed communication) and the hooks' own time
-  (the median over the window's steps);
+  (the median over the window's steps); for a step with no step end before it on the
+  units' path (the first compressed one), from its forward's start (a forward pre-hook)
+  to its backward's end, less the hooks' own time;
   a check point's own time (codec costs measured, the decision) is not charged to the next step.
 
 **Check points** (:meth:`AutoCodec.end_step`, :meth:`AutoCodec.is_check`): at the end of the
 first compressed step (its compute timed from its forward's start: no step ended before it on the
 units' path), :data:`EARLY_CHECK` steps later (the first window timed from step end to step end,
 whose calls of the chosen codecs give the per-round cost the first decision had to do without),
-and then every ``check_every`` steps from the first, on every rank at the same step.  One host read of the norms, each candidate's codec cost at each unit's size
+and then every ``check_every`` steps from the first, on every rank at the same step.  One host
+read of the norms, each candidate's codec cost at each unit's size
 (measured once, cached), and **one** ``all_reduce`` of a float64 vector
 (:func:`~commpress.auto.measure.agree_measurements`).  The :class:`~commpress.auto.decide.Decider`
 then re-decides (every ``every`` steps, or when the overlap drifted) with hysteresis:
