@@ -370,7 +370,11 @@ class AutoCodec:
         mean over those steps estimates its mean over all of them; a norm is a full pass over the
         unit (0.27 ms for 1.1M fp32 elements on one CPU core), on the critical path of each step
         that takes it."""
-        return (step - self.first_check) % self.spec.check_every % NORM_EVERY == 0
+        return self._phase(step) % NORM_EVERY == 0
+
+    def _phase(self, step: int) -> int:
+        """Steps since the last regular check point (0 at one: every ``check_every`` from the first)."""
+        return (step - self.first_check) % self.spec.check_every
 
     def is_check(self, step: int) -> bool:
         """Whether a check point ends step ``step``: ``first_check`` (DDP: the first compressed step),
@@ -379,7 +383,7 @@ class AutoCodec:
         not a reference for the link's tracking) and every ``check_every`` steps from the first."""
         if step < self.first_check:
             return False
-        return (step - self.first_check) % self.spec.check_every == 0 or step == self.first_check + EARLY_CHECK
+        return self._phase(step) == 0 or step == self.first_check + EARLY_CHECK
 
     def fast(self, step: int) -> str | None:
         """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
@@ -553,10 +557,10 @@ class AutoCodec:
         # watches: a link that slowed down or sped up since the last decision re-decides)
         network = m.network
         if self.spec.remeasure:
-            if (step - self.first_check) % self.spec.check_every:
+            if self._phase(step):
                 # the early window (a few steps right after the first switch) is no reference for the
-                # link: its plan's later windows would be compared with it (an early one read fast
-                # made a digits run price its 1 Gbit/s link at 50 MB/s and wander to powersgd)
+                # link: its plan's later windows would be compared with it (one run that fed it priced
+                # its 1 Gbit/s link at 50 MB/s and wandered to powersgd): no seconds fed
                 comm = [0.0] * len(units)
             network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)

@@ -71,11 +71,11 @@ def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_into(out: torch.Tensor, t: torch.Tensor, group=None) -> None:
+def gather_into(out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False):
     """torch's all-gather into one flat tensor (``all_gather_single`` since torch 2.13,
-    ``all_gather_into_tensor`` before), looked up at call time."""
+    ``all_gather_into_tensor`` before), looked up at call time; with ``async_op`` its work."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, t, group=group)
+    return fn(out, t, group=group, async_op=async_op)
 
 
 _FAULT_HOOK: Callable[[str], None] | None = None
@@ -192,8 +192,7 @@ def all_gather_start(t: torch.Tensor, group=None, stats: CommStats | None = None
     t = t.contiguous()
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
     t0 = time.perf_counter()
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(out, t.reshape(-1), group=group, async_op=True)
+    work = gather_into(out, t.reshape(-1), group=group, async_op=True)
     return Gathering(work, out, (p,) + tuple(t.shape), all_gather_cost(t.numel() * t.element_size(), p),
                      stats, time.perf_counter() - t0)
 

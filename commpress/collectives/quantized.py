@@ -66,30 +66,44 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
     return Payload(tuple(tensors), template.shape, template.dtype, template.numel, template.meta)
 
 
-def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
-    """Every chunk's fixed-size payload (zeros-payloads after a local error, so the
-    message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
+def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
+    """Chunk by chunk, ``(payload, NaN/inf flag or None, code, message)``: chunk ``r`` compressed
+    with ``key=(key, r)``, or, once a local error is known (``error``, or a compress that raised:
+    :data:`~.wire.E_MISUSE`), the zeros payload of its size, so the message sizes stay right.
+    Lazy: a pipeline sends each chunk before the next is compressed."""
     inner = unwrap(compressor)
     code, msg = error
-    world = len(bounds) - 1
-    payloads, bad = None, None
-    if not code:
-        try:
-            payloads = []
-            for r in range(world):
+    templates = None
+    for r in range(len(bounds) - 1):
+        p = None
+        if not code:
+            try:
                 with codec_timer(stats, "compress"):
                     p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
                                        key=(key, r), generator=generator, transaction=transaction)
-                payloads.append(p)
-                if p.nonfinite is not None:  # this rank's NaN/inf verdict, from the chunks' own scans
-                    bad = p.nonfinite if bad is None else bad | p.nonfinite
-        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
-            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
-            payloads, bad = None, None
-    if payloads is None:
-        payloads = _templates(inner, flat, bounds, step)
-    else:
-        _remember(inner, flat, bounds, payloads, step)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
+                code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+        if p is None:
+            templates = templates or _templates(inner, flat, bounds, step)
+            yield templates[r], None, code, msg
+        else:   # this rank's NaN/inf verdict, from the chunk's own scan
+            yield p, p.nonfinite, code, msg
+
+
+def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
+    """Every chunk's fixed-size payload (all zeros-payloads after a local error, so the
+    message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
+    inner = unwrap(compressor)
+    payloads, bad = [], None
+    code, msg = error
+    for p, flag, code, msg in _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
+                                              error, stats):
+        payloads.append(p)
+        if flag is not None:
+            bad = flag if bad is None else bad | flag
+    if code:
+        return _templates(inner, flat, bounds, step), code, msg, None
+    _remember(inner, flat, bounds, payloads, step)
     return payloads, code, msg, bad
 
 
@@ -200,9 +214,14 @@ def _worst(statuses: torch.Tensor, sig: int, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _verdict(statuses, sig, what, msg, out, compressor, transaction) -> None:
-    wire.check_byte_statuses(statuses, sig, what, msg)
+def _verdict(messages, what, msg, out, compressor, transaction) -> None:
+    """Judge a call's messages (``[(statuses, signature)]``, each its own signature): raise on every
+    rank on an error anywhere; with error feedback, a NaN/inf anywhere poisons ``out`` and keeps
+    the residuals."""
+    for statuses, sig in messages:
+        wire.check_byte_statuses(statuses, sig, what, msg)
     if has_feedback(compressor):
+        statuses = messages[0][0] if len(messages) == 1 else torch.cat([st for st, _ in messages])
         bad = wire.any_nonfinite(statuses)
         transaction.mark_bad(bad)
         wire.poison_(out, bad)
@@ -257,7 +276,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
             base = wire.signature("gather", n, str(tensor.dtype), algorithm)
             results, msg = _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator, tx, error,
                                                  base, group, stats, dst, dense)
-            _verdict_messages(results, "allreduce", msg, dst, compressor, tx)
+            _verdict(results, "allreduce", msg, dst, compressor, tx)
             if stats is not None:
                 stats.add(calls=1, algorithm=algorithm)
             return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
@@ -282,7 +301,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     else:
         statuses = _two_phase(flat, compressor, inner, payloads, code, sig, bad, bounds, group, key, step, stats,
                               generator, tx, dst, dense)
-    _verdict(statuses, sig, "allreduce", msg, dst, compressor, tx)
+    _verdict([(statuses, sig)], "allreduce", msg, dst, compressor, tx)
     if stats is not None:
         stats.add(calls=1, algorithm=algorithm)
     return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
@@ -401,19 +420,8 @@ def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator,
     world = len(bounds) - 1
     code, msg = error
     payloads, flights = [], []
-    for r in range(world):
-        p, bad = None, None
-        if not code:
-            try:
-                with codec_timer(stats, "compress"):
-                    p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step, key=(key, r),
-                                       generator=generator, transaction=tx)
-                bad = p.nonfinite
-            except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
-                code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
-                p, bad = None, None
-        if p is None:
-            p = _templates(inner, flat, bounds, step)[r]
+    chunks = _chunk_payloads(flat, compressor, bounds, key, step, generator, tx, error, stats)
+    for r, (p, bad, code, msg) in enumerate(chunks):
         payloads.append(p)
         tensors = list(p.tensors)
         sig = wire.signature(base, r, p.nbytes)
@@ -440,19 +448,6 @@ def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator,
             wire.add_rows(dense.tensor.view(-1), [decoded[s][-1] for s in range(world)])
         results.append((wire.read_status(gathered), sig))
     return results, msg
-
-
-def _verdict_messages(results, what, msg, out, compressor, transaction) -> None:
-    """:func:`_verdict` of a call made of several messages (``[(statuses, signature)]``)."""
-    for statuses, sig in results:
-        wire.check_byte_statuses(statuses, sig, what, msg)
-    if has_feedback(compressor):
-        bad = results[0][0][:, 0] & wire.NONFINITE
-        for statuses, _ in results[1:]:
-            bad = bad | (statuses[:, 0] & wire.NONFINITE)
-        bad = bad.any()
-        transaction.mark_bad(bad)
-        wire.poison_(out, bad)
 
 
 REDUCE_SCATTER_ALGORITHMS = ("auto", "two_phase", "reduce_scatter")
@@ -525,7 +520,7 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
     received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
     with codec_timer(stats, "decompress"):
         out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
-    _verdict(wire.read_status(received), sig, "reduce_scatter", msg, out, compressor, tx)
+    _verdict([(wire.read_status(received), sig)], "reduce_scatter", msg, out, compressor, tx)
     out = out.to(tensor.dtype)
     if stats is not None:
         stats.add(calls=1, algorithm="reduce_scatter")
