@@ -46,6 +46,7 @@ ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
 NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
+CPU_BOUND = 0.85        # a rank of one core whose process CPU is this share of its step is CPU-bound
 
 DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 100, "lm": 120}}
 
@@ -300,6 +301,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "ratio": f"{r['ratio']:.1f}x",
             "steps": r["steps"],
             "step ms": f"{1000 * r['step_s']:.0f}",
+            "cpu ms": f"{1000 * r['cpu_s']:.0f}" if r.get("cpu_s") is not None else "",
             "compute ms": f"{1000 * r['compute_s']:.0f}",
             "codec ms": f"{1000 * r['compression_s']:.1f}",
             "comm ms": f"{1000 * r['comm_s']:.0f}",
@@ -311,7 +313,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-COLUMNS = ["config", "seed", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "compute ms",
+COLUMNS = ["config", "seed", "bytes/step", "payload", "sent/payload", "ratio", "steps", "step ms", "cpu ms",
+           "compute ms",
            "codec ms", "comm ms", "hook: rounds", "wire ms", "α·rounds ms", "peer wait ms", "framework ms",
            "final", "time to target s", "speedup vs ddp"]
 
@@ -346,7 +349,7 @@ def summarize_configs(rows: list[dict]) -> dict[str, dict[str, Any]]:
             "ttt_range": (min(reached), max(reached)) if len(reached) > 1 else None,
             "step_s": statistics.fmean(r["step_s"] for r in rs), "ratio": rs[0]["ratio"],
             "compute_s": rs[0]["compute_s"], "compression_s": rs[0]["compression_s"], "comm_s": rs[0]["comm_s"],
-            "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"], "metric": rs[0]["metric"],
+            "cpu_s": rs[0].get("cpu_s"), "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"], "metric": rs[0]["metric"],
             "final": statistics.fmean(r.get("final_smoothed", r["final"]) for r in rs),
             "target": rs[0].get("target"),
         }
@@ -434,6 +437,10 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
             f"free communication would give at most 1/(1 - {share:.2f}) = {1 / (1 - share):.1f}x per step; "
             f"{best['config']} steps in {1000 * best['step_s']:.0f} ms (compute {1000 * best['compute_s']:.0f}, "
             f"codec {1000 * best['compression_s']:.0f}, communication {1000 * best['comm_s']:.0f})"
+            + (f", {1000 * best['cpu_s']:.0f} ms of it host CPU against DDP's {1000 * ddp['cpu_s']:.0f}"
+               + (" (CPU-bound: its bytes are hidden, less host work is what would shorten it)"
+                  if best["cpu_s"] >= CPU_BOUND * best["step_s"] else "")
+               if best.get("cpu_s") and ddp.get("cpu_s") else "")
             + (f" and reaches the target at step {best['ttt_step']} against DDP's {ddp['ttt_step']}"
                if best.get("ttt_step") and ddp.get("ttt_step") else "")
             + (f"; its step costs {best['step_s'] / ddp['step_s']:.2f}x DDP's while sending "
@@ -713,7 +720,9 @@ def render_summary(rows_by_leg: dict[str, list[dict]], meta: dict[str, Any], png
               "and up to P-1 for sparse ones. Step time is the median training step; one-time costs (JIT "
               "compilation, DDP bucket rebuild) are paid in 3 untimed warm-up steps on a throwaway replica; "
               "compute = forward+backward without sync + optimizer step; codec = local compress+decompress (auto: the codec seconds its hook measured per step); "
-              "comm = the rest. 'final' is the smoothed metric at the end."
+              "comm = the rest; cpu = host CPU time of the whole rank process per step (every thread: the "
+              "training loop, commpress's worker, gloo's threads; each rank has one core here, so cpu near the "
+              "step means the rank is CPU-bound). 'final' is the smoothed metric at the end."
               + (" Equal-time rule: DDP runs the given steps; every other config trains for DDP's training wall "
                  "time (at most 4x the steps)." if meta.get("equal_time") else " Every config runs the same steps.")
               + " PyTorch powerSGD_hook configs run with one DDP bucket (it deadlocks on gloo with several).", ""]

@@ -260,21 +260,22 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         report({"event": "start", "task": task_name, "config": cfg.name,
                 "total": steps if time_budget is None else None})
     curve = [curve_point(0, 0.0)]
-    step_times, opt_times, train_time, last_loss = [], [], 0.0, float("nan")
+    step_times, opt_times, cpu_times, train_time, last_loss = [], [], [], 0.0, float("nan")
     step, stop = 0, False
     sent_per_step: list[int] = []
     accounts: list[dict | None] = []  # the hook's step-time account per step (commpress only)
     while not stop:
         step += 1
         x, y = task.batch(gen)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         loss = task.loss(ddp, x, y)
         loss.backward()
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         step_times.append(t2 - t0)
+        cpu_times.append(c2 - c0)
         opt_times.append(t2 - t1)
         train_time += t2 - t0
         last_loss = float(loss.detach())
@@ -303,12 +304,14 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
     steady = step_times[skip:] or step_times
     step_s = statistics.median(steady)
     opt_s = statistics.median(opt_times[skip:] or opt_times)
+    # host CPU of the whole rank process per step (every thread: loop, hook worker, gloo's threads)
+    cpu_s = statistics.median(cpu_times[skip:] or cpu_times)
     out: dict[str, Any] = {
         "task": task_name, "config": cfg.name, "kind": cfg.kind, "describe": cfg.describe(),
         "compressor": cfg.compressor or "", "params": dict(cfg.params),
         "bucket_cap_mb": cfg.bucket_cap_mb or "default",
         "steps": step, "time_budget_s": time_budget, "metric": task.metric, "final": curve[-1][task.metric],
-        "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s,
+        "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s, "cpu_s": cpu_s,
         "compute_s": fb_s + opt_s, "compression_s": codec["compression_s"],
         "task_info": task.info, "curve": curve,
     }

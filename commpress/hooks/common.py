@@ -140,7 +140,15 @@ class Stats:
     * ``framework``: the rest of the hook's time (scaling, packing, queue, futures,
       copies, bookkeeping), at least 0;
     * ``unexplained``: ``step`` minus every part above (negative when the model
-      predicts more wire time than the collectives took).
+      predicts more wire time than the collectives took);
+    * ``cpu``: host CPU seconds the whole process used during the step, every thread
+      together (the training loop, the hook's worker, the communication library's threads;
+      ``time.process_time``), and ``hook_cpu``: the part of it on the thread running the
+      buckets (``time.thread_time``).  Not parts of ``step``: they say what the wall-clock
+      parts cannot.  ``cpu`` close to ``step`` times the cores the rank may use means the
+      rank is CPU-bound: its wire time is hidden, fewer bytes cannot shorten the step and
+      less host work can (on one core the hook's worker and the backward share it, so
+      ``compute_wait`` and ``codec`` also hold time the other thread ran).
 
     All times are ``time.perf_counter`` around host-side work: no timer adds a
     host synchronisation.  On CUDA a kernel's time shows where the host waits for it
@@ -167,7 +175,9 @@ class Stats:
     _cur_rounds: int = 0
     _cur_comm: float = 0.0
     _cur_codec: dict[str, float] = field(default_factory=dict)
+    _cur_hook_cpu: float = 0.0
     _last_end: float | None = None
+    _last_cpu: float = 0.0
     #: with ``register(model, "auto")``: returns ``as_dict()["auto"]`` (each unit's choice, predicted
     #: and measured ms; see :meth:`commpress.auto.runtime.AutoCodec.report`)
     auto_report: Any = None
@@ -177,9 +187,10 @@ class Stats:
 
     def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
                compress_seconds: float = 0.0, hook_seconds: float = 0.0, rounds: int = 0,
-               comm_seconds: float = 0.0, codec_seconds: dict[str, float] | None = None) -> None:
-        """Add what one bucket / unit sent in the current step (``rounds``, ``comm_seconds`` and
-        ``codec_seconds`` feed the step-time account)."""
+               comm_seconds: float = 0.0, codec_seconds: dict[str, float] | None = None,
+               hook_cpu_seconds: float = 0.0) -> None:
+        """Add what one bucket / unit sent in the current step (``rounds``, ``comm_seconds``,
+        ``codec_seconds`` and ``hook_cpu_seconds`` feed the step-time account)."""
         u = str(unit)
         self._cur_sent += int(bytes_sent)
         self._cur_dense += int(dense_bytes)
@@ -187,6 +198,7 @@ class Stats:
         self._cur_hook += hook_seconds
         self._cur_rounds += int(rounds)
         self._cur_comm += float(comm_seconds)
+        self._cur_hook_cpu += float(hook_cpu_seconds)
         for name, sec in (codec_seconds or {}).items():
             self._cur_codec[name] = self._cur_codec.get(name, 0.0) + float(sec)
         entry = self._cur_units.setdefault(u, {"bytes_sent": 0, "dense_bytes": 0, "algorithm": algorithm})
@@ -198,7 +210,7 @@ class Stats:
 
     def end_step(self) -> None:
         """Close the current step: fold it into the totals and ``last_step``."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.steps += 1
         self.bytes_sent += self._cur_sent
         self.dense_bytes += self._cur_dense
@@ -214,7 +226,7 @@ class Stats:
             "units": self._cur_units,
         }
         if self._last_end is not None:
-            account = self._account(now - self._last_end)
+            account = self._account(now - self._last_end, cpu - self._last_cpu)
             self.last_step["account"] = account
             self.account_steps += 1
             for k, v in account.items():
@@ -223,13 +235,13 @@ class Stats:
                 elif k == "codec":
                     for name, sec in v.items():
                         self._account_sum["codec." + name] = self._account_sum.get("codec." + name, 0.0) + sec
-        self._last_end = now
+        self._last_end, self._last_cpu = now, cpu
         self._cur_sent = self._cur_dense = self._cur_rounds = 0
-        self._cur_compress = self._cur_hook = self._cur_comm = 0.0
+        self._cur_compress = self._cur_hook = self._cur_comm = self._cur_hook_cpu = 0.0
         self._cur_units = {}
         self._cur_codec = {}
 
-    def _account(self, step: float) -> dict[str, Any]:
+    def _account(self, step: float, cpu: float = 0.0) -> dict[str, Any]:
         """The current step's time account (see the class doc)."""
         model = self.cost_model
         alpha = float(model.alpha) if model is not None else 0.0
@@ -247,7 +259,7 @@ class Stats:
         return {"step": step, "compute_wait": compute_wait, "codec": codec, "codec_total": codec_total,
                 "wire": wire, "latency": latency, "rounds": float(self._cur_rounds), "comm": comm,
                 "comm_wait": comm_wait, "framework": framework, "unexplained": step - parts,
-                "calibrated": model is not None}
+                "cpu": cpu, "hook_cpu": self._cur_hook_cpu, "calibrated": model is not None}
 
     def reset_account(self) -> None:
         """Start the account's mean afresh (e.g. after warm-up); the next step starts a new interval."""
@@ -296,15 +308,22 @@ def _ratio(dense: int, sent: int) -> float:
 
 
 class Timer:
-    """``with Timer() as t: ...; t.seconds``."""
+    """``with Timer() as t: ...; t.seconds``; with ``cpu=True`` also ``t.cpu_seconds``, the
+    calling thread's CPU time (``time.thread_time``) over the same span."""
+
+    def __init__(self, cpu: bool = False) -> None:
+        self._cpu = cpu
+        self.seconds = self.cpu_seconds = 0.0
 
     def __enter__(self) -> "Timer":
+        self._c0 = time.thread_time() if self._cpu else 0.0
         self._t0 = time.perf_counter()
-        self.seconds = 0.0
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds = time.perf_counter() - self._t0
+        if self._cpu:
+            self.cpu_seconds = time.thread_time() - self._c0
 
 
 # --------------------------------------------------------------- fingerprint

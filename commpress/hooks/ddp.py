@@ -846,7 +846,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
     NaN/inf travel in the values and nothing can fail to compress, so the message
     carries no status.  The callback only copies the sum back (no collective)."""
     cfg = executor.config
-    with Timer() as total:
+    with Timer(cpu=True) as total:
         buf = bucket.buffer()
         plan = executor.layout.plan(bucket.index(), bucket.parameters())
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
@@ -865,7 +865,8 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
             fut = torch.futures.Future()
             fut.set_result(buf)
     executor.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=int(cfg.world_size > 1))
+                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=int(cfg.world_size > 1),
+                          hook_cpu_seconds=total.cpu_seconds)
     if bucket.is_last():
         executor.step += 1
         executor.stats.end_step()

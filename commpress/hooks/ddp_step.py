@@ -422,7 +422,7 @@ class Step:
         cfg, layout = self.ctx.config, self.ctx.layout
         world = cfg.world_size
         self._bucket = index
-        with Timer() as total:
+        with Timer(cpu=True) as total:
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
             layout.assign_units(plan)
@@ -460,6 +460,7 @@ class Step:
                               algorithm="+".join(sorted(set(algorithms))) or ("waiting" if plan.compressed
                                                                               else "dense"),
                               compress_seconds=t_c.seconds, hook_seconds=total.seconds, rounds=cs.rounds,
+                              hook_cpu_seconds=total.cpu_seconds,
                               comm_seconds=cs.comm_seconds, codec_seconds=cs.codec_seconds)
         return finished
 

@@ -394,7 +394,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             own_call = auto.native(self.unit)   # dense, nothing owed, no momentum: FSDP2's own call
             codec = auto.codec(info, input_tensor, None)
             tag = auto.choices[self.unit]
-        with Timer() as t:
+        with Timer(cpu=True) as t:
             comp = codec.compressor if st.auto else st.compressor
             if scale is None or world == 1 or input_tensor.dtype not in comp.supported_dtypes:
                 if unit.calls == 0:
@@ -419,7 +419,8 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         if st.auto:
             st.codec.measured(info, t.seconds, cs.comm_seconds)
         st.stats.record(self.unit, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                        compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
+                        compress_seconds=t.seconds, hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
+                        **_account(cs))
         return None
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
@@ -464,7 +465,7 @@ class ReplicaAllReduce:
         st._touch_step(f"{self.unit}/replicas")
         cs = CommStats()
         facts = (reduce_output.numel(), reduce_output.dtype)
-        with Timer() as t:
+        with Timer(cpu=True) as t:
             summed = collectives.allreduce(reduce_output, st.codec, group=self.group, key=(self.unit, "replicas"),
                                            step=st.step, stats=cs, generator=st.generator,
                                            validate=self.validated != facts, transaction=st.transaction)
@@ -472,7 +473,8 @@ class ReplicaAllReduce:
             torch.mul(summed, 1.0 / replicas, out=reduce_output)
         st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
                         algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
-                        hook_seconds=t.seconds, **_account(cs))
+                        hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
+                        **_account(cs))
 
 
 class QuantizedAllGather(_CommBase, AllGather):
@@ -501,7 +503,7 @@ class QuantizedAllGather(_CommBase, AllGather):
         dense_bytes = n * input_tensor.element_size() * (world - 1)
         name = f"{self.unit}/all_gather"
         cs = CommStats()
-        with Timer() as t:
+        with Timer(cpu=True) as t:
             if input_tensor.dtype not in comp.supported_dtypes or world == 1:
                 with Timer() as native:
                     dist.all_gather_single(output_tensor, input_tensor, group=group)
@@ -515,7 +517,8 @@ class QuantizedAllGather(_CommBase, AllGather):
                 self.validated = facts
                 algorithm = f"{comp.name}:all_gather"
         st.stats.record(name, bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                        compress_seconds=t.seconds, hook_seconds=t.seconds, **_account(cs))
+                        compress_seconds=t.seconds, hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
+                        **_account(cs))
         return None
 
 

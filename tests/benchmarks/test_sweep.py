@@ -80,10 +80,10 @@ def test_a_config_with_ddps_curve_reaches_the_target_when_ddp_stops_off_the_grid
 
 
 def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
-    def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030, final=0.9):
+    def row(config, kind, ttt, seed=0, step_s=0.040, comm_s=0.030, final=0.9, cpu_s=None):
         return {"config": config, "kind": kind, "seed": seed, "curve": [], "ttt_s": ttt, "ttt_step": 10,
                 "step_s": step_s, "ratio": 1.0, "compute_s": step_s - comm_s, "compression_s": 0.0, "comm_s": comm_s,
-                "steps": 100, "metric": "accuracy", "final": final, "target": 0.95}
+                "steps": 100, "metric": "accuracy", "final": final, "target": 0.95, "cpu_s": cpu_s}
 
     rows = [row("ddp", "ddp", 6.0), row("ddp", "ddp", 4.0, seed=1), row("torch-fp16", "torch_fp16", 4.0),
             row("torch-fp16", "torch_fp16", 4.0, seed=1), row("torch-powersgd-r1", "torch_powersgd", 3.0),
@@ -102,6 +102,14 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "vs torch-powersgd-r1 (3.0 s): 1.20x, goal ahead: met" in text
     assert "1.20x, goal ahead: met, inside" not in text and "a tie" not in text
     assert "1/(1 - 0.75) = 4.0x" in text                     # DDP's communication share bounds the speedup
+    assert "host CPU" not in text                            # no CPU figures: nothing said of them
+    # with the ranks' host CPU: the bound line says how much of the best step it is, and when it is CPU-bound
+    rows_cpu = [row("ddp", "ddp", 6.0, cpu_s=0.015), row("blockquant-4bit", "commpress", 2.0, cpu_s=0.036)]
+    cpu_text = "\n".join(sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), sweep.summarize_configs(rows_cpu)))
+    assert "36 ms of it host CPU against DDP's 15 (CPU-bound" in cpu_text
+    rows_cpu[1]["cpu_s"] = 0.020
+    cpu_text = "\n".join(sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), sweep.summarize_configs(rows_cpu)))
+    assert "20 ms of it host CPU against DDP's 15" in cpu_text and "CPU-bound" not in cpu_text
     # issue 17's per-step goals: the median step against the config's compute-only step
     assert "step of blockquant-4bit vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.8x: MISSED" in text
     assert "step of topk-1% vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.3x: MISSED (inside its density warm-up" in text
@@ -162,6 +170,7 @@ def test_tiny_sweep_writes_results(tmp_path):
         assert r["curve"][-1]["step"] == r["steps"]
         assert 0.0 <= r["final"] <= 1.0
         assert r["bytes_sent"] > 0 and r["step_s"] > 0
+        assert 0.0 < r["cpu_s"] < 10 * r["step_s"]     # the rank process's host CPU per step
     dense = rows[0]
     assert dense["steps"] == 4                     # ddp runs --steps; the others get its training time
     assert all(r["time_budget_s"] == pytest.approx(dense["train_time_s"]) for r in rows[1:])

@@ -8,6 +8,10 @@ steady-state step, per compressor kind.
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,6 +21,7 @@ from distributed import run
 
 import commpress
 from commpress.collectives.accounting import all_gather_cost, all_reduce_cost
+from commpress.hooks.common import Stats, Timer
 
 PARTS = ("step", "compute_wait", "codec_total", "wire", "latency", "comm", "comm_wait", "framework")
 
@@ -64,16 +69,17 @@ def _account_worker(rank, world):
     torch.manual_seed(0)
     commpress.collectives.set_cost_model(1e-4, 1e-9)  # fixed numbers: no calibration (test time)
     out = {}
-    # (compressor, params, algorithm): one sparse, one gather (both algorithms), one lowrank kind
-    cases = [("topk", {"ratio": 0.05}, "auto"), ("blockquant", {"bits": 4}, "two_phase"),
-             ("powersgd", {"rank": 2}, "auto")]
+    # (compressor, params, algorithm, overlap): one sparse, one gather (both algorithms), one lowrank
+    # kind, inline; one on the overlap worker (its hook_cpu is the worker thread's)
+    cases = [("topk", {"ratio": 0.05}, "auto", False), ("blockquant", {"bits": 4}, "two_phase", False),
+             ("powersgd", {"rank": 2}, "auto", False), ("blockquant", {"bits": 8}, "gather_all", True)]
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
-    for comp, params, algorithm in cases:
+    for comp, params, algorithm, overlap in cases:
         torch.manual_seed(0)
         model = DDP(nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 8)),
                     bucket_cap_mb=0.02)  # several buckets
-        state = commpress.ddp.register(model, comp, overlap=False, algorithm=algorithm, **params)
+        state = commpress.ddp.register(model, comp, overlap=overlap, algorithm=algorithm, **params)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step():
@@ -108,6 +114,8 @@ def test_account_rounds_and_bytes_match_the_collective_calls():
             assert set(acc["codec"]) >= {"compress", "decompress"}, (case, acc["codec"])
             assert all(v >= 0.0 for v in acc["codec"].values())
             assert acc["calibrated"] is True
+            # host CPU: the process's during the step, the hook's thread's part of it (inline: this thread)
+            assert acc["cpu"] > 0.0 and 0.0 < acc["hook_cpu"] <= acc["cpu"] + 1e-3, (case, acc)
             # the parts add up to the step: unexplained is what is left, by definition
             total = sum(acc[p] for p in PARTS[1:] if p != "comm") + acc["unexplained"]
             assert abs(total - acc["step"]) < 1e-9, (case, acc)
@@ -121,3 +129,31 @@ def test_account_rounds_and_bytes_match_the_collective_calls():
         assert rank_out["powersgd-auto"]["calls"].count("all_reduce") >= 2
         # two_phase: an all_to_all and an all_gather per unit (gather_all: tests/collectives/test_collectives_direct.py)
         assert "all_to_all" in rank_out["blockquant-two_phase"]["calls"]
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_account_cpu_is_the_process_host_time_and_hook_cpu_the_hooks_thread():
+    """``cpu`` counts host CPU spent anywhere in the process during the step (here a spin outside
+    the hook, and another thread's); ``hook_cpu`` only what the hook recorded for its own thread."""
+    stats = Stats()
+    stats.end_step()                        # opens the first interval
+    with Timer(cpu=True) as t:
+        _spin(0.02)
+    worker = threading.Thread(target=_spin, args=(0.03,))
+    worker.start()
+    worker.join()
+    _spin(0.01)                             # the "compute" between buckets: not the hook's
+    stats.record(0, bytes_sent=8, dense_bytes=16, algorithm="x", hook_seconds=t.seconds,
+                 hook_cpu_seconds=t.cpu_seconds)
+    stats.end_step()
+    acc = stats.last_step["account"]
+    assert t.cpu_seconds == pytest.approx(0.02, abs=0.01) and t.seconds >= t.cpu_seconds - 1e-3
+    assert acc["hook_cpu"] == t.cpu_seconds
+    assert acc["cpu"] >= 0.06 - 0.005       # the hook's 20 ms, the other thread's 30, the rest's 10
+    assert stats.account()["cpu"] == acc["cpu"] and stats.account()["hook_cpu"] == acc["hook_cpu"]
+    assert Timer().__enter__().cpu_seconds == 0.0   # without cpu=True no thread clock is read

@@ -248,6 +248,7 @@ def test_stats_bytes_match_payloads(world_size):
             # the step account sees the reduce-scatters: one round per unit, time inside them, codec passes
             acc = st["account"]
             assert acc["rounds"] == 2 and acc["comm"] > 0, (name, acc)
+            assert 0.0 < acc["hook_cpu"] <= acc["cpu"] + 1e-3, (name, acc)   # host CPU: the hook's within the process's
             assert (acc["codec"].get("compress", 0.0) > 0) == (name != "fp16"), (name, acc["codec"])
 
 
