@@ -15,6 +15,8 @@ SUITES = {
     "kernels": "ops backends (torch reference, numba, CUDA) vs memcpy of the same bytes",
     "pipeline": "quantized gather_all allreduce: one message vs one per chunk, on an emulated link "
                 "(--net 1gbit --numels ...)",
+    "cpu": "where a training step's host CPU goes, per thread (loop, commpress worker, gloo), against its "
+           "wall time, on an emulated link (--net 1gbit --configs ...)",
     "overhead": "hot-path overhead on loopback: DDP / allreduce / FSDP2 vs plain and PyTorch's hooks "
                 "(--quick)",
     "auto2x2": "register(model, \"auto\", hierarchy=2) on an emulated 2 nodes x 2 ranks: its path per bucket "

@@ -1,0 +1,169 @@
+"""Where a training step's host CPU goes: per thread, against the step's wall time.
+
+``python -m benchmarks cpu --net 1gbit --configs ddp,torch-fp16,blockquant-4bit``: 2 ranks of one
+core each train the sweep's digits MLP (1.13M parameters, batch 32, SGD with momentum) on an
+emulated link, one configuration after the other in the same processes.  Per configuration, over
+``--steps`` steps after ``--warmup``: the median step (wall), and the mean host CPU per step of
+the rank process split by thread (``/proc/self/task``, in clock ticks: 10 ms each, so use 100
+steps or more):
+
+* ``loop``: the training thread (forward, backward with DDP's own bucket copies, optimizer, the
+  hook calls DDP makes on it);
+* ``worker``: commpress's overlap worker (codec, collectives' Python, the wait for the wire);
+* ``comm``: the communication library's threads (gloo's send/receive loops) and any other.
+
+``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
+A rank whose CPU is :data:`CPU_BOUND` or more of its step is CPU-bound: its bytes are hidden
+already, and only less host work shortens its step.  ``compute`` is the same rank's step under
+``no_sync`` (no gradient synchronisation).  Linux only (``/proc``; a thread that ends inside the
+window is not counted, and the ones measured here live through it); a row is the slower rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+from .common import markdown_table, results_dir, write_results
+
+#: a rank whose process CPU is this share of its step (wall) or more is CPU-bound (one core per rank)
+CPU_BOUND = 0.85
+COMM_THREADS = ("gloo", "pt_gloo")
+COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "comm_ms", "compute_ms", "verdict"]
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """``{tid: (name, CPU seconds)}`` of this process's threads (user + system, from ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:   # the thread ended
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], loop: int,
+          worker: int | None) -> dict[str, float]:
+    """CPU seconds between two :func:`thread_cpu` readings, as ``loop`` / ``worker`` / ``comm``."""
+    parts = {"loop": 0.0, "worker": 0.0, "comm": 0.0}
+    for tid, (name, sec) in after.items():
+        used = sec - before.get(tid, (name, 0.0))[1]
+        part = "loop" if tid == loop else "worker" if tid == worker else "comm"
+        parts[part] += max(0.0, used)
+    return parts
+
+
+def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | None = None,
+              configs: list[str], steps: int, warmup: int) -> list[dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from . import configs as C
+    from .models import DigitsMLP
+
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    loop = threading.get_native_id()
+    rows = []
+    for name in configs:
+        cfg = C.BY_NAME[name]
+        torch.manual_seed(0)
+        model = DDP(DigitsMLP(hidden=1024), bucket_cap_mb=cfg.bucket_cap_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        state = C.attach(model, cfg, seed=0, optimizer=opt)
+
+        def step(sync: bool = True) -> None:
+            opt.zero_grad(set_to_none=True)
+            if sync:
+                nn.functional.cross_entropy(model(x), y).backward()
+            else:
+                with model.no_sync():
+                    nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(warmup):
+            step()
+        executor = getattr(state, "executor", None)
+        thread = getattr(executor, "_thread", None)
+        worker = thread.native_id if thread is not None else None
+        walls = []
+        c0, p0 = thread_cpu(), time.process_time()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            walls.append(time.perf_counter() - t0)
+        parts = split(c0, thread_cpu(), loop, worker)
+        cpu = (time.process_time() - p0) / steps
+        computes = []
+        for _ in range(max(5, steps // 4)):
+            t0 = time.perf_counter()
+            step(sync=False)
+            computes.append(time.perf_counter() - t0)
+        rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu,
+                     **{f"{k}_s": v / steps for k, v in parts.items()},
+                     "compute_s": statistics.median(computes), "worker": worker is not None})
+        if state is not None and hasattr(state, "close"):
+            state.close()
+    return rows
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """``"CPU-bound"`` when the rank's host CPU is :data:`CPU_BOUND` of its step or more, else
+    ``"waits"`` (the core idles: for the wire or the peer)."""
+    return "CPU-bound" if row["cpu_s"] >= CPU_BOUND * row["step_s"] else "waits"
+
+
+def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: int = 20) -> list[dict[str, Any]]:
+    """One launch: every config in turn on 2 pinned ranks; a row per config, the slower rank's."""
+    from .netem import launch
+
+    res = launch("benchmarks.cpu:rank_main", 2, net=net, pin=True,
+                 kwargs=dict(configs=configs, steps=steps, warmup=warmup))
+    rows = []
+    for i, name in enumerate(configs):
+        r = max((ranks[i] for ranks in res), key=lambda row: row["step_s"])
+        row = {"config": name, **{k: round(1e3 * v, 2) for k, v in r.items() if k.endswith("_s")}}
+        row = {("%s_ms" % k[:-2] if k.endswith("_s") else k): v for k, v in row.items()}
+        row["idle_ms"] = round(max(0.0, row["step_ms"] - row["cpu_ms"]), 2)
+        row["verdict"], row["worker"] = verdict(r), r["worker"]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks cpu", description=__doc__.split("\n")[0])
+    p.add_argument("--net", default="1gbit", help="emulated link RATE[,DELAY] (benchmarks.netem), or 'loopback'")
+    p.add_argument("--configs", default="ddp,torch-fp16,torch-powersgd-r1,blockquant-4bit",
+                   help="comma-separated sweep configs (benchmarks.configs)")
+    p.add_argument("--steps", type=int, default=100, help="measured steps per config")
+    p.add_argument("--warmup", type=int, default=20, help="unmeasured steps first (JIT, bucket rebuild, warm-up)")
+    p.add_argument("--out", default="results", help="results root folder")
+    args = p.parse_args(argv)
+    from . import configs as C
+
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [n for n in names if n not in C.BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(C.BY_NAME)}")
+    net = None if args.net == "loopback" else args.net
+    t0 = time.time()
+    rows = run_suite(names, net=net, steps=args.steps, warmup=args.warmup)
+    out = results_dir("cpu", args.out)
+    write_results(out, rows, {"suite": "cpu", "argv": argv, "net": args.net, "wall_seconds": time.time() - t0})
+    table = markdown_table(rows, COLUMNS)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    print(f"results: {out}")
+    return 0

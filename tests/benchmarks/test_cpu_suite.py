@@ -1,0 +1,61 @@
+"""The cpu suite: its per-thread split (unit) and a tiny run on loopback (structure, no timing goals)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import cpu  # noqa: E402
+from benchmarks.__main__ import SUITES  # noqa: E402
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_split_charges_each_thread_to_its_part():
+    worker = threading.Thread(target=_spin, args=(0.06,), name="worker")
+    other = threading.Thread(target=_spin, args=(0.03,), name="other")
+    before = cpu.thread_cpu()
+    worker.start()
+    other.start()
+    _spin(0.04)
+    worker.join()
+    other.join()
+    # threads that ended are gone from /proc and not counted (the suite's threads outlive its window)
+    loop = threading.get_native_id()
+    after = cpu.thread_cpu()
+    parts = cpu.split(before, after, loop, None)
+    assert parts["loop"] >= 0.03 and parts["worker"] == 0.0       # /proc ticks: 10 ms resolution
+    assert set(parts) == {"loop", "worker", "comm"}
+    # a thread named as the worker is charged to it, any other to comm
+    fake_before = {1: ("python", 1.0), 2: ("python", 0.5), 3: ("gloo_tcp_loop", 0.0)}
+    fake_after = {1: ("python", 1.5), 2: ("python", 0.75), 3: ("gloo_tcp_loop", 0.1), 4: ("pt_gloo_runloop", 0.05)}
+    assert cpu.split(fake_before, fake_after, 1, 2) == pytest.approx({"loop": 0.5, "worker": 0.25, "comm": 0.15})
+
+
+def test_verdict_names_a_cpu_bound_rank():
+    assert cpu.verdict({"cpu_s": 0.029, "step_s": 0.030}) == "CPU-bound"
+    assert cpu.verdict({"cpu_s": 0.020, "step_s": 0.050}) == "waits"
+
+
+@pytest.mark.timeout(150)
+def test_tiny_run_splits_each_config(tmp_path):
+    assert "cpu" in SUITES
+    rows = cpu.run_suite(["ddp", "blockquant-4bit"], net=None, steps=6, warmup=3)
+    assert [r["config"] for r in rows] == ["ddp", "blockquant-4bit"]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and r["compute_ms"] > 0, r
+        assert r["loop_ms"] > 0 and r["verdict"] in ("CPU-bound", "waits"), r
+        assert r["idle_ms"] == pytest.approx(max(0.0, r["step_ms"] - r["cpu_ms"]), abs=0.02)
+    ddp, bq = rows
+    assert ddp["worker_ms"] == 0 and ddp["worker"] is False          # DDP's own path: no commpress worker
+    assert bq["worker"] is True                                        # the overlap worker ran the buckets
