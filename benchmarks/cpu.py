@@ -15,7 +15,7 @@ steps or more):
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
 A rank whose CPU is :data:`CPU_BOUND` or more of its step is CPU-bound: its bytes are hidden
 already, and only less host work shortens its step.  ``compute`` is the same rank's step under
-``no_sync`` (no gradient synchronisation).  Linux only (``/proc``; a thread that ends inside the
+``no_sync`` (no gradient synchronisation); ``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends inside the
 window is not counted, and the ones measured here live through it); a row is the slower rank's.
 """
 
@@ -33,7 +33,8 @@ from .common import markdown_table, results_dir, write_results
 #: a rank whose process CPU is this share of its step (wall) or more is CPU-bound (one core per rank)
 CPU_BOUND = 0.85
 COMM_THREADS = ("gloo", "pt_gloo")
-COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "comm_ms", "compute_ms", "verdict"]
+COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "comm_ms", "compute_ms", "verdict",
+           "chose"]
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -111,9 +112,11 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
             t0 = time.perf_counter()
             step(sync=False)
             computes.append(time.perf_counter() - t0)
+        report_auto = getattr(getattr(state, "stats", None), "auto_report", None)
+        chose = ", ".join(f"{k}: {e['choice']}" for k, e in report_auto().items()) if report_auto else ""
         rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu,
                      **{f"{k}_s": v / steps for k, v in parts.items()},
-                     "compute_s": statistics.median(computes), "worker": worker is not None})
+                     "compute_s": statistics.median(computes), "worker": worker is not None, "chose": chose})
         if state is not None and hasattr(state, "close"):
             state.close()
     return rows
@@ -137,7 +140,7 @@ def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: 
         row = {"config": name, **{k: round(1e3 * v, 2) for k, v in r.items() if k.endswith("_s")}}
         row = {("%s_ms" % k[:-2] if k.endswith("_s") else k): v for k, v in row.items()}
         row["idle_ms"] = round(max(0.0, row["step_ms"] - row["cpu_ms"]), 2)
-        row["verdict"], row["worker"] = verdict(r), r["worker"]
+        row["verdict"], row["worker"], row["chose"] = verdict(r), r["worker"], r["chose"]
         rows.append(row)
     return rows
 

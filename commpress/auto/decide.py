@@ -21,7 +21,10 @@ queues behind the previous one on the one communication channel::
 
 With ``Measurements.codec_inline=False`` (DDP's overlap thread compresses, sends and
 decodes each bucket in turn) the codec is queued with its collective instead:
-``finish_b = max(-hidden_b, finish_{b-1}) + codec_b + comm_b``.
+``finish_b = max(-hidden_b, finish_{b-1}) + codec_b + comm_b``.  The DDP hook uses it only where
+the thread has a core of its own beside the backward (a CUDA model, or a CPU rank with spare
+cores; agreed over the ranks at binding): on a CPU rank whose cores the backward fills, the
+thread's codec takes them from the backward, so it is priced inline.
 
 ``comm_b`` is the collective's predicted seconds from the cost model of
 :mod:`commpress.collectives.costmodel` (messages, bytes, entries and elements of

@@ -345,7 +345,10 @@ class DDPState(TakeoverMixin, HookState):
         # the first check point ends the first compressed step (step 0 binds: its arrivals are not
         # timed); its compute is timed from the forward's start (a forward pre-hook)
         auto.first_check = max(1, self.warmup_steps)
-        auto.queued = self.overlap
+        # the overlap worker's codec runs beside the backward only where it has a core of its own;
+        # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
+        # and "auto" prices it on the critical path (agreed: every rank decides alike)
+        auto.queued = self.overlap and _agreed_min(_worker_has_own_core(model), self.process_group)
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
         self.stats.auto_network = lambda: self.codec.network_report()
@@ -673,6 +676,34 @@ class _Overlapped(_Executor):
             except Exception:  # noqa: BLE001 - already gone with the default group
                 log.debug("commpress ddp: the overlap group was already destroyed")
             self._group = None
+
+
+def _worker_has_own_core(model: torch.nn.Module) -> bool:
+    """Whether the overlap worker can run beside the backward pass: a CUDA model (the backward
+    runs on the device), or a CPU rank with more cores than the backward's threads, counting the
+    ``LOCAL_WORLD_SIZE`` ranks (``torchrun``) that share this host's cores."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    # torchrun ranks confined to one affinity mask share its cores; a pinned rank has its own
+    sharing = local if cores > 1 else 1
+    return cores > torch.get_num_threads() * sharing
+
+
+def _agreed_min(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """``flag`` and'ed over the ranks of ``group`` (one all_reduce; the local flag alone at one rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 def _value(fut: torch.futures.Future) -> torch.Tensor:

@@ -535,3 +535,50 @@ def test_the_early_check_point_is_no_reference_for_the_link():
     # step 1: the unit's first call is not measured; step 1 + EARLY_CHECK: withheld; step 21: fed
     assert 1 + EARLY_CHECK < 21 and fed == [[0.0], [0.0], [pytest.approx(0.003)]]
     assert auto.link.ref is not None
+
+
+# ------------------------------------------------------------------ the worker's own core
+def test_worker_has_own_core_counts_the_backwards_threads_and_the_local_ranks(monkeypatch):
+    from commpress.hooks import ddp as H
+
+    cpu_model = torch.nn.Linear(4, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})          # a rank pinned to one core
+    assert H._worker_has_own_core(cpu_model) is False
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert H._worker_has_own_core(cpu_model) is True                       # a spare core beside 1 thread
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                            # torchrun: 2 ranks on those 2 cores
+    assert H._worker_has_own_core(cpu_model) is False
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)               # the backward fills both cores
+    assert H._worker_has_own_core(cpu_model) is False
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert H._worker_has_own_core(cpu_model) is True
+    meta = torch.nn.Linear(4, 4, device="meta")                            # not a CPU model: the device runs it
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert H._worker_has_own_core(meta) is True
+
+
+def _core_worker(rank, world):
+    from commpress.hooks import ddp as H
+
+    commpress.collectives.set_cost_model(1e-4, 1e-9)   # no calibration (test time)
+    out = {}
+    for case, mine in (("both", True), ("rank1-shares", rank != 1)):
+        H._worker_has_own_core = lambda model, _v=mine: _v   # this rank's view of its cores
+        torch.manual_seed(0)
+        model = DDP(Net())
+        state = commpress.ddp.register(model, "auto", check_every=2)
+        out[case] = state.codec.queued                       # the agreed model of the codec
+        state.close()
+        inline = commpress.ddp.register(DDP(Net()), "auto", overlap=False)
+        out[case + "-inline"] = inline.codec.queued           # no worker: always on the critical path
+        inline.close()
+    commpress.collectives.set_cost_model(None)
+    return out
+
+
+def test_auto_prices_the_codec_on_the_critical_path_where_any_rank_shares_its_core():
+    for out in run(_core_worker, 2, timeout=120):
+        assert out == {"both": True, "both-inline": False, "rank1-shares": False, "rank1-shares-inline": False}
