@@ -137,8 +137,7 @@ def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: 
     rows = []
     for i, name in enumerate(configs):
         r = max((ranks[i] for ranks in res), key=lambda row: row["step_s"])
-        row = {"config": name, **{k: round(1e3 * v, 2) for k, v in r.items() if k.endswith("_s")}}
-        row = {("%s_ms" % k[:-2] if k.endswith("_s") else k): v for k, v in row.items()}
+        row = {"config": name, **{k[:-2] + "_ms": round(1e3 * v, 2) for k, v in r.items() if k.endswith("_s")}}
         row["idle_ms"] = round(max(0.0, row["step_ms"] - row["cpu_ms"]), 2)
         row["verdict"], row["worker"], row["chose"] = verdict(r), r["worker"], r["chose"]
         rows.append(row)

@@ -326,6 +326,7 @@ class DDPState(TakeoverMixin, HookState):
         """``"auto"``: the network model (calibrated just before), the check points, the
         forward hook that stamps the backward's start."""
         from ..auto.decide import Network
+        from ..auto.measure import agree
         from ..collectives.costmodel import CostModel
 
         auto = self._auto_codec
@@ -348,7 +349,8 @@ class DDPState(TakeoverMixin, HookState):
         # the overlap worker's codec runs beside the backward only where it has a core of its own;
         # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
         # and "auto" prices it on the critical path (agreed: every rank decides alike)
-        auto.queued = self.overlap and _agreed_min(_worker_has_own_core(model), self.process_group)
+        own = agree([1.0 if _worker_has_own_core(model) else 0.0], ["min"], self.process_group)[0]
+        auto.queued = self.overlap and own == 1.0
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
         self.stats.auto_network = lambda: self.codec.network_report()
@@ -693,17 +695,6 @@ def _worker_has_own_core(model: torch.nn.Module) -> bool:
     # torchrun ranks confined to one affinity mask share its cores; a pinned rank has its own
     sharing = local if cores > 1 else 1
     return cores > torch.get_num_threads() * sharing
-
-
-def _agreed_min(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """``flag`` and'ed over the ranks of ``group`` (one all_reduce; the local flag alone at one rank)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
 
 
 def _value(fut: torch.futures.Future) -> torch.Tensor:
