@@ -68,6 +68,7 @@ import hashlib
 import logging
 import os
 import queue
+import socket
 import threading
 from typing import Any, Callable
 
@@ -349,7 +350,8 @@ class DDPState(TakeoverMixin, HookState):
         # the overlap worker's codec runs beside the backward only where it has a core of its own;
         # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
         # and "auto" prices it on the critical path (agreed: every rank decides alike)
-        own = agree([1.0 if _worker_has_own_core(model) else 0.0], ["min"], self.process_group)[0]
+        local = _ranks_on_this_host(self.process_group)
+        own = agree([1.0 if _worker_has_own_core(model, local) else 0.0], ["min"], self.process_group)[0]
         auto.queued = self.overlap and own == 1.0
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
@@ -680,20 +682,32 @@ class _Overlapped(_Executor):
             self._group = None
 
 
-def _worker_has_own_core(model: torch.nn.Module) -> bool:
+def _ranks_on_this_host(group: dist.ProcessGroup | None) -> int:
+    """How many ranks of ``group`` run on this host: ``LOCAL_WORLD_SIZE`` where ``torchrun`` set
+    it, else counted from the ranks' host names (one all_gather; collective)."""
+    try:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        pass
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 1
+    from ..collectives import comm_device
+
+    mine = torch.tensor([stable_hash(socket.gethostname())], dtype=torch.int64, device=comm_device(group))
+    hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(hosts, mine, group=group)
+    return sum(int(h.item()) == int(mine.item()) for h in hosts)
+
+
+def _worker_has_own_core(model: torch.nn.Module, local_ranks: int = 1) -> bool:
     """Whether the overlap worker can run beside the backward pass: a CUDA model (the backward
     runs on the device), or a CPU rank with more cores than the backward's threads, counting the
-    ``LOCAL_WORLD_SIZE`` ranks (``torchrun``) that share this host's cores."""
+    ``local_ranks`` ranks on this host that share its cores (a rank pinned to one core shares none)."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    # torchrun ranks confined to one affinity mask share its cores; a pinned rank has its own
-    sharing = local if cores > 1 else 1
+    sharing = max(1, local_ranks) if cores > 1 else 1
     return cores > torch.get_num_threads() * sharing
 
 

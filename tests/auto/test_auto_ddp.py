@@ -542,22 +542,22 @@ def test_worker_has_own_core_counts_the_backwards_threads_and_the_local_ranks(mo
     from commpress.hooks import ddp as H
 
     cpu_model = torch.nn.Linear(4, 4)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})          # a rank pinned to one core
-    assert H._worker_has_own_core(cpu_model) is False
+    assert H._worker_has_own_core(cpu_model, 1) is False
+    assert H._worker_has_own_core(cpu_model, 4) is False
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert H._worker_has_own_core(cpu_model) is True                       # a spare core beside 1 thread
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                            # torchrun: 2 ranks on those 2 cores
-    assert H._worker_has_own_core(cpu_model) is False
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert H._worker_has_own_core(cpu_model, 1) is True                    # a spare core beside 1 thread
+    assert H._worker_has_own_core(cpu_model, 2) is False                   # 2 ranks on those 2 cores
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)               # the backward fills both cores
-    assert H._worker_has_own_core(cpu_model) is False
+    assert H._worker_has_own_core(cpu_model, 1) is False
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert H._worker_has_own_core(cpu_model) is True
+    assert H._worker_has_own_core(cpu_model, 2) is True
     meta = torch.nn.Linear(4, 4, device="meta")                            # not a CPU model: the device runs it
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert H._worker_has_own_core(meta) is True
+    assert H._worker_has_own_core(meta, 8) is True
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")                            # torchrun says how many share the host
+    assert H._ranks_on_this_host(None) == 3
 
 
 def _core_worker(rank, world):
@@ -566,7 +566,7 @@ def _core_worker(rank, world):
     commpress.collectives.set_cost_model(1e-4, 1e-9)   # no calibration (test time)
     out = {}
     for case, mine in (("both", True), ("rank1-shares", rank != 1)):
-        H._worker_has_own_core = lambda model, _v=mine: _v   # this rank's view of its cores
+        H._worker_has_own_core = lambda model, local, _v=mine: _v   # this rank's view of its cores
         torch.manual_seed(0)
         model = DDP(Net())
         state = commpress.ddp.register(model, "auto", check_every=2)
@@ -575,10 +575,13 @@ def _core_worker(rank, world):
         inline = commpress.ddp.register(DDP(Net()), "auto", overlap=False)
         out[case + "-inline"] = inline.codec.queued           # no worker: always on the critical path
         inline.close()
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    out["on_this_host"] = H._ranks_on_this_host(None)      # counted from the host names: both ranks here
     commpress.collectives.set_cost_model(None)
     return out
 
 
 def test_auto_prices_the_codec_on_the_critical_path_where_any_rank_shares_its_core():
     for out in run(_core_worker, 2, timeout=120):
-        assert out == {"both": True, "both-inline": False, "rank1-shares": False, "rank1-shares-inline": False}
+        assert out == {"both": True, "both-inline": False, "rank1-shares": False, "rank1-shares-inline": False,
+                       "on_this_host": 2}
