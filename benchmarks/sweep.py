@@ -668,7 +668,9 @@ def auto_lines(rows: list[dict]) -> list[str]:
         for name, e in r["auto"].items():
             pred = "?" if e.get("predicted_ms") is None else f"{e['predicted_ms']:.1f}"
             meas = "?" if e.get("measured_ms") is None else f"{e['measured_ms']:.1f}"
-            parts.append(f"bucket {name}: {e['choice']} (predicted {pred} ms, measured {meas} ms)")
+            sw = e.get("switches") or []
+            moved = ("; before: " + ", ".join(f"{c} from step {st}" for st, c in sw[:-1])) if len(sw) > 1 else ""
+            parts.append(f"bucket {name}: {e['choice']} (predicted {pred} ms, measured {meas} ms{moved})")
         line = f"- {r['config']} seed {r.get('seed', 0)} chose: " + "; ".join(parts)
         net = r.get("auto_network") or {}
         cal, priced = net.get("calibrated"), net.get("priced")

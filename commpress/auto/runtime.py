@@ -114,6 +114,8 @@ AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critic
 DEFAULT_CHECK_EVERY = 100
 #: a window's gradient norm is sampled every this many steps (:meth:`AutoCodec.samples_norm`)
 NORM_EVERY = 8
+#: switches per unit that :meth:`AutoCodec.report` keeps (the latest)
+SWITCHES_KEPT = 16
 #: the second check point comes this many steps after the first (:meth:`AutoCodec.is_check`)
 EARLY_CHECK = 4
 
@@ -311,6 +313,8 @@ class AutoCodec:
         self._unit_bucket: dict[Any, int] = {}
         self._meas: dict[Any, list[float]] = {}
         self._last_meas: dict[Any, float] = {}
+        #: per unit, the check points that switched it: ``[(step, choice), ...]`` (the last :data:`SWITCHES_KEPT`)
+        self.switches: dict[Any, list[tuple[int, Choice]]] = {}
         self._units: list[Any] = []
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
@@ -567,6 +571,9 @@ class AutoCodec:
         decision, switched = self.decider.update(step, m)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
+            kept = self.switches.setdefault(units[b].key, [])
+            kept.append((step, decision.choices[b]))
+            del kept[:-SWITCHES_KEPT]
         if self.decider.decided_at == step:
             self._round_s_decided = self.round_s
         if switched:
@@ -722,9 +729,11 @@ class AutoCodec:
 
     # -- the report: state.stats.as_dict()["auto"] --------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
-        """``{unit: {"choice", "predicted_ms", "measured_ms", "params"}}``: named by the
+        """``{unit: {"choice", "predicted_ms", "measured_ms", "params", "switches"}}``: named by the
         DDP bucket that completes the unit (``"b/u"`` when a bucket completes several), or
-        by the FSDP2 unit's module name (:meth:`_names`)."""
+        by the FSDP2 unit's module name (:meth:`_names`).  ``switches``: ``[[step, choice], ...]``,
+        the check points that changed the unit's choice (the last :data:`SWITCHES_KEPT`; not
+        checkpointed)."""
         units = self._units
         cur = self.decider.current
         out: dict[str, dict[str, Any]] = {}
@@ -735,7 +744,8 @@ class AutoCodec:
             out[name] = {"choice": describe(self.choices.get(u.key, DENSE)),
                          "predicted_ms": None if pred is None else 1e3 * pred,
                          "measured_ms": None if meas is None else 1e3 * meas,
-                         "params": list(u.names)}
+                         "params": list(u.names),
+                         "switches": [[st, describe(c)] for st, c in self.switches.get(u.key, [])]}
         return out
 
     def network_report(self) -> dict[str, Any]:

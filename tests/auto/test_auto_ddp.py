@@ -169,6 +169,13 @@ def test_register_auto_on_two_ranks():
     first, second = ([e["choice"] for _, e in h] for h in a["history"])
     assert any(c != "dense" for c in first), first          # the slow network: compressed
     assert any(c != f for c, f in zip(second, first)), (first, second)  # the fast one: switched back
+    # the report keeps each unit's switches: (check point, choice), the first at the end of step 1
+    for (_, e0), (_, e1) in zip(a["history"][0], a["history"][1]):
+        assert e0["switches"] == ([[1, e0["choice"]]] if e0["choice"] != "dense" else []), e0
+        assert e1["switches"][:len(e0["switches"])] == e0["switches"], (e0, e1)
+        if e1["choice"] != e0["choice"]:                  # switched again at a later check point
+            assert len(e1["switches"]) == len(e0["switches"]) + 1 and e1["switches"][-1][1] == e1["choice"], e1
+            assert e1["switches"][-1][0] > 1, e1
     for _, e in a["history"][0]:
         assert e["predicted_ms"] is not None and e["predicted_ms"] > 0 and e["params"]
     # every switch carried the residual and velocity bitwise, including non-zero ones

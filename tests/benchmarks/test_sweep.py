@@ -213,4 +213,10 @@ def test_auto_rows_show_their_choices():
     assert sweep.auto_lines(rows)[0].endswith("; link 125 MB/s calibrated, 110 MB/s measured, "
                                               "0.8 ms per round beyond the model")
     assert sweep.auto_lines(rows[:1]) == []
+    # a unit switched more than once: its earlier choices, with the step each started
+    rows[1]["auto"]["0"]["switches"] = [[1, "blockquant(bits=4)"], [21, "blockquant(bits=8)"], [41, "bf16"]]
+    rows[1]["auto"]["1"]["switches"] = [[1, "topk(ratio=0.01)"]]
+    assert sweep.auto_lines(rows)[0].startswith(
+        "- auto seed 1 chose: bucket 0: bf16 (predicted 3.2 ms, measured 4.0 ms; before: blockquant(bits=4) from "
+        "step 1, blockquant(bits=8) from step 21); bucket 1: topk(ratio=0.01) (predicted 1.0 ms, measured ? ms);")
     assert C.unavailable_reason(C.BY_NAME["auto"]) is None
