@@ -13,6 +13,16 @@ from typing import Any, Callable, Iterable
 import torch
 
 
+#: a rank of one core whose process CPU is this share of its step (wall) or more is CPU-bound
+CPU_BOUND = 0.85
+
+
+def cpu_bound(cpu_s: float, step_s: float) -> bool:
+    """Whether a rank that used ``cpu_s`` of host CPU in a ``step_s`` step is CPU-bound
+    (:data:`CPU_BOUND`): its bytes are hidden already, only less host work shortens its step."""
+    return cpu_s >= CPU_BOUND * step_s
+
+
 def results_dir(suite: str, root: str | Path = "results") -> Path:
     """A fresh ``results/<suite>-<timestamp>/`` folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

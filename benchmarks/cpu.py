@@ -13,10 +13,11 @@ steps or more):
 * ``comm``: the communication library's threads (gloo's send/receive loops) and any other.
 
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
-A rank whose CPU is :data:`CPU_BOUND` or more of its step is CPU-bound: its bytes are hidden
-already, and only less host work shortens its step.  ``compute`` is the same rank's step under
-``no_sync`` (no gradient synchronisation); ``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends inside the
-window is not counted, and the ones measured here live through it); a row is the slower rank's.
+A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is CPU-bound: its
+bytes are hidden already, and only less host work shortens its step.  ``compute`` is the same
+rank's step under ``no_sync`` (no gradient synchronisation); ``chose``: an ``"auto"`` config's
+choice per bucket.  Linux only (``/proc``; a thread that ends inside the window is not counted,
+and the ones measured here live through it); a row is the slower rank's.
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from .common import markdown_table, results_dir, write_results
+from .common import cpu_bound, markdown_table, results_dir, write_results
 
-#: a rank whose process CPU is this share of its step (wall) or more is CPU-bound (one core per rank)
-CPU_BOUND = 0.85
-COMM_THREADS = ("gloo", "pt_gloo")
 COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "comm_ms", "compute_ms", "verdict",
            "chose"]
 
@@ -123,9 +121,9 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
 
 
 def verdict(row: dict[str, Any]) -> str:
-    """``"CPU-bound"`` when the rank's host CPU is :data:`CPU_BOUND` of its step or more, else
-    ``"waits"`` (the core idles: for the wire or the peer)."""
-    return "CPU-bound" if row["cpu_s"] >= CPU_BOUND * row["step_s"] else "waits"
+    """``"CPU-bound"`` (:func:`~benchmarks.common.cpu_bound`), else ``"waits"`` (the core idles:
+    for the wire or the peer)."""
+    return "CPU-bound" if cpu_bound(row["cpu_s"], row["step_s"]) else "waits"
 
 
 def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: int = 20) -> list[dict[str, Any]]:

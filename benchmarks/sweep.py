@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import configs as C
-from .common import markdown_table, results_dir, write_results
+from .common import cpu_bound, markdown_table, results_dir, write_results
 from .netem import LaunchError, Loopback, NetSpec, launch, make_cluster
 
 log = logging.getLogger("commpress.benchmarks")
@@ -46,7 +46,6 @@ ACC_MARGIN = 0.005      # accuracy target: dense final - 0.5 points
 LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
 NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
-CPU_BOUND = 0.85        # a rank of one core whose process CPU is this share of its step is CPU-bound
 
 DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 100, "lm": 120}}
 
@@ -349,7 +348,8 @@ def summarize_configs(rows: list[dict]) -> dict[str, dict[str, Any]]:
             "ttt_range": (min(reached), max(reached)) if len(reached) > 1 else None,
             "step_s": statistics.fmean(r["step_s"] for r in rs), "ratio": rs[0]["ratio"],
             "compute_s": rs[0]["compute_s"], "compression_s": rs[0]["compression_s"], "comm_s": rs[0]["comm_s"],
-            "cpu_s": rs[0].get("cpu_s"), "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"], "metric": rs[0]["metric"],
+            "cpu_s": rs[0].get("cpu_s"), "ttt_step": rs[0].get("ttt_step"), "steps": rs[0]["steps"],
+            "metric": rs[0]["metric"],
             "final": statistics.fmean(r.get("final_smoothed", r["final"]) for r in rs),
             "target": rs[0].get("target"),
         }
@@ -439,7 +439,7 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
             f"codec {1000 * best['compression_s']:.0f}, communication {1000 * best['comm_s']:.0f})"
             + (f", {1000 * best['cpu_s']:.0f} ms of it host CPU against DDP's {1000 * ddp['cpu_s']:.0f}"
                + (" (CPU-bound: its bytes are hidden, less host work is what would shorten it)"
-                  if best["cpu_s"] >= CPU_BOUND * best["step_s"] else "")
+                  if cpu_bound(best["cpu_s"], best["step_s"]) else "")
                if best.get("cpu_s") and ddp.get("cpu_s") else "")
             + (f" and reaches the target at step {best['ttt_step']} against DDP's {ddp['ttt_step']}"
                if best.get("ttt_step") and ddp.get("ttt_step") else "")

@@ -693,10 +693,11 @@ def _ranks_on_this_host(group: dist.ProcessGroup | None) -> int:
         return 1
     from ..collectives import comm_device
 
-    mine = torch.tensor([stable_hash(socket.gethostname())], dtype=torch.int64, device=comm_device(group))
+    me = stable_hash(socket.gethostname())
+    mine = torch.tensor([me], dtype=torch.int64, device=comm_device(group))
     hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(hosts, mine, group=group)
-    return sum(int(h.item()) == int(mine.item()) for h in hosts)
+    return sum(int(h.item()) == me for h in hosts)
 
 
 def _worker_has_own_core(model: torch.nn.Module, local_ranks: int = 1) -> bool:
