@@ -45,7 +45,9 @@ than not compressing.
 
 Critical regimes (Accordion, Agarwal et al. 2021): a bucket whose gradient
 norm changed by a fraction ``>= critical`` over the last window may only use
-dense, bf16 and the least aggressive member of each family.
+dense, bf16, the least aggressive member of each family, and the candidates whose
+prior price is at most ``Prices.critical_max`` (:func:`critical_candidates`: a kind
+priced as near-lossless is not an aggressive one).
 
 Search: coordinate descent (one bucket at a time, best option given the others,
 until no bucket moves) from the all-dense plan and from the three uniform plans
@@ -203,6 +205,13 @@ class Prices:
       100 Mbit/s; the demo's LM rank 2 about 1.9x; PyTorch's rank 1 hook 1.2x (digits) and
       1.7x (LM) in the demo, and its loopback LM misses the target.
 
+    ``critical_max`` (1.05) is not a price but a bound on them: in Accordion's critical regime
+    (the gradient norm moving fast) a bucket keeps the gentlest member of each family and any
+    candidate priced at most this (:func:`critical_candidates`).  blockquant 4-bit is one: the demos'
+    runs reached the digits target at DDP's step with 4 bits from step 0, through the early steps
+    whose norm moves most; gating it there had "auto" alternate between 4 and 8 bits on digits (the
+    last layer's norm rose 84% in 20 steps, then fell) for no steps saved.
+
     They are priors, not measurements of the user's model: override any field.
     """
 
@@ -214,6 +223,8 @@ class Prices:
     topk_per_decade: float = 1.0
     powersgd_base: float = 1.7
     powersgd_per_halving: float = 0.2
+    #: in a critical regime, a candidate priced at most this stays allowed (:func:`critical_candidates`)
+    critical_max: float = 1.05
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -234,6 +245,14 @@ class Prices:
         else:
             p = self.powersgd_base + self.powersgd_per_halving * math.log2(4.0 / c.param)
         return max(1.0, p)
+
+
+def critical_candidates(candidates: tuple[Candidate, ...] | list[Candidate], prices: Prices) -> tuple[Candidate, ...]:
+    """The candidates a bucket in a critical regime may use (order kept): dense, bf16, the least
+    aggressive member of each family (:func:`~commpress.auto.candidates.gentlest`), and any
+    candidate whose prior price is at most ``prices.critical_max``."""
+    gentle = set(gentlest(candidates))
+    return tuple(c for c in candidates if c in gentle or prices.price(c) <= prices.critical_max)
 
 
 # ---------------------------------------------------------------- prediction
@@ -348,7 +367,7 @@ class _Problem:
         self.comm: list[list[float]] = []
         self.dprice: list[list[float]] = []
         for b in m.buckets:
-            allowed = gentlest(candidates) if b.norm_change >= critical else candidates
+            allowed = critical_candidates(candidates, prices) if b.norm_change >= critical else candidates
             # dense first (flat at index 0: the all-dense start), whether or not it was offered
             opts = [Choice(Candidate("dense"), p) for p in paths]
             opts += [Choice(c, p) for c in allowed if c.kind != "dense" and c in b.codec_s for p in paths]

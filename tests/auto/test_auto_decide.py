@@ -8,7 +8,7 @@ import pytest
 
 from commpress.auto import (DEFAULT_CANDIDATES, BucketMeasure, Candidate, Choice, Decider, Measurements, Network,
                             Prices, decide, describe, exposed_seconds, gentlest, stats_record)
-from commpress.auto.decide import comm_seconds
+from commpress.auto.decide import comm_seconds, critical_candidates
 from commpress.collectives import CostModel
 
 N = 1 << 18                       # 1 MB fp32 buckets
@@ -115,16 +115,27 @@ def test_two_by_two_picks_two_level_when_it_pays():
     assert {c.path for c in flat_only.choices} == {"flat"}
 
 
-def test_critical_regime_keeps_the_gentlest():
+def test_critical_regime_keeps_the_gentlest_and_the_near_lossless():
     # the gentle members code slowly here, so a calm bucket takes an aggressive one
     codec = dict(CODEC)
-    codec[Candidate("powersgd", 4)] = codec[Candidate("topk", 0.1)] = 0.03
+    for c in (Candidate("powersgd", 4), Candidate("topk", 0.1), Candidate("blockquant", 8)):
+        codec[c] = 0.03
+    codec[Candidate("blockquant", 4)] = 0.1
+    aggressive = {Candidate("topk", 0.01), Candidate("powersgd", 1)}
+    allowed = set(gentlest(DEFAULT_CANDIDATES)) | {Candidate("blockquant", 4)}   # priced 1.05 <= critical_max
+    assert critical_candidates(DEFAULT_CANDIDATES, Prices()) == tuple(c for c in DEFAULT_CANDIDATES if c in allowed)
     m = measures(MBIT100, [0.0, 0.0], change=0.6, codec=codec)
     d = decide(m)
-    allowed = set(gentlest(DEFAULT_CANDIDATES))
     assert all(c.candidate in allowed for c in d.choices), d.describe()
     calm = decide(measures(MBIT100, [0.0, 0.0], change=0.1, codec=codec))
-    assert any(c.candidate not in allowed for c in calm.choices), calm.describe()
+    assert any(c.candidate in aggressive for c in calm.choices), calm.describe()
+    # blockquant 4-bit near-lossless: a critical bucket keeps it where it is the best allowed
+    codec[Candidate("blockquant", 4)] = CODEC[Candidate("blockquant", 4)]
+    m = measures(MBIT100, [0.0, 0.0], change=0.6, codec=codec)
+    assert kinds(decide(m)) == ["blockquant", "blockquant"] and decide(m).choices[0].candidate.param == 4
+    # a stricter bound gates it too: the gentlest of each family only
+    strict = decide(m, prices=Prices(critical_max=1.0))
+    assert all(c.candidate in set(gentlest(DEFAULT_CANDIDATES)) for c in strict.choices), strict.describe()
 
 
 def test_hysteresis_margin():
