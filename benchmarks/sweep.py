@@ -97,6 +97,15 @@ STEP_GOALS = {
 }
 
 
+#: Issue 19's goals for ``auto``: (task, ranks, net) -> {baseline: factor}: its mean time to target over
+#: the seeds both ran at most ``factor`` x the fastest fixed commpress config's, and below the best
+#: PyTorch PowerSGD hook's (``1.0``: ahead).
+AUTO_GOALS = {
+    ("digits", 2, "1gbit"): {"best fixed commpress": 1.10, "best torch PowerSGD hook": 1.0},
+    ("lm", 2, "100mbit"): {"best fixed commpress": 1.10},
+}
+
+
 def _parse_steps(text: str | None, quick: bool) -> dict[str, int]:
     steps = dict(DEFAULT_STEPS["quick" if quick else "full"])
     if not text:
@@ -448,6 +457,48 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     return lines
 
 
+def check_auto_goals(leg: Leg, rows: list[dict]) -> list[str]:
+    """Issue 19's goals for ``auto`` (:data:`AUTO_GOALS`), seed by seed: each baseline is compared on
+    the seeds both it and ``auto`` ran (the demo reruns the fastest fixed commpress config of the
+    first seed with the next ones), by mean time to target over those seeds."""
+    goals = AUTO_GOALS.get((leg.task, leg.world_size, leg.net))
+    runs = [r for r in rows if "curve" in r]
+    auto = {r.get("seed", 0): r.get("ttt_s") for r in runs if r["config"] == "auto"}
+    if goals is None or not auto:
+        return []
+    lines = []
+    for base_name, factor in goals.items():
+        kind = "torch_powersgd" if "PowerSGD" in base_name else "commpress"
+        cands = {r["config"] for r in runs if r["kind"] == kind and r["config"] != "auto"}
+        best = None
+        for name in sorted(cands):
+            seeds = [r.get("seed", 0) for r in runs if r["config"] == name and r.get("ttt_s") and r.get("seed", 0) in auto]
+            if not seeds:
+                continue
+            mean = statistics.fmean(r["ttt_s"] for r in runs if r["config"] == name and r.get("seed", 0) in seeds)
+            if best is None or (len(seeds), -mean) > (len(best[1]), -best[2]):
+                best = (name, seeds, mean)
+        if best is None:
+            lines.append(f"  - auto vs {base_name}: none reached the target on a seed auto ran")
+            continue
+        name, seeds, mean = best
+        times = [auto[s] for s in seeds]
+        if not all(times):
+            missed = [s for s, t in zip(seeds, times) if not t]
+            lines.append(f"  - auto vs {name} (seeds {seeds}): auto did not reach the target on seed(s) {missed}: MISSED")
+            continue
+        mine = statistics.fmean(times)
+        x = mine / mean
+        each = ", ".join(f"{t:.1f}" for t in times)
+        if factor > 1:
+            want, ok = f"within {100 * (factor - 1):.0f}%", x <= factor
+        else:
+            want, ok = "ahead", x < 1.0
+        lines.append(f"  - auto {mine:.1f} s ({each}) against {name}'s {mean:.1f} s on the same seeds {seeds}: "
+                     f"{x:.2f}x its time, goal {want}: " + ("met" if ok else "MISSED"))
+    return [f"- {leg.key}, auto (issue 19):"] + lines
+
+
 def check_step_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     """Issue 17's per-step goals (:data:`STEP_GOALS`) on the measured median steps (text lines).
     A sparsifier's run as short as the demo's is inside its density warm-up (denser than its
@@ -528,8 +579,9 @@ def run_leg(leg: Leg, size: str, steps: int, args, best: dict[str, str]) -> tupl
             todo = runnable
             if i > 0:
                 first = summarize_configs(rows)
+                fixed = {k: v for k, v in first.items() if k != "auto"}   # auto runs anyway: its rival gets the seeds
                 heads = {"ddp", "torch-fp16", "auto"} | {b["config"] for b in (_best(first, "torch_powersgd", False),
-                                                                        _best(first, "commpress", False)) if b}
+                                                                        _best(fixed, "commpress", False)) if b}
                 todo = [c for c in runnable if c.name in heads]
             got = run_task(leg.task, size, todo, steps, args, cluster, world_size=leg.world_size, seed=seed,
                            pin=leg.pin)
@@ -577,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             b = _best(configs, kind, reached_only=False)
             if b and kind not in best.setdefault(leg.task, {}):
                 best[leg.task][kind] = b["config"]
-        meta["goals"] += check_goals(leg, configs)
+        meta["goals"] += check_goals(leg, configs) + check_auto_goals(leg, rows)
         meta["seconds"] = time.monotonic() - t0
         summary = finalize(out, rows_by_leg, meta)      # after every leg: partial results survive
     summary = _lowbw_part(args, out, rows_by_leg, meta, t0) or summary

@@ -132,6 +132,26 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "vs torch-powersgd-r1: met, it did not reach the target" in text
 
 
+def test_auto_goals_compare_on_the_seeds_both_ran():
+    def row(config, kind, ttt, seed=0):
+        return {"config": config, "kind": kind, "seed": seed, "curve": [], "ttt_s": ttt}
+
+    rows = [row("ddp", "ddp", 5.0), row("ddp", "ddp", 6.0, 1),
+            row("bf16", "commpress", 1.5),                                   # one seed only: not the rival
+            row("blockquant-4bit", "commpress", 2.0), row("blockquant-4bit", "commpress", 3.0, 1),
+            row("torch-powersgd-r1", "torch_powersgd", 2.4), row("torch-powersgd-r1", "torch_powersgd", 2.6, 1),
+            row("auto", "commpress", 2.0), row("auto", "commpress", 3.4, 1)]
+    text = "\n".join(sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows))
+    assert "auto 2.7 s (2.0, 3.4) against blockquant-4bit's 2.5 s on the same seeds [0, 1]: 1.08x its time, " \
+           "goal within 10%: met" in text
+    assert "against torch-powersgd-r1's 2.5 s on the same seeds [0, 1]: 1.08x its time, goal ahead: MISSED" in text
+    rows[-1]["ttt_s"] = None
+    text = "\n".join(sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows))
+    assert "auto did not reach the target on seed(s) [1]: MISSED" in text
+    assert sweep.check_auto_goals(sweep.Leg("digits", 4, "1gbit", ()), rows) == []
+    assert sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows[:-2]) == []   # no auto: nothing
+
+
 def test_demo_plan_names_known_configs_and_says_what_is_oversubscribed():
     args = sweep.build_parser().parse_args(["--demo"])
     legs = sweep.plan(args)
