@@ -8,7 +8,8 @@ interleaved step by step (so a change of machine load hits all of them alike):
 
 ``ddp``
     an MLP 64-2048-1024-10 (about 2.2M parameters), batch 32, SGD; one DDP model
-    per configuration (same seed): DDP default, PyTorch's ``fp16_compress_hook``,
+    per configuration (same seed): DDP default, PyTorch's ``allreduce_hook`` (what any
+    Python comm hook costs over DDP's built-in all_reduce), ``fp16_compress_hook``,
     ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 4, ``start_powerSGD_iter=2``),
     and ``commpress.ddp.register`` with identity, fp16, bf16, topk 1%, blockquant
     8-bit, powersgd rank 4 and ``"auto"`` (default arguments otherwise).  Median step time
@@ -59,6 +60,7 @@ SECTIONS = ("ddp", "allreduce", "fsdp")
 #: name -> (label, compressor name, parameters); names starting "cp_" are commpress.
 DDP_CONFIGS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
     "ddp": ("DDP default", None, {}),
+    "torch_allreduce": ("PyTorch allreduce_hook", None, {}),
     "torch_fp16": ("PyTorch fp16_compress_hook", None, {}),
     "torch_bf16": ("PyTorch bf16_compress_hook", None, {}),
     "torch_powersgd": ("PyTorch powerSGD_hook r4", None, {}),
@@ -92,7 +94,10 @@ FSDP_CONFIGS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
 
 BASELINE = {"ddp": "ddp", "allreduce": "dense", "fsdp": "fsdp"}
 #: commpress config -> the PyTorch hook it is compared with
-TORCH_PEER = {"cp_fp16": "torch_fp16", "cp_bf16": "torch_bf16", "cp_powersgd": "torch_powersgd"}
+#: (PyTorch's ``allreduce_hook``: the cost of any Python comm hook, the floor of identity and of
+#: an all-dense ``"auto"``)
+TORCH_PEER = {"cp_fp16": "torch_fp16", "cp_bf16": "torch_bf16", "cp_powersgd": "torch_powersgd",
+              "cp_identity": "torch_allreduce", "cp_auto": "torch_allreduce"}
 
 #: (section, world size, config, ratio column, limit)
 GOALS = [
@@ -189,7 +194,9 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
         model = DDP(make_mlp(sizes))
         numel = sum(p.numel() for p in model.parameters())
         state: Any = None
-        if name == "torch_fp16":
+        if name == "torch_allreduce":
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name == "torch_fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name == "torch_bf16":
             model.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -228,8 +235,8 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
     medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps)
     sent = []
     for (name, model, opt, state, numel), fn in zip(runs, fns):
-        if name in ("ddp", "torch_fp16", "torch_bf16"):
-            sent.append(_ring_bytes(numel * (4 if name == "ddp" else 2), world))
+        if name in ("ddp", "torch_allreduce", "torch_fp16", "torch_bf16"):
+            sent.append(_ring_bytes(numel * (4 if name in ("ddp", "torch_allreduce") else 2), world))
         else:
             sent.append((fn.sent_so_far() - marks[name]) / steps)
     sent_t = torch.tensor(sent, dtype=torch.float64)

@@ -138,7 +138,16 @@ def get_cost_model(group=None) -> CostModel:
     return model
 
 
-def _best_of(fn, reps: int = 3) -> float:
+#: Timed repetitions per size in :func:`calibrate` (the best one counts).  With one core per rank a
+#: collective's time depends on when gloo's threads get the core: six back-to-back calibrations
+#: of one loopback pair (2 ranks pinned one core each) read 35–809 µs per message and 416–5627 MB/s
+#: with 3 repetitions, 76–137 µs and 865–1571 MB/s with 8 (three pairs each); at an emulated
+#: 1 Gbit/s the bandwidth read 105–124 MB/s either way, with fewer α outliers at 8 (1 of 18 fits
+#: against 5).  It costs about 150 ms on loopback and 300–450 ms at 1 Gbit/s, once per group.
+CALIBRATION_REPS = 8
+
+
+def _best_of(fn, reps: int = CALIBRATION_REPS) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
