@@ -404,7 +404,10 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     goals = GOALS.get((leg.task, leg.world_size, leg.net))
     if goals is None:
         return []
-    best = _best(summary, "commpress", reached_only=False)
+    # the configs that ran every seed: a one-seed mean set against DDP's mean over all seeds
+    # favours the config that missed the harder seed
+    seeds = max((c["seeds"] for c in summary.values() if c["kind"] == "commpress"), default=0)
+    best = _best({k: c for k, c in summary.items() if c["seeds"] == seeds}, "commpress", reached_only=False)
     if best is None:
         return [f"- {leg.key}: no commpress config ran: goals not evaluated"]
     ddp = summary.get("ddp")
@@ -496,7 +499,7 @@ def check_auto_goals(leg: Leg, rows: list[dict]) -> list[str]:
             want, ok = "ahead", x < 1.0
         lines.append(f"  - auto {mine:.1f} s ({each}) against {name}'s {mean:.1f} s on the same seeds {seeds}: "
                      f"{x:.2f}x its time, goal {want}: " + ("met" if ok else "MISSED"))
-    return [f"- {leg.key}, auto (issue 19):"] + lines
+    return [f"- {leg.key}, auto:"] + lines
 
 
 def check_step_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
