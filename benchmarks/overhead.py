@@ -247,6 +247,12 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
                "params": numel}
         if name.startswith("cp_"):
             row["algorithms"] = "+".join(sorted(set(state.stats.algorithms.values())))
+        if name == "cp_auto":   # what it chose, and when (a plan that compressed on loopback is the finding)
+            report = state.stats.as_dict().get("auto") or {}
+            before = {b: ", ".join(f"{c} from step {st}" for st, c in e.get("switches", [])[:-1]) for b, e in report.items()}
+            row["label"] = "commpress auto (" + "; ".join(
+                f"bucket {b}: {e['choice']}" + (f", before: {before[b]}" if before[b] else "")
+                for b, e in report.items()) + ")"
         rows.append(row)
     return rows
 

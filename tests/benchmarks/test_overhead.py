@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import overhead  # noqa: E402
 from benchmarks.__main__ import SUITES  # noqa: E402
 
-TINY = {"ddp": ["ddp", "cp_topk"], "allreduce": ["dense", "cp_blockquant"], "fsdp": ["fsdp", "cp_identity"]}
+TINY = {"ddp": ["ddp", "torch_allreduce", "cp_topk", "cp_auto"], "allreduce": ["dense", "cp_blockquant"], "fsdp": ["fsdp", "cp_identity"]}
 
 
 def _positive_finite(x) -> bool:
@@ -45,6 +45,11 @@ def test_tiny_run_structure_and_ratios():
     assert by["fsdp", "cp_identity"]["bytes_per_step"] == by["fsdp", "fsdp"]["bytes_per_step"]
     text = overhead.tables(rows)
     assert text.count("### ") == 3 and "commpress topk 1%" in text
+    # auto's row says what it chose per bucket, and is set against PyTorch's plain allreduce_hook (the floor)
+    auto = by["ddp", "cp_auto"]
+    assert auto["label"].startswith("commpress auto (bucket ") and ": " in auto["label"], auto["label"]
+    assert _positive_finite(auto["ratio_vs_torch_hook"]), auto
+    assert by["ddp", "torch_allreduce"]["bytes_per_step"] == by["ddp", "ddp"]["bytes_per_step"]
 
 
 def test_failing_config_is_reported_and_the_rest_still_run():
