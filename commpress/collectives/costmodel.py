@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -144,7 +145,29 @@ def get_cost_model(group=None) -> CostModel:
 #: with 3 repetitions, 76–137 µs and 865–1571 MB/s with 8 (three pairs each); at an emulated
 #: 1 Gbit/s the bandwidth read 105–124 MB/s either way, with fewer α outliers at 8 (1 of 18 fits
 #: against 5).  It costs about 150 ms on loopback and 300–450 ms at 1 Gbit/s, once per group.
+#: ``COMMPRESS_CALIBRATION_REPS`` replaces it (:func:`calibration_reps`; the test suite runs 3).
 CALIBRATION_REPS = 8
+
+
+def calibration_reps(group=None) -> int:
+    """The timed repetitions :func:`calibrate` makes per size: ``COMMPRESS_CALIBRATION_REPS`` (an int
+    >= 1) when set, else :data:`CALIBRATION_REPS`; agreed over ``group`` (the largest wins: every rank
+    must make the same calls), and a value no rank can use (not an int >= 1) raises ``ValueError`` on
+    every rank.  A collective when the group has several ranks."""
+    raw = os.environ.get("COMMPRESS_CALIBRATION_REPS", "").strip()
+    try:
+        reps = int(raw) if raw else CALIBRATION_REPS
+    except ValueError:
+        reps = 0
+    agreed = [reps, reps]
+    if _comm.world(group) > 1:
+        import torch.distributed as dist
+        t = torch.tensor([reps, -reps], dtype=torch.int64, device=_comm.comm_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        agreed = [int(t[0]), -int(t[1])]
+    if agreed[1] < 1:
+        raise ValueError(f"COMMPRESS_CALIBRATION_REPS must be an int >= 1 on every rank (this rank: {raw!r})")
+    return agreed[0]
 
 
 def _best_of(fn, reps: int = CALIBRATION_REPS) -> float:
@@ -183,6 +206,7 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
 
     times = []
     rows = []
+    reps = calibration_reps(group)
     if world > 1:
         for nbytes in sizes:
             t = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
@@ -196,9 +220,9 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
                 _comm.gather_into(out, t, group=group)
                 sync()
 
-            times.append(_best_of(ar))
+            times.append(_best_of(ar, reps))
             rows.append([2.0 * (world - 1), 2.0 * nbytes * (world - 1) / world])
-            times.append(_best_of(ag))
+            times.append(_best_of(ag, reps))
             rows.append([float(world - 1), float(nbytes * (world - 1))])
     # local compute: sparse entries (sort + scatter-add) and dense elements (fill + add)
     m, n = 1 << 14, 1 << 18
@@ -217,8 +241,8 @@ def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)
         z.add_(acc)
         sync()
 
-    times.append(_best_of(sparse_op) / m)
-    times.append(_best_of(dense_op) / n)
+    times.append(_best_of(sparse_op, reps) / m)
+    times.append(_best_of(dense_op, reps) / n)
     tv = torch.tensor(times, dtype=torch.float64, device=dev)
     if world > 1:
         dist.all_reduce(tv, op=dist.ReduceOp.MAX, group=group)

@@ -230,6 +230,31 @@ def test_calibration_times_each_collective_many_times_and_keeps_the_best(monkeyp
     assert len(calls) == costmodel.CALIBRATION_REPS + 1
 
 
+def reps_worker(rank, world, values):
+    import os
+
+    from commpress.collectives import costmodel
+
+    out = []
+    for value in values:
+        os.environ["COMMPRESS_CALIBRATION_REPS"] = value[rank]
+        try:
+            out.append(costmodel.calibration_reps())
+        except ValueError as exc:
+            out.append(str(exc))
+    os.environ.pop("COMMPRESS_CALIBRATION_REPS")
+    return out
+
+
+def test_calibration_reps_are_agreed_and_a_bad_value_raises_on_every_rank():
+    """Every rank must make the same calls: ranks asking for different repetitions take the most;
+    a value one rank cannot use raises on both (a rank raising alone would leave its peer waiting)."""
+    res = run(reps_worker, 2, [("2", "5"), ("", "3"), ("3", "zero"), ("0", "4")], timeout=60)
+    for got in res:
+        assert got[:2] == [5, costmodel.CALIBRATION_REPS]
+        assert all("COMMPRESS_CALIBRATION_REPS must be an int >= 1" in g for g in got[2:]), got
+
+
 def test_commstats():
     s = CommStats()
     s.add(10, 20, 1)
