@@ -174,6 +174,28 @@ def test_decider_schedule_drift_and_state():
     assert again.update(70, loopback) == dec.update(70, loopback)
 
 
+def test_the_first_plan_needs_a_larger_gain_over_dense():
+    """The first decision has no measured per-call cost yet: a plan predicted a little better than
+    dense (between the margin and FIRST_MARGIN) waits for the next decision; a large gain does not."""
+    from commpress.auto.decide import FIRST_MARGIN
+
+    close = None
+    for scale in (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0):   # a faster link: less to gain from compressing
+        m = measures(CostModel(alpha=1e-4, beta=8e-9 / scale), [0.0, 0.0])
+        gain = 1 - decide(m).objective / dense_step(m)
+        if 0.05 < gain < FIRST_MARGIN:
+            close = m
+            break
+    assert close is not None
+    dec = Decider(every=1, drift=0.25, margin=0.05)
+    plan, switched = dec.update(1, close)
+    assert set(kinds(plan)) == {"dense"} and switched == ()
+    plan, switched = dec.update(2, close)                      # the next decision: the usual margin
+    assert switched and set(kinds(plan)) != {"dense"}
+    far = measures(MBIT100, [0.0, 0.0])                        # a slow link: the first plan compresses
+    assert set(kinds(Decider(margin=0.05).update(1, far)[0])) != {"dense"}
+
+
 def test_determinism_and_never_slower_on_random_measurements():
     rng = random.Random(0)
     for _ in range(12):
