@@ -23,6 +23,12 @@ def cpu_bound(cpu_s: float, step_s: float) -> bool:
     return cpu_s >= CPU_BOUND * step_s
 
 
+def earlier_choices(entry: dict[str, Any]) -> str:
+    """An ``auto`` report entry's choices before its current one (``state.stats.as_dict()["auto"][unit]``):
+    ``"blockquant(bits=8) from step 1, ..."``, or ``""`` when it never switched away from its first."""
+    return ", ".join(f"{c} from step {st}" for st, c in (entry.get("switches") or [])[:-1])
+
+
 def results_dir(suite: str, root: str | Path = "results") -> Path:
     """A fresh ``results/<suite>-<timestamp>/`` folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -50,7 +50,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .common import markdown_table, results_dir, steady_params, write_results
+from .common import earlier_choices, markdown_table, results_dir, steady_params, write_results
 
 SIZES = (64, 2048, 1024, 10)
 BATCH = 32
@@ -249,9 +249,8 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
             row["algorithms"] = "+".join(sorted(set(state.stats.algorithms.values())))
         if name == "cp_auto":   # what it chose, and when (a plan that compressed on loopback is the finding)
             report = state.stats.as_dict().get("auto") or {}
-            before = {b: ", ".join(f"{c} from step {st}" for st, c in e.get("switches", [])[:-1]) for b, e in report.items()}
             row["label"] = "commpress auto (" + "; ".join(
-                f"bucket {b}: {e['choice']}" + (f", before: {before[b]}" if before[b] else "")
+                f"bucket {b}: {e['choice']}" + (f", before: {earlier_choices(e)}" if earlier_choices(e) else "")
                 for b, e in report.items()) + ")"
         rows.append(row)
     return rows

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import configs as C
-from .common import cpu_bound, markdown_table, results_dir, write_results
+from .common import cpu_bound, earlier_choices, markdown_table, results_dir, write_results
 from .netem import LaunchError, Loopback, NetSpec, launch, make_cluster
 
 log = logging.getLogger("commpress.benchmarks")
@@ -723,8 +723,8 @@ def auto_lines(rows: list[dict]) -> list[str]:
         for name, e in r["auto"].items():
             pred = "?" if e.get("predicted_ms") is None else f"{e['predicted_ms']:.1f}"
             meas = "?" if e.get("measured_ms") is None else f"{e['measured_ms']:.1f}"
-            sw = e.get("switches") or []
-            moved = ("; before: " + ", ".join(f"{c} from step {st}" for st, c in sw[:-1])) if len(sw) > 1 else ""
+            before = earlier_choices(e)
+            moved = f"; before: {before}" if before else ""
             parts.append(f"bucket {name}: {e['choice']} (predicted {pred} ms, measured {meas} ms{moved})")
         line = f"- {r['config']} seed {r.get('seed', 0)} chose: " + "; ".join(parts)
         net = r.get("auto_network") or {}
