@@ -59,6 +59,14 @@ one's ``J`` is lower by more than ``margin × J(current)`` (the first plan, from
 dense, by more than :data:`FIRST_MARGIN`).  It is
 re-evaluated ``every`` steps, or sooner when the agreed bandwidth, latency or
 overlap moved by more than ``drift`` (relative) since the last decision.
+
+Outcomes, not only predictions (:meth:`Decider.update` with ``measured_s``): a switch is on
+probation until the next check point, which compares the *measured* step of the new plan
+(its window's median wall time, agreed) times its price with the plan's before it.  A new
+plan that measures worse by more than ``revert`` is undone and barred (vetoed) until ``every``
+steps have passed or the network or overlap drifted: a model that mispriced the switch (a
+loaded machine, a link that behaves unlike its calibration) costs one short window, not a
+whole period.
 """
 
 from __future__ import annotations
@@ -590,6 +598,13 @@ def drifted(old: Signature, new: Signature, fraction: float) -> bool:
 #: check point, which has the measured per-call cost.
 FIRST_MARGIN = 0.15
 
+#: How much worse (relative) a new plan's measured ``step × price`` may be than the plan's before it
+#: before the switch is undone (:meth:`Decider.update`).  Above the window-to-window noise of a shared
+#: machine (its medians moved by up to 10–15% with nothing changed); below the misses it is there for:
+#: a loaded run switched to bf16 measured 104 ms per call against 46 predicted, and a compressing plan
+#: on loopback measured 1.39x DDP's step.
+REVERT = 0.2
+
 
 class Decider:
     """The plan in use, with hysteresis and a re-evaluation schedule (same on every rank).
@@ -603,19 +618,33 @@ class Decider:
     """
 
     def __init__(self, *, candidates: tuple[Candidate, ...] = DEFAULT_CANDIDATES, prices: Prices | None = None,
-                 margin: float = 0.05, every: int = 1000, drift: float = 0.25, critical: float = 0.5) -> None:
+                 margin: float = 0.05, every: int = 1000, drift: float = 0.25, critical: float = 0.5,
+                 revert: float = REVERT) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Decider: every must be an int >= 1, got {every!r}")
         if not (isinstance(drift, (int, float)) and drift > 0):
             raise ValueError(f"Decider: drift must be a number > 0, got {drift!r}")
         if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
             raise ValueError(f"Decider: margin must be a number in [0, 1), got {margin!r}")
+        if isinstance(revert, bool) or not (isinstance(revert, (int, float)) and revert >= 0
+                                            and math.isfinite(revert)):
+            raise ValueError(f"Decider: revert must be a finite number >= 0, got {revert!r}")
         self.candidates = tuple(candidates)
         self.prices = prices if prices is not None else Prices()
         self.margin, self.every, self.drift, self.critical = float(margin), every, float(drift), float(critical)
+        self.revert = float(revert)
         self.current: Decision | None = None
         self.decided_at: int | None = None
         self.watched: Signature | None = None
+        #: the switch on probation: the plan before it and that plan's measured step (seconds), and
+        #: the check point that made it (``None`` when no switch waits for its outcome)
+        self.previous: Decision | None = None
+        self.previous_s: float = 0.0
+        self.switched_at: int | None = None
+        #: plans undone by their outcome: ``describe`` tuple -> (step, the signature then)
+        self.vetoed: dict[tuple[str, ...], tuple[int, Signature]] = {}
+        #: the last revert: ``(step, measured s of the undone plan, measured s of the plan restored)``
+        self.last_revert: tuple[int, float, float] | None = None
 
     def due(self, step: int, m: Measurements) -> bool:
         """Whether :meth:`update` at ``step`` with ``m`` re-decides."""
@@ -625,9 +654,24 @@ class Decider:
             return True
         return drifted(self.watched, signature(m), self.drift)
 
-    def update(self, step: int, m: Measurements) -> tuple[Decision, tuple[int, ...]]:
+    @property
+    def on_probation(self) -> bool:
+        """Whether the last switch waits for its outcome (the next check point judges it)."""
+        return self.switched_at is not None and self.previous is not None
+
+    def update(self, step: int, m: Measurements, measured_s: float = 0.0) -> tuple[Decision, tuple[int, ...]]:
         """``(plan in use, indices of the buckets that switched)``; the plan is unchanged when
-        not :meth:`due` or the predicted gain is within the margin."""
+        not :meth:`due` or the predicted gain is within the margin.
+
+        ``measured_s``: the measured (agreed) step seconds of the window that just ended, which ran
+        the plan in use (0: not measured).  A switch is judged by the window after it: when its
+        measured ``step × price`` exceeds the previous plan's by more than ``revert`` (relative),
+        the previous plan comes back and the undone one is vetoed (see the module doc)."""
+        measured_s = float(measured_s) if measured_s and math.isfinite(measured_s) and measured_s > 0 else 0.0
+        if self.on_probation:
+            undone = self._judge(step, m, measured_s)
+            if undone is not None:
+                return undone
         if not self.due(step, m):
             return self.current, ()
         old = self.current.choices if self.current is not None else None
@@ -636,37 +680,96 @@ class Decider:
         new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
                      current=old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets),
                      margin=self.margin if old is not None else max(self.margin, FIRST_MARGIN))
-        switched = tuple(b for b, c in enumerate(new.choices) if old is None or c != old[b])
-        if old is None:  # everything starts dense: only non-dense buckets switch
-            switched = tuple(b for b, c in enumerate(new.choices) if c.candidate.kind != "dense" or c.path != "flat")
+        if old is not None and self._barred(step, m, new.choices):
+            new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
+                         current=old, margin=1.0 - 1e-12)   # the current plan, re-priced on m
+        base = old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets)
+        switched = tuple(b for b, c in enumerate(new.choices) if c != base[b])
+        if switched:   # on probation until the next check point (its window measures the new plan)
+            before = self.current if old is not None else Decision(base, (0.0,) * len(base), 0.0, 1.0, 0.0)
+            self.previous, self.previous_s, self.switched_at = before, measured_s, int(step)
         self.current, self.decided_at, self.watched = new, int(step), signature(m)
         return new, switched
 
+    def _judge(self, step: int, m: Measurements, measured_s: float) -> tuple[Decision, tuple[int, ...]] | None:
+        """The outcome of the switch on probation: ``None`` when it stands (or cannot be judged:
+        a window without a measured step, a layout that changed), else the restored plan and the
+        buckets that switched back."""
+        prev, before_s = self.previous, self.previous_s
+        self.previous, self.previous_s, self.switched_at = None, 0.0, None
+        cur = self.current
+        if cur is None or prev is None or len(prev.choices) != len(cur.choices) or len(cur.choices) != len(m.buckets):
+            return None
+        if measured_s <= 0.0 or before_s <= 0.0:
+            return None
+        if measured_s * cur.price <= before_s * prev.price * (1.0 + self.revert):
+            return None
+        self.vetoed[tuple(describe(c) for c in cur.choices)] = (int(step), signature(m))
+        self.last_revert = (int(step), measured_s, before_s)
+        back = tuple(b for b, (c, p) in enumerate(zip(cur.choices, prev.choices)) if c != p)
+        restored = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
+                          current=prev.choices, margin=1.0 - 1e-12)
+        if restored.choices != prev.choices:   # a previous choice no longer allowed (critical regime)
+            return None
+        self.current, self.decided_at, self.watched = restored, int(step), signature(m)
+        return restored, back
+
+    def _barred(self, step: int, m: Measurements, choices: tuple[Choice, ...]) -> bool:
+        """Whether ``choices`` is a plan vetoed by its outcome less than ``every`` steps ago, with
+        the network and overlap within ``drift`` of what they were then (expired vetoes are dropped)."""
+        for key, (at, sig) in list(self.vetoed.items()):
+            if step - at >= self.every or drifted(sig, signature(m), self.drift):
+                del self.vetoed[key]
+        return tuple(describe(c) for c in choices) in self.vetoed
+
     # -- state -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        cur = self.current
         return {
             "decided_at": self.decided_at,
-            "choices": None if cur is None else [[c.candidate.kind, c.candidate.param, c.path] for c in cur.choices],
-            "predicted_s": None if cur is None else list(cur.predicted_s),
-            "step_s": None if cur is None else cur.step_s,
-            "price": None if cur is None else cur.price,
-            "watched": None if self.watched is None else [list(self.watched.network), list(self.watched.overlap)],
+            **_decision_state(self.current),
+            "watched": _signature_state(self.watched),
+            "probation": None if not self.on_probation else {
+                "switched_at": self.switched_at, "previous_s": self.previous_s,
+                "previous": _decision_state(self.previous)},
+            "vetoed": [[list(k), at, _signature_state(sig)] for k, (at, sig) in self.vetoed.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = {"decided_at", "choices", "predicted_s", "step_s", "price", "watched"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise ValueError(f"Decider state must have keys {sorted(keys)}")
-        if state["choices"] is None:
-            self.current = None
-        else:
-            choices = tuple(Choice(Candidate(k, p), path) for k, p, path in state["choices"])
-            self.current = Decision(choices, tuple(float(x) for x in state["predicted_s"]), float(state["step_s"]),
-                                    float(state["price"]), float(state["step_s"]) * float(state["price"]))
+        optional = {"probation", "vetoed"}   # absent in checkpoints from before outcome checks
+        if not isinstance(state, dict) or not (keys <= set(state) <= keys | optional):
+            raise ValueError(f"Decider state must have keys {sorted(keys)} (and optionally {sorted(optional)})")
+        self.current = _decision_from(state)
         self.decided_at = state["decided_at"]
-        w = state["watched"]
-        self.watched = None if w is None else Signature(tuple(w[0]), tuple(w[1]))
+        self.watched = _signature_from(state["watched"])
+        probation = state.get("probation")
+        self.previous = None if probation is None else _decision_from(probation["previous"])
+        self.previous_s = 0.0 if probation is None else float(probation["previous_s"])
+        self.switched_at = None if probation is None else int(probation["switched_at"])
+        self.vetoed = {tuple(k): (int(at), _signature_from(sig)) for k, at, sig in state.get("vetoed", [])}
+
+
+def _decision_state(d: Decision | None) -> dict[str, Any]:
+    return {"choices": None if d is None else [[c.candidate.kind, c.candidate.param, c.path] for c in d.choices],
+            "predicted_s": None if d is None else list(d.predicted_s),
+            "step_s": None if d is None else d.step_s,
+            "price": None if d is None else d.price}
+
+
+def _decision_from(state: dict[str, Any]) -> Decision | None:
+    if state["choices"] is None:
+        return None
+    choices = tuple(Choice(Candidate(k, p), path) for k, p, path in state["choices"])
+    return Decision(choices, tuple(float(x) for x in state["predicted_s"]), float(state["step_s"]),
+                    float(state["price"]), float(state["step_s"]) * float(state["price"]))
+
+
+def _signature_state(sig: Signature | None) -> list[list[float]] | None:
+    return None if sig is None else [list(sig.network), list(sig.overlap)]
+
+
+def _signature_from(state: Any) -> Signature | None:
+    return None if state is None else Signature(tuple(state[0]), tuple(state[1]))
 
 
 def stats_record(names: list[str] | tuple[str, ...], decision: Decision,

@@ -152,6 +152,9 @@ class ReduceScatterAutoCodec(AutoCodec):
         now = time.perf_counter()
         if self._last_step == step - 1 and self._last_end is not None:
             self._compute.append(max(0.0, now - self._last_end - self._busy))
+        elif self._last_step != step - 1:
+            self._wall_mark = None
+        self._mark_step(now)
         self._last_step = step
         self._busy = 0.0
         if self.is_check(step):

@@ -102,7 +102,7 @@ from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
-from .decide import (BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
+from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
                      comm_seconds)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
@@ -110,7 +110,8 @@ from .switch import Carry, fold_residual, take_residual
 log = logging.getLogger("commpress")
 
 #: the keywords ``register(model, "auto", ...)`` takes besides the hook's own
-AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critical", "prices", "remeasure")
+AUTO_OPTIONS = ("candidates", "check_every", "every", "margin", "drift", "critical", "prices", "remeasure",
+                "revert")
 DEFAULT_CHECK_EVERY = 100
 #: a window's gradient norm is sampled every this many steps (:meth:`AutoCodec.samples_norm`)
 NORM_EVERY = 8
@@ -139,7 +140,9 @@ class AutoSpec(Compressor):
     Accordion's gradient-norm change threshold; ``prices``: a :class:`~commpress.auto.Prices`;
     ``remeasure``: track how much the link slowed down or sped up since registration from what
     the windows' collectives took (:class:`~commpress.auto.decide.LinkTracker`; ``False`` keeps
-    the calibration made at registration as it is).
+    the calibration made at registration as it is); ``revert``: a switch whose next window measures
+    a step × price worse than the plan's before it by more than this (relative) is undone and the plan
+    barred for ``every`` steps (:meth:`~commpress.auto.decide.Decider.update`).
     It never compresses anything itself (:class:`AutoCodec` runs the choices).
     """
 
@@ -149,7 +152,7 @@ class AutoSpec(Compressor):
 
     def __init__(self, candidates: Any = DEFAULT_CANDIDATES, check_every: int = DEFAULT_CHECK_EVERY,
                  every: int = 1000, margin: float = 0.05, drift: float = 0.25, critical: float = 0.5,
-                 prices: Prices | None = None, remeasure: bool = True) -> None:
+                 prices: Prices | None = None, remeasure: bool = True, revert: float = REVERT) -> None:
         cands = tuple(_candidate(c) for c in candidates)
         if not cands:
             raise ValueError("auto: candidates must not be empty")
@@ -164,7 +167,7 @@ class AutoSpec(Compressor):
         self.remeasure = remeasure
         self.prices = prices if prices is not None else Prices()
         # validates every, margin, drift and critical
-        self.decider_args = dict(margin=margin, every=every, drift=drift, critical=critical)
+        self.decider_args = dict(margin=margin, every=every, drift=drift, critical=critical, revert=revert)
         Decider(candidates=cands, prices=self.prices, **self.decider_args)
         self._config = {"candidates": [describe(c) for c in cands], "check_every": check_every,
                         "prices": dataclasses.asdict(self.prices), "remeasure": remeasure, **self.decider_args}
@@ -307,6 +310,8 @@ class AutoCodec:
         self._last_end: float | None = None
         self._forward_start: float | None = None
         self._compute: list[float] = []         # this window's compute seconds, one per timed step
+        self._walls: list[float] = []           # this window's step wall seconds (:meth:`_mark_step`)
+        self._wall_mark: float | None = None    # where the next step's wall time starts (None: not timed)
         self._norms: dict[Any, torch.Tensor] = {}
         self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
         self._prev_norms: list[float] | None = None
@@ -387,7 +392,8 @@ class AutoCodec:
         not a reference for the link's tracking) and every ``check_every`` steps from the first."""
         if step < self.first_check:
             return False
-        return self._phase(step) == 0 or step == self.first_check + EARLY_CHECK
+        return (self._phase(step) == 0 or step == self.first_check + EARLY_CHECK
+                or (self.decider.on_probation and step == self.decider.switched_at + EARLY_CHECK))
 
     def fast(self, step: int) -> str | None:
         """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
@@ -473,6 +479,8 @@ class AutoCodec:
 
     def arrive(self, bucket: int, last: bool) -> float:
         t = time.perf_counter()
+        if last:   # one step from one backward end to the next, on every path (DDP's own too)
+            self._mark_step(t)
         if self._started:
             self.recorder.arrive(str(bucket), t)
             if last:
@@ -486,6 +494,18 @@ class AutoCodec:
             t = time.perf_counter()
             self.recorder.leave(str(bucket), t)
             self._busy += t - t0
+
+    def _mark_step(self, t: float) -> None:
+        """A step ended at ``t`` (DDP: its backward's end): its wall time since the last mark joins
+        the window's (:meth:`_window_step`).  A check point clears the mark, so the step after it
+        (the check's own time, a new codec's first call) is not timed."""
+        if self._wall_mark is not None:
+            self._walls.append(t - self._wall_mark)
+        self._wall_mark = t
+
+    def _window_step(self) -> float:
+        """The window's measured step, the median of its timed steps' walls (0: fewer than two)."""
+        return statistics.median(self._walls) if len(self._walls) >= 2 else 0.0
 
     # -- the step's end (the thread that runs the buckets) -----------------------
     def end_step(self, step: int, layout: Any, group: Any) -> None:
@@ -535,20 +555,21 @@ class AutoCodec:
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
             compute = self._window_compute()
+            wall = self._window_step()
             window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
             measured = [s_ / n if n else 0.0 for s_, n, _ in window]
             comm = [c / n if n else 0.0 for _, n, c in window]
         except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
             error = exc
             measures = [BucketMeasure(u.key, u.numel) for u in units]
-            compute, measured, comm = math.inf, [0.0] * len(units), [0.0] * len(units)
+            compute, measured, comm, wall = math.inf, [0.0] * len(units), [0.0] * len(units), 0.0
         try:
             network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
             if network.hierarchical and (self.momentum or self.hierarchy is None):
                 # momentum correction: a velocity cannot be split across paths (flat only)
                 network = Network(network.world, network.flat, collective=network.collective)
             m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
-                                   extra=[(x, "min") for x in measured + comm])
+                                   extra=[(x, "min") for x in measured + comm] + [(wall, "max")])
         except ValueError as exc:
             if error is not None:
                 raise error from exc
@@ -556,7 +577,7 @@ class AutoCodec:
                 raise RuntimeError(f"auto: another rank failed to measure at step {step} "
                                    "(its error is raised there)") from exc
             raise
-        calls, comm = m.extra[:len(units)], m.extra[len(units):]
+        calls, comm, wall = m.extra[:len(units)], m.extra[len(units):2 * len(units)], m.extra[-1]
         # the bandwidth the window's collectives moved their bytes at (the signature the decider
         # watches: a link that slowed down or sped up since the last decision re-decides)
         network = m.network
@@ -568,7 +589,14 @@ class AutoCodec:
                 comm = [0.0] * len(units)
             network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
-        decision, switched = self.decider.update(step, m)
+        reverts = self.decider.last_revert
+        decision, switched = self.decider.update(step, m, measured_s=wall)
+        if self.decider.last_revert is not reverts:
+            _, bad, good = self.decider.last_revert
+            log.warning("commpress auto: step %d: the plan chosen at the last check point measured %.1f ms per "
+                        "step against %.1f ms for the plan before it (worse by more than revert=%g, with their "
+                        "prices): undone, and barred for %d steps", step, 1e3 * bad, 1e3 * good,
+                        self.decider.revert, self.decider.every)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
             kept = self.switches.setdefault(units[b].key, [])
@@ -588,6 +616,8 @@ class AutoCodec:
         self._meas.clear()
         self.recorder.reset()
         self._compute = []
+        self._walls = []
+        self._wall_mark = None
         for acc in self._norms.values():
             acc.zero_()
         self._norm_steps.clear()

@@ -592,3 +592,52 @@ def test_auto_prices_the_codec_on_the_critical_path_where_any_rank_shares_its_co
     for out in run(_core_worker, 2, timeout=120):
         assert out == {"both": True, "both-inline": False, "rank1-shares": False, "rank1-shares-inline": False,
                        "on_this_host": 2}
+
+
+def revert_worker(rank, world):
+    """A switch whose window measures slower steps is undone at the check point after it, and the
+    plan stays barred at the next one (the steps are slowed by the loop itself: the runtime sees
+    only the walls it measures)."""
+    import time
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = commpress.ddp.register(model, "auto", min_numel=256, check_every=8, every=1000, margin=0.0,
+                                   remeasure=False, candidates=[("blockquant", 8)])
+    auto = state.codec
+    auto.network = Network(world, FAST)          # checks at steps 1, 5 (the early one), 9, 17, 25: dense
+    checks = []
+    real_check = auto.check
+    auto.check = lambda step, group: (checks.append(step), real_check(step, group))[1]
+    _train(model, opt, rank, range(12))
+    auto.network = Network(world, SLOW)          # the network moved: re-decided at step 17
+    _train(model, opt, rank, range(12, 18))
+    switched = {n: e["choice"] for n, e in state.stats.as_dict()["auto"].items()}
+    probation = auto.decider.on_probation
+    for step in range(18, 22):                   # the new plan's window: slower steps (probation ends at 21)
+        time.sleep(0.04)
+        train_step(model, opt, rank, step)
+    undone = {n: (e["choice"], e["switches"]) for n, e in state.stats.as_dict()["auto"].items()}
+    _train(model, opt, rank, range(22, 26))      # the regular check point at 25: the plan is barred
+    final = {n: e["choice"] for n, e in state.stats.as_dict()["auto"].items()}
+    return {"checks": checks, "switched": switched, "probation": probation, "undone": undone, "final": final,
+            "revert": auto.decider.last_revert, "vetoed": sorted(auto.decider.state_dict()["vetoed"][0][0])
+            if auto.decider.vetoed else [], "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.timeout(120)
+def test_a_switch_measured_slower_is_undone_and_barred():
+    a, b = run(revert_worker, 2, timeout=110)
+    assert a["checks"] == b["checks"] == [1, 5, 9, 17, 21, 25]       # 21: the switch of 17's probation
+    assert a["probation"] and any(c == "blockquant(bits=8)" for c in a["switched"].values()), a["switched"]
+    assert a["undone"] == b["undone"]
+    for choice, switches in a["undone"].values():
+        assert choice == "dense"
+        assert switches in ([], [[17, "blockquant(bits=8)"], [21, "dense"]]), switches
+    assert set(a["final"].values()) == {"dense"} and a["final"] == b["final"]
+    step, bad, good = a["revert"]
+    assert step == 21 and bad > good + 0.03 and a["revert"] == b["revert"]
+    assert "blockquant(bits=8)" in a["vetoed"]
+    assert torch.equal(a["params"], b["params"])

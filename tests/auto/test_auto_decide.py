@@ -282,3 +282,52 @@ def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
     assert tr.update(rs, plan, m.buckets, slow).flat.beta == pytest.approx(3 * GBIT.beta, rel=0.05)
     with pytest.raises(ValueError, match="drift"):
         LinkTracker(drift=0)
+
+
+def test_a_switch_that_measures_worse_is_undone_and_barred():
+    """The check point after a switch compares measured step × price of the new plan with the plan's
+    before it: worse by more than ``revert`` undoes the switch and bars the plan until ``every`` steps
+    passed (or the network drifted); within ``revert``, or unmeasured, the switch stands."""
+    slow = measures(MBIT100, [0.0, 0.0])                       # compressing is predicted to pay
+    dec = Decider(every=50, drift=0.25, margin=0.05, revert=0.2)
+    plan, switched = dec.update(10, slow, measured_s=0.050)   # the dense window measured 50 ms per step
+    assert switched and set(kinds(plan)) != {"dense"} and dec.on_probation
+    price = plan.price
+    worse = 0.050 * 1.25 / price                               # step × price 25% above the dense window's
+    back, undone = dec.update(14, slow, measured_s=worse)
+    assert set(kinds(back)) == {"dense"} and set(undone) == set(switched) and not dec.on_probation
+    assert dec.last_revert == (14, worse, 0.050)
+    assert dec.update(20, slow, measured_s=0.050) == (back, ())        # not due: nothing re-decided
+    dec.watched = None                                                 # due (as after a drift) ...
+    kept, switched_again = dec.update(30, slow, measured_s=0.050)
+    assert set(kinds(kept)) == {"dense"} and switched_again == ()     # ... but the plan is barred
+    again, switched_again = dec.update(80, slow, measured_s=0.050)     # due again, the veto expired
+    assert again.choices == plan.choices and switched_again and dec.on_probation
+
+    stands = Decider(every=50, margin=0.05, revert=0.2)
+    plan2, _ = stands.update(10, slow, measured_s=0.050)
+    assert stands.update(14, slow, measured_s=0.050 * 1.15 / plan2.price) == (plan2, ())   # within revert
+    assert not stands.on_probation and not stands.vetoed
+    unmeasured = Decider(every=50, margin=0.05)
+    plan3, _ = unmeasured.update(10, slow, measured_s=0.0)            # no reference: cannot be judged
+    assert unmeasured.update(14, slow, measured_s=1.0) == (plan3, ()) and not unmeasured.on_probation
+    with pytest.raises(ValueError, match="revert"):
+        Decider(revert=-0.1)
+
+
+def test_decider_state_keeps_probation_and_vetoes():
+    slow = measures(MBIT100, [0.0, 0.0])
+    dec = Decider(every=50, margin=0.05)
+    plan, _ = dec.update(10, slow, measured_s=0.05)
+    on_probation = Decider(every=50, margin=0.05)
+    on_probation.load_state_dict(dec.state_dict())
+    assert on_probation.on_probation and on_probation.previous == dec.previous and on_probation.switched_at == 10
+    assert on_probation.update(14, slow, measured_s=1.0) == dec.update(14, slow, measured_s=1.0)
+    vetoed = Decider(every=50, margin=0.05)
+    vetoed.load_state_dict(dec.state_dict())
+    assert vetoed.vetoed == dec.vetoed and len(vetoed.vetoed) == 1 and not vetoed.on_probation
+    old = dec.state_dict()                                    # a checkpoint from before outcome checks
+    del old["probation"], old["vetoed"]
+    older = Decider(every=50, margin=0.05)
+    older.load_state_dict(old)
+    assert older.current == dec.current and not older.vetoed and not older.on_probation
