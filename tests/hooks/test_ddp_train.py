@@ -19,7 +19,7 @@ from distributed import run
 
 import commpress
 
-STEPS, LR, HIDDEN, BATCH = 1000, 0.05, 64, 32
+STEPS, LR, HIDDEN, BATCH = 500, 0.05, 64, 32
 
 
 def digits():
