@@ -704,13 +704,13 @@ class Decider:
             return None
         if measured_s * cur.price <= before_s * prev.price * (1.0 + self.revert):
             return None
-        self.vetoed[tuple(describe(c) for c in cur.choices)] = (int(step), signature(m))
-        self.last_revert = (int(step), measured_s, before_s)
-        back = tuple(b for b, (c, p) in enumerate(zip(cur.choices, prev.choices)) if c != p)
         restored = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
                           current=prev.choices, margin=1.0 - 1e-12)
         if restored.choices != prev.choices:   # a previous choice no longer allowed (critical regime)
             return None
+        self.vetoed[tuple(describe(c) for c in cur.choices)] = (int(step), signature(m))
+        self.last_revert = (int(step), measured_s, before_s)
+        back = tuple(b for b, (c, p) in enumerate(zip(cur.choices, prev.choices)) if c != p)
         self.current, self.decided_at, self.watched = restored, int(step), signature(m)
         return restored, back
 

@@ -331,3 +331,20 @@ def test_decider_state_keeps_probation_and_vetoes():
     older = Decider(every=50, margin=0.05)
     older.load_state_dict(old)
     assert older.current == dec.current and not older.vetoed and not older.on_probation
+
+
+def test_a_switch_is_not_undone_into_a_choice_the_critical_regime_forbids():
+    """The plan before the switch held a kind a critical regime now forbids (topk 1%: not the gentlest
+    of its family): the switch stands (no veto, no revert), whatever it measured."""
+    cands = (Candidate("topk", 0.1), Candidate("topk", 0.01), Candidate("blockquant", 8))
+    costs = {c: 1e-4 for c in cands}
+    calm = measures(CostModel(alpha=2e-4, beta=8e-6), [0.0, 0.0], codec=costs)   # 1 Mbit/s: topk 1% pays
+    dec = Decider(candidates=cands, every=50, margin=0.0)
+    plan, _ = dec.update(10, calm, measured_s=0.05)
+    assert [c.candidate for c in plan.choices] == [Candidate("topk", 0.01)] * 2
+    critical = measures(CostModel(alpha=2e-4, beta=8e-6), [0.0, 0.0], codec=costs, change=0.9)
+    dec.watched = None   # topk's window measured 20 ms: × its price 2.5 within 20% of dense's 50, it stands
+    gentle, switched = dec.update(20, critical, measured_s=0.02)
+    assert switched and Candidate("topk", 0.01) not in [c.candidate for c in gentle.choices] and dec.on_probation
+    assert dec.update(24, critical, measured_s=5.0) == (gentle, ())   # much slower, but topk 1% is gated
+    assert not dec.vetoed and dec.last_revert is None
