@@ -350,6 +350,15 @@ def choose_gather(payload_bytes: int, numel: int, world: int, model: CostModel) 
     return min(("two_phase", "gather_all"), key=lambda a: (costs[a], a))
 
 
+def pipelines_at(model: CostModel, chunk_bytes: list[int], min_wire_s: float) -> bool:
+    """Whether ``"gather_all"`` sends each of its P chunks in a message of its own: when ``model``
+    puts the largest chunk's all_gather at ``min_wire_s`` or more of bytes on the wire
+    (:func:`commpress.collectives.quantized.pipelines` gives the threshold).  A function of agreed
+    facts (the calibrated model, the static payload sizes): every rank decides alike."""
+    world = len(chunk_bytes)
+    return world > 1 and model.beta * (world - 1) * max(chunk_bytes) >= min_wire_s
+
+
 # ---------------------------------------------------------------- fixed-size (steady state)
 FIXED_SPARSE = ("allgather", "dense")
 

@@ -44,7 +44,7 @@ import torch
 
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
-from . import _comm, costmodel, wire
+from . import _comm, costmodel, steady, wire
 from .wire import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
@@ -218,6 +218,17 @@ def _verdict(messages, what, msg, out, compressor, transaction) -> None:
     """Judge a call's messages (``[(statuses, signature)]``, each its own signature): raise on every
     rank on an error anywhere; with error feedback, a NaN/inf anywhere poisons ``out`` and keeps
     the residuals."""
+    if all(st.device.type == "cpu" for st, _ in messages):   # host memory: judged in numpy, no torch op
+        bad = False
+        for statuses, sig in messages:
+            st = statuses.numpy()
+            wire.judge_bytes(st, sig, what, msg)
+            bad = bad or bool((st[:, 0] & wire.NONFINITE).any())
+        if bad and has_feedback(compressor):
+            flag = torch.ones((), dtype=torch.bool)
+            transaction.mark_bad(flag)
+            wire.poison_(out, flag)
+        return
     for statuses, sig in messages:
         wire.check_byte_statuses(statuses, sig, what, msg)
     if has_feedback(compressor):
@@ -261,6 +272,15 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
         return _local("allreduce", error, compressor, flat, key, step, stats, generator,
                       tx).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
+    plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=model,
+                           out=out, dense=dense, world=world, bounds=bounds, min_wire_s=PIPELINE_MIN_WIRE_S)
+    if plan is not None:   # the steady-state lane (blockquant + error feedback on the CPU): the same bytes
+        results, msg = steady.run(plan, flat, compressor, group=group, key=key, step=step, stats=stats,
+                                  transaction=tx, dense=dense)
+        _verdict(results, "allreduce", msg, flat, compressor, tx)
+        if stats is not None:
+            stats.add(calls=1, algorithm=plan.algorithm)
+        return out
     direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
               and out.shape == tensor.shape)
     dst = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=flat.device)
@@ -391,11 +411,8 @@ PIPELINE_MIN_WIRE_S = 1.5e-3
 
 def pipelines(model: costmodel.CostModel, chunk_bytes: list[int]) -> bool:
     """Whether ``"gather_all"`` sends each of its P chunks in a message of its own
-    (:func:`_gather_all_pipelined`): when ``model`` puts the largest chunk's all_gather at
-    :data:`PIPELINE_MIN_WIRE_S` or more of bytes on the wire.  A function of agreed facts
-    (the calibrated model, the static payload sizes): every rank decides alike."""
-    world = len(chunk_bytes)
-    return world > 1 and model.beta * (world - 1) * max(chunk_bytes) >= PIPELINE_MIN_WIRE_S
+    (:func:`_gather_all_pipelined`): :func:`~.costmodel.pipelines_at` with :data:`PIPELINE_MIN_WIRE_S`."""
+    return costmodel.pipelines_at(model, chunk_bytes, PIPELINE_MIN_WIRE_S)
 
 
 def _chunk_bytes(inner, flat, bounds) -> list[int] | None:

@@ -79,6 +79,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from ..compressors._util import mix_seed, stable_hash
@@ -371,7 +372,10 @@ def add_rows(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
 
 
 def read_status(msgs: torch.Tensor) -> torch.Tensor:
-    """The status words of a ``[P, width]`` stack of messages: int32 ``[P, 2]``."""
+    """The status words of a ``[P, width]`` stack of messages: int32 ``[P, 2]`` (on the CPU a view of
+    the messages: no copy, no torch op)."""
+    if msgs.device.type == "cpu" and msgs.shape[1] % 4 == 0:
+        return torch.from_numpy(msgs.numpy()[:, :STATUS_BYTES].view(np.int32))
     return msgs[:, :STATUS_BYTES].contiguous().view(torch.int32).reshape(-1, 2)
 
 
@@ -466,7 +470,7 @@ def check_byte_statuses(statuses: torch.Tensor, sig: int, what: str, local: str 
     if statuses.device.type != "cpu":
         _defer(statuses, ("bytes", sig, what, local))
         return
-    _judge_bytes(statuses.numpy(), sig, what, local)
+    judge_bytes(statuses.numpy(), sig, what, local)
 
 
 def check_sum_slots(buf: torch.Tensor, what: str, local: str = "", world: int = 1) -> None:
@@ -483,7 +487,8 @@ def _ranks(mask: int) -> list[int]:
     return [r for r in range(31) if mask >> r & 1]
 
 
-def _judge_bytes(st, sig: int, what: str, local: str) -> None:
+def judge_bytes(st, sig: int, what: str, local: str = "") -> None:
+    """:func:`check_byte_statuses` on statuses already in host memory (a numpy ``[P, 2]`` int32)."""
     codes = [(int(f) >> 8) & 0xFF for f in st[:, 0]]
     bad = [r for r, c in enumerate(codes) if c]
     if bad:
@@ -541,6 +546,6 @@ def flush_deferred(wait: bool = False) -> None:
         event.synchronize()
         pending.pop(0)
         if kind == "bytes":
-            _judge_bytes(host.numpy(), extra, what, local)
+            judge_bytes(host.numpy(), extra, what, local)
         else:
             _judge_sum(host.float().numpy(), extra, what, local)

@@ -12,10 +12,12 @@ Importing this module raises ``ImportError`` when numba is missing, and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -511,17 +513,22 @@ def block_dequantize_sum(packed, scales, bits: int, block: int, numel: int,
                    or s.numel() < (numel + int(block) - 1) // int(block) for p, s in pieces)
             or not _flat_f32_out(out, numel)):
         return ref.block_dequantize_sum(packed, scales, bits, block, numel, out, accumulate)
-    bits, block = int(bits), int(block)
     dst = out if out is not None else torch.empty(numel, dtype=torch.float32)
-    d = dst.numpy()
+    dequantize_sum_into([_dequant_inputs(p, s) for p, s in pieces], int(bits), int(block), numel, dst.numpy(),
+                        bool(accumulate and out is not None))
+    return dst
+
+
+def dequantize_sum_into(arrays: list[tuple[np.ndarray, np.ndarray]], bits: int, block: int, numel: int,
+                        out: np.ndarray, accumulate: bool = False) -> None:
+    """The kernel loop of :func:`block_dequantize_sum` on numpy arrays (``(packed, fp32 scales)`` per
+    payload, ``out`` fp32 of ``numel``): two payloads per pass, added in their order.  What the
+    steady-state lane (:mod:`commpress.collectives.steady`) calls on message views."""
     clen = _quant_chunk(block)
-    acc = bool(accumulate and out is not None)
-    arrays = [_dequant_inputs(p, s) for p, s in pieces]
     for i in range(0, len(arrays), 2):
         pa, sa = arrays[i]
         pb, sb = arrays[i + 1] if i + 1 < len(arrays) else arrays[i]
-        K.block_dequantize(pa, sa, pb, sb, i + 1 < len(arrays), bits, block, numel, clen, d, acc or i > 0)
-    return dst
+        K.block_dequantize(pa, sa, pb, sb, i + 1 < len(arrays), bits, block, numel, clen, out, accumulate or i > 0)
 
 
 def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, bits: int, block: int,
@@ -532,16 +539,24 @@ def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta
         return ref.block_quantize_feedback(x, residual, beta, bits, block, new_residual, scale)
     bits, block = int(bits), int(block)
     n = x.numel()
-    xf = _flat_np(x)
-    out = _flat_np(new_residual)
-    has_r = residual is not None
-    rf = _flat_np(residual) if has_r else xf
-    how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     scales = np.empty((n + block - 1) // block, np.float32)
-    bad = K.block_quantize_feedback(xf, rf, np.float32(beta), np.float32(scale), how, bits, block,
-                                    _quant_chunk(block), out, packed, scales)
+    bad = quantize_feedback_into(_flat_np(x), None if residual is None else _flat_np(residual), beta, scale, bits,
+                                 block, _flat_np(new_residual), packed, scales)
     return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(np.array(bad == 0))
+
+
+def quantize_feedback_into(x: np.ndarray, residual: np.ndarray | None, beta: float, scale: float, bits: int,
+                           block: int, new_residual: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> int:
+    """The kernel call of :func:`block_quantize_feedback` on flat numpy arrays the caller owns (fp32
+    ``x``, ``residual`` or ``None``, ``new_residual``; ``packed`` uint8 of ``ceil(n*bits/8)``,
+    ``scales`` fp32 of ``ceil(n/block)``, e.g. views into a message); ``bits`` and ``block`` valid.
+    Returns the number of chunks with a non-finite scale.  What the steady-state lane
+    (:mod:`commpress.collectives.steady`) calls."""
+    has_r = residual is not None
+    how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+    return K.block_quantize_feedback(x, residual if has_r else x, np.float32(beta), np.float32(scale), how, bits,
+                                     block, _quant_chunk(block), new_residual, packed, scales)
 
 
 def _flat_np(t: torch.Tensor) -> np.ndarray:
@@ -760,6 +775,27 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
 MAX_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def threads_for(size: int) -> int:
+    """Threads a kernel call on ``size`` elements runs on: 1 under :data:`SERIAL_BELOW`, else
+    ``torch.get_num_threads()`` (at most :data:`MAX_THREADS`)."""
+    return 1 if size < SERIAL_BELOW else max(1, min(MAX_THREADS, torch.get_num_threads()))
+
+
+@contextlib.contextmanager
+def kernel_threads(size: int) -> Iterator[None]:
+    """Within the block, the kernels run on :func:`threads_for` ``(size)`` threads (what every op of this
+    backend does around its kernel calls; for callers of the ``*_into`` functions)."""
+    wanted, before = threads_for(size), getattr(K._MODE, "threads", 1)
+    if wanted == before:
+        yield
+        return
+    K._MODE.threads = wanted
+    try:
+        yield
+    finally:
+        K._MODE.threads = before
+
+
 def _serial_when_small(fn):
     """Run ``fn`` on ``torch.get_num_threads()`` threads (at most :data:`MAX_THREADS`), or on the
     calling thread alone for inputs under :data:`SERIAL_BELOW` elements.
@@ -784,7 +820,7 @@ def _serial_when_small(fn):
         if size < 0:  # counter ops: n is the third argument
             n = args[2] if len(args) > 2 else kwargs.get("n", 0)
             size = int(n) if isinstance(n, (int, np.integer)) else 0
-        wanted = 1 if size < SERIAL_BELOW else max(1, min(MAX_THREADS, torch.get_num_threads()))
+        wanted = threads_for(size)
         before = getattr(K._MODE, "threads", 1)
         if wanted == before:
             return fn(*args, **kwargs)

@@ -1,0 +1,228 @@
+"""The steady-state lane of the quantized ``"gather_all"`` (:mod:`commpress.collectives.steady`) is the
+general path's collective, bitwise: the same message bytes, sums, riding dense parts and residuals
+on every rank, over several steps (the residual carried, the hook's ``1/P`` folded into the error
+feedback), one message or pipelined, at P=2 and P=3; a NaN/inf on one rank poisons every rank's
+result and keeps the residuals; a kernel that raises on one rank makes every rank raise in the same
+call.  And it is the path the DDP hook's blockquant steps take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run
+
+import commpress
+from commpress.collectives import CollectiveInputError, CommStats, _comm, allreduce, set_cost_model, steady, wire
+from commpress.collectives.quantized import chunk_bounds
+from commpress.feedback import ResidualTransaction
+
+N = 5000   # chunks of 2500 / 1667 elements at P=2 / 3: uneven, not multiples of the block
+
+
+def data(rank: int, step: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + rank + 7 * n))
+
+
+def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None):
+    """Four steps of one call each through ``allreduce(..., out=t)`` as the DDP hook makes it; the
+    lane on or forced off.  Returns every message sent, every result, dense sum and residual."""
+    set_cost_model(1.0, 1e-5 if pipelined else 0.0)   # "auto": gather_all, pipelined or one message
+    rank = torch.distributed.get_rank()
+    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=bits, block=64))
+    sent, results, dense_sums, ran = [], [], [], []
+    real_start, real_gather, real_run = _comm.all_gather_start, _comm.all_gather, steady.run
+
+    def start(t, *a, **k):
+        sent.append(t.clone())
+        return real_start(t, *a, **k)
+
+    def gather(t, *a, **k):
+        sent.append(t.clone())
+        return real_gather(t, *a, **k)
+
+    def lane_run(*a, **k):
+        ran.append(True)
+        return real_run(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_comm, "all_gather_start", start)
+        mp.setattr(_comm, "all_gather", gather)
+        mp.setattr(steady, "run", lane_run)
+        if not lane:
+            mp.setattr(steady, "plan_for", lambda *a, **k: None)
+        for step in range(4):
+            t = data(rank, step, N)
+            if nan_at is not None and step == 2 and rank == 1:
+                t[nan_at] = float("nan")
+            dense = data(rank, 100 + step, 37) if rider else None
+            tx = ResidualTransaction()
+            with ef.scaled_input("unit", 1.0 / world, chunks=world):   # the hook's 1/P, folded
+                out = allreduce(t, ef, key="unit", step=step, validate=False, transaction=tx, out=t,
+                                dense=dense, stats=CommStats())
+            tx.commit()
+            results.append(out.clone())
+            dense_sums.append(None if dense is None else dense.clone())
+    residuals = {k: v.clone() for k, v in ef._residuals.items()}
+    return {"sent": sent, "results": results, "dense": dense_sums, "residuals": residuals, "lane": len(ran)}
+
+
+def regions(world: int, pipelined: bool, rider: bool, bits: int) -> list[list[tuple[int, int]]]:
+    """The meaningful bytes of each message, from the general path's own layout (:class:`wire.Layout`
+    of payload-shaped tensors): the status word and each tensor (padding is left unwritten)."""
+    bounds = chunk_bounds(N, world, 64)
+    tensors = []
+    for r in range(world):
+        m = bounds[r + 1] - bounds[r]
+        tensors.append([torch.empty((m * bits + 7) // 8, dtype=torch.uint8), torch.empty(-(-m // 64))])
+    dense = [torch.empty(37)] if rider else []
+    groups = [tensors[r] + (dense if r == 0 else []) for r in range(world)] if pipelined \
+        else [[t for ts in tensors for t in ts] + dense]
+    out = []
+    for ts in groups:
+        lay = wire.Layout.of(ts)
+        out.append([(0, wire.STATUS_BYTES)] + [(off, off + n) for _, _, off, n in lay.specs])
+    return out
+
+
+def meaningful(sent: list[torch.Tensor], world: int, pipelined: bool, rider: bool, bits: int) -> list[torch.Tensor]:
+    layout = regions(world, pipelined, rider, bits)
+    return [torch.cat([m[a:b] for a, b in layout[i % len(layout)]]) for i, m in enumerate(sent)]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def lane_worker(rank, world):
+    out = {}
+    for pipelined in (False, True):
+        for rider in (False, True):
+            if rider and world > 2:
+                continue   # a dense part rides in gather_all at P <= 2 only
+            for bits in (4, 8):
+                key = f"pipe={pipelined} rider={rider} bits={bits}"
+                lane = _calls(True, world, pipelined, rider, bits)
+                general = _calls(False, world, pipelined, rider, bits)
+                for res in (lane, general):
+                    res["sent"] = meaningful(res["sent"], world, pipelined, rider, bits)
+                out[key] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
+                            "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
+                            "messages": len(lane["sent"]), "result": lane["results"][-1]}
+    nan_lane = _calls(True, world, True, world == 2, 4, nan_at=3)
+    nan_general = _calls(False, world, True, world == 2, 4, nan_at=3)
+    out["nan"] = {"same": same({k: nan_lane[k] for k in ("results", "residuals")},
+                               {k: nan_general[k] for k in ("results", "residuals")}),
+                  "poisoned": bool(torch.isnan(nan_lane["results"][2]).all()),
+                  "later_finite": bool(torch.isfinite(nan_lane["results"][3]).all())}
+    set_cost_model(None)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_lane_is_the_general_paths_collective_bitwise(world):
+    results = run(lane_worker, world, timeout=170)
+    for r, res in enumerate(results):
+        for key, case in res.items():
+            if key == "nan":
+                continue
+            assert case["lane_ran"] == 4 and case["general_ran"] == 0, (r, key, case)
+            assert all(case["same"].values()), (r, key, case["same"])
+            assert case["messages"] == 4 * (world if "pipe=True" in key else 1), (r, key)
+            assert torch.equal(case["result"], results[0][key]["result"]), (r, key)   # identical on every rank
+        assert res["nan"]["same"] and res["nan"]["poisoned"] and res["nan"]["later_finite"], (r, res["nan"])
+
+
+def failing_worker(rank, world):
+    """Rank 1's kernel raises on its second chunk at step 1 (after the first chunk's message left)."""
+    from commpress.ops import numba_backend
+
+    set_cost_model(1.0, 1e-5)
+    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=4, block=64))
+    real = numba_backend.quantize_feedback_into
+    calls = []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if rank == 1 and len(calls) == 4:
+            raise RuntimeError("boom in the kernel")
+        return real(*a, **k)
+
+    errors = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(numba_backend, "quantize_feedback_into", flaky)
+        for step in range(3):
+            t = data(rank, step, N)
+            try:
+                allreduce(t, ef, key="unit", step=step, validate=False, out=t)
+                errors.append(None)
+            except CollectiveInputError as exc:
+                errors.append(str(exc))
+    set_cost_model(None)
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_a_kernel_that_raises_on_one_rank_raises_on_every_rank_in_the_same_call():
+    a, b = run(failing_worker, 2, timeout=110)
+    assert a[0] is None and b[0] is None and a[2] is None and b[2] is None
+    assert a[1] is not None and b[1] is not None and "rank(s) [1]" in a[1], (a, b)
+    assert "boom in the kernel" in b[1], b
+
+
+def test_the_lane_takes_only_what_it_reproduces(monkeypatch):
+    """No lane for a one-rank group, a stochastic blockquant, error feedback with momentum, another
+    compressor, the torch backend, an output that is not the input's buffer, or a local error."""
+    flat = torch.randn(1000)
+    bounds = [0, 512, 1000]
+    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=4))
+    args = dict(group=None, algorithm="gather_all", error=(0, ""), model=None, dense=None, bounds=bounds)
+    assert steady.plan_for(flat, ef, out=flat, world=2, **args) is not None
+    assert steady.plan_for(flat, ef, out=flat, world=1, **args) is None
+    assert steady.plan_for(flat, ef, out=flat.clone(), world=2, **args) is None
+    assert steady.plan_for(flat, ef, out=None, world=2, **args) is None
+    assert steady.plan_for(flat, ef, out=flat, world=2, **{**args, "error": (6, "bad")}) is None
+    assert steady.plan_for(flat, ef, out=flat, world=2, **{**args, "algorithm": "two_phase"}) is None
+    for other in (commpress.ErrorFeedback(commpress.get("blockquant", bits=4, stochastic=True)),
+                  commpress.ErrorFeedback(commpress.get("blockquant", bits=4), momentum=0.9),
+                  commpress.ErrorFeedback(commpress.get("signsgd")),
+                  commpress.get("blockquant", bits=4)):
+        assert steady.plan_for(flat, other, out=flat, world=2, **args) is None, other
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    assert steady.plan_for(flat, ef, out=flat, world=2, **args) is None
+
+
+def hook_worker(rank, world):
+    """The DDP hook's blockquant steps (default backend, dense part riding, 1/P folded) take the lane."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nets import MLP3, train_step
+
+    ran = []
+    real = steady.run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steady, "run", lambda *a, **k: (ran.append(1), real(*a, **k))[1])
+        torch.manual_seed(0)
+        model = DDP(MLP3())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = commpress.ddp.register(model, "blockquant", bits=4, min_numel=256)
+        for step in range(4):
+            train_step(model, opt, rank, step)
+        stats = state.stats.as_dict()
+        state.close()
+    return {"lane": len(ran), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "algorithms": stats.get("algorithms", {})}
+
+
+@pytest.mark.timeout(120)
+def test_the_ddp_hooks_blockquant_steps_take_the_lane():
+    a, b = run(hook_worker, 2, timeout=110)
+    assert a["lane"] >= 3 and b["lane"] == a["lane"], (a["lane"], b["lane"])   # every compressed step
+    assert torch.equal(a["params"], b["params"])
