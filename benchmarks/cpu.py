@@ -12,6 +12,11 @@ steps or more):
 * ``worker``: commpress's overlap worker (codec, collectives' Python, the wait for the wire);
 * ``comm``: the communication library's threads (gloo's send/receive loops) and any other.
 
+``kernels`` is the part of that CPU spent inside the numba backend's kernels, on any thread
+(:class:`KernelClock`, ``time.thread_time`` around each outermost kernel call, installed after the
+warm-up): what is left of ``worker`` beyond it is the framework, the Python and torch calls around
+the kernels.
+
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
 A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is CPU-bound: its
 bytes are hidden already, and only less host work shortens its step.  ``compute`` is the same
@@ -31,8 +36,58 @@ from typing import Any, Callable
 
 from .common import cpu_bound, markdown_table, results_dir, write_results
 
-COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "comm_ms", "compute_ms", "verdict",
-           "chose"]
+COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "kernels_ms", "comm_ms", "compute_ms",
+           "verdict", "chose"]
+
+#: the numba backend's kernel entry points (what ``commpress.ops.numba_backend`` calls; none of them is
+#: called from compiled code, so replacing the module attribute cannot change a kernel's typing)
+KERNELS = ("block_absmax", "block_dequantize", "block_quantize", "block_quantize_feedback", "bitmap_count",
+           "bitmap_encode", "bitmap_write", "bucket_norms", "compensate", "counter_bits", "counter_uniform",
+           "fp8_dequantize", "fp8_quantize", "hash_owner", "hash_partition", "level_dequantize", "level_quantize",
+           "magnitude_key", "mx_dequantize", "mx_quantize", "pack_bits", "qsgd_quantize", "restore_unselected",
+           "scatter_add", "select_chunks", "select_chunks_feedback", "select_gather", "sign_bits", "sign_pack_feedback",
+           "sign_scales", "sign_unpack", "topk_finish", "unpack_bits", "zero_at")
+
+
+class KernelClock:
+    """Thread CPU spent inside the numba kernels (:data:`KERNELS`), summed over threads; only the
+    outermost call of a thread counts.  :meth:`install` wraps the module's entry points in this
+    process (a benchmark's rank, never the library), :meth:`seconds` reads the total."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+
+    def install(self) -> None:
+        from commpress.ops import _numba_kernels as K
+
+        for name in KERNELS:
+            f = getattr(K, name, None)
+            if f is not None and not getattr(f, "_kernel_clock", False):
+                setattr(K, name, self._wrap(f))
+
+    def _wrap(self, f: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            t0 = time.thread_time() if depth == 0 else 0.0
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if depth == 0:
+                    used = time.thread_time() - t0
+                    with self._lock:
+                        self._total += used
+
+        timed._kernel_clock = True
+        timed.__wrapped__ = f
+        return timed
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -75,6 +130,7 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
     loop = threading.get_native_id()
+    clock = KernelClock()
     rows = []
     for name in configs:
         cfg = C.BY_NAME[name]
@@ -97,13 +153,15 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
         executor = getattr(state, "executor", None)
         thread = getattr(executor, "_thread", None)
         worker = thread.native_id if thread is not None else None
+        clock.install()   # after the warm-up: the kernels are compiled
         walls = []
-        c0, p0 = thread_cpu(), time.process_time()
+        c0, p0, k0 = thread_cpu(), time.process_time(), clock.seconds()
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             walls.append(time.perf_counter() - t0)
         parts = split(c0, thread_cpu(), loop, worker)
+        parts["kernels"] = clock.seconds() - k0
         cpu = (time.process_time() - p0) / steps
         computes = []
         for _ in range(max(5, steps // 4)):

@@ -59,3 +59,28 @@ def test_tiny_run_splits_each_config(tmp_path):
     ddp, bq = rows
     assert ddp["worker_ms"] == 0 and ddp["worker"] is False          # DDP's own path: no commpress worker
     assert bq["worker"] is True                                        # the overlap worker ran the buckets
+    assert ddp["kernels_ms"] == 0 and 0 < bq["kernels_ms"] <= bq["cpu_ms"], (ddp, bq)   # numba's share
+
+
+def test_kernel_clock_counts_each_outermost_kernel_call_once(monkeypatch):
+    import torch
+
+    from commpress import ops
+    from commpress.ops import _numba_kernels as K
+
+    clock = cpu.KernelClock()
+    inner = clock._wrap(lambda: _spin(0.02))
+    outer = clock._wrap(lambda: (_spin(0.02), inner()))
+    outer()
+    assert 0.04 <= clock.seconds() < 0.055                             # the nested call is not added twice
+    for name in cpu.KERNELS:                                           # every entry point exists (restored after)
+        monkeypatch.setattr(K, name, getattr(K, name))
+    x = torch.randn(5000)
+    before = ops.block_quantize(x, 4, 64, False, 0, backend="numba")
+    clock.install()
+    clock.install()                                                    # idempotent: no wrapper around a wrapper
+    assert all(getattr(getattr(K, n), "_kernel_clock", False) for n in cpu.KERNELS)
+    assert not getattr(K.block_quantize.__wrapped__, "_kernel_clock", False)
+    start = clock.seconds()
+    after = ops.block_quantize(x, 4, 64, False, 0, backend="numba")
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and clock.seconds() > start
