@@ -24,7 +24,7 @@ def data(rank: int, step: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + rank + 7 * n))
 
 
-def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None):
+def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None, n: int = N):
     """Four steps of one call each through ``allreduce(..., out=t)`` as the DDP hook makes it; the
     lane on or forced off.  Returns every message sent, every result, dense sum and residual."""
     set_cost_model(1.0, 1e-5 if pipelined else 0.0)   # "auto": gather_all, pipelined or one message
@@ -52,7 +52,7 @@ def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_
         if not lane:
             mp.setattr(steady, "plan_for", lambda *a, **k: None)
         for step in range(4):
-            t = data(rank, step, N)
+            t = data(rank, step, n)
             if nan_at is not None and step == 2 and rank == 1:
                 t[nan_at] = float("nan")
             dense = data(rank, 100 + step, 37) if rider else None
@@ -67,10 +67,10 @@ def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_
     return {"sent": sent, "results": results, "dense": dense_sums, "residuals": residuals, "lane": len(ran)}
 
 
-def regions(world: int, pipelined: bool, rider: bool, bits: int) -> list[list[tuple[int, int]]]:
+def regions(world: int, pipelined: bool, rider: bool, bits: int, n: int = N) -> list[list[tuple[int, int]]]:
     """The meaningful bytes of each message, from the general path's own layout (:class:`wire.Layout`
     of payload-shaped tensors): the status word and each tensor (padding is left unwritten)."""
-    bounds = chunk_bounds(N, world, 64)
+    bounds = chunk_bounds(n, world, 64)
     tensors = []
     for r in range(world):
         m = bounds[r + 1] - bounds[r]
@@ -85,8 +85,9 @@ def regions(world: int, pipelined: bool, rider: bool, bits: int) -> list[list[tu
     return out
 
 
-def meaningful(sent: list[torch.Tensor], world: int, pipelined: bool, rider: bool, bits: int) -> list[torch.Tensor]:
-    layout = regions(world, pipelined, rider, bits)
+def meaningful(sent: list[torch.Tensor], world: int, pipelined: bool, rider: bool, bits: int,
+               n: int = N) -> list[torch.Tensor]:
+    layout = regions(world, pipelined, rider, bits, n)
     return [torch.cat([m[a:b] for a, b in layout[i % len(layout)]]) for i, m in enumerate(sent)]
 
 
@@ -115,6 +116,13 @@ def lane_worker(rank, world):
                 out[key] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
                             "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
                             "messages": len(lane["sent"]), "result": lane["results"][-1]}
+    for n in (100, 1):   # a chunk shorter than a block, an empty chunk (P=3: 100 = 64 + 36 + 0)
+        lane, general = _calls(True, world, False, False, 4, n=n), _calls(False, world, False, False, 4, n=n)
+        for res in (lane, general):
+            res["sent"] = meaningful(res["sent"], world, False, False, 4, n)
+        out[f"n={n}"] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
+                         "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
+                         "messages": len(lane["sent"]), "result": lane["results"][-1]}
     nan_lane = _calls(True, world, True, world == 2, 4, nan_at=3)
     nan_general = _calls(False, world, True, world == 2, 4, nan_at=3)
     out["nan"] = {"same": same({k: nan_lane[k] for k in ("results", "residuals")},
