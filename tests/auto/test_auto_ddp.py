@@ -641,3 +641,45 @@ def test_a_switch_measured_slower_is_undone_and_barred():
     assert step == 21 and bad > good + 0.03 and a["revert"] == b["revert"]
     assert "blockquant(bits=8)" in a["vetoed"]
     assert torch.equal(a["params"], b["params"])
+
+
+def test_the_measured_step_is_the_windows_median_from_backward_end_to_backward_end(monkeypatch):
+    """What a switch's outcome is judged by: the median wall time between consecutive backward ends
+    (the last bucket's arrival), on DDP's own path too; the step right after a check point (its own
+    time, a new codec's first call) is not timed, nor a window of fewer than two timed steps."""
+    from commpress.auto import fsdp as auto_fsdp
+    from commpress.auto import runtime
+
+    clock = [0.0]
+    fake = type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])})
+    monkeypatch.setattr(runtime, "time", fake)
+    auto = AutoCodec(AutoSpec(check_every=100))
+    auto.first_check = 1000
+    windows = []
+    auto.check = lambda step, group: windows.append(auto._window_step())
+
+    class Layout:
+        units = []
+
+    for step in range(1, 9):
+        clock[0] += 0.020 if step != 5 else 0.300          # step 5 also evaluated
+        auto.arrive(0, last=True)
+        auto.end_step(step, Layout, None)
+    assert auto._walls == pytest.approx([0.020, 0.020, 0.020, 0.300, 0.020, 0.020, 0.020])
+    assert auto._window_step() == pytest.approx(0.020)
+    auto._walls, auto._wall_mark = [], None                # what a check point leaves
+    clock[0] += 0.5
+    auto.arrive(0, last=True)                              # the step after it: not timed
+    assert auto._walls == [] and auto._window_step() == 0.0
+    clock[0] += 0.020
+    auto.arrive(0, last=True)
+    assert auto._walls == pytest.approx([0.020]) and auto._window_step() == 0.0   # one step: no figure
+
+    # FSDP2: from one step end to the next (no arrivals); a step that skipped one is not timed
+    monkeypatch.setattr(auto_fsdp, "time", fake)
+    rs = auto_fsdp.ReduceScatterAutoCodec(AutoSpec(check_every=100, candidates=[("blockquant", 4)]))
+    rs.first_check = 1000
+    for step in (1, 2, 3, 5, 6):
+        clock[0] += 0.040
+        rs.end_step(step)
+    assert rs._walls == pytest.approx([0.040, 0.040, 0.040])   # 1->2, 2->3, 5->6 (3->5 skipped a step)
