@@ -681,8 +681,7 @@ class Decider:
                      current=old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets),
                      margin=self.margin if old is not None else max(self.margin, FIRST_MARGIN))
         if old is not None and self._barred(step, m, new.choices):
-            new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
-                         current=old, margin=1.0 - 1e-12)   # the current plan, re-priced on m
+            new = self._kept(m, old)
         base = old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets)
         switched = tuple(b for b, c in enumerate(new.choices) if c != base[b])
         if switched:   # on probation until the next check point (its window measures the new plan)
@@ -704,8 +703,7 @@ class Decider:
             return None
         if measured_s * cur.price <= before_s * prev.price * (1.0 + self.revert):
             return None
-        restored = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
-                          current=prev.choices, margin=1.0 - 1e-12)
+        restored = self._kept(m, prev.choices)
         if restored.choices != prev.choices:   # a previous choice no longer allowed (critical regime)
             return None
         self.vetoed[tuple(describe(c) for c in cur.choices)] = (int(step), signature(m))
@@ -713,6 +711,12 @@ class Decider:
         back = tuple(b for b, (c, p) in enumerate(zip(cur.choices, prev.choices)) if c != p)
         self.current, self.decided_at, self.watched = restored, int(step), signature(m)
         return restored, back
+
+    def _kept(self, m: Measurements, choices: tuple[Choice, ...]) -> Decision:
+        """``choices`` re-priced on ``m`` (a choice no longer allowed, in a critical regime, is replaced
+        by the best plan's)."""
+        return decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
+                      current=choices, margin=1.0 - 1e-12)
 
     def _barred(self, step: int, m: Measurements, choices: tuple[Choice, ...]) -> bool:
         """Whether ``choices`` is a plan vetoed by its outcome less than ``every`` steps ago, with

@@ -78,7 +78,6 @@ class Plan:
     algorithm: str
     pipelined: bool
     messages: tuple[Message, ...]
-    dense: bool
 
 
 _PLANS: "weakref.WeakKeyDictionary[Any, dict[tuple, Plan]]" = weakref.WeakKeyDictionary()
@@ -158,7 +157,7 @@ def _make_plan(flat, inner: BlockQuant, world: int, bounds: list[int], algorithm
         if rider is not None:
             sig = wire.signature(sig, rider[0], str(rider[1]))
         messages = [_message(sig, list(enumerate(sizes)), rider)]
-    return Plan(world, tuple(bounds), bits, block, algorithm, pipelined, tuple(messages), rider is not None)
+    return Plan(world, tuple(bounds), bits, block, algorithm, pipelined, tuple(messages))
 
 
 def _payload(m: int, bits: int, block: int) -> tuple[int, int]:
@@ -191,23 +190,25 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     at the verdict, as on the general path)."""
     if dense is not None:
         dense.carried = True
+    ops._usage.note("block_quantize_feedback", "numba")   # what ops.backends_used() reports, as on the general path
+    ops._usage.note("block_dequantize_sum", "numba")
     code, msg, flights = 0, "", []
     for message in plan.messages:
         buf = torch.empty(message.width, dtype=torch.uint8)
         raw = buf.numpy()
-        bad = False
+        flag = None
         for piece in message.pieces:
             try:
-                bad |= _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats)
+                bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats)
+                flag = bad if flag is None else flag | bad
             except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
                 raw[piece.codes_at:piece.scales_at + piece.scales_bytes] = 0
                 if not code:
                     code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
-        flag = torch.tensor(bad)
         if message.dense_at >= 0:
             d = dense.tensor.reshape(-1)
             buf[message.dense_at:message.dense_at + d.numel() * d.element_size()].view(d.dtype).copy_(d)
-            flag = flag | nonfinite_flag(d)
+            flag = nonfinite_flag(d) if flag is None else flag | nonfinite_flag(d)
         raw[:wire.STATUS_BYTES].view(np.int32)[:] = wire.status_word(flat.device, error=code, sig=message.sig,
                                                                       nonfinite=flag).numpy()
         if plan.pipelined:
@@ -224,7 +225,7 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
                 arrays = [(got[s, piece.codes_at:piece.codes_at + piece.codes_bytes],
                            got[s, piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32))
                           for s in range(plan.world)]
-                with _nb().kernel_threads(b - a):
+                with _nb().threads_context(b - a):
                     _nb().dequantize_sum_into(arrays, plan.bits, plan.block, b - a, flat[a:b].numpy())
         if message.dense_at >= 0:
             d = dense.tensor.view(-1)
@@ -236,10 +237,10 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
 
 
 def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw: np.ndarray, key: Any, step: int,
-            transaction, stats: CommStats | None) -> bool:
+            transaction, stats: CommStats | None) -> torch.Tensor:
     """Chunk ``piece.chunk`` under error feedback into ``raw`` (the message's bytes), its new residual
     staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it (committed with the
-    step, or at once without one); returns whether it held a NaN/inf."""
+    step, or at once without one); returns its NaN/inf flag (0-d bool)."""
     r = piece.chunk
     chunk = flat[plan.bounds[r]:plan.bounds[r + 1]]
     k = (key, r)
@@ -249,7 +250,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     codes = raw[piece.codes_at:piece.codes_at + piece.codes_bytes]
     scales = raw[piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32)
     nb = _nb()
-    with codec_timer(stats, "compress"), nb.kernel_threads(chunk.numel()):
+    with codec_timer(stats, "compress"), nb.threads_context(chunk.numel()):
         bad = nb.quantize_feedback_into(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta, scale,
                                         plan.bits, plan.block, pending.view(-1).numpy(), codes, scales) > 0
     flag = torch.tensor(bad)
@@ -257,7 +258,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
         transaction.stage(ef, k, flag)
     else:
         ef.commit(k, flag)
-    return bad
+    return flag
 
 
 def _nb():

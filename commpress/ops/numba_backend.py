@@ -12,12 +12,10 @@ Importing this module raises ``ImportError`` when numba is missing, and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import os
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -781,19 +779,10 @@ def threads_for(size: int) -> int:
     return 1 if size < SERIAL_BELOW else max(1, min(MAX_THREADS, torch.get_num_threads()))
 
 
-@contextlib.contextmanager
-def kernel_threads(size: int) -> Iterator[None]:
-    """Within the block, the kernels run on :func:`threads_for` ``(size)`` threads (what every op of this
-    backend does around its kernel calls; for callers of the ``*_into`` functions)."""
-    wanted, before = threads_for(size), getattr(K._MODE, "threads", 1)
-    if wanted == before:
-        yield
-        return
-    K._MODE.threads = wanted
-    try:
-        yield
-    finally:
-        K._MODE.threads = before
+def threads_context(size: int) -> K.use_threads:
+    """:class:`~._numba_kernels.use_threads` of :func:`threads_for` ``(size)``: what every op of this
+    backend runs its kernels in, for callers of the ``*_into`` functions."""
+    return K.use_threads(threads_for(size))
 
 
 def _serial_when_small(fn):

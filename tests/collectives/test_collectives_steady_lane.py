@@ -221,11 +221,14 @@ def hook_worker(rank, world):
         model = DDP(MLP3())
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         state = commpress.ddp.register(model, "blockquant", bits=4, min_numel=256)
+        commpress.ops.backends_used(reset=True)
         for step in range(4):
             train_step(model, opt, rank, step)
         stats = state.stats.as_dict()
         state.close()
+    used = commpress.ops.backends_used()
     return {"lane": len(ran), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "used": {op: used.get(op) for op in ("block_quantize_feedback", "block_dequantize_sum")},
             "algorithms": stats.get("algorithms", {})}
 
 
@@ -234,3 +237,4 @@ def test_the_ddp_hooks_blockquant_steps_take_the_lane():
     a, b = run(hook_worker, 2, timeout=110)
     assert a["lane"] >= 3 and b["lane"] == a["lane"], (a["lane"], b["lane"])   # every compressed step
     assert torch.equal(a["params"], b["params"])
+    assert a["used"] == {"block_quantize_feedback": "numba", "block_dequantize_sum": "numba"}, a["used"]
