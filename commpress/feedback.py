@@ -457,17 +457,32 @@ class ErrorFeedback(Compressor):
         (:meth:`Compressor.compress_fixed`): what the collectives send."""
         return self._compress(tensor, step, key, generator, transaction, fixed=True)
 
-    def _compress(self, tensor, step, key, generator, transaction, fixed: bool) -> Payload:
+    def compress_whole(self, tensor: torch.Tensor, codec: Compressor, *, step: int = 0, key: Any = 0,
+                       transaction: ResidualTransaction | None = None) -> Payload:
+        """The whole compensated tensor (``x + beta * residual(key)``, with momentum correction as
+        in :meth:`compensate`) compressed by ``codec``, a deterministic ``"gather"`` compressor
+        other than this one's (a sparsifier's warm-up sends it block-quantized rather than a
+        selection no smaller): ``codec``'s fixed-size payload, and ``key``'s pending residual
+        keeps what ``codec`` did not send, as for this feedback's own compressor.  With momentum
+        factor masking every coordinate counts as sent: the pending velocity is zeroed.  Staged in
+        ``transaction`` when given, else committed at once; the payload's ``nonfinite`` is the
+        local NaN/inf flag."""
+        if getattr(codec, "aggregation", None) != "gather" or not getattr(codec, "deterministic", False):
+            raise TypeError(f"compress_whole: codec must be a deterministic gather compressor, got {codec!r}")
+        return self._compress(tensor, step, key, None, transaction, fixed=True, inner=codec)
+
+    def _compress(self, tensor, step, key, generator, transaction, fixed: bool, inner=None) -> Payload:
         self.check_input(tensor)
         x, scale = self._scaled(tensor, key)
         if self.momentum:
             x, scale = self._accumulate(x, key, scale), 1.0
-        inner = self.compressor
+        whole = inner is not None   # another codec over every coordinate (:meth:`compress_whole`)
+        inner = inner if whole else self.compressor
         if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
             payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
                                                       self._slot(self._pending, key, x),
                                                       step=step, key=key, fixed=fixed, scale=scale)
-            return self._stage(key, payload, ~finite, transaction)
+            return self._stage(key, payload, ~finite, transaction, whole)
         c = self._add_residual(x, key, scale)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
@@ -485,11 +500,14 @@ class ErrorFeedback(Compressor):
             payload = run(src, step=step, key=key, generator=generator)
             payload = _detach_from(payload, c)
             c.sub_(inner.decompress(payload, out=self._decode_buffer(payload)).reshape(c.shape).float())
-        return self._stage(key, payload, local_bad, transaction)
+        return self._stage(key, payload, local_bad, transaction, whole)
 
-    def _stage(self, key, payload, local_bad, transaction) -> Payload:
+    def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
         if self.momentum and self.masking:
-            self._mask_velocity(key, payload)
+            if whole:
+                self._velocity_pending[key].zero_()
+            else:
+                self._mask_velocity(key, payload)
         if transaction is not None:
             transaction.stage(self, key, local_bad)
         else:

@@ -171,8 +171,9 @@ def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto"
     """Whether ``allreduce(..., dense=)`` with these settings sends the dense part inside the
     payload's messages (no round of its own), no hierarchy, ``world > 1``: a gather kind
     (``"two_phase"``: in its two phases, any P; ``"gather_all"``: P <= 2; ``"auto"``: either)
-    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``, and ``"dense"`` with error
-    feedback: the whole compensated tensor then goes in one all_gather with the dense part).
+    or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``, and with error feedback
+    ``"dense"`` and ``"whole_blockquant"``, the label of ``"auto"``'s whole-tensor send: the whole
+    compensated tensor then goes in one all_gather with the dense part).
     With ``"auto"`` a call may still pick an algorithm that cannot carry it (a sparse
     ``"dense"`` all_reduce without error feedback, ``"gather_all"`` at P > 2); the dense part
     then takes an all_reduce of its own."""
@@ -183,7 +184,8 @@ def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto"
     if kind == "gather":
         return algorithm in ("auto", "two_phase") or (algorithm == "gather_all" and free)
     return (kind == "sparse" and free
-            and (algorithm in ("auto", "allgather") or (algorithm == "dense" and has_feedback(compressor))))
+            and (algorithm in ("auto", "allgather")
+                 or (algorithm in ("dense", "whole_blockquant") and has_feedback(compressor))))
 
 
 def _check_dense(dense, tensor) -> None:

@@ -39,11 +39,13 @@ all-gather whenever its message is smaller (:func:`~.costmodel.choose_fixed_spar
 by bytes alone, so every rank and a resumed run choose alike).  With error
 feedback, ``"dense"`` sends the whole compensated tensor rather than its
 densified selection: the same bytes, an exact sum, and the residual empties;
-``"auto"`` sends the whole compensated tensor in bf16 (the residual keeps the
-rounding) whenever the all-gather message would be no smaller than that: a
-density warm-up's first stage costs a bf16 step, not a dense fp32 one.  Both
-whole-tensor sends carry a ``dense=`` part at P <= 2 by going as one all-gather
-(the bytes of the ring all_reduce at P=2, one round for the two).  The
+``"auto"`` sends the whole compensated tensor instead of the selection whenever
+that is the smaller message (:func:`whole_choice`): block-quantized to 4 bits in
+one all-gather (about 0.52 bytes an element: a density warm-up's 25% and 8.5%
+stages, ratios above about 6%), or in bf16 in a ring all_reduce where that is
+smaller still (P >= 8); the residual keeps the rounding.  The whole-tensor sends
+carry a ``dense=`` part at P <= 2 by going as one all-gather (one round for the
+two).  The
 other algorithms need the counts, so they run :func:`sparse_allreduce` below
 with its header.
 
@@ -57,11 +59,13 @@ bf16 values (in the values' dtype otherwise) and returned in the values' dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from .. import ops
+from ..compressors.blockquant import BlockQuant
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
 from . import _comm, costmodel, wire
 from .accounting import CommStats, codec_timer
@@ -480,8 +484,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     result all-NaN and keeps every residual of ``transaction`` as it was.  ``dense``
     (:class:`~.wire.Rider`): rides raw in the ``"allgather"`` message when that costs no
     more bytes than its own all_reduce (P <= 2), summed in rank order; its NaN/inf joins
-    this rank's status flag.  With error feedback the whole-tensor path (``"dense"``, or
-    ``"auto"``'s bf16 one) carries it alike at P <= 2 (:func:`_whole_dense`).  Left uncarried
+    this rank's status flag.  With error feedback the whole-tensor paths (``"dense"``, and
+    ``"auto"``'s when the selection would be the larger message: :func:`whole_choice`) carry it
+    alike at P <= 2 (:func:`_whole_quantized`, :func:`_whole_dense`).  Left uncarried
     otherwise (the caller all-reduces it).
     """
     inner = unwrap(compressor)
@@ -493,7 +498,10 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
         if algorithm == "dense":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32,
                                 dense)
-        if algorithm == "auto" and _gather_not_smaller(tensor, inner, step, world):
+        send = whole_choice(tensor, inner, step, world) if algorithm == "auto" else "selection"
+        if send == "blockquant":
+            return _whole_quantized(tensor, compressor, group, key, step, stats, transaction, error, out, dense)
+        if send == "bf16":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,
                                 whole_wire_dtype(tensor.dtype), dense)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
@@ -576,17 +584,87 @@ def whole_wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def _gather_not_smaller(tensor, inner, step: int, world: int) -> bool:
-    """Whether one rank's all-gather message of ``capacity`` slots (sent to P-1 peers) is at
-    least the ring all_reduce of the whole compensated tensor in :func:`whole_wire_dtype`
-    (2 bytes an element): then dropping coordinates saves nothing.  A pure function of
-    (numel, capacity at ``step``, P, dtypes), never of timings, so a resumed run makes the
-    same choice."""
+#: What a sparsifier with error feedback sends instead of its selection, under ``"auto"``, when
+#: the selection's message would be the larger: the whole compensated tensor block-quantized to
+#: 4 bits, round to nearest (about 0.52 bytes an element; the residual keeps the rounding).
+WHOLE_CODEC = BlockQuant(bits=4)
+
+
+def whole_choice(tensor, inner, step: int, world: int) -> str:
+    """What a sparsifier with error feedback sends under ``"auto"``: the smallest of, in bytes
+    one rank sends,
+
+    - ``"selection"``: the all-gather of its ``capacity`` slots, ``(slots + 8) * (P-1)``;
+    - ``"blockquant"``: the all-gather of the whole compensated tensor in :data:`WHOLE_CODEC`;
+    - ``"bf16"``: the ring all_reduce of it in :func:`whole_wire_dtype`, ``2 * whole * (P-1)/P``.
+
+    Ties go to the whole tensor (every coordinate, for no more bytes), then to blockquant.  A density
+    warm-up's early stages (25%, 8.5% for a 1% target) and large ratios send the whole tensor.  A
+    pure function of (numel, capacity at ``step``, P, dtypes), never of timings, so every rank
+    and a resumed run choose alike."""
     n = tensor.numel()
     vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
-    slots = inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8
-    whole = (n + 1 + wire.SUM_SLOTS) * whole_wire_dtype(tensor.dtype).itemsize
-    return slots * world >= 2 * whole
+    selection = (inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8) * (world - 1)
+    quantized = (wire.payload_bytes(WHOLE_CODEC, n, tensor.dtype) + 8) * (world - 1)
+    ring = 2 * (n + 1 + wire.SUM_SLOTS) * whole_wire_dtype(tensor.dtype).itemsize * (world - 1) / world
+    if selection < min(quantized, ring):
+        return "selection"
+    return "blockquant" if quantized <= ring else "bf16"
+
+
+def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transaction, error, out,
+                     dense: wire.Rider | None = None) -> torch.Tensor:
+    """One ``all_gather`` of ``[status word | the whole compensated tensor in WHOLE_CODEC | the
+    dense part raw (P <= 2)]`` (:meth:`ErrorFeedback.compress_whole`: the residual keeps the
+    quantization error, momentum masking counts every coordinate as sent); every rank decodes
+    the P messages and sums them in rank order in fp32 (bitwise the same on every rank), the
+    dense part too.  A NaN/inf anywhere: the result all-NaN and every residual kept."""
+    n, world = tensor.numel(), _comm.world(group)
+    codec = WHOLE_CODEC
+    code, msg = error
+    payload = None
+    if not code:
+        try:
+            with codec_timer(stats, "compress"):
+                payload = ef.compress_whole(tensor, codec, step=step, key=key, transaction=transaction)
+        except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    bad_local = payload.nonfinite if payload is not None else None
+    if code:  # zeros of the right sizes: the others must not be left waiting
+        payload = codec.compress_fixed(torch.zeros(n, dtype=torch.float32, device=tensor.device))
+    parts = payload.tensors
+    facts = ("whole", n, codec.name, codec.bits, codec.block)
+    if dense is not None and wire.Rider.free(world):  # the dense part rides: no round of its own
+        dense.carried = True
+        parts += (dense.tensor.reshape(-1),)
+        facts += (dense.tensor.numel(), str(dense.tensor.dtype))
+        bad_local = dense.flag(bad_local)
+    layout = wire.Layout.of(parts)
+    sig = wire.signature(*facts)
+    message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
+    layout.write(message, parts, wire.status_word(tensor.device, error=code, sig=sig, nonfinite=bad_local))
+    gathered = _comm.all_gather(message, group=group, stats=stats)
+    statuses = wire.read_status(gathered)
+    wire.check_byte_statuses(statuses, sig, "allreduce", msg)
+    with codec_timer(stats, "decompress"):
+        rows = [layout.read(gathered[r]) for r in range(world)]
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+        acc = out.view(-1) if direct else _comm.scratch("sparse_whole_sum", n, torch.float32, tensor.device)
+        # decoded in fp32 whatever the input's dtype: the sum of the decoded values, rounded once
+        pieces = [dataclasses.replace(payload, tensors=tuple(row[:2]), dtype=torch.float32) for row in rows]
+        codec.decompress_sum(pieces, acc)
+        if len(parts) == 3:
+            wire.add_rows(dense.tensor.view(-1), [row[2] for row in rows])
+        if out is None:  # acc is a reused scratch buffer: never hand it out
+            out = acc.to(tensor.dtype, copy=True).reshape(tensor.shape)
+        elif not direct:
+            out.view(-1).copy_(acc)
+    bad = wire.any_nonfinite(statuses)
+    transaction.mark_bad(bad)
+    wire.poison_(out, bad)
+    if stats is not None:
+        stats.add(calls=1, algorithm="whole_blockquant")
+    return out
 
 
 def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
@@ -595,9 +673,9 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
 
     ``"dense"`` with error feedback sends it in fp32: the bytes of the densified selection, an
     exact sum, the residual emptied, no selection.  ``"auto"`` takes it, in bf16
-    (:func:`whole_wire_dtype`; the residual keeps the rounding error), when the all-gather
-    message is no smaller (a density warm-up's early stages, large ratios): half the bytes of
-    a dense fp32 step and nothing gained by dropping coordinates.  Sums in ``wire_dtype``, as
+    (:func:`whole_wire_dtype`; the residual keeps the rounding error), when this ring all_reduce
+    is the smallest message (:func:`whole_choice`: at P >= 8, where gathering P whole 4-bit
+    messages would send more).  Sums in ``wire_dtype``, as
     PyTorch's fp16/bf16 hooks do.  With a ``dense`` part at P <= 2: one all_gather that carries
     it too (:func:`_whole_gathered`)."""
     if dense is not None and wire.Rider.free(_comm.world(group)):

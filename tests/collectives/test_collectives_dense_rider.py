@@ -23,8 +23,8 @@ CASES = {
     "topk": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "allgather"),
     "blockquant": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "gather_all"),
     "two_phase": (lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)), "two_phase"),
-    # the whole compensated tensor (the gathered slots would be no smaller): bf16 with "auto",
-    # fp32 with "dense"; at P=2 one all_gather carries the dense part too
+    # the whole compensated tensor (the gathered slots would be the larger message): 4-bit
+    # blockquant with "auto", fp32 with "dense"; at P=2 one all_gather carries the dense part too
     "whole": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.25, density_warmup=0)), "auto"),
     "whole32": (lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.01, density_warmup=0)), "dense"),
 }
@@ -100,7 +100,8 @@ def test_dense_part_summed_exactly_in_rank_order(world):
                 r = got[f"{name}:{dtype}"]
                 assert r["same"], (name, dtype)           # the payload's result does not change
                 if name.startswith("whole"):  # the whole compensated tensor, not a selection
-                    assert r["algorithms"] == ("dense", "dense"), r
+                    sent = "whole_blockquant" if name == "whole" else "dense"
+                    assert r["algorithms"] == (sent, sent), r
                 rides = world == 2 or name == "two_phase"
                 # riding: the exact sum in rank order (fp32 for bf16); its own all_reduce: gloo's order
                 assert r["exact"] if rides else r["close"], (name, dtype)
@@ -126,6 +127,10 @@ def test_carries_dense_and_argument_checks():
     assert not carries_dense(topk, world=2, algorithm="dense")  # the densified selection's all_reduce
     ef_topk = commpress.ErrorFeedback(topk)  # its "dense": the whole compensated tensor, gathered at P=2
     assert carries_dense(ef_topk, world=2, algorithm="dense") and not carries_dense(ef_topk, world=3, algorithm="dense")
+    # "auto"'s whole-tensor send in 4 bits carries it too, at P <= 2, with error feedback only
+    assert carries_dense(ef_topk, world=2, algorithm="whole_blockquant")
+    assert not carries_dense(ef_topk, world=3, algorithm="whole_blockquant")
+    assert not carries_dense(topk, world=2, algorithm="whole_blockquant")
     assert carries_dense(bq, world=4, algorithm="two_phase") and carries_dense(bq, world=4)
     assert not carries_dense(bq, world=4, algorithm="gather_all")
     assert not carries_dense(topk, world=3) and not carries_dense(topk, world=1)

@@ -88,7 +88,7 @@ def test_every_kind_through_two_level():
 
 
 def topk_exact_worker(rank, world):
-    """topk keeping everything, sent whole in fp32 ("dense"; "auto" would send it in bf16),
+    """topk keeping everything, sent whole in fp32 ("dense"; "auto" would send it in 4 bits),
     is exact: the two-level path is the dense sum."""
     h = Hierarchy(2)
     c = commpress.ErrorFeedback(commpress.get("topk", ratio=1.0))

@@ -128,12 +128,21 @@ def whole_dense_worker(rank, world):
         again = allreduce(x, ef, key="w", step=2)                             # "auto" at 1%: the selection
         out[momentum] = (sent, got, bool(e.abs().sum() > 0), bool(ef.residual("w").abs().sum() > 0),
                          again)
-    # "auto" takes it, in bf16, by bytes alone: 25% of 4096 slots gathered are no smaller than
-    # the whole tensor's bf16 ring at P=2; 20% are
-    for ratio in (0.25, 0.2):
-        wide = commpress.ErrorFeedback(commpress.get("topk", ratio=ratio, density_warmup=0))
+    # "auto" takes it by bytes alone (sparse.whole_choice): at P=2 in 4-bit blockquant when the
+    # gathered slots would be the larger message (25% and 8% of 4096), the selection at 6%; in
+    # bf16 where the whole tensor's ring all_reduce is the smallest message (P >= 8; forced here)
+    from commpress.collectives import sparse
+    for ratio in (0.25, 0.08, 0.06, "bf16"):
+        wide = commpress.ErrorFeedback(commpress.get("topk", ratio=0.25 if ratio == "bf16" else ratio,
+                                                     density_warmup=0))
         stats = CommStats()
-        summed = allreduce(data(rank, 3), wide, key="v", step=1, stats=stats)
+        choose = sparse.whole_choice
+        if ratio == "bf16":
+            sparse.whole_choice = lambda *a: "bf16"
+        try:
+            summed = allreduce(data(rank, 3), wide, key="v", step=1, stats=stats)
+        finally:
+            sparse.whole_choice = choose
         out[ratio] = (data(rank, 3), summed, stats.last_algorithm, wide.residual("v").clone())
     return out
 
@@ -150,12 +159,19 @@ def test_dense_with_error_feedback_sends_the_whole_compensated_tensor():
         # the step after: the residual started from zero, so the selection's sum keeps <= 2k entries
         assert torch.equal(a0, a1) and 0 < int((a0 != 0).sum()) <= 2 * 41
         assert left0 and left1                                  # and left a new residual
-    (x0, s0, alg0, e0), (x1, s1, _, e1) = res[0][0.25], res[1][0.25]
+    q = commpress.get("blockquant", bits=4)
+    for ratio in (0.25, 0.08):
+        (x0, s0, alg0, e0), (x1, s1, _, e1) = res[0][ratio], res[1][ratio]
+        assert alg0 == "whole_blockquant" and torch.equal(s0, s1)
+        d0, d1 = (q.decompress(q.compress_fixed(x)) for x in (x0, x1))
+        assert torch.equal(s0, d0 + d1)                            # the 4-bit messages, summed in fp32
+        assert torch.equal(e0, x0 - d0) and torch.equal(e1, x1 - d1)  # the rounding, kept
+    assert res[0][0.06][2] == "allgather"
+    (x0, s0, alg0, e0), (x1, s1, _, e1) = res[0]["bf16"], res[1]["bf16"]
     assert alg0 == "dense" and torch.equal(s0, s1)
     b0, b1 = x0.to(torch.bfloat16), x1.to(torch.bfloat16)
     assert torch.equal(s0, (b0 + b1).float())                  # the bf16 messages, summed in bf16
     assert torch.equal(e0, x0 - b0.float()) and torch.equal(e1, x1 - b1.float())  # the rounding, kept
-    assert res[0][0.2][2] == "allgather"
 
 
 def capacity_worker(rank, world, steps):
