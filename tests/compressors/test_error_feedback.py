@@ -181,6 +181,37 @@ def test_send_whole_narrower_keeps_the_rounding_error(momentum, wire):
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_whole_sends_every_coordinate_in_the_codec_and_keeps_its_error(momentum, dtype):
+    """compress_whole: the codec's payload of the whole compensation (momentum correction
+    included); the residual is the compensation less the decoded payload; with masking the
+    velocity is zero (every coordinate was sent), without it kept."""
+    import commpress
+
+    def fresh(masking=True):
+        ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1, density_warmup=0), momentum=momentum,
+                                     masking=masking)
+        ef.compress(torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(dtype), key="k")
+        return ef
+
+    codec = commpress.get("blockquant", bits=4)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2)).to(dtype)
+    a, b, c = fresh(), fresh(), fresh(masking=False)
+    want = a.compensate(x, "k").clone()
+    p = b.compress_whole(x, codec, key="k")
+    c.compress_whole(x, codec, key="k")
+    # encoded from the input's dtype (with momentum correction from the fp32 velocity), as compress does
+    sent = codec.compress_fixed(want if momentum else want.to(dtype))
+    assert all(torch.equal(u, v) for u, v in zip(p.tensors, sent.tensors)) and not bool(p.nonfinite)
+    assert torch.equal(b.residual("k"), want - codec.decompress(sent).float())
+    if momentum:
+        assert torch.count_nonzero(b.velocity("k")) == 0 and torch.count_nonzero(c.velocity("k")) > 0
+    for bad in (commpress.get("topk", ratio=0.5), commpress.get("blockquant", bits=4, stochastic=True)):
+        with pytest.raises(TypeError, match="deterministic gather"):
+            b.compress_whole(x, bad, key="k")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_blockquant_fused_feedback_is_the_separate_passes(monkeypatch, momentum, scale):
     """blockquant's one-pass error feedback (compensate, quantize, residual) gives bitwise the
