@@ -44,7 +44,7 @@ import torch
 
 from ..compressors.base import Payload
 from ..feedback import ErrorFeedback, ResidualTransaction, owns_transaction
-from . import _comm, costmodel, steady, wire
+from . import _comm, costmodel, sparse, steady, wire
 from .wire import compress_fixed, fingerprint, has_feedback, local_check, size_step, unwrap
 from .accounting import CommStats, codec_timer
 from .validate import check_once
@@ -532,16 +532,46 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         if stats is not None:
             stats.add(calls=1, algorithm="reduce_scatter")
         return out.to(tensor.dtype)
-    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
-    sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads])
+    decoder = inner
+    if kind == "sparse" and has_feedback(compressor) and sparse.whole_per_chunk(inner, per, step, flat.dtype):
+        decoder = sparse.WHOLE_CODEC  # each chunk whole, block-quantized: its selection would be no smaller
+        payloads, code, msg, bad = _whole_chunks(flat, compressor, bounds, key, step, tx, err, stats)
+    else:
+        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
+    sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads],
+                         decoder is not inner)
     received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)
     with codec_timer(stats, "decompress"):
-        out = _owner_sum(inner, received, layout, payloads[_comm.rank(group)])
+        out = _owner_sum(decoder, received, layout, payloads[_comm.rank(group)])
     _verdict([(wire.read_status(received), sig)], "reduce_scatter", msg, out, compressor, tx)
     out = out.to(tensor.dtype)
     if stats is not None:
         stats.add(calls=1, algorithm="reduce_scatter")
     return out
+
+
+def _whole_chunks(flat, ef: ErrorFeedback, bounds, key, step, tx, error, stats=None):
+    """As :func:`_compress_chunks`, every chunk sent whole: ``ef``'s compensation of chunk ``r``
+    (``key=(key, r)``) in :data:`.sparse.WHOLE_CODEC`, the residual keeping its rounding
+    (:meth:`~commpress.ErrorFeedback.compress_whole`); zeros payloads after a local error."""
+    codec = sparse.WHOLE_CODEC
+    code, msg = error
+    payloads, bad = [], None
+    for r in range(len(bounds) - 1):
+        if code:
+            break
+        try:
+            with codec_timer(stats, "compress"):
+                p = ef.compress_whole(flat[bounds[r]:bounds[r + 1]], codec, step=step, key=(key, r), transaction=tx)
+        except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
+            code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+            break
+        payloads.append(p)
+        bad = p.nonfinite if bad is None else bad | p.nonfinite
+    if code:  # equal chunks: one zeros payload of their size for every owner
+        zeros = codec.compress_fixed(torch.zeros(bounds[1] - bounds[0], dtype=torch.float32, device=flat.device))
+        return [zeros] * (len(bounds) - 1), code, msg, None
+    return payloads, code, msg, bad
 
 
 def _sum_reduce_scatter(flat, compressor, inner, bounds, err, group, key, step, stats, generator, tx):

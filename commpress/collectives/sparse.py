@@ -612,6 +612,16 @@ def whole_choice(tensor, inner, step: int, world: int) -> str:
     return "blockquant" if quantized <= ring else "bf16"
 
 
+def whole_per_chunk(inner, m: int, step: int, dtype: torch.dtype) -> bool:
+    """For a reduce-scatter's chunks of ``m`` elements (one message per owner): whether a
+    sparsifier with error feedback sends each chunk whole in :data:`WHOLE_CODEC` rather than its
+    selection, because the selection's payload (indices and values) would be no smaller.  A pure
+    function of (``m``, capacity at ``step``, dtypes), as :func:`whole_choice`."""
+    vsize = (dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
+    selection = inner.capacity(m, step) * (vsize + wire_index_dtype(m + 1).itemsize)
+    return m > 0 and selection >= wire.payload_bytes(WHOLE_CODEC, m, dtype)
+
+
 def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transaction, error, out,
                      dense: wire.Rider | None = None) -> torch.Tensor:
     """One ``all_gather`` of ``[status word | the whole compensated tensor in WHOLE_CODEC | the

@@ -54,7 +54,10 @@ Bytes are what one rank sends per unit and step (the direct model of
       (codes, one fp32 scale per 256-element block);
     - topk: ``8 + align8(4k) + align8(k·itemsize)``, ``k = max(1, round(ratio·m))``
       (int32 indices, values in the reduce dtype); dgc and threshold the same with
-      their fixed capacity in place of ``k``.
+      their fixed capacity in place of ``k``.  With error feedback, where that selection
+      would be no smaller than the chunk block-quantized to 4 bits (a density warm-up's
+      25% and 8.5% stages, ratios above about 6%), the chunk goes whole in 4 bits instead
+      (the blockquant ``bits=4`` payload; the residual keeps the rounding).
 
     The first call of each unit (and of a unit whose input size or dtype changed),
     on this path and the one above, adds one validation ``all_gather`` of ``HEADER_FIXED + 4P + SKETCH`` int64 per

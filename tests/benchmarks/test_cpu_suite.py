@@ -34,7 +34,8 @@ def test_split_charges_each_thread_to_its_part():
     loop = threading.get_native_id()
     after = cpu.thread_cpu()
     parts = cpu.split(before, after, loop, None)
-    assert parts["loop"] >= 0.03 and parts["worker"] == 0.0       # /proc ticks: 10 ms resolution
+    # /proc counts CPU in 10 ms ticks, sampled: 40 ms spun can read as 30 (CI saw 0.0299999...)
+    assert parts["loop"] >= 0.02 and parts["worker"] == 0.0
     assert set(parts) == {"loop", "worker", "comm"}
     # a thread named as the worker is charged to it, any other to comm
     fake_before = {1: ("python", 1.0), 2: ("python", 0.5), 3: ("gloo_tcp_loop", 0.0)}

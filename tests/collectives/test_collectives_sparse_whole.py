@@ -39,6 +39,13 @@ def test_the_smallest_message_is_chosen(ratio, world, expected):
     assert whole_choice(x, _topk(ratio), 0, world) == expected
 
 
+def test_reduce_scatter_chunks_go_whole_where_the_selection_is_no_smaller():
+    from commpress.collectives.sparse import whole_per_chunk
+    assert [whole_per_chunk(_topk(r), 100_000, 0, torch.float32) for r in (0.25, 0.085, 0.06, 0.01)] == \
+        [True, True, False, False]
+    assert not whole_per_chunk(_topk(0.25), 0, 0, torch.float32)
+
+
 def test_the_choice_follows_the_density_warm_up():
     """topk 1% from 25% over 300 steps: 25% and 8.5% send the whole tensor in 4 bits, 2.9% and 1% select."""
     c = commpress.get("topk", ratio=0.01, density_warmup=300, density_start=0.25)
@@ -105,3 +112,37 @@ def test_whole_tensor_in_four_bits_summed_in_rank_order_nothing_lost(world):
         assert got["velocity_zero:True"] is True and got["velocity_zero:False"] is False, got
         assert got["in_place"]
         assert got["bf16"] == (torch.bfloat16, True), got["bf16"]
+
+
+def reduce_scatter_worker(rank, world):
+    """FSDP2's path: each chunk's selection would be no smaller than the chunk in 4 bits, so
+    every chunk goes whole to its owner, which decodes the P pieces and adds them in rank order."""
+    from commpress.collectives import reduce_scatter
+
+    n = 2000 * world
+    per = n // world
+    ef = commpress.ErrorFeedback(_topk(0.25))
+    residuals = [torch.zeros(n) for _ in range(world)]
+    out = []
+    for step in range(2):
+        got = reduce_scatter(data(rank, step, n), ef, key="rs", step=step)
+        comp = [data(r, step, n) + residuals[r] for r in range(world)]
+        chunks = [[c[q * per:(q + 1) * per] for q in range(world)] for c in comp]
+        expect = _expected([chunks[r][rank] for r in range(world)])
+        residuals = [torch.cat([ch - WHOLE_CODEC.decompress(WHOLE_CODEC.compress_fixed(ch)).float() for ch in cs])
+                     for cs in chunks]
+        kept = torch.cat([ef.residual(("rs", q)) for q in range(world)])
+        out.append((torch.equal(got, expect), torch.equal(kept, residuals[rank])))
+    # 6%: the selection is the smaller payload, sent as before
+    small = commpress.ErrorFeedback(_topk(0.06))
+    got = reduce_scatter(data(rank, 0, n), small, key="sel")
+    out.append((int((got != 0).sum()) <= world * round(0.06 * per), True))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_sends_chunks_whole_when_the_selection_is_no_smaller(world):
+    res = run(reduce_scatter_worker, world, timeout=110)
+    for rank in range(world):
+        assert all(a and b for a, b in res[rank]), (rank, res[rank])

@@ -232,8 +232,11 @@ def test_stats_bytes_match_payloads(world_size):
     # "sum" path (one reduce_scatter): the payload, then two status slots of its dtype.
     cases = (("blockquant", {"bits": 8},   # uint8 codes + one fp32 scale per 256 entries
               lambda m: 8 + _align8(m) + _align8(4 * math.ceil(m / 256)), True),
-             ("topk", {"ratio": 0.1, "density_warmup": 0},      # k int32 indices + k fp32 values
-              lambda m: 8 + 2 * _align8(4 * max(1, round(0.1 * m))), True),
+             ("topk", {"ratio": 0.05, "density_warmup": 0},     # k int32 indices + k fp32 values
+              lambda m: 8 + 2 * _align8(4 * max(1, round(0.05 * m))), True),
+             # 25%: the selection would be larger than the chunk in 4 bits, which goes instead
+             ("topk", {"ratio": 0.25, "density_warmup": 0},
+              lambda m: 8 + _align8(math.ceil(m / 2)) + _align8(4 * math.ceil(m / 256)), True),
              ("fp16", {}, lambda m: 2 * (m + 2), True))
     per_rank = run(_stats_bytes, world_size, [(name, params) for name, params, _, _ in cases])
     for i, (name, params, per_chunk, validated) in enumerate(cases):
