@@ -669,11 +669,17 @@ def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transac
             out = acc.to(tensor.dtype, copy=True).reshape(tensor.shape)
         elif not direct:
             out.view(-1).copy_(acc)
+    return _judged(out, statuses, transaction, stats, "whole_blockquant")
+
+
+def _judged(out, statuses, transaction, stats, algorithm: str) -> torch.Tensor:
+    """A whole-tensor send's verdict: a NaN/inf on any rank poisons ``out`` and keeps every
+    residual of ``transaction``; the call counted under ``algorithm``."""
     bad = wire.any_nonfinite(statuses)
     transaction.mark_bad(bad)
     wire.poison_(out, bad)
     if stats is not None:
-        stats.add(calls=1, algorithm="whole_blockquant")
+        stats.add(calls=1, algorithm=algorithm)
     return out
 
 
@@ -762,12 +768,7 @@ def _whole_gathered(tensor, ef: ErrorFeedback, group, key, stats, transaction, e
             out = acc.to(tensor.dtype, copy=True).reshape(tensor.shape)
         elif not direct:
             out.view(-1).copy_(acc)
-    bad = wire.any_nonfinite(statuses)
-    transaction.mark_bad(bad)
-    wire.poison_(out, bad)
-    if stats is not None:
-        stats.add(calls=1, algorithm="dense")
-    return out
+    return _judged(out, statuses, transaction, stats, "dense")
 
 
 def _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction):
