@@ -333,7 +333,8 @@ class ErrorFeedback(Compressor):
 
         On CUDA one ``torch.where`` decides on the device.  On the CPU the flag is
         already in host memory (reading it synchronizes nothing), so the two buffers
-        are swapped instead of copied: the step costs no pass over the residual.
+        are swapped instead of copied, the velocity's too: the step costs no pass over
+        the residual or the velocity.
         """
         if isinstance(key, _Dense):
             self._commit_dense(key.name, bad)
@@ -346,12 +347,19 @@ class ErrorFeedback(Compressor):
         elif not keep_old:
             self._residuals[key], self._pending[key] = pend, live
         if self.momentum:
-            vpend = self._velocity_pending[key][:-1].view(pend.shape)
-            vlive = self._slot(self._velocity, key, pend)
+            vbuf = self._velocity_pending[key]
+            vpend = vbuf[:-1].view(pend.shape)
             if keep_old is None:
+                vlive = self._slot(self._velocity, key, pend)
                 torch.where(bad, vlive, vpend, out=vlive)
-            elif not keep_old:
-                vlive.copy_(vpend)
+            elif not keep_old:  # swapped too: the live velocity becomes a view of the pending buffer
+                old = self._velocity.get(key)
+                self._velocity[key] = vpend
+                spare = old._base if old is not None else None   # the (numel + 1) buffer it views, if any
+                if spare is not None and spare.numel() == vbuf.numel() and spare.data_ptr() == old.data_ptr():
+                    self._velocity_pending[key] = spare
+                else:  # the first swap: the next compensate allocates a pending buffer
+                    del self._velocity_pending[key]
 
     _apply = commit  # the name before the public protocol
 
