@@ -181,3 +181,22 @@ def test_fused_signsgd_feedback_equals_the_generic_path(chunk):
         assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
         r = c - inner.decompress(want)
         assert torch.equal(ef.residual("s"), r)
+
+
+def test_velocity_buffers_swap_on_commit_and_values_follow_the_definition():
+    """On the CPU a commit swaps the live and pending velocity (no copy): after the first steps the
+    live velocity alternates between two buffers, and its values stay u = m*u + g; a step kept
+    back (NaN/inf) leaves both the value and the buffer."""
+    m = 0.9
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1, density_warmup=0), momentum=m, masking=False)
+    u, ptrs = torch.zeros(300), []
+    for t, g in enumerate(_grads(6, (300,))):
+        u = g if t == 0 else torch.add(g, u, alpha=m)
+        ef.compress(g, step=t, key="s")
+        assert torch.equal(ef.velocity("s"), u)
+        ptrs.append(ef.velocity("s").data_ptr())
+    assert len(set(ptrs[1:])) == 2 and ptrs[2] == ptrs[4] and ptrs[3] == ptrs[5]
+    bad = torch.randn(300)
+    bad[3] = float("nan")
+    ef.compress(bad, step=6, key="s")
+    assert torch.equal(ef.velocity("s"), u) and ef.velocity("s").data_ptr() == ptrs[-1]
