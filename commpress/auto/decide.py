@@ -79,6 +79,7 @@ import torch
 
 from ..collectives.costmodel import CostModel
 from ..collectives.hierarchy import payload_bytes, kind_terms, predict_paths
+from ..collectives.sparse import WHOLE_CODEC, whole_choice, whole_per_chunk
 from .candidates import DEFAULT_CANDIDATES, Candidate, Choice, describe, gentlest, prototype
 
 
@@ -274,7 +275,9 @@ def reduce_scatter_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype
     * every other kind: one ``all_to_all`` of each chunk's fixed-size payload of ``m``
       elements behind the 8-byte status word, ``(P−1)·(8 + payload)`` bytes; the owner
       decodes and sums the ``P`` pieces (sparse kinds: ``P·capacity(m)`` entries, the
-      capacity at the final density: a density warm-up sends more in its first steps).
+      capacity at the final density: a density warm-up sends more in its first steps; a
+      chunk whose selection would be no smaller than it in 4 bits goes whole in 4 bits,
+      as the runtime's error feedback sends it: :func:`~commpress.collectives.sparse.whole_per_chunk`).
 
     One round either way (the validation round of a unit's first call is not counted)."""
     if P <= 1 or numel == 0:
@@ -282,7 +285,9 @@ def reduce_scatter_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype
     m = -(-numel // P)
     if compressor.name == "identity":
         return float(P - 1), float((P - 1) * m * torch.empty((), dtype=dtype).element_size()), 0.0, float(numel)
-    if compressor.aggregation == "sparse":   # int32 indices and values, each 8-aligned, at the final density
+    if compressor.aggregation == "sparse" and whole_per_chunk(compressor, m, None, dtype):
+        payload, entries = payload_bytes(WHOLE_CODEC, m, dtype), 0   # each chunk whole, in 4 bits
+    elif compressor.aggregation == "sparse":   # int32 indices and values, each 8-aligned, at the final density
         c = compressor.capacity(m)
         item = torch.empty((), dtype=dtype).element_size()
         payload, entries = 8 * (-(-4 * c // 8)) + 8 * (-(-c * item // 8)), P * c
@@ -309,7 +314,23 @@ def comm_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> flo
         return paths[choice.path]
     if choice.path != "flat":
         raise ValueError(f"comm_seconds: path {choice.path!r} needs a hierarchical network")
-    return network.flat.time(*kind_terms(proto, n, network.world, bucket.dtype, shape, shapes))
+    return network.flat.time(*flat_terms(proto, n, network.world, bucket.dtype, shape, shapes))
+
+
+def flat_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype = torch.float32, shape=None,
+               shapes=None) -> tuple[float, float, float, float]:
+    """(messages, bytes, entries, elements) of the flat all-reduce of ``numel`` as ``"auto"`` runs
+    it: :func:`~commpress.collectives.hierarchy.kind_terms`, except for a sparse kind whose
+    selection (at its final density) would not be the smallest message: under the runtime's
+    error feedback it sends the whole tensor instead (:func:`~commpress.collectives.sparse.whole_choice`),
+    in 4 bits (one all-gather, P pieces decoded) or, at large P, in a bf16 ring all-reduce."""
+    if P > 1 and numel and compressor.aggregation == "sparse":
+        send = whole_choice(torch.empty(numel, dtype=dtype, device="meta"), compressor, None, P)
+        if send == "blockquant":
+            return P - 1, payload_bytes(WHOLE_CODEC, numel, dtype) * (P - 1), 0, numel + (P - 1) * numel
+        if send == "bf16":
+            return kind_terms(prototype(Candidate("bf16")), numel, P, dtype, shape, shapes)
+    return kind_terms(compressor, numel, P, dtype, shape, shapes)
 
 
 def link_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:

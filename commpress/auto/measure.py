@@ -32,12 +32,17 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.costmodel import CostModel
+from ..collectives.sparse import WHOLE_CODEC, whole_per_chunk
 from ..feedback import ErrorFeedback
 from .candidates import Candidate, prototype
 from .decide import BucketMeasure, Measurements, Network
 
 # ---------------------------------------------------------------- codec cost
 _CODEC: dict[tuple, float] = {}
+
+#: The step :func:`codec_cost` codes at: past any density warm-up (the sparsifiers' default is 200
+#: steps), what a choice runs for the rest of the training.
+STEADY_STEP = 1 << 30
 
 
 def _sync(device: torch.device) -> None:
@@ -53,7 +58,10 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
     bucket's collective codes them; pieces it sends as they are cost nothing here).
     ``feedback``: through :class:`~commpress.ErrorFeedback` with a residual in place, as
     ``"auto"`` runs every choice (its compensation and residual passes are part of the cost:
-    for blockquant the fused pass costs about twice the plain quantization).
+    for blockquant the fused pass costs about twice the plain quantization).  A sparsifier is
+    measured at its steady state, after any density warm-up (:data:`STEADY_STEP`), and, under
+    feedback, as the collectives send it: the whole tensor in 4 bits where its selection would
+    be no smaller (:func:`~commpress.collectives.sparse.whole_per_chunk`).
 
     One untimed warm-up run first (JIT, allocation).  Cached per (device, ops backend,
     numel, shapes, dtype, candidate): a bucket of a size seen before costs nothing.
@@ -85,10 +93,14 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
     else:
         pieces = [flat]
 
+    whole = feedback and comp.aggregation == "sparse" and whole_per_chunk(comp, numel, None, dtype)
+
     def run() -> None:
         for i, x in enumerate(pieces):
-            payload = coder.compress_fixed(x, key=("auto-codec-probe", i))
-            comp.decompress(payload)
+            if whole:
+                WHOLE_CODEC.decompress(coder.compress_whole(x, WHOLE_CODEC, step=STEADY_STEP, key=("auto-codec-probe", i)))
+            else:
+                comp.decompress(coder.compress_fixed(x, step=STEADY_STEP, key=("auto-codec-probe", i)))
         _sync(dev)
 
     run()   # warm-up: JIT, allocations and, with feedback, the residuals the timed runs add

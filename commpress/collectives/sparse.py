@@ -590,7 +590,7 @@ def whole_wire_dtype(dtype: torch.dtype) -> torch.dtype:
 WHOLE_CODEC = BlockQuant(bits=4)
 
 
-def whole_choice(tensor, inner, step: int, world: int) -> str:
+def whole_choice(tensor, inner, step: int | None, world: int) -> str:
     """What a sparsifier with error feedback sends under ``"auto"``: the smallest of, in bytes
     one rank sends,
 
@@ -601,7 +601,8 @@ def whole_choice(tensor, inner, step: int, world: int) -> str:
     Ties go to the whole tensor (every coordinate, for no more bytes), then to blockquant.  A density
     warm-up's early stages (25%, 8.5% for a 1% target) and large ratios send the whole tensor.  A
     pure function of (numel, capacity at ``step``, P, dtypes), never of timings, so every rank
-    and a resumed run choose alike."""
+    and a resumed run choose alike.  ``step=None``: the steady state, after any warm-up (what
+    ``"auto"`` predicts with)."""
     n = tensor.numel()
     vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
     selection = (inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8) * (world - 1)
@@ -612,7 +613,7 @@ def whole_choice(tensor, inner, step: int, world: int) -> str:
     return "blockquant" if quantized <= ring else "bf16"
 
 
-def whole_per_chunk(inner, m: int, step: int, dtype: torch.dtype) -> bool:
+def whole_per_chunk(inner, m: int, step: int | None, dtype: torch.dtype) -> bool:
     """For a reduce-scatter's chunks of ``m`` elements (one message per owner): whether a
     sparsifier with error feedback sends each chunk whole in :data:`WHOLE_CODEC` rather than its
     selection, because the selection's payload (indices and values) would be no smaller.  A pure

@@ -348,3 +348,23 @@ def test_a_switch_is_not_undone_into_a_choice_the_critical_regime_forbids():
     assert switched and Candidate("topk", 0.01) not in [c.candidate for c in gentle.choices] and dec.on_probation
     assert dec.update(24, critical, measured_s=5.0) == (gentle, ())   # much slower, but topk 1% is gated
     assert not dec.vetoed and dec.last_revert is None
+
+
+def test_a_sparse_candidate_is_predicted_as_it_is_sent():
+    """Under error feedback a sparsifier whose selection would not be the smallest message sends
+    the whole tensor: topk 10% in 4 bits at P=2 (one all-gather, the bytes of blockquant 4-bit) and
+    in a bf16 ring at P=8; topk 1% its selection.  FSDP2's reduce-scatter alike, per chunk."""
+    import torch
+
+    from commpress.auto.candidates import prototype
+    from commpress.auto.decide import flat_terms, reduce_scatter_terms
+    from commpress.collectives.hierarchy import kind_terms
+
+    n = 1 << 20
+    t10, t1, bq4, bf16 = (prototype(Candidate(*c)) for c in (("topk", 0.1), ("topk", 0.01), ("blockquant", 4),
+                                                            ("bf16",)))
+    assert flat_terms(t10, n, 2) == kind_terms(bq4, n, 2, torch.float32, None, None)
+    assert flat_terms(t10, n, 8) == kind_terms(bf16, n, 8, torch.float32, None, None)
+    assert flat_terms(t1, n, 2) == kind_terms(t1, n, 2, torch.float32, None, None)
+    assert reduce_scatter_terms(t10, n, 2) == reduce_scatter_terms(bq4, n, 2)
+    assert reduce_scatter_terms(t1, n, 2)[2] > 0   # a selection: sparse entries to add

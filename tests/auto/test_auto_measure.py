@@ -106,3 +106,33 @@ def test_agreement_makes_every_rank_decide_alike():
     assert b0.norm_change == 0.1 and m0.compute_s == 0.04
     assert Candidate("blockquant", 4) not in b1.codec_s      # unmeasured on rank 1: left out
     assert bad0 and bad0 == bad1 and "elements" in bad0      # a size mismatch raises on every rank
+
+
+def test_a_sparsifier_is_measured_as_it_runs_after_its_warm_up(monkeypatch):
+    """topk 1%: its selection at the final density (not the warm-up's 25%); topk 10%, whose
+    selection would be no smaller than the tensor in 4 bits: the whole tensor in 4 bits, as the
+    collectives send it under error feedback."""
+    import commpress
+    from commpress.auto.measure import STEADY_STEP
+    from commpress.collectives.sparse import WHOLE_CODEC
+
+    calls = []
+    fixed, whole = commpress.ErrorFeedback.compress_fixed, commpress.ErrorFeedback.compress_whole
+
+    def spy_fixed(self, x, **kw):
+        calls.append(("selection", kw.get("step"), self.compressor.capacity(x.numel(), kw.get("step"))))
+        return fixed(self, x, **kw)
+
+    def spy_whole(self, x, codec, **kw):
+        calls.append(("whole", kw.get("step"), codec is WHOLE_CODEC))
+        return whole(self, x, codec, **kw)
+
+    monkeypatch.setattr(commpress.ErrorFeedback, "compress_fixed", spy_fixed)
+    monkeypatch.setattr(commpress.ErrorFeedback, "compress_whole", spy_whole)
+    clear_codec_cache()
+    codec_cost(Candidate("topk", 0.01), 10_000, reps=1)
+    assert calls and set(calls) == {("selection", STEADY_STEP, 100)}
+    calls.clear()
+    codec_cost(Candidate("topk", 0.1), 10_000, reps=1)
+    assert calls and set(calls) == {("whole", STEADY_STEP, True)}
+    clear_codec_cache()
