@@ -604,8 +604,7 @@ def whole_choice(tensor, inner, step: int | None, world: int) -> str:
     and a resumed run choose alike.  ``step=None``: the steady state, after any warm-up (what
     ``"auto"`` predicts with)."""
     n = tensor.numel()
-    vsize = (tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
-    selection = (inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize) + 8) * (world - 1)
+    selection = (_selection_bytes(inner, n, step, tensor.dtype) + 8) * (world - 1)
     quantized = (wire.payload_bytes(WHOLE_CODEC, n, tensor.dtype) + 8) * (world - 1)
     ring = 2 * (n + 1 + wire.SUM_SLOTS) * whole_wire_dtype(tensor.dtype).itemsize * (world - 1) / world
     if selection < min(quantized, ring):
@@ -618,9 +617,14 @@ def whole_per_chunk(inner, m: int, step: int | None, dtype: torch.dtype) -> bool
     sparsifier with error feedback sends each chunk whole in :data:`WHOLE_CODEC` rather than its
     selection, because the selection's payload (indices and values) would be no smaller.  A pure
     function of (``m``, capacity at ``step``, dtypes), as :func:`whole_choice`."""
+    return m > 0 and _selection_bytes(inner, m, step, dtype) >= wire.payload_bytes(WHOLE_CODEC, m, dtype)
+
+
+def _selection_bytes(inner, n: int, step: int | None, dtype: torch.dtype) -> int:
+    """A sparsifier's fixed-size payload of ``n`` elements at ``step``: ``capacity`` indices and
+    values (fp16 / bf16 values as they are, any other dtype in fp32)."""
     vsize = (dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32).itemsize
-    selection = inner.capacity(m, step) * (vsize + wire_index_dtype(m + 1).itemsize)
-    return m > 0 and selection >= wire.payload_bytes(WHOLE_CODEC, m, dtype)
+    return inner.capacity(n, step) * (vsize + wire_index_dtype(n + 1).itemsize)
 
 
 def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transaction, error, out,
@@ -652,7 +656,7 @@ def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transac
         bad_local = dense.flag(bad_local)
     layout = wire.Layout.of(parts)
     sig = wire.signature(*facts)
-    message = torch.empty(layout.width, dtype=torch.uint8, device=tensor.device)
+    message = _comm.scratch("sparse_whole_message", layout.width, torch.uint8, tensor.device)  # same size every step
     layout.write(message, parts, wire.status_word(tensor.device, error=code, sig=sig, nonfinite=bad_local))
     gathered = _comm.all_gather(message, group=group, stats=stats)
     statuses = wire.read_status(gathered)
