@@ -356,8 +356,18 @@ class DDPState(TakeoverMixin, HookState):
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
         self.stats.auto_network = lambda: self.codec.network_report()
-        self._forward_hook = model.register_forward_hook(lambda *_: self.codec.begin())
-        self._forward_pre_hook = model.register_forward_pre_hook(lambda *_: self.codec.forward_start())
+        # host-clock stamps: under torch.compile they run eagerly (not traced: Dynamo cannot trace
+        # time.perf_counter and would warn on every compile)
+        @torch.compiler.disable
+        def forward_end(*_: Any) -> None:
+            self.codec.begin()
+
+        @torch.compiler.disable
+        def forward_start(*_: Any) -> None:
+            self.codec.forward_start()
+
+        self._forward_hook = model.register_forward_hook(forward_end)
+        self._forward_pre_hook = model.register_forward_pre_hook(forward_start)
 
     def _freeze(self) -> HookConfig:
         """Every decision a step needs, taken once (scale-by-world and the cast among them)."""
