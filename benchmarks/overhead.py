@@ -157,16 +157,21 @@ class _Progress:
 def _interleave(rank, world, progress, names, step_fns, warmup, steps):
     """Run ``warmup + steps`` rounds of one step per configuration; returns the
     per-config median of the slowest rank's step time (seconds) and a hook called
-    at the end of the warm-up (before the first timed round)."""
+    at the end of the warm-up (before the first timed round).  Round ``s`` starts at
+    configuration ``s mod N`` (the same order on every rank): each configuration takes
+    every place in a round equally often, so none is always the one after DDP's
+    default or the first after the loop's own work."""
     import torch
     import torch.distributed as dist
 
     times = torch.zeros(len(names), steps, dtype=torch.float64)
     marks = {}
+    n = len(step_fns)
     for s in range(warmup + steps):
         if s == warmup:
             marks = {name: fn("mark") for name, fn in zip(names, step_fns)}
-        for i, fn in enumerate(step_fns):
+        for i in [(s + j) % n for j in range(n)]:
+            fn = step_fns[i]
             progress.at(i)
             t0 = time.perf_counter()
             fn(s)

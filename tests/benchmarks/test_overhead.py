@@ -59,3 +59,32 @@ def test_failing_config_is_reported_and_the_rest_still_run():
     by = {r["config"]: r for r in rows}
     assert by["ddp"]["status"] == "ok" and _positive_finite(by["ddp"]["ms"])
     assert by["torch_bf16"]["status"].startswith("failed")
+
+
+def _interleave_order(rank, world, n, rounds):
+    order: list[int] = []
+
+    class Progress:
+        def at(self, i):
+            pass
+
+    fns = [(lambda s, i=i: order.append(i) if s != "mark" else 0.0) for i in range(n)]
+    medians, _ = overhead._interleave(rank, world, Progress(), [f"c{i}" for i in range(n)], fns, 1, rounds - 1)
+    return order, medians
+
+
+@pytest.mark.timeout(60)
+def test_interleave_rotates_the_order_so_no_config_always_follows_another():
+    """Each round starts one configuration later: every configuration takes every place in a round
+    equally often (a fixed order made the last one always the step after the second last)."""
+    from distributed import run
+
+    n, rounds = 3, 6
+    order, medians = run(_interleave_order, 1, n, rounds)[0]
+    assert len(order) == n * rounds and len(medians) == n
+    per_round = [order[k * n:(k + 1) * n] for k in range(rounds)]
+    for s, r in enumerate(per_round):
+        assert r == [(s + j) % n for j in range(n)]
+    for cfg in range(n):
+        places = [r.index(cfg) for r in per_round]
+        assert sorted(places) == sorted(list(range(n)) * (rounds // n))
