@@ -20,8 +20,10 @@ the kernels.
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
 A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is CPU-bound: its
 bytes are hidden already, and only less host work shortens its step.  ``compute`` is the same
-rank's step under ``no_sync`` (no gradient synchronisation); ``chose``: an ``"auto"`` config's
-choice per bucket.  Linux only (``/proc``; a thread that ends inside the window is not counted,
+rank's step under ``no_sync`` (no gradient synchronisation); ``buckets``: the DDP buckets a
+commpress hook received per step (``--bucket-cap-mb``: DDP's ``bucket_cap_mb`` for every config;
+given explicitly, DDP drops its 1 MiB first bucket, and this model's 4.5 MB fit in one);
+``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends inside the window is not counted,
 and the ones measured here live through it); a row is the slower rank's.
 """
 
@@ -37,7 +39,7 @@ from typing import Any, Callable
 from .common import cpu_bound, markdown_table, results_dir, write_results
 
 COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "kernels_ms", "comm_ms", "compute_ms",
-           "verdict", "chose"]
+           "verdict", "buckets", "chose"]
 
 #: the numba backend's kernel entry points (what ``commpress.ops.numba_backend`` calls; none of them is
 #: called from compiled code, so replacing the module attribute cannot change a kernel's typing)
@@ -119,7 +121,8 @@ def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
 
 
 def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | None = None,
-              configs: list[str], steps: int, warmup: int) -> list[dict[str, Any]]:
+              configs: list[str], steps: int, warmup: int, bucket_cap_mb: float | None = None
+              ) -> list[dict[str, Any]]:
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -135,7 +138,8 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
     for name in configs:
         cfg = C.BY_NAME[name]
         torch.manual_seed(0)
-        model = DDP(DigitsMLP(hidden=1024), bucket_cap_mb=cfg.bucket_cap_mb)
+        cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else bucket_cap_mb
+        model = DDP(DigitsMLP(hidden=1024), bucket_cap_mb=cap)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         state = C.attach(model, cfg, seed=0, optimizer=opt)
 
@@ -170,7 +174,8 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
             computes.append(time.perf_counter() - t0)
         report_auto = getattr(getattr(state, "stats", None), "auto_report", None)
         chose = ", ".join(f"{k}: {e['choice']}" for k, e in report_auto().items()) if report_auto else ""
-        rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu,
+        buckets = len(state.stats.last_step["units"]) if getattr(state, "stats", None) is not None else None
+        rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu, "buckets": buckets,
                      **{f"{k}_s": v / steps for k, v in parts.items()},
                      "compute_s": statistics.median(computes), "worker": worker is not None, "chose": chose})
         if state is not None and hasattr(state, "close"):
@@ -184,18 +189,22 @@ def verdict(row: dict[str, Any]) -> str:
     return "CPU-bound" if cpu_bound(row["cpu_s"], row["step_s"]) else "waits"
 
 
-def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: int = 20) -> list[dict[str, Any]]:
-    """One launch: every config in turn on 2 pinned ranks; a row per config, the slower rank's."""
+def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: int = 20,
+              bucket_cap_mb: float | None = None) -> list[dict[str, Any]]:
+    """One launch: every config in turn on 2 pinned ranks; a row per config, the slower rank's.
+    ``bucket_cap_mb``: DDP's for every config but PyTorch's PowerSGD hook (one bucket always);
+    ``None``: DDP's default (a 1 MiB first bucket, then 25 MiB ones)."""
     from .netem import launch
 
     res = launch("benchmarks.cpu:rank_main", 2, net=net, pin=True,
-                 kwargs=dict(configs=configs, steps=steps, warmup=warmup))
+                 kwargs=dict(configs=configs, steps=steps, warmup=warmup, bucket_cap_mb=bucket_cap_mb))
     rows = []
     for i, name in enumerate(configs):
         r = max((ranks[i] for ranks in res), key=lambda row: row["step_s"])
         row = {"config": name, **{k[:-2] + "_ms": round(1e3 * v, 2) for k, v in r.items() if k.endswith("_s")}}
         row["idle_ms"] = round(max(0.0, row["step_ms"] - row["cpu_ms"]), 2)
         row["verdict"], row["worker"], row["chose"] = verdict(r), r["worker"], r["chose"]
+        row["buckets"] = r["buckets"] if r["buckets"] is not None else ""
         rows.append(row)
     return rows
 
@@ -207,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sweep configs (benchmarks.configs)")
     p.add_argument("--steps", type=int, default=100, help="measured steps per config")
     p.add_argument("--warmup", type=int, default=20, help="unmeasured steps first (JIT, bucket rebuild, warm-up)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb for every config (default: DDP's own, a 1 MiB first bucket then "
+                        "25 MiB; any value given makes DDP drop the small first bucket)")
     p.add_argument("--out", default="results", help="results root folder")
     args = p.parse_args(argv)
     from . import configs as C
@@ -217,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown configs {unknown}; known: {sorted(C.BY_NAME)}")
     net = None if args.net == "loopback" else args.net
     t0 = time.time()
-    rows = run_suite(names, net=net, steps=args.steps, warmup=args.warmup)
+    rows = run_suite(names, net=net, steps=args.steps, warmup=args.warmup, bucket_cap_mb=args.bucket_cap_mb)
     out = results_dir("cpu", args.out)
     write_results(out, rows, {"suite": "cpu", "argv": argv, "net": args.net, "wall_seconds": time.time() - t0})
     table = markdown_table(rows, COLUMNS)

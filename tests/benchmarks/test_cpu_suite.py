@@ -61,6 +61,15 @@ def test_tiny_run_splits_each_config(tmp_path):
     assert ddp["worker_ms"] == 0 and ddp["worker"] is False          # DDP's own path: no commpress worker
     assert bq["worker"] is True                                        # the overlap worker ran the buckets
     assert ddp["kernels_ms"] == 0 and 0 < bq["kernels_ms"] <= bq["cpu_ms"], (ddp, bq)   # numba's share
+    assert ddp["buckets"] == "" and bq["buckets"] == 2               # DDP's 1 MiB first bucket, then the rest
+
+
+@pytest.mark.timeout(150)
+def test_an_explicit_bucket_cap_gives_the_digits_model_one_bucket():
+    """``bucket_cap_mb`` given explicitly: DDP drops its small first bucket (its rule: an explicit cap
+    caps the first bucket too), and the 4.5 MB model's gradient reaches the hook as one bucket."""
+    (row,) = cpu.run_suite(["blockquant-4bit"], net=None, steps=3, warmup=3, bucket_cap_mb=25)
+    assert row["buckets"] == 1, row
 
 
 def test_kernel_clock_counts_each_outermost_kernel_call_once(monkeypatch):
