@@ -1,5 +1,10 @@
-"""The DDP comm hook under ``torch.compile``: the same gradients as without it, and no Dynamo
-warning of its own (``"auto"`` stamps the forward's start and end on the host clock)."""
+"""The DDP comm hook with ``torch.compile``: the same gradients as without it, and no Dynamo
+warning of its own (``"auto"`` stamps the forward's start and end on the host clock).
+
+Two ways to compile: the module inside DDP (``DDP(torch.compile(net))``: the graphs are the
+module's, DDP and the hook run around them), and DDP itself (``torch.compile(DDP(net))``: on gloo /
+CPU, torch 2.13, Dynamo skips DDP's forward and captures no graph, but it traces the DDP module's
+forward hooks, which is where ``"auto"``'s host-clock stamps used to make it warn)."""
 
 from __future__ import annotations
 
@@ -20,17 +25,25 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def _train(rank: int, compressor: str, compiled: bool, steps: int, kw: dict):
-    """``steps`` SGD steps of a DDP model with ``compressor``'s hook, compiled (Dynamo, eager
-    backend: the traced graph runs the same kernels) or not; the parameters, the hook's step
-    count, the Dynamo warnings and graph-break reasons seen."""
+def _train(rank: int, compressor: str, compile_: str, steps: int, kw: dict):
+    """``steps`` SGD steps of a DDP model with ``compressor``'s hook; ``compile_``: ``"no"``,
+    ``"inner"`` (the module, compiled by a backend that runs the captured graph as it is: the same
+    kernels, so the same bits) or ``"outer"`` (DDP itself).  Returns the parameters, the hook's
+    step count, the graphs captured, the warnings and the Dynamo graph-break reasons."""
     import torch._dynamo as dynamo
 
     dynamo.reset()
     dynamo.utils.counters.clear()
-    ddp = DDP(_net())
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    net = _net()
+    ddp = DDP(torch.compile(net, backend=backend) if compile_ == "inner" else net)
     state = commpress.ddp.register(ddp, compressor, **kw)
-    model = torch.compile(ddp, backend="eager") if compiled else ddp
+    model = torch.compile(ddp, backend=backend) if compile_ == "outer" else ddp
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     with warnings.catch_warnings(record=True) as seen:
@@ -44,13 +57,11 @@ def _train(rank: int, compressor: str, compiled: bool, steps: int, kw: dict):
     params = [p.detach().clone() for p in ddp.parameters()]
     choices = state.stats.as_dict().get("auto")
     state.close()
-    return params, state.step, [str(w.message) for w in seen], breaks, choices
+    return params, state.step, len(graphs), [str(w.message) for w in seen], breaks, choices
 
 
-def _compiled_vs_eager(rank, world, compressor, steps, kw):
-    eager = _train(rank, compressor, False, steps, kw)
-    compiled = _train(rank, compressor, True, steps, kw)
-    return eager, compiled
+def _eager_and_compiled(rank, world, compressor, modes, steps, kw):
+    return [_train(rank, compressor, mode, steps, kw) for mode in ("no", *modes)]
 
 
 @pytest.mark.timeout(180)
@@ -58,28 +69,32 @@ def _compiled_vs_eager(rank, world, compressor, steps, kw):
     ("topk", {"ratio": 0.05}),
     ("blockquant", {"bits": 4}),
 ], ids=["topk-ef", "blockquant"])
-def test_a_compiled_model_gets_the_same_gradients(compressor, kw):
-    """torch.compile changes nothing the hook sees: bitwise the same parameters after the warm-up
-    and several compressed steps, on every rank."""
-    res = run(_compiled_vs_eager, 2, compressor, 8, kw, timeout=150)
-    for (p_eager, step_e, _, _, _), (p_comp, step_c, _, breaks, _) in res:
-        assert step_e == step_c == 8
-        assert breaks, "the model was not compiled"   # DDP's own graph breaks: Dynamo traced it
-        for a, b in zip(p_eager, p_comp):
+def test_a_compiled_module_gets_the_same_gradients(compressor, kw):
+    """A module compiled inside DDP: bitwise the same parameters after the warm-up and several
+    compressed steps, on every rank, and the compiler did capture its graphs."""
+    res = run(_eager_and_compiled, 2, compressor, ("inner",), 8, kw, timeout=150)
+    for eager, compiled in res:
+        assert eager[1] == compiled[1] == 8
+        assert eager[2] == 0 and compiled[2] >= 1, "nothing was compiled"
+        for a, b in zip(eager[0], compiled[0]):
             assert torch.equal(a, b)
     for a, b in zip(res[0][1][0], res[1][1][0]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.timeout(180)
-def test_auto_under_compile_warns_nothing_and_still_times_the_step():
-    """``"auto"``'s forward hooks read the host clock: Dynamo must skip them (no warning, no
-    perf_counter graph break) and they must still run, so the check points decide."""
-    res = run(_compiled_vs_eager, 2, "auto", 8, {}, timeout=150)
-    for (p_eager, _, _, _, _), (p_comp, step, seen, breaks, choices) in res:
-        assert step == 8
-        assert not [w for w in seen if "perf_counter" in w or "commpress" in w], seen
-        assert not [b for b in breaks if "perf_counter" in b], breaks
-        assert choices, "auto reported no choice"
-        for a, b in zip(p_eager, p_comp):
-            assert torch.equal(a, b)
+def test_auto_with_compile_warns_nothing_and_still_decides():
+    """``"auto"``'s forward hooks read the host clock: where Dynamo traces them (DDP compiled) it must
+    skip them (no warning, no perf_counter graph break) and they must still run; with the module
+    compiled, the same parameters as without."""
+    res = run(_eager_and_compiled, 2, "auto", ("inner", "outer"), 8, {}, timeout=150)
+    for eager, inner, outer in res:
+        for params, step, _, seen, breaks, choices in (inner, outer):
+            assert step == 8
+            assert not [w for w in seen if "perf_counter" in w or "commpress" in w], seen
+            assert not [b for b in breaks if "perf_counter" in b], breaks
+            assert choices, "auto reported no choice"
+            for a, b in zip(eager[0], params):
+                assert torch.equal(a, b)
+        assert inner[2] >= 1, "nothing was compiled"
+        assert outer[4], "Dynamo did not trace DDP's forward"   # its own graph breaks: it looked
