@@ -23,8 +23,9 @@ bytes are hidden already, and only less host work shortens its step.  ``compute`
 rank's step under ``no_sync`` (no gradient synchronisation); ``buckets``: the DDP buckets a
 commpress hook received per step (``--bucket-cap-mb``: DDP's ``bucket_cap_mb`` for every config;
 given explicitly, DDP drops its 1 MiB first bucket, and this model's 4.5 MB fit in one);
-``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends inside the window is not counted,
-and the ones measured here live through it); a row is the slower rank's.
+``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends
+inside the window is not counted, and the ones measured here live through it); a row is the
+slower rank's.
 """
 
 from __future__ import annotations
