@@ -85,16 +85,18 @@ def test_a_compiled_module_gets_the_same_gradients(compressor, kw):
 @pytest.mark.timeout(180)
 def test_auto_with_compile_warns_nothing_and_still_decides():
     """``"auto"``'s forward hooks read the host clock: where Dynamo traces them (DDP compiled) it must
-    skip them (no warning, no perf_counter graph break) and they must still run; with the module
-    compiled, the same parameters as without."""
+    skip them (no warning, no perf_counter graph break) and they must still run, so ``"auto"``
+    decides and every rank ends with the same parameters.  (Not compared with the uncompiled run:
+    ``"auto"``'s plan follows wall-clock measurements, which differ between any two runs.)"""
     res = run(_eager_and_compiled, 2, "auto", ("inner", "outer"), 8, {}, timeout=150)
-    for eager, inner, outer in res:
+    for _, inner, outer in res:
         for params, step, _, seen, breaks, choices in (inner, outer):
             assert step == 8
             assert not [w for w in seen if "perf_counter" in w or "commpress" in w], seen
             assert not [b for b in breaks if "perf_counter" in b], breaks
             assert choices, "auto reported no choice"
-            for a, b in zip(eager[0], params):
-                assert torch.equal(a, b)
         assert inner[2] >= 1, "nothing was compiled"
         assert outer[4], "Dynamo did not trace DDP's forward"   # its own graph breaks: it looked
+    for run_index in (1, 2):   # inner, outer: the replicas agree
+        for a, b in zip(res[0][run_index][0], res[1][run_index][0]):
+            assert torch.equal(a, b)
