@@ -38,6 +38,7 @@ import torch
 from .compressors._sparse import SparseCompressor
 from .compressors._util import decode_keyed, encode_keyed
 from .compressors.base import Compressor, Payload
+from .ops.reference import accumulate_velocity
 
 log = logging.getLogger("commpress")
 
@@ -415,29 +416,27 @@ class ErrorFeedback(Compressor):
         """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
         return self._velocity.get(key)
 
-    def _accumulate(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
-        """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape), ``g = tensor * scale``
-        (``scale`` folded: 1 with ``clip``, see :meth:`_scaled`); committed by :meth:`_apply`."""
+    def _velocity_slots(self, tensor: torch.Tensor, key: Any) -> tuple[torch.Tensor | None, float, torch.Tensor]:
+        """``(live, momentum, new)`` for ``key``: its live velocity (``None``: fresh, a zero one)
+        and the pending buffer's first ``numel`` entries, where the step's velocity goes."""
         n = tensor.numel()
         buf = self._velocity_pending.get(key)
         if buf is None or buf.numel() != n + 1 or buf.device != tensor.device:
             buf = self._velocity_pending[key] = torch.zeros(n + 1, dtype=torch.float32, device=tensor.device)
-        u = buf[:n].view(tensor.shape)
+        live = self._velocity.get(key)
+        if live is None or live.numel() != n or live.device != tensor.device:
+            live = None
+        return live, self.momentum, buf[:n]
+
+    def _accumulate(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
+        """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape), ``g = tensor * scale``
+        (``scale`` folded: 1 with ``clip``, see :meth:`_scaled`); committed by :meth:`_apply`."""
+        live, m, new = self._velocity_slots(tensor, key)
         g = tensor
         if self.clip is not None:  # on the device: scale = min(1, clip / ||g||) (NaN norm -> NaN)
             norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
             g = tensor * torch.clamp(self.clip / norm, max=1.0)
-        live = self._velocity.get(key)
-        fresh = live is None or live.numel() != n or live.device != tensor.device
-        if scale != 1.0:  # g * scale rounded on its own, then the same add as without a scale
-            torch.mul(g, scale, out=u)
-            if not fresh:
-                u.add_(live.view(tensor.shape), alpha=self.momentum)
-        elif fresh:
-            u.copy_(g)
-        else:
-            torch.add(g, live.view(tensor.shape), alpha=self.momentum, out=u)
-        return u
+        return accumulate_velocity(g, scale, live, m, new)
 
     def _mask_velocity(self, key: Any, payload: Payload) -> None:
         """Momentum factor masking: zero the pending velocity at the sent indices
@@ -482,14 +481,18 @@ class ErrorFeedback(Compressor):
     def _compress(self, tensor, step, key, generator, transaction, fixed: bool, inner=None) -> Payload:
         self.check_input(tensor)
         x, scale = self._scaled(tensor, key)
-        if self.momentum:
-            x, scale = self._accumulate(x, key, scale), 1.0
         whole = inner is not None   # another codec over every coordinate (:meth:`compress_whole`)
         inner = inner if whole else self.compressor
+        velocity = {}
+        if self.momentum:
+            if self.clip is None and inner.fuses_velocity(x, fixed):   # the velocity joins the fused pass
+                velocity = {"velocity": self._velocity_slots(x, key)}
+            else:
+                x, scale = self._accumulate(x, key, scale), 1.0
         if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
             payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
                                                       self._slot(self._pending, key, x),
-                                                      step=step, key=key, fixed=fixed, scale=scale)
+                                                      step=step, key=key, fixed=fixed, scale=scale, **velocity)
             return self._stage(key, payload, ~finite, transaction, whole)
         c = self._add_residual(x, key, scale)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:

@@ -9,14 +9,16 @@ Python costs a third of the commpress worker's CPU (``perf`` on the digits step:
 3.2 ms against the numba kernels' 3.4 ms per step).
 
 This lane is what the call reduces to in the DDP hook's hottest CPU case, blockquant (round to
-nearest) under :class:`~commpress.ErrorFeedback` without momentum, on the numba backend:
+nearest) under :class:`~commpress.ErrorFeedback` (with or without momentum correction, without
+``clip``), on the numba backend:
 
 * a :class:`Plan` holds the call's static facts, made once per (group, size, compressor, cost model,
   riding dense part): the chunks, the algorithm and whether it pipelines, each message's byte
   layout and signature;
 * each chunk is quantized by the fused kernel straight into its message
-  (:func:`commpress.ops.numba_backend.quantize_feedback_into`), its new residual into the error
-  feedback's pending buffer, staged in the call's transaction;
+  (:func:`commpress.ops.numba_backend.quantize_feedback_into`), its new residual (and, with momentum
+  correction, its new velocity) into the error feedback's pending buffers, staged in the call's
+  transaction;
 * each chunk's P pieces are decoded from the gathered messages straight into the output
   (:func:`commpress.ops.numba_backend.dequantize_sum_into`).
 
@@ -87,7 +89,7 @@ _UNSEEN = object()
 
 def _runs(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str]) -> bool:
     """Whether this call can take the lane (the cheap checks; the plan checks the algorithm)."""
-    if type(compressor) is not ErrorFeedback or compressor.momentum or error != (0, ""):
+    if type(compressor) is not ErrorFeedback or error != (0, "") or compressor.clip is not None:
         return False
     inner = compressor.compressor
     if type(inner) is not BlockQuant or inner.stochastic:
@@ -97,8 +99,10 @@ def _runs(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: 
     if (out is None or out.data_ptr() != flat.data_ptr() or not out.is_contiguous() or out.dtype != torch.float32
             or out.numel() != flat.numel()):
         return False
-    return (ops._resolve("block_quantize_feedback", flat.device)[0] == "numba"
-            and ops._resolve("block_dequantize_sum", flat.device)[0] == "numba")
+    if (ops._resolve("block_quantize_feedback", flat.device)[0] != "numba"
+            or ops._resolve("block_dequantize_sum", flat.device)[0] != "numba"):
+        return False
+    return not compressor.momentum or _nb().velocity_mode() is not None   # the kernels know torch's rounding
 
 
 def plan_for(flat: torch.Tensor, compressor: Any, *, group, algorithm: str, error: tuple[int, str],
@@ -245,6 +249,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     chunk = flat[plan.bounds[r]:plan.bounds[r + 1]]
     k = (key, r)
     x, scale = ef._scaled(chunk, k)
+    velocity = ef._velocity_slots(x, k) if ef.momentum else None   # momentum correction, in the same pass
     live = ef._live(k, x)
     pending = ef._slot(ef._pending, k, x)
     codes = raw[piece.codes_at:piece.codes_at + piece.codes_bytes]
@@ -252,7 +257,8 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     nb = _nb()
     with codec_timer(stats, "compress"), nb.threads_context(chunk.numel()):
         bad = nb.quantize_feedback_into(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta, scale,
-                                        plan.bits, plan.block, pending.view(-1).numpy(), codes, scales) > 0
+                                        plan.bits, plan.block, pending.view(-1).numpy(), codes, scales,
+                                        velocity) > 0
     flag = torch.tensor(bad)
     if transaction is not None:
         transaction.stage(ef, k, flag)

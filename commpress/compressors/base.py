@@ -125,6 +125,12 @@ class Compressor(ABC):
         fixed-size wire format when ``fixed``); default: :attr:`fused_feedback` and fp32 input."""
         return self.fused_feedback and tensor.dtype == torch.float32
 
+    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Whether :meth:`compress_feedback` also takes momentum correction's velocity
+        (``velocity=(live, momentum, new)``, :func:`commpress.ops.reference.accumulate_velocity`)
+        for ``tensor``, so error feedback makes no pass of its own for it; default: no."""
+        return False
+
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key: Any = 0, fixed: bool = False,
                           scale: float = 1.0) -> tuple["Payload", torch.Tensor]:

@@ -59,17 +59,21 @@ class BlockQuant(Compressor):
         GPU the separate kernels stay: the fused op has no CUDA kernel yet)."""
         return not self.stochastic and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
+    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Wherever the feedback is fused: the velocity joins the same pass."""
+        return self.fuses_feedback(tensor, fixed)
+
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
-                          scale: float = 1.0) -> tuple[Payload, torch.Tensor]:
+                          scale: float = 1.0, velocity=None) -> tuple[Payload, torch.Tensor]:
         """Error feedback in one pass (:func:`commpress.ops.block_quantize_feedback`): the payload
         of ``tensor * scale + beta * residual`` and, in ``new_residual``, what it did not send.
         Returns ``(payload, finite)``; ``new_residual`` is only valid when ``finite`` (0-dim
         bool) is True.  The same payload and residual as compensating, quantizing and decoding
-        in turn (bitwise for ``beta = 1``)."""
+        in turn (bitwise for ``beta = 1``).  ``velocity``: momentum correction in the same pass."""
         self.check_input(tensor)
         packed, scales, finite = ops.block_quantize_feedback(tensor.reshape(-1), residual, beta, self.bits,
-                                                             self.block, new_residual, scale)
+                                                             self.block, new_residual, scale, velocity=velocity)
         return self.make_payload(tensor, (packed, scales)), finite
 
     def decompress_add(self, payload: Payload, out: torch.Tensor) -> torch.Tensor:

@@ -58,18 +58,23 @@ class TopK(SparseCompressor):
         compensate-then-select path of its kernels."""
         return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
+    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Wherever the feedback is fused: the velocity joins the same pass."""
+        return self.fuses_feedback(tensor, fixed)
+
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
-                          scale: float = 1.0):
+                          scale: float = 1.0, velocity=None):
         """Error feedback in one pass (:func:`commpress.ops.topk_compact_feedback`): the payload
         of ``c = tensor*scale + beta*residual`` (``residual`` ``None``: zero), and ``pending``
         := ``c`` with the sent entries zeroed.  The fixed-size wire is the same (every slot
         filled).  Returns ``(payload, finite)``: a NaN/inf in ``c`` is always among the
-        values sent, so ``finite`` (0-d bool) reads the ``k`` values only.
+        values sent, so ``finite`` (0-d bool) reads the ``k`` values only.  ``velocity``: momentum
+        correction in the same pass (``tensor*scale`` becomes the velocity first).
         """
         self.check_input(tensor)
         flat = tensor.reshape(-1)
         idx, values = ops.topk_compact_feedback(flat, residual, beta, self.capacity(flat.numel(), step),
-                                                pending, scale=scale)
+                                                pending, scale=scale, velocity=velocity)
         finite = torch.isfinite(values.sum(dtype=torch.float32))
         return self.make_payload(tensor, (idx, values)), finite

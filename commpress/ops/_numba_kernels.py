@@ -26,7 +26,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 _M32 = np.uint64(0xFFFFFFFF)
 _C1 = np.uint64(0x7FEB352D)
@@ -54,6 +55,20 @@ _PAIRWISE_MAX = 1 << 16  # longest run summed level by level in a scratch buffer
 _SOPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 _MODE = threading.local()
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a*b + c`` in fp32 with one rounding (``llvm.fma``): what ATen's vectorized
+    ``add(other, alpha=)`` computes on CPUs with FMA (:func:`commpress.ops.numba_backend.velocity_mode`
+    checks it against torch before any kernel relies on it)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
 
 
 def kernel_threads() -> int:
@@ -439,8 +454,42 @@ def _compensate(x, r, beta, scale, how, thr, out, flags):
             flags[j] = not abs(c) < thr
 
 
-@chunked(lambda x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts: counts.size)
-def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts, c0, c1):
+@njit(inline="always", **_SOPTS)
+def _compensate_velocity(x, v, m, r, beta, scale, how, thr, uout, out, flags):
+    """Momentum correction fused into :func:`_compensate` (``how`` bit 8): ``u = x*scale``
+    (bit 4), plus ``m*v`` (bit 16: a live velocity ``v``) with one rounding (bit 32, ``fma``)
+    or the product rounded on its own, as torch's ``u.add_(v, alpha=m)`` on this CPU; ``uout :=
+    u`` (the pending velocity); then ``c = u + r*beta`` (bits 1, 2), ``out := c`` and the flags
+    as :func:`_compensate`.  One loop: its branches are loop-invariant."""
+    k = out.size
+    for j in range(k):
+        u = x[j] * scale if how & 4 else x[j]
+        if how & 16:
+            u = fma32(v[j], m, u) if how & 32 else u + v[j] * m
+        uout[j] = u
+        if how & 2:
+            c = u + r[j] * beta
+        elif how & 1:
+            c = u + r[j]
+        else:
+            c = u
+        out[j] = c
+        flags[j] = not abs(c) < thr
+
+
+@njit(inline="always", **_SOPTS)
+def _compensate_piece(x, v, m, r, beta, scale, how, thr, uout, out, flags, p0, p1):
+    """:func:`_compensate` (or, ``how`` bit 8, :func:`_compensate_velocity`) of ``[p0, p1)``."""
+    if how & 8:
+        _compensate_velocity(x[p0:p1], v[p0:p1], m, r[p0:p1], beta, scale, how, thr, uout[p0:p1], out[p0:p1],
+                             flags)
+    else:
+        _compensate(x[p0:p1], r[p0:p1], beta, scale, how, thr, out[p0:p1], flags)
+
+
+@chunked(lambda x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout, counts: counts.size)
+def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout, counts,
+                            c0, c1):
     """One chunk range of :func:`select_chunks_feedback` (counts into ``counts``)."""
     n = x.size
     for c in range(c0, c1):
@@ -452,26 +501,30 @@ def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, i
         pos = 0
         for p0 in range(a, b, _PIECE):
             p1 = min(p0 + _PIECE, b)
-            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, thr, out[p0:p1], flags)
+            _compensate_piece(x, v, m, r, beta, scale, how, thr, uout, out, flags, p0, p1)
             pos = _scan_flags(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
         counts[c] = pos
 
 
-def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf):
+def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout):
     """:func:`select_chunks` (mode 0, keys ``[lo, max]``) of the compensated ``c = x*scale +
     r*beta``, written into ``out`` (fp32; ``outi`` its int32 view): one loop per piece
     computes ``c``, stores it and flags ``not |c| < thr`` (``thr``: the float of key ``lo``,
     at most inf), then the flags are scanned while the piece is in cache.  One pass reads
     ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
-    Overflowed chunks are rescanned from ``outi`` by :func:`select_gather`."""
+    With momentum correction (``how`` bit 8) ``x*scale`` is first turned into the velocity
+    ``u`` (:func:`_compensate_velocity`, ``v`` the live one, ``m`` the momentum), written
+    into ``uout`` in the same pass.  Overflowed chunks are rescanned from ``outi`` by
+    :func:`select_gather`."""
     counts = np.zeros(_nch(x.size, clen), np.int64)
-    _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, counts)
+    _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout, counts)
     return counts
 
 
-@chunked(lambda x, r, beta, scale, how, out, clen: _nch(x.size, clen))
-def compensate(x, r, beta, scale, how, out, clen, c0, c1):
-    """out = x*scale + r*beta (see :func:`_compensate`; no selection)."""
+@chunked(lambda x, r, beta, scale, how, out, clen, v, m, uout: _nch(x.size, clen))
+def compensate(x, r, beta, scale, how, out, clen, v, m, uout, c0, c1):
+    """out = x*scale + r*beta (see :func:`_compensate`; ``how`` bit 8: :func:`_compensate_velocity`;
+    no selection)."""
     n = x.size
     for c in range(c0, c1):
         a = c * clen
@@ -479,7 +532,7 @@ def compensate(x, r, beta, scale, how, out, clen, c0, c1):
         flags = np.empty(_PIECE, np.uint8)
         for p0 in range(a, b, _PIECE):
             p1 = min(p0 + _PIECE, b)
-            _compensate(x[p0:p1], r[p0:p1], beta, scale, how, _F0, out[p0:p1], flags)
+            _compensate_piece(x, v, m, r, beta, scale, how, _F0, uout, out, flags, p0, p1)
 
 
 @njit(**_SOPTS)
@@ -936,11 +989,13 @@ def _unpack_chunk(packed, a, m, bits, codes):
 
 @njit(**_SOPTS)  # not inlined: one compiled body for the four kernels below (compile time)
 def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, block, a, b,
-                    out, packed, scales):
+                    out, packed, scales, v, mom, uout):
     """Quantize elements ``[a, b)`` (whole blocks; ``a`` a multiple of 8) into ``packed`` and
-    ``scales``; the values are ``x*scale + r*beta`` (:func:`_compensate_plain`, ``how``), each
-    block staged in a private buffer.  ``feedback``: also ``out[j] := c_j - decoded_j`` (the new
-    residual; ``out`` may be ``x`` or ``r``).  Returns True when some block's scale is not finite."""
+    ``scales``; the values are ``x*scale + r*beta`` (:func:`_compensate_plain`, ``how``; with
+    ``how`` bit 8, ``x*scale`` is first the momentum correction's velocity, momentum ``mom``, written
+    into ``uout``: :func:`_compensate_velocity`), each block staged in a private buffer.  ``feedback``: also
+    ``out[j] := c_j - decoded_j`` (the new residual; ``out`` may be ``x`` or ``r``).  Returns True
+    when some block's scale is not finite."""
     qmax = np.int32((1 << (bits - 1)) - 1)
     fq = np.float32(qmax)
     m = b - a
@@ -954,12 +1009,16 @@ def _quantize_chunk(x, r, beta, scale, how, feedback, stochastic, k0, k1, bits, 
     lvb = np.empty(width, np.float32)
     kbuf = np.empty(1, np.int32)
     fbuf = kbuf.view(np.float32)
+    flags = np.empty(width if how & 8 else 0, np.uint8)
     bad = False
     for s0 in range(a, b, block):
         s1 = min(s0 + block, b)
         k = s1 - s0
         t = tmp[:k]
-        _compensate_plain(x[s0:s1], r[s0:s1], beta, scale, how, t)
+        if how & 8:
+            _compensate_velocity(x[s0:s1], v[s0:s1], mom, r[s0:s1], beta, scale, how, _F0, uout[s0:s1], t, flags)
+        else:
+            _compensate_plain(x[s0:s1], r[s0:s1], beta, scale, how, t)
         s, inv = _block_scale(tmpi, 0, k, kbuf, fbuf, fq)
         scales[s0 // block] = s
         if not s < np.float32(np.inf):
@@ -1008,28 +1067,32 @@ def block_quantize(x, xi, bits, block, stochastic, k0, k1, clen, packed, scales,
     for c in range(c0, c1):
         a = c * clen
         _quantize_chunk(x, x, _F0, _F0, 0, False, stochastic, k0, k1, bits, block, a, min(a + clen, n),
-                        x, packed, scales)
+                        x, packed, scales, x, _F0, x)
 
 
-@chunked(lambda x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad: bad.size)
-def _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad, c0, c1):
+@chunked(lambda x, r, beta, scale, how, bits, block, clen, out, packed, scales, v, m, uout, bad: bad.size)
+def _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, v, m, uout, bad,
+                             c0, c1):
     """One chunk range of :func:`block_quantize_feedback` (``bad[c]`` set for a non-finite scale)."""
     n = x.size
     for c in range(c0, c1):
         a = c * clen
         if _quantize_chunk(x, r, beta, scale, how, True, False, _ZERO64, _ZERO64, bits, block, a,
-                           min(a + clen, n), out, packed, scales):
+                           min(a + clen, n), out, packed, scales, v, m, uout):
             bad[c] = 1
 
 
-def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales):
+def block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, v=None, m=_F0,
+                            uout=None):
     """Error feedback + :func:`block_quantize` (round to nearest) in one pass per chunk of
     blocks, each block while it is in L1: ``c = x*scale + r*beta`` (:func:`_compensate`), its
     absmax scale and codes, then ``out := c - decoded``, the new residual.  ``clen`` as for
-    :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  Returns the number of
-    chunks with a non-finite scale."""
+    :func:`block_quantize`; ``out`` may be ``x`` or ``r`` (elementwise).  ``how`` bit 8: momentum
+    correction first (:func:`_compensate_velocity`; ``v`` the live velocity, ``uout`` the new one).
+    Returns the number of chunks with a non-finite scale."""
     bad = np.zeros(_nch(x.size, clen), np.uint8)
-    _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales, bad)
+    _block_quantize_feedback(x, r, beta, scale, how, bits, block, clen, out, packed, scales,
+                             x if v is None else v, m, x if uout is None else uout, bad)
     return int(bad.sum())
 
 

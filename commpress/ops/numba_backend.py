@@ -41,6 +41,8 @@ TOPK_SAMPLE = 1 << 14
 
 _MAX_KEY = 0x7FFFFFFF
 _INF_KEY = 0x7F800000
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INTS = (torch.int32, torch.int64)
 
@@ -236,18 +238,56 @@ def _fb_layout_ok(x: torch.Tensor, residual: torch.Tensor | None, new_residual: 
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def velocity_mode() -> str | None:
+    """How torch's CPU ``add(other, alpha=m)`` rounds on this machine, which the fused momentum
+    correction must reproduce: ``"fma"`` (one rounding, ATen's vectorized ``fmadd`` on CPUs
+    with FMA), ``"plain"`` (the product rounded on its own) or ``None`` (neither, everywhere:
+    the velocity is then computed with torch's ops, unfused).  Probed once, on a vector with a
+    tail, against :func:`commpress.ops._numba_kernels.compensate`."""
+    rng = np.random.default_rng(0)
+    n = 4 * 8192 + 13   # several pieces and a remainder: ATen's vector body and its scalar tail
+    x, v = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    m = 0.9
+    want = torch.add(torch.from_numpy(x), torch.from_numpy(v), alpha=m).numpy().view(np.int32)
+    for mode, bit in (("fma", 32), ("plain", 0)):
+        u, c = np.empty(n, np.float32), np.empty(n, np.float32)
+        K.compensate(x, x, _F1, _F1, 8 | 16 | bit, c, _chunk(n), v, np.float32(m), u)
+        if np.array_equal(u.view(np.int32), want):
+            return mode
+    log.info("numba backend: torch's add(alpha=) rounds like neither fma nor a separate product here; "
+             "momentum correction keeps torch's ops for its velocity")
+    return None
+
+
+def _velocity_ok(x: torch.Tensor, velocity) -> bool:
+    """Whether the kernels can compute this velocity (:func:`velocity_mode` known, fp32 buffers
+    of ``x``'s numel, ``new`` contiguous)."""
+    live, _, new = velocity
+    n = x.numel()
+    if x.dtype != torch.float32 or not _cpu(live, new) or velocity_mode() is None:
+        return False
+    if new.dtype != torch.float32 or not new.is_contiguous() or new.numel() != n or new.requires_grad:
+        return False
+    return live is None or (live.dtype == torch.float32 and live.is_contiguous() and live.numel() == n)
+
+
 def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, k: int,
-                          new_residual: torch.Tensor, scale: float = 1.0):
+                          new_residual: torch.Tensor, scale: float = 1.0, velocity=None):
     """See :func:`commpress.ops.reference.topk_compact_feedback`.
 
     As :func:`topk_compact`, with the compensation fused into the candidate pass: each
     piece of ``c = x*scale + residual*beta`` is written into ``new_residual`` and
     compacted while in cache (read ``x`` and ``residual``, write ``c``: no separate
     compensated tensor, no second read); the threshold sample is compensated on its
-    own; the chosen entries are then zeroed in ``new_residual``.
+    own; the chosen entries are then zeroed in ``new_residual``.  With ``velocity``, the
+    momentum correction's velocity is computed and written in the same pass
+    (:func:`velocity_mode` says how it rounds; where it is unknown, torch's ops compute it first).
     """
     if not _fb_layout_ok(x, residual, new_residual):
-        return ref.topk_compact_feedback(x, residual, beta, k, new_residual, scale)
+        return ref.topk_compact_feedback(x, residual, beta, k, new_residual, scale, velocity)
+    if velocity is not None and not _velocity_ok(x, velocity):
+        x, scale, velocity = ref.accumulate_velocity(x.reshape(-1), scale, *velocity), 1.0, None
     n = x.numel()
     k = max(0, min(int(k), n))
     xf = _f32(x.reshape(-1)).numpy()
@@ -257,24 +297,34 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     rf = residual.view(-1).numpy() if has_r else xf
     b32, s32 = np.float32(beta), np.float32(scale)
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+    vf, uf, m32 = xf, out, _F1
+    if velocity is not None:
+        live, momentum, new = velocity
+        uf, m32 = new.view(-1).numpy(), np.float32(momentum)
+        how |= 8
+        if live is not None:
+            vf = live.view(-1).numpy()
+            how |= 16 | (32 if velocity_mode() == "fma" else 0)
 
     def sample_keys(stride: int, m: int) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
             c = xf[: stride * m: stride]
             if how & 4:
                 c = c * s32
+            if how & 16:  # the velocity, unfused: the sample only places the threshold
+                c = c + vf[: stride * m: stride] * m32
             if has_r:
                 rs = rf[: stride * m: stride]
                 c = c + (rs * b32 if how & 2 else rs)
         return c.view(np.int32) & _MAX_KEY
 
     if k == 0:  # compensate only
-        K.compensate(xf, rf, b32, s32, how, out, _chunk(n))
+        K.compensate(xf, rf, b32, s32, how, out, _chunk(n), vf, m32, uf)
         return torch.empty(0, dtype=ref.index_dtype(n)), torch.empty(0, dtype=torch.float32)
     first = True
     for lo, frac in _candidate_thresholds(oi, k, sample_keys):
         if first:  # the fused pass: c is written and its candidates compacted
-            cidx, cval = _select_feedback(xf, rf, b32, s32, how, out, oi, min(lo, _INF_KEY), frac)
+            cidx, cval = _select_feedback(xf, rf, b32, s32, how, out, oi, min(lo, _INF_KEY), frac, vf, m32, uf)
             first = False
         else:  # a lower threshold: c is in new_residual now
             cidx, cval = _select(oi, lo, _MAX_KEY, oi, 0, frac)
@@ -296,13 +346,13 @@ def _chunk_slots(n: int, frac: float):
     return clen, nch, cap, np.empty(nch * cap, _index_np(n)), np.empty(nch * cap, np.int32)
 
 
-def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float):
+def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float, vf, m32, uf):
     """:func:`_select` (keys ``[lo, max]``, ``lo <= inf``'s key) over the compensated input,
-    written into ``out`` in the same pass."""
+    written into ``out`` in the same pass (the velocity into ``uf`` with ``how`` bit 8)."""
     n = xf.size
     clen, nch, cap, ibuf, vbuf = _chunk_slots(n, frac)
     thr = np.array([lo], np.int32).view(np.float32)[0]  # |c| >= thr  <=>  key(c) >= lo
-    counts = K.select_chunks_feedback(xf, rf, b32, s32, how, thr, out, oi, clen, cap, ibuf, vbuf)
+    counts = K.select_chunks_feedback(xf, rf, b32, s32, how, thr, out, oi, clen, cap, ibuf, vbuf, vf, m32, uf)
     total = int(counts.sum())
     idx = np.empty(total, _index_np(n))
     val = np.empty(total, np.int32)
@@ -530,31 +580,44 @@ def dequantize_sum_into(arrays: list[tuple[np.ndarray, np.ndarray]], bits: int, 
 
 
 def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, bits: int, block: int,
-                            new_residual: torch.Tensor, scale: float = 1.0):
+                            new_residual: torch.Tensor, scale: float = 1.0, velocity=None):
     """See :func:`commpress.ops.reference.block_quantize_feedback` (one pass per chunk of blocks:
-    read ``x`` and ``residual``, write the codes and the new residual)."""
+    read ``x`` and ``residual``, write the codes and the new residual; with ``velocity``, also read
+    the live velocity and write the new one, as :func:`topk_compact_feedback`)."""
     if not _fb_layout_ok(x, residual, new_residual) or not valid_bits(bits) or not valid_block(block):
-        return ref.block_quantize_feedback(x, residual, beta, bits, block, new_residual, scale)
+        return ref.block_quantize_feedback(x, residual, beta, bits, block, new_residual, scale, velocity)
+    if velocity is not None and not _velocity_ok(x, velocity):
+        x, scale, velocity = ref.accumulate_velocity(x.reshape(-1), scale, *velocity), 1.0, None
     bits, block = int(bits), int(block)
     n = x.numel()
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     scales = np.empty((n + block - 1) // block, np.float32)
     bad = quantize_feedback_into(_flat_np(x), None if residual is None else _flat_np(residual), beta, scale, bits,
-                                 block, _flat_np(new_residual), packed, scales)
+                                 block, _flat_np(new_residual), packed, scales, velocity)
     return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(np.array(bad == 0))
 
 
 def quantize_feedback_into(x: np.ndarray, residual: np.ndarray | None, beta: float, scale: float, bits: int,
-                           block: int, new_residual: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> int:
+                           block: int, new_residual: np.ndarray, packed: np.ndarray, scales: np.ndarray,
+                           velocity=None) -> int:
     """The kernel call of :func:`block_quantize_feedback` on flat numpy arrays the caller owns (fp32
     ``x``, ``residual`` or ``None``, ``new_residual``; ``packed`` uint8 of ``ceil(n*bits/8)``,
-    ``scales`` fp32 of ``ceil(n/block)``, e.g. views into a message); ``bits`` and ``block`` valid.
+    ``scales`` fp32 of ``ceil(n/block)``, e.g. views into a message); ``bits`` and ``block`` valid;
+    ``velocity``: ``(live, momentum, new)`` tensors that :func:`_velocity_ok` accepted, or ``None``.
     Returns the number of chunks with a non-finite scale.  What the steady-state lane
     (:mod:`commpress.collectives.steady`) calls."""
     has_r = residual is not None
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+    v, m, u = x, _F0, x
+    if velocity is not None:
+        live, momentum, new = velocity
+        m, u = np.float32(momentum), new.view(-1).numpy()
+        how |= 8
+        if live is not None:
+            v = live.view(-1).numpy()
+            how |= 16 | (32 if velocity_mode() == "fma" else 0)
     return K.block_quantize_feedback(x, residual if has_r else x, np.float32(beta), np.float32(scale), how, bits,
-                                     block, _quant_chunk(block), new_residual, packed, scales)
+                                     block, _quant_chunk(block), new_residual, packed, scales, v, m, u)
 
 
 def _flat_np(t: torch.Tensor) -> np.ndarray:

@@ -136,8 +136,27 @@ def compensated(x: torch.Tensor, residual: torch.Tensor | None, beta: float = 1.
     return c
 
 
+def accumulate_velocity(x: torch.Tensor, scale: float, live: torch.Tensor | None, momentum: float,
+                        new: torch.Tensor) -> torch.Tensor:
+    """Momentum correction's velocity (DGC): ``new := x*scale + momentum*live`` in fp32, ``x``'s
+    shape, with torch's own ops: ``x*scale`` rounded on its own (left out when ``scale`` is 1),
+    then ``add(live, alpha=momentum)``, which fuses the multiply-add on CPUs with FMA
+    (``live`` ``None``: a zero velocity, ``new := x*scale``).  Returns ``new``."""
+    u = new.view(x.shape)
+    if scale != 1.0:
+        torch.mul(x, scale, out=u)
+        if live is not None:
+            u.add_(live.view(x.shape), alpha=momentum)
+    elif live is None:
+        u.copy_(x)
+    else:
+        torch.add(x, live.view(x.shape), alpha=momentum, out=u)
+    return u
+
+
 def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, k: int,
-                          new_residual: torch.Tensor, scale: float = 1.0):
+                          new_residual: torch.Tensor, scale: float = 1.0,
+                          velocity: tuple[torch.Tensor | None, float, torch.Tensor] | None = None):
     """Error-feedback top-``k`` in one pass: ``c = x*scale + residual*beta`` (fp32, see
     :func:`compensated`), then :func:`topk_compact` of ``c``, with ``new_residual`` := ``c``
     with the selected entries zeroed.
@@ -146,7 +165,13 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     numel, or ``None`` for zero) and ``new_residual`` (fp32, contiguous, ``x``'s numel)
     may be the same tensor; ``new_residual`` may be ``x`` itself.  A NaN/inf in ``c``
     ranks above every finite value, so it shows in ``values`` (``k >= 1``).
+
+    ``velocity=(live, momentum, new)``: momentum correction first, ``c = u + residual*beta``
+    with ``u`` := :func:`accumulate_velocity` ``(x, scale, live, momentum, new)`` (``new``: fp32,
+    contiguous, ``x``'s numel, apart from ``x`` and both residuals).
     """
+    if velocity is not None:
+        x, scale = accumulate_velocity(x.reshape(-1), scale, *velocity), 1.0
     c = compensated(x, residual, beta, scale)
     r = new_residual.view(-1)
     r.copy_(c)
@@ -624,7 +649,8 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
 
 
 def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, bits: int, block: int,
-                            new_residual: torch.Tensor, scale: float = 1.0):
+                            new_residual: torch.Tensor, scale: float = 1.0,
+                            velocity: tuple[torch.Tensor | None, float, torch.Tensor] | None = None):
     """Error-feedback block quantization in one pass: ``c = x*scale + residual*beta`` (fp32, see
     :func:`compensated`), ``(packed, scales) = block_quantize(c, bits, block)`` (round to
     nearest), ``new_residual = c - block_dequantize(packed, scales)``.
@@ -633,7 +659,10 @@ def block_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta
     NaN/inf (its block's scale is not finite), and then ``new_residual`` must not be used.
     ``residual`` (fp32, ``x``'s numel, or ``None`` for zero) and ``new_residual`` (fp32,
     contiguous, ``x``'s numel) may be the same tensor; ``new_residual`` may be ``x`` itself.
+    ``velocity``: momentum correction first, as for :func:`topk_compact_feedback`.
     """
+    if velocity is not None:
+        x, scale = accumulate_velocity(x.reshape(-1), scale, *velocity), 1.0
     c = compensated(x, residual, beta, scale)
     packed, scales = block_quantize(c, bits, block)
     dec = block_dequantize(packed, scales, bits, block, c.numel())

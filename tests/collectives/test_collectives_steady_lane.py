@@ -3,7 +3,8 @@ general path's collective, bitwise: the same message bytes, sums, riding dense p
 on every rank, over several steps (the residual carried, the hook's ``1/P`` folded into the error
 feedback), one message or pipelined, at P=2 and P=3; a NaN/inf on one rank poisons every rank's
 result and keeps the residuals; a kernel that raises on one rank makes every rank raise in the same
-call.  And it is the path the DDP hook's blockquant steps take."""
+call.  Momentum correction too (the velocity in the kernel's pass).  And it is the path the DDP
+hook's blockquant steps take."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import commpress
 from commpress.collectives import CollectiveInputError, CommStats, _comm, allreduce, set_cost_model, steady, wire
 from commpress.collectives.quantized import chunk_bounds
 from commpress.feedback import ResidualTransaction
+from commpress.ops import numba_backend as nb
 
 N = 5000   # chunks of 2500 / 1667 elements at P=2 / 3: uneven, not multiples of the block
 
@@ -24,12 +26,14 @@ def data(rank: int, step: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + rank + 7 * n))
 
 
-def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None, n: int = N):
+def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None, n: int = N,
+           momentum: float = 0.0):
     """Four steps of one call each through ``allreduce(..., out=t)`` as the DDP hook makes it; the
-    lane on or forced off.  Returns every message sent, every result, dense sum and residual."""
+    lane on or forced off.  Returns every message sent, every result, dense sum, residual and
+    velocity (``momentum``: momentum correction)."""
     set_cost_model(1.0, 1e-5 if pipelined else 0.0)   # "auto": gather_all, pipelined or one message
     rank = torch.distributed.get_rank()
-    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=bits, block=64))
+    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=bits, block=64), momentum=momentum)
     sent, results, dense_sums, ran = [], [], [], []
     real_start, real_gather, real_run = _comm.all_gather_start, _comm.all_gather, steady.run
 
@@ -64,6 +68,7 @@ def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_
             results.append(out.clone())
             dense_sums.append(None if dense is None else dense.clone())
     residuals = {k: v.clone() for k, v in ef._residuals.items()}
+    residuals.update({("velocity", k): v.clone() for k, v in ef._velocity.items()})
     return {"sent": sent, "results": results, "dense": dense_sums, "residuals": residuals, "lane": len(ran)}
 
 
@@ -116,11 +121,14 @@ def lane_worker(rank, world):
                 out[key] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
                             "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
                             "messages": len(lane["sent"]), "result": lane["results"][-1]}
-    for n in (100, 1):   # a chunk shorter than a block, an empty chunk (P=3: 100 = 64 + 36 + 0)
-        lane, general = _calls(True, world, False, False, 4, n=n), _calls(False, world, False, False, 4, n=n)
+    cases = [(f"n={n}", dict(n=n)) for n in (100, 1)]   # a chunk shorter than a block, an empty chunk (P=3: 100 = 64 + 36 + 0)
+    cases.append(("momentum", dict(momentum=0.9)))      # the velocity computed in the kernel's pass
+    for key, kw in cases:
+        n = kw.get("n", N)
+        lane, general = _calls(True, world, False, False, 4, **kw), _calls(False, world, False, False, 4, **kw)
         for res in (lane, general):
             res["sent"] = meaningful(res["sent"], world, False, False, 4, n)
-        out[f"n={n}"] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
+        out[key] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
                          "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
                          "messages": len(lane["sent"]), "result": lane["results"][-1]}
     nan_lane = _calls(True, world, True, world == 2, 4, nan_at=3)
@@ -186,8 +194,9 @@ def test_a_kernel_that_raises_on_one_rank_raises_on_every_rank_in_the_same_call(
 
 
 def test_the_lane_takes_only_what_it_reproduces(monkeypatch):
-    """No lane for a one-rank group, a stochastic blockquant, error feedback with momentum, another
-    compressor, the torch backend, an output that is not the input's buffer, or a local error."""
+    """No lane for a one-rank group, a stochastic blockquant, error feedback with ``clip``, another
+    compressor, the torch backend, an output that is not the input's buffer, or a local error;
+    momentum correction takes it where the kernels know how torch rounds its velocity."""
     flat = torch.randn(1000)
     bounds = [0, 512, 1000]
     ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=4))
@@ -199,10 +208,14 @@ def test_the_lane_takes_only_what_it_reproduces(monkeypatch):
     assert steady.plan_for(flat, ef, out=flat, world=2, **{**args, "error": (6, "bad")}) is None
     assert steady.plan_for(flat, ef, out=flat, world=2, **{**args, "algorithm": "two_phase"}) is None
     for other in (commpress.ErrorFeedback(commpress.get("blockquant", bits=4, stochastic=True)),
-                  commpress.ErrorFeedback(commpress.get("blockquant", bits=4), momentum=0.9),
+                  commpress.ErrorFeedback(commpress.get("blockquant", bits=4), momentum=0.9, clip=1.0),
                   commpress.ErrorFeedback(commpress.get("signsgd")),
                   commpress.get("blockquant", bits=4)):
         assert steady.plan_for(flat, other, out=flat, world=2, **args) is None, other
+    with_momentum = commpress.ErrorFeedback(commpress.get("blockquant", bits=4), momentum=0.9)
+    assert (steady.plan_for(flat, with_momentum, out=flat, world=2, **args) is None) == (nb.velocity_mode() is None)
+    monkeypatch.setattr(nb, "velocity_mode", lambda: None)
+    assert steady.plan_for(flat, with_momentum, out=flat, world=2, **args) is None
     monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
     assert steady.plan_for(flat, ef, out=flat, world=2, **args) is None
 

@@ -59,20 +59,31 @@ def test_topk_many_ties_and_fallback():
     run_selection(nb, "topk_compact", torch.linspace(-1, 1, 999), 10)
 
 
-def _feedback_case(x, r, beta, k, scale, alias):
+def _feedback_case(x, r, beta, k, scale, alias, velocity=None):
     """``topk_compact_feedback`` on both backends: indices, values and the new residual
-    bitwise; ``alias``: the new residual is the residual ("r") or the input ("x") itself."""
+    bitwise; ``alias``: the new residual is the residual ("r") or the input ("x") itself;
+    ``velocity=(live or None, momentum)``: momentum correction in the same call, the new velocity
+    bitwise too."""
     outs = []
     for op in (R.topk_compact_feedback, nb.topk_compact_feedback):
         xs = x.clone()
         rs = None if r is None else r.clone()
         new = {"r": rs, "x": xs}.get(alias) if alias else torch.empty(x.numel())
-        got = op(xs, rs, beta, k, new, scale)
-        outs.append((got, new))
-    (want, new_ref), (got, new_nb) = outs
-    what = f"topk_compact_feedback k={k} beta={beta} scale={scale} alias={alias} residual={r is not None}"
+        u = None
+        if velocity is not None:
+            u = torch.full((x.numel(),), float("nan"))
+            live = None if velocity[0] is None else velocity[0].clone()
+            got = op(xs, rs, beta, k, new, scale, velocity=(live, velocity[1], u))
+        else:
+            got = op(xs, rs, beta, k, new, scale)
+        outs.append((got, new, u))
+    (want, new_ref, u_ref), (got, new_nb, u_nb) = outs
+    what = (f"topk_compact_feedback k={k} beta={beta} scale={scale} alias={alias} residual={r is not None} "
+            f"velocity={None if velocity is None else (velocity[0] is not None, velocity[1])}")
     assert_bitwise(got, want, what)
     assert_bitwise(new_nb, new_ref, what + " new residual")
+    if velocity is not None:
+        assert_bitwise(u_nb, u_ref, what + " new velocity")
 
 
 @settings(max_examples=30)
@@ -87,6 +98,40 @@ def test_topk_compact_feedback(data, a, frac, extra, beta, scale, alias):
         alias = None
     with np.errstate(over="ignore", invalid="ignore"):
         _feedback_case(x, r, beta, k, scale, alias)
+
+
+@settings(max_examples=30)
+@given(data=st.data(), a=f32_arrays(), frac=st.floats(0, 1.2), extra=st.integers(-2, 2),
+       beta=st.sampled_from([1.0, 0.5]), scale=st.sampled_from([1.0, 0.5, 1 / 3]),
+       alias=st.sampled_from([None, "r", "x"]), momentum=st.sampled_from([0.9, 0.5, 0.99]))
+def test_topk_compact_feedback_velocity(data, a, frac, extra, beta, scale, alias, momentum):
+    """Momentum correction fused into the pass: the velocity ``x*scale + m*live`` (fresh: none) as
+    torch's ops round it, then the same selection and residual."""
+    k = max(0, int(frac * a.size) + extra)
+    x = tensor(a)
+    r = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor)))
+    live = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor)))
+    if r is None and alias == "r":
+        alias = None
+    with np.errstate(over="ignore", invalid="ignore"):
+        _feedback_case(x, r, beta, k, scale, alias, velocity=(live, momentum))
+
+
+def test_topk_compact_feedback_velocity_modes(monkeypatch):
+    """Each rounding the probe may pick: ``"plain"`` is numpy's fp32 ``x + v*m`` (two roundings);
+    with the mode unknown (``None``) torch computes the velocity and the result is the reference's."""
+    assert nb.velocity_mode() in ("fma", "plain", None)
+    rng = np.random.default_rng(1)
+    x, v, r = (rng.standard_normal(3000).astype(np.float32) for _ in range(3))
+    m = np.float32(0.9)
+    for how, want in ((8 | 16, x + v * m), (8, x), (8 | 4, x * np.float32(0.5))):
+        u, c = np.empty_like(x), np.empty_like(x)
+        K.compensate(x, r, np.float32(1.0), np.float32(0.5), how | 1, c, 256, v, m, u)
+        assert np.array_equal(u.view(np.int32), want.view(np.int32)), how
+        assert np.array_equal(c.view(np.int32), (want + r).view(np.int32)), how
+    monkeypatch.setattr(nb, "velocity_mode", lambda: None)
+    _feedback_case(tensor(x), tensor(r), 1.0, 30, 0.5, None, velocity=(tensor(v), 0.9))
+    _feedback_case(tensor(x), None, 1.0, 0, 1.0, None, velocity=(tensor(v), 0.9))
 
 
 def test_topk_compact_feedback_ties_and_rescans():
@@ -270,9 +315,12 @@ def test_block_dequantize_payloads_at_odd_offsets():
        scale=st.sampled_from([1.0, 0.5, 1 / 3]), alias=st.sampled_from([None, None, "r", "x"]), data=st.data())
 def test_block_quantize_feedback(a, bits, block, beta, scale, alias, data):
     """Codes, scales, the finite flag and the new residual bitwise (NaN/inf inputs included);
-    ``alias``: the new residual is the residual ("r") or the input ("x") itself."""
+    ``alias``: the new residual is the residual ("r") or the input ("x") itself; with a drawn
+    momentum, the velocity of momentum correction (live or fresh) in the same pass, bitwise too."""
     x = tensor(a)
     r = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor)))
+    momentum = data.draw(st.sampled_from([None, 0.9, 0.5]))
+    live = data.draw(st.one_of(st.none(), f32_arrays(a.size, a.size).map(tensor))) if momentum else None
     if r is None and alias == "r":
         alias = None
     outs = []
@@ -280,11 +328,15 @@ def test_block_quantize_feedback(a, bits, block, beta, scale, alias, data):
         for op in (R.block_quantize_feedback, nb.block_quantize_feedback):
             xs, rs = x.clone(), None if r is None else r.clone()
             new = {"r": rs, "x": xs}.get(alias) if alias else torch.empty(x.numel())
-            outs.append((op(xs, rs, beta, bits, block, new, scale), new))
-    (want, new_ref), (got, new_nb) = outs
-    what = f"block_quantize_feedback bits={bits} block={block} beta={beta} scale={scale} alias={alias}"
+            u = torch.full((x.numel(),), float("nan"))
+            velocity = None if momentum is None else (None if live is None else live.clone(), momentum, u)
+            outs.append((op(xs, rs, beta, bits, block, new, scale, velocity=velocity), new, u))
+    (want, new_ref, u_ref), (got, new_nb, u_nb) = outs
+    what = (f"block_quantize_feedback bits={bits} block={block} beta={beta} scale={scale} alias={alias} "
+            f"momentum={momentum} live={live is not None}")
     assert_bitwise(got, want, what)
     assert_bitwise(new_nb, new_ref, what + " new residual")
+    assert_bitwise(u_nb, u_ref, what + " new velocity")
 
 
 def test_block_quantize_feedback_packed_words():
