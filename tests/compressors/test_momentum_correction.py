@@ -200,3 +200,23 @@ def test_velocity_buffers_swap_on_commit_and_values_follow_the_definition():
     bad[3] = float("nan")
     ef.compress(bad, step=6, key="s")
     assert torch.equal(ef.velocity("s"), u) and ef.velocity("s").data_ptr() == ptrs[-1]
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.05, "density_warmup": 0}), ("blockquant", {"bits": 4})])
+def test_the_velocity_joins_the_fused_pass(name, params, monkeypatch):
+    """On the CPU (numba backend, a known rounding of torch's add(alpha=)) topk and blockquant compute the
+    velocity inside their own pass: error feedback's separate torch passes never run, and the result is
+    the definition's, bitwise (with the hook's folded 1/P scale)."""
+    nb = pytest.importorskip("commpress.ops.numba_backend")
+    if nb.velocity_mode() is None:
+        pytest.skip("torch's add(alpha=) rounds like neither fma nor a separate product on this CPU")
+    m = 0.9
+    ef = commpress.ErrorFeedback(commpress.get(name, **params), momentum=m, masking=False)
+    monkeypatch.setattr(commpress.ErrorFeedback, "_accumulate", lambda *a, **k: pytest.fail("a separate velocity pass"))
+    u = None
+    for t, g in enumerate(_grads(4, (3000,))):
+        half = g * 0.5
+        u = half if u is None else torch.add(half, u, alpha=m)
+        with ef.scaled_input("k", 0.5):
+            ef.compress(g, step=t, key="k")
+        assert torch.equal(ef.velocity("k"), u), t
