@@ -36,8 +36,10 @@ QUANT_CHUNK = 1 << 14
 #: so a second thread paid for block quantization, top-k and the counter hash only from 2**20
 #: elements there (1.6x, 1.25x, 1.8x; ``tests/ops/test_ops_numba_threads.py`` checks the bits).
 SERIAL_BELOW = 1 << 20
-#: Strided sample size used by top-k to estimate its candidate threshold.
+#: Sample size used by top-k to estimate its candidate threshold (:func:`_sample_runs`).
 TOPK_SAMPLE = 1 << 14
+#: Consecutive entries per run of that sample (one 64-byte cache line of fp32).
+SAMPLE_RUN = 16
 
 _MAX_KEY = 0x7FFFFFFF
 _INF_KEY = 0x7F800000
@@ -158,20 +160,30 @@ def _select(xi: np.ndarray, lo: int, hi: int, res: np.ndarray, mode: int, frac: 
     return idx, val
 
 
+def _sample_runs(a: np.ndarray, m: int) -> np.ndarray:
+    """``m`` entries of the flat contiguous ``a`` (``a.size >= 4 * m``) as ``m // SAMPLE_RUN`` evenly
+    spaced runs of :data:`SAMPLE_RUN` consecutive ones: a ``(runs, SAMPLE_RUN)`` view, no copy.  A run
+    is one cache line of fp32, so a sample reads ``m / 16`` lines of a cold gradient, where a
+    stride of one entry per line read ``m``."""
+    run = min(SAMPLE_RUN, m)
+    runs = m // run
+    step = a.size // runs   # >= 4 * run: the runs never overlap
+    return np.lib.stride_tricks.as_strided(a, (runs, run), (step * a.itemsize, a.itemsize), writeable=False)
+
+
 def _candidate_thresholds(xi: np.ndarray, k: int, sample_keys=None):
     """Yield decreasing (key, expected fraction passing) to try as top-``k`` candidate thresholds.
 
-    From a strided sample: the key ranked a few standard deviations beyond the
+    From a sample (:func:`_sample_runs`): the key ranked a few standard deviations beyond the
     expected rank of the ``k``-th largest, then lower ones; ends with 0 (all).
-    Lazy: usually only the first is needed.  ``sample_keys(stride, m)``: the
-    magnitude keys of entries ``0, stride, ..., (m-1)*stride`` (default: read from ``xi``).
+    Lazy: usually only the first is needed.  ``sample_keys(m)``: the magnitude keys of the
+    :func:`_sample_runs` ``m`` entries, flat (default: read from ``xi``).
     """
     n = xi.size
     m = TOPK_SAMPLE
     if n >= 4 * m:
-        stride = n // m
-        sample = (sample_keys(stride, m) if sample_keys is not None
-                  else xi[: stride * m: stride] & _MAX_KEY)
+        sample = (sample_keys(m) if sample_keys is not None else _sample_runs(xi, m) & _MAX_KEY).reshape(-1)
+        m = sample.size
         expected = k * m / n
         r = int(expected + 4.0 * math.sqrt(expected) + 8)
         while r < m // 2:
@@ -306,17 +318,17 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
             vf = live.view(-1).numpy()
             how |= 16 | (32 if velocity_mode() == "fma" else 0)
 
-    def sample_keys(stride: int, m: int) -> np.ndarray:
+    def sample_keys(m: int) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
-            c = xf[: stride * m: stride]
+            c = _sample_runs(xf, m)
             if how & 4:
                 c = c * s32
             if how & 16:  # the velocity, unfused: the sample only places the threshold
-                c = c + vf[: stride * m: stride] * m32
+                c = c + _sample_runs(vf, m) * m32
             if has_r:
-                rs = rf[: stride * m: stride]
+                rs = _sample_runs(rf, m)
                 c = c + (rs * b32 if how & 2 else rs)
-        return c.view(np.int32) & _MAX_KEY
+        return np.ascontiguousarray(c).view(np.int32) & _MAX_KEY
 
     if k == 0:  # compensate only
         K.compensate(xf, rf, b32, s32, how, out, _chunk(n), vf, m32, uf)

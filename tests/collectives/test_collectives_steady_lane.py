@@ -121,7 +121,8 @@ def lane_worker(rank, world):
                 out[key] = {"lane_ran": lane["lane"], "general_ran": general["lane"],
                             "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "residuals")},
                             "messages": len(lane["sent"]), "result": lane["results"][-1]}
-    cases = [(f"n={n}", dict(n=n)) for n in (100, 1)]   # a chunk shorter than a block, an empty chunk (P=3: 100 = 64 + 36 + 0)
+    # a chunk shorter than a block, an empty chunk (P=3: 100 = 64 + 36 + 0)
+    cases = [(f"n={n}", dict(n=n)) for n in (100, 1)]
     cases.append(("momentum", dict(momentum=0.9)))      # the velocity computed in the kernel's pass
     for key, kw in cases:
         n = kw.get("n", N)

@@ -18,12 +18,13 @@ from opcheck import assert_bitwise, f32_arrays, norm_extremes, run_selection, te
 
 @pytest.fixture(scope="module", autouse=True)
 def small_chunks():
-    """Tiny chunks and top-k samples so small inputs exercise the multi-chunk paths, each call's
-    chunks split over 3 threads (uneven ranges; more threads than this machine's pool has)."""
+    """Tiny chunks and top-k samples (of short runs) so small inputs exercise the multi-chunk paths,
+    each call's chunks split over 3 threads (uneven ranges; more threads than this machine's pool has)."""
     with pytest.MonkeyPatch.context() as mp, K.use_threads(3):
         mp.setattr(nb, "MIN_CHUNK", 64)
         mp.setattr(nb, "QUANT_CHUNK", 16)
         mp.setattr(nb, "TOPK_SAMPLE", 8)
+        mp.setattr(nb, "SAMPLE_RUN", 2)   # a sample of 4 runs
         yield
 
 
@@ -132,6 +133,18 @@ def test_topk_compact_feedback_velocity_modes(monkeypatch):
     monkeypatch.setattr(nb, "velocity_mode", lambda: None)
     _feedback_case(tensor(x), tensor(r), 1.0, 30, 0.5, None, velocity=(tensor(v), 0.9))
     _feedback_case(tensor(x), None, 1.0, 0, 1.0, None, velocity=(tensor(v), 0.9))
+
+
+def test_the_topk_sample_is_evenly_spaced_runs_of_consecutive_entries(monkeypatch):
+    """The threshold's sample reads whole cache lines: runs of SAMPLE_RUN entries, evenly spaced,
+    inside the array and apart; a view, not a copy."""
+    monkeypatch.setattr(nb, "SAMPLE_RUN", 16)
+    a = np.arange(70_000, dtype=np.int32)
+    s = nb._sample_runs(a, 1024)
+    assert s.shape == (64, 16) and np.shares_memory(s, a)
+    starts = s[:, 0]
+    assert (s == starts[:, None] + np.arange(16)).all()
+    assert (np.diff(starts) == 70_000 // 64).all() and starts[0] == 0 and s[-1, -1] < a.size
 
 
 def test_topk_compact_feedback_ties_and_rescans():
