@@ -255,17 +255,23 @@ def velocity_mode() -> str | None:
     """How torch's CPU ``add(other, alpha=m)`` rounds on this machine, which the fused momentum
     correction must reproduce: ``"fma"`` (one rounding, ATen's vectorized ``fmadd`` on CPUs
     with FMA), ``"plain"`` (the product rounded on its own) or ``None`` (neither, everywhere:
-    the velocity is then computed with torch's ops, unfused).  Probed once, on a vector with a
-    tail, against :func:`commpress.ops._numba_kernels.compensate`."""
+    the velocity is then computed with torch's ops, unfused).  Probed once against
+    :func:`commpress.ops._numba_kernels.compensate`: on a long vector with a remainder (ATen's
+    vector body and its tail) and on every length up to 40 (tails alone)."""
     rng = np.random.default_rng(0)
-    n = 4 * 8192 + 13   # several pieces and a remainder: ATen's vector body and its scalar tail
-    x, v = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
     m = 0.9
-    want = torch.add(torch.from_numpy(x), torch.from_numpy(v), alpha=m).numpy().view(np.int32)
+    sizes = [4 * 8192 + 13, *range(1, 41)]
+    cases = []
+    for n in sizes:
+        x, v = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+        cases.append((x, v, torch.add(torch.from_numpy(x), torch.from_numpy(v), alpha=m).numpy().view(np.int32)))
     for mode, bit in (("fma", 32), ("plain", 0)):
-        u, c = np.empty(n, np.float32), np.empty(n, np.float32)
-        K.compensate(x, x, _F1, _F1, 8 | 16 | bit, c, _chunk(n), v, np.float32(m), u)
-        if np.array_equal(u.view(np.int32), want):
+        for x, v, want in cases:
+            u, c = np.empty(x.size, np.float32), np.empty(x.size, np.float32)
+            K.compensate(x, x, _F1, _F1, 8 | 16 | bit, c, _chunk(x.size), v, np.float32(m), u)
+            if not np.array_equal(u.view(np.int32), want):
+                break
+        else:
             return mode
     log.info("numba backend: torch's add(alpha=) rounds like neither fma nor a separate product here; "
              "momentum correction keeps torch's ops for its velocity")
