@@ -65,19 +65,29 @@ class DGC(SparseCompressor):
         return min(numel, max(k, math.floor(1.25 * k)))
 
     def _sample(self, flat, k: int, step, key, residual=None, beta: float = 1.0,
-                scale: float = 1.0) -> tuple[torch.Tensor | None, int]:
+                scale: float = 1.0, velocity=None) -> tuple[torch.Tensor | None, int]:
         """The strided sample of ``|x|`` (``None`` when it would be half the tensor) and its hit
-        count; with ``residual`` (error feedback fused) of ``|x*scale + beta*residual|``."""
+        count; with ``residual`` (error feedback fused) of ``|x*scale + beta*residual|``; with
+        ``velocity`` (momentum correction fused) of ``|u + beta*residual|``, ``u`` the sampled
+        entries' velocity, computed as the whole tensor's is
+        (:func:`commpress.ops.reference.accumulate_velocity`)."""
         n = flat.numel()
         m = min(n, max(math.ceil(self.sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k)))
         if 2 * m >= n:
             return None, 0
         stride = n // m
         offset = mix_seed(step, stable_hash(key)) % stride
+        xs = flat[offset::stride][:m]
+        if velocity is not None:
+            live, momentum, _ = velocity   # contiguous copies: torch's ops round them as the whole tensor
+            live = None if live is None else live.view(-1)[offset::stride][:m].contiguous()
+            xs = ops.reference.accumulate_velocity(xs.contiguous(), scale, live, momentum,
+                                                   torch.empty(m, device=flat.device))
+            scale = 1.0
         if residual is None and scale == 1.0:
-            return flat[offset::stride][:m].float().abs(), max(1, round(k * m / n))
+            return xs.float().abs(), max(1, round(k * m / n))
         r = None if residual is None else residual[offset::stride][:m]
-        c = ops.reference.compensated(flat[offset::stride][:m], r, beta, scale)
+        c = ops.reference.compensated(xs, r, beta, scale)
         return c.abs(), max(1, round(k * m / n))
 
     fused_feedback = True
@@ -89,9 +99,13 @@ class DGC(SparseCompressor):
         return (self.fused_feedback and fixed and tensor.dtype == torch.float32
                 and tensor.device.type == "cpu")
 
+    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """Wherever the feedback is fused: the velocity joins the same pass (and its sample)."""
+        return self.fuses_feedback(tensor, fixed)
+
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
-                          scale: float = 1.0):
+                          scale: float = 1.0, velocity=None):
         """Error feedback: the payload of ``c = tensor*scale + beta*residual`` (``None``: zero)
         and ``pending`` := ``c`` minus what was sent; returns ``(payload, finite)``.
 
@@ -100,11 +114,14 @@ class DGC(SparseCompressor):
         of ``c`` always ranks in the capacity and is never below the threshold, so ``finite``
         reads the sent values.  The variable-size wire compensates into ``pending`` first
         and scans it for the verdict (error feedback does not fuse it: :meth:`fuses_feedback`).
+        ``velocity``: momentum correction in the same pass (fixed-size wire only).
         """
         self.check_input(tensor)
         flat = tensor.reshape(-1)
         pend = pending.view(-1)
         if not fixed:
+            if velocity is not None:
+                raise ValueError("dgc: the velocity is fused on the fixed-size wire only (fuses_velocity)")
             pend.copy_(ops.reference.compensated(flat, residual, beta, scale))
             idx, values = self.select_with_residual(pend, pend, step=step, key=key)
             finite = torch.isfinite(pend.sum(dtype=torch.float32))
@@ -113,15 +130,15 @@ class DGC(SparseCompressor):
         k = self._k(n, step)
         cap = self.capacity(n, step)
         r = None if residual is None else residual.view(-1)
-        sample, hits = self._sample(flat, k, step, key, r, beta, scale) if k else (None, 0)
+        sample, hits = self._sample(flat, k, step, key, r, beta, scale, velocity) if k else (None, 0)
         if sample is None:  # small tensor: exact top-k, padded to the capacity
-            idx, values = ops.topk_compact_feedback(flat, r, beta, k, pend, scale=scale)
+            idx, values = ops.topk_compact_feedback(flat, r, beta, k, pend, scale=scale, velocity=velocity)
             pad = cap - idx.numel()
             idx = torch.cat([idx, torch.full((pad,), n, dtype=idx.dtype, device=idx.device)])
             values = torch.cat([values, values.new_zeros(pad)])
         else:
             t = torch.topk(torch.nan_to_num(sample, nan=float("inf")), hits).values[hits - 1]
-            idx, values = ops.topk_compact_feedback(flat, r, beta, cap, pend, scale=scale)
+            idx, values = ops.topk_compact_feedback(flat, r, beta, cap, pend, scale=scale, velocity=velocity)
             idx, values = restore_below(pend, idx, values, t)
         finite = torch.isfinite(values.sum(dtype=torch.float32))
         return self.make_payload(tensor, (idx, values)), finite

@@ -220,3 +220,26 @@ def test_the_velocity_joins_the_fused_pass(name, params, monkeypatch):
         with ef.scaled_input("k", 0.5):
             ef.compress(g, step=t, key="k")
         assert torch.equal(ef.velocity("k"), u), t
+
+
+def test_dgc_fuses_the_velocity_into_its_fixed_wire_and_its_sample(monkeypatch):
+    """dgc's fixed-size wire (what the collectives send) computes the velocity in its selection pass and
+    its sampled threshold from the same velocity: payloads, residuals and velocities bitwise those of the
+    separate torch passes, over steps (masking on), in the sampled and the exact (small tensor) branches."""
+    dgc = commpress.get("dgc", ratio=0.01, density_warmup=0)
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(type(dgc), "fuses_velocity", lambda self, t, fixed=True: False)
+        ef = commpress.ErrorFeedback(commpress.get("dgc", ratio=0.01, density_warmup=0), momentum=0.9)
+        if fused:
+            ef._accumulate = lambda *a, **k: pytest.fail("a separate velocity pass")
+        out = []
+        for t, g in enumerate(_grads(5, (20_000,)) + _grads(3, (300,), seed=1)):
+            key = "big" if g.numel() > 1000 else "small"
+            with ef.scaled_input(key, 0.5):
+                p = ef.compress_fixed(g, step=t, key=key)
+            out.append([x.clone() for x in p.tensors] + [ef.residual(key).clone(), ef.velocity(key).clone()])
+        runs[fused] = out
+    for a, b in zip(runs[True], runs[False]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
