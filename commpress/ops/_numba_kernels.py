@@ -3,7 +3,9 @@
 Every kernel reproduces :mod:`commpress.ops.reference` bit for bit:
 
 * fp32 arithmetic stays fp32 (constants are ``np.float32``; numba would widen a
-  Python float to fp64), no ``fastmath``;
+  Python float to fp64), no ``fastmath``; one fused multiply-add (:func:`fma32`) only where
+  the reference's torch op fuses one on this machine (the momentum velocity's
+  ``add(alpha=)``, probed by :func:`commpress.ops.numba_backend.velocity_mode`);
 * the 32-bit hash runs on ``uint64`` with explicit ``& 0xFFFFFFFF`` masks;
 * magnitude comparisons run on the int32 bit pattern of fp32 values
   (``bits & 0x7fffffff``), which orders NaN > inf > finite like the reference.
