@@ -290,6 +290,19 @@ def _velocity_ok(x: torch.Tensor, velocity) -> bool:
     return live is None or (live.dtype == torch.float32 and live.is_contiguous() and live.numel() == n)
 
 
+def _velocity_args(velocity, x: np.ndarray) -> tuple[np.ndarray, np.float32, np.ndarray, int]:
+    """The kernels' momentum arguments ``(v, m, uout, how bits)`` for ``velocity=(live, momentum,
+    new)`` (tensors :func:`_velocity_ok` accepted): bit 8, and 16 with a live velocity (32 where
+    torch rounds it with an FMA).  ``None``: placeholders no kernel reads (``x``), and no bits."""
+    if velocity is None:
+        return x, _F0, x, 0
+    live, momentum, new = velocity
+    if live is None:
+        return x, np.float32(momentum), new.view(-1).numpy(), 8
+    bits = 8 | 16 | (32 if velocity_mode() == "fma" else 0)
+    return live.view(-1).numpy(), np.float32(momentum), new.view(-1).numpy(), bits
+
+
 def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, k: int,
                           new_residual: torch.Tensor, scale: float = 1.0, velocity=None):
     """See :func:`commpress.ops.reference.topk_compact_feedback`.
@@ -315,14 +328,8 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     rf = residual.view(-1).numpy() if has_r else xf
     b32, s32 = np.float32(beta), np.float32(scale)
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
-    vf, uf, m32 = xf, out, _F1
-    if velocity is not None:
-        live, momentum, new = velocity
-        uf, m32 = new.view(-1).numpy(), np.float32(momentum)
-        how |= 8
-        if live is not None:
-            vf = live.view(-1).numpy()
-            how |= 16 | (32 if velocity_mode() == "fma" else 0)
+    vf, m32, uf, vbits = _velocity_args(velocity, xf)
+    how |= vbits
 
     def sample_keys(m: int) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
@@ -626,16 +633,9 @@ def quantize_feedback_into(x: np.ndarray, residual: np.ndarray | None, beta: flo
     (:mod:`commpress.collectives.steady`) calls."""
     has_r = residual is not None
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
-    v, m, u = x, _F0, x
-    if velocity is not None:
-        live, momentum, new = velocity
-        m, u = np.float32(momentum), new.view(-1).numpy()
-        how |= 8
-        if live is not None:
-            v = live.view(-1).numpy()
-            how |= 16 | (32 if velocity_mode() == "fma" else 0)
-    return K.block_quantize_feedback(x, residual if has_r else x, np.float32(beta), np.float32(scale), how, bits,
-                                     block, _quant_chunk(block), new_residual, packed, scales, v, m, u)
+    v, m, u, vbits = _velocity_args(velocity, x)
+    return K.block_quantize_feedback(x, residual if has_r else x, np.float32(beta), np.float32(scale), how | vbits,
+                                     bits, block, _quant_chunk(block), new_residual, packed, scales, v, m, u)
 
 
 def _flat_np(t: torch.Tensor) -> np.ndarray:
