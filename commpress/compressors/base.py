@@ -92,6 +92,8 @@ class Compressor(ABC):
     cast_to: torch.dtype | None = None
     #: :meth:`compress_feedback` exists: error feedback runs as one fused pass
     fused_feedback: ClassVar[bool] = False
+    #: :meth:`compress_feedback` also takes momentum correction's velocity (:meth:`fuses_velocity`)
+    fused_velocity: ClassVar[bool] = False
     #: a sparsifier whose fixed-size payload always fills its capacity with selected entries
     #: (never the padding index), so its sum can be scattered straight into the output
     fills_capacity: ClassVar[bool] = False
@@ -128,8 +130,9 @@ class Compressor(ABC):
     def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """Whether :meth:`compress_feedback` also takes momentum correction's velocity
         (``velocity=(live, momentum, new)``, :func:`commpress.ops.reference.accumulate_velocity`)
-        for ``tensor``, so error feedback makes no pass of its own for it; default: no."""
-        return False
+        for ``tensor``, so error feedback makes no pass of its own for it: where a compressor
+        declares :attr:`fused_velocity`, wherever its feedback is fused (:meth:`fuses_feedback`)."""
+        return self.fused_velocity and self.fuses_feedback(tensor, fixed)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key: Any = 0, fixed: bool = False,

@@ -53,15 +53,12 @@ class BlockQuant(Compressor):
         return self.finish_decode(payload, vals, out)
 
     fused_feedback = True
+    fused_velocity = True
 
     def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """Round to nearest, fp32 on the CPU: error feedback runs :meth:`compress_feedback` (on a
         GPU the separate kernels stay: the fused op has no CUDA kernel yet)."""
         return not self.stochastic and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
-
-    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
-        """Wherever the feedback is fused: the velocity joins the same pass."""
-        return self.fuses_feedback(tensor, fixed)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,

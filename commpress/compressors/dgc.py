@@ -91,6 +91,7 @@ class DGC(SparseCompressor):
         return c.abs(), max(1, round(k * m / n))
 
     fused_feedback = True
+    fused_velocity = True
 
     def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """The fixed-size wire of fp32 CPU input: the compensation is fused into its
@@ -98,10 +99,6 @@ class DGC(SparseCompressor):
         kernels' path, and the variable-size wire (threshold refinement) the generic one."""
         return (self.fused_feedback and fixed and tensor.dtype == torch.float32
                 and tensor.device.type == "cpu")
-
-    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
-        """Wherever the feedback is fused: the velocity joins the same pass (and its sample)."""
-        return self.fuses_feedback(tensor, fixed)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,

@@ -52,15 +52,12 @@ class TopK(SparseCompressor):
         return ops.topk_compact(flat, self.capacity(flat.numel(), step), residual=residual)
 
     fused_feedback = True
+    fused_velocity = True
 
     def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """fp32 CPU input (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
         compensate-then-select path of its kernels."""
         return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
-
-    def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
-        """Wherever the feedback is fused: the velocity joins the same pass."""
-        return self.fuses_feedback(tensor, fixed)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
