@@ -4,8 +4,9 @@
 
 libnvrtc is taken from ``--lib``, ``$NVRTC_LIB``, the ``nvidia-cuda-nvrtc-cu12`` wheel of this
 Python (``pip install nvidia-cuda-nvrtc-cu12``), or the system's loader path.  Each source is
-compiled for each virtual architecture with the options CuPy passes (``--std=c++14``); any error
-or warning in the log fails the check.
+compiled for each virtual architecture with the options the cuda backend passes
+(``commpress.ops.cuda_backend.NVRTC_OPTIONS``); any error or warning in the log fails the check,
+and so does a flush-to-zero float instruction in the PTX (the kernels keep subnormals).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent
+sys.path.insert(0, str(KERNELS.parent))
+from commpress.ops.cuda_backend import NVRTC_OPTIONS  # noqa: E402  (the options the backend uses)
 
 
 def find_nvrtc(explicit: str | None = None) -> str:
@@ -39,12 +42,13 @@ def _check(lib, rc: int, what: str) -> None:
 
 
 def compile_source(lib, source: str, name: str, arch: int) -> tuple[int, str]:
-    """(PTX size, compiler log) of ``source`` for ``compute_<arch>``."""
+    """(PTX size, compiler log) of ``source`` for ``compute_<arch>``; RuntimeError when it does not
+    compile or its PTX flushes subnormals (an ``.ftz`` instruction)."""
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
-        opts = [b"--std=c++14", f"--gpu-architecture=compute_{arch}".encode()]
+        opts = [o.encode() for o in NVRTC_OPTIONS] + [f"--gpu-architecture=compute_{arch}".encode()]
         argv = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
         size = ctypes.c_size_t()
@@ -56,6 +60,12 @@ def compile_source(lib, source: str, name: str, arch: int) -> tuple[int, str]:
             raise RuntimeError(f"{name} for compute_{arch} does not compile:\n{log}")
         ptx = ctypes.c_size_t()
         _check(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx)), "nvrtcGetPTXSize")
+        text = ctypes.create_string_buffer(ptx.value)
+        _check(lib, lib.nvrtcGetPTX(prog, text), "nvrtcGetPTX")
+        ftz = [line.strip() for line in text.value.decode().splitlines() if ".ftz" in line]
+        if ftz:
+            raise RuntimeError(f"{name} for compute_{arch}: {len(ftz)} flush-to-zero instructions "
+                               f"(subnormals lost), first: {ftz[0]}")
         return ptx.value, log
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

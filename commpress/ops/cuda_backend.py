@@ -4,7 +4,7 @@ The ops here are written once against a *launcher*, which runs a named kernel of
 ``kernels/*.cu`` on a 1-D grid with raw pointers and typed scalars:
 
 * :class:`CupyLauncher` (the backend users get): CUDA tensors.  The sources are compiled by
-  NVRTC (``cupy.RawModule``) once per device, each kernel is looked up once per
+  NVRTC once per device (:func:`compile_image`, with :data:`NVRTC_OPTIONS`), each kernel is looked up once per
   ``(device, name)`` inside ``cupy.cuda.Device(index)`` (so a worker thread never touches
   another GPU), and launches go to torch's current stream of the tensor's device with
   ``data_ptr()`` arguments (no DLPack per launch).  Outputs are allocated by torch.
@@ -49,6 +49,7 @@ import importlib.resources
 import logging
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +119,14 @@ class CupyLauncher:
                 if mod is None:
                     src = "\n".join(read_source(s) for s in SOURCES)
                     try:
-                        mod = cp.RawModule(code=src, options=("--std=c++14",))
-                        mod.compile()
-                    except Exception as exc:  # CompileException, NVRTCError, a driver too old
-                        raise KernelsUnavailable(f"NVRTC could not compile {SOURCES}: {exc!r}") from exc
+                        mod = cp.cuda.function.Module()
+                        mod.load(compile_image(src, torch.cuda.get_device_capability(index)))
+                    except KernelsUnavailable:
+                        raise
+                    except Exception as exc:  # a driver too old for the image, no CUDA context
+                        raise KernelsUnavailable(f"cannot load the kernels of {SOURCES}: {exc!r}") from exc
                     self._modules[index] = mod
-                fn = self._kernels[(index, name)] = mod.get_function(name).kernel
+                fn = self._kernels[(index, name)] = mod.get_function(name)
         return fn
 
     def launch(self, device: torch.device, name: str, grid: int, args: tuple, threads: int) -> None:
@@ -133,9 +136,51 @@ class CupyLauncher:
         stream_ptr = torch.cuda.current_stream(index).cuda_stream
         stream = self._streams.get((index, stream_ptr))
         if stream is None:
-            stream = self._streams[(index, stream_ptr)] = cp.cuda.ExternalStream(stream_ptr, index)
+            with warnings.catch_warnings():  # CuPy 14 deprecates it (once per stream here)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cp.cuda.ExternalStream(stream_ptr, index)
+            self._streams[(index, stream_ptr)] = stream
         with cp.cuda.Device(index):
             self._kernel(index, name)((grid,), (threads,), raw, 0, stream)
+
+
+#: NVRTC options of kernels/*.cu (kernels/nvrtc_check.py compiles with these too).  Subnormals are
+#: kept and no multiply-add is contracted, as the bitwise parity with the reference needs.  CuPy's
+#: own compile (``cupy.RawModule``) appends ``-ftz=true``, which flushes subnormals to zero (the
+#: first GPU run: 9 parity tests failed on subnormal inputs), so the backend compiles with NVRTC
+#: itself (:func:`compile_image`) and loads the image with ``cupy.cuda.function.Module``.
+NVRTC_OPTIONS = ("--std=c++14", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false")
+
+
+def compile_image(source: str, capability: tuple[int, int]) -> bytes:
+    """The kernels of ``source`` for a device of compute ``capability``, with :data:`NVRTC_OPTIONS`:
+    a CUBIN for ``sm_XY``, or, where this NVRTC does not know that architecture, PTX for the
+    newest one it knows (the driver compiles it at load).  :class:`KernelsUnavailable` on failure."""
+    nvrtc = cp.cuda.nvrtc
+    cc = capability[0] * 10 + capability[1]
+    tries = [(f"--gpu-architecture=sm_{cc}", nvrtc.getCUBIN)]
+    tries += [(f"--gpu-architecture=compute_{a}", nvrtc.getPTX) for a in (90, 80) if a < cc]
+    errors = []
+    for arch, image in tries:
+        prog = nvrtc.createProgram(source, "commpress_ops.cu", [], [])
+        try:
+            try:
+                nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, arch])
+            except Exception as exc:  # NVRTCError: the log says why
+                errors.append(f"{arch}: {exc!r}: {_program_log(nvrtc, prog)}")
+                continue
+            return image(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    raise KernelsUnavailable(f"NVRTC could not compile {SOURCES}: " + "; ".join(errors))
+
+
+def _program_log(nvrtc, prog) -> str:
+    try:
+        log_text = nvrtc.getProgramLog(prog)
+    except Exception as exc:  # no log to read
+        return repr(exc)
+    return (log_text.decode(errors="replace") if isinstance(log_text, bytes) else str(log_text)).strip()
 
 
 _SCALARS = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -90,3 +91,35 @@ def test_report_fails_on_a_failed_step(dry_run, tmp_path):
 
 def test_every_compressor_has_a_sync_config():
     assert gpu_ddp.check_coverage() == []
+
+
+def test_sync_goal_counts_compressors_not_the_plain_ddp_baseline(tmp_path):
+    rows = [{"config": "plain DDP (no hook)", "compressor": None, "ok": True, "sync_free": False},
+            {"config": "identity", "compressor": "identity", "ok": True, "sync_free": True}]
+    (tmp_path / "sync.json").write_text(json.dumps({"device": "GPU", "rows": rows, "missing_configs": []}))
+    report, _ = gpu_report.build(tmp_path, ("sync",))
+    assert report["goals"][0]["met"] is True  # torch's own sync in plain DDP is not commpress's
+    rows.append({"config": "topk 1%", "compressor": "topk", "ok": True, "sync_free": False})
+    (tmp_path / "sync.json").write_text(json.dumps({"device": "GPU", "rows": rows, "missing_configs": []}))
+    report, _ = gpu_report.build(tmp_path, ("sync",))
+    assert report["goals"][0]["met"] is False and "topk 1%" in report["goals"][0]["detail"]
+
+
+def test_kernel_checks_run_the_reference_on_the_host():
+    from commpress.ops import reference as ref
+
+    seen = []
+
+    class Spy:
+        def block_absmax(self, x, block):
+            seen.append(x.device.type)
+            return ref.block_absmax(x, block)
+
+    x = torch.randn(1000)
+    got = gpu_kernels.OnHost(Spy()).block_absmax(x, 64)
+    assert seen == ["cpu"] and torch.equal(got, ref.block_absmax(x, 64))
+    gpu_kernels.same((got, got), (got, got.clone()), "same")
+    other = got.clone()
+    other[3] = other[3] + 1
+    with pytest.raises(SystemExit, match=r"same\[1\]: 1 of \d+ differ .* first at 3"):
+        gpu_kernels.same((got, got), (got, other), "same")

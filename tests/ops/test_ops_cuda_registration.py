@@ -81,3 +81,72 @@ def test_without_cupy_or_gpu_nothing_registers(clean_registry, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda_backend.register() is False
     assert calls == [] and "cuda" not in ops._IMPLS
+
+
+class _FakeModule:
+    """Stands in for ``cupy.cuda.function.Module``: records the image it loads."""
+
+    loaded: list = []
+
+    def load(self, image):
+        self.loaded.append(image)
+
+    def get_function(self, name):
+        return ("function", name)
+
+
+def _fake_compiler(known_archs=("sm_90", "compute_90", "compute_80")):
+    """A CuPy whose NVRTC knows ``known_archs``: records each compile's options."""
+    compiles = []
+
+    def compile_program(prog, options):
+        compiles.append(list(options))
+        arch = options[-1].split("=")[1]
+        if arch not in known_archs:
+            raise RuntimeError("NVRTC_ERROR_INVALID_OPTION")
+
+    nvrtc = types.SimpleNamespace(createProgram=lambda *a: object(), compileProgram=compile_program,
+                                  destroyProgram=lambda prog: None, getProgramLog=lambda prog: "bad arch",
+                                  getCUBIN=lambda prog: b"cubin", getPTX=lambda prog: b"ptx")
+    # no RawModule: CuPy's own compile appends -ftz=true, which flushes subnormals
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(nvrtc=nvrtc, function=types.SimpleNamespace(
+        Module=_FakeModule)))
+    return fake, compiles
+
+
+@pytest.fixture
+def fresh_launcher(monkeypatch):
+    monkeypatch.setattr(cuda_backend.CupyLauncher, "_modules", {})
+    monkeypatch.setattr(cuda_backend.CupyLauncher, "_kernels", {})
+    monkeypatch.setattr(_FakeModule, "loaded", [])
+    return cuda_backend.CupyLauncher()
+
+
+def test_kernels_compile_keeping_subnormals_for_the_device(monkeypatch, fresh_launcher):
+    fake, compiles = _fake_compiler()
+    monkeypatch.setattr(cuda_backend, "cp", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    assert fresh_launcher._kernel(0, "sel_count") == ("function", "sel_count")
+    assert fresh_launcher._kernel(0, "radix_hist") == ("function", "radix_hist")
+    assert len(compiles) == 1  # one compile per device, however many kernels
+    opts = compiles[0]
+    assert "--ftz=false" in opts and "--fmad=false" in opts and not any("ftz=true" in o for o in opts)
+    assert opts[-1] == "--gpu-architecture=sm_90" and _FakeModule.loaded == [b"cubin"]
+
+
+def test_an_architecture_nvrtc_does_not_know_gets_ptx(monkeypatch, fresh_launcher):
+    fake, compiles = _fake_compiler()
+    monkeypatch.setattr(cuda_backend, "cp", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
+    fresh_launcher._kernel(0, "sel_count")
+    assert [o[-1] for o in compiles] == ["--gpu-architecture=sm_120", "--gpu-architecture=compute_90"]
+    assert _FakeModule.loaded == [b"ptx"]
+
+
+def test_a_compile_failure_names_each_architecture_tried(monkeypatch, fresh_launcher):
+    fake, compiles = _fake_compiler(known_archs=())
+    monkeypatch.setattr(cuda_backend, "cp", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 6))
+    with pytest.raises(cuda_backend.KernelsUnavailable, match="sm_86.*bad arch.*compute_80"):
+        fresh_launcher._kernel(0, "sel_count")
+    assert _FakeModule.loaded == [] and cuda_backend.CupyLauncher._modules == {}
