@@ -1,11 +1,12 @@
-// CUDA kernels of commpress.ops (loaded by commpress/ops/cuda_backend.py through CuPy
-// RawModule / NVRTC; compile-checked with nvcc and NVRTC for sm_80 and sm_90 by kernels/check.sh
+// CUDA kernels of commpress.ops (compiled by NVRTC with cuda_backend.NVRTC_OPTIONS and launched
+// through CuPy by commpress/ops/cuda_backend.py; compile-checked with nvcc and NVRTC for sm_80 and sm_90 by kernels/check.sh
 // and kernels/nvrtc_check.py; built for the host with kernels/host/cuda_shim.h and run by the
 // parity tests in CI).
 //
 // Every kernel matches commpress/ops/reference.py bit for bit:
 //  * fp32 arithmetic uses the __f*_rn intrinsics, which are never contracted into FMAs and keep
-//    subnormals (NVRTC's default -ftz=false; no float atomics, which flush them);
+//    subnormals (--ftz=false: CuPy's RawModule would add -ftz=true; no float atomics, which flush
+//    them);
 //  * magnitude order is the int32 bit pattern & 0x7fffffff (NaN > inf > finite);
 //  * random numbers are the counter hash of the reference (lowbias32, two rounds).
 // Every loop over elements is grid-stride, so any grid size is correct (the host build tests
@@ -46,6 +47,36 @@ __device__ __forceinline__ i64 global_thread() { return blockIdx.x * (i64)blockD
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }
 __device__ __forceinline__ i64 global_warp() { return global_thread() >> 5; }
 __device__ __forceinline__ i64 grid_warps() { return grid_threads() >> 5; }
+
+// v[e] = p[j0 + e] for e < 8 (0 where j0 + e >= lim).  On the GPU, two 16-byte loads when p is
+// 16-byte aligned (j0 is a multiple of 8) and all eight are in range: with a thread per 8 adjacent
+// elements, 4-byte accesses make each warp instruction touch 8 cache lines (block_quantize ran at
+// 56% of an H200's peak).  The host build takes the element loop (same values).
+__device__ __forceinline__ void load8(const float* p, i64 j0, i64 lim, float* v) {
+#ifdef __CUDA_ARCH__
+    if (j0 + 8 <= lim && (((u64)p) & 15) == 0) {
+        float4 a = *reinterpret_cast<const float4*>(p + j0);
+        float4 b = *reinterpret_cast<const float4*>(p + j0 + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#endif
+    for (int e = 0; e < 8; ++e) v[e] = j0 + e < lim ? p[j0 + e] : 0.0f;
+}
+
+// p[j0 + e] = v[e] for e < 8 with j0 + e < lim (two 16-byte stores on the GPU, as load8).
+__device__ __forceinline__ void store8(float* p, i64 j0, i64 lim, const float* v) {
+#ifdef __CUDA_ARCH__
+    if (j0 + 8 <= lim && (((u64)p) & 15) == 0) {
+        *reinterpret_cast<float4*>(p + j0) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(p + j0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+#endif
+    for (int e = 0; e < 8; ++e)
+        if (j0 + e < lim) p[j0 + e] = v[e];
+}
 
 // ------------------------------------------------------------------ random numbers, hashing
 extern "C" __global__ void counter_bits_kernel(i64* out, u32 start, u32 k0, u32 k1, i64 n) {
@@ -200,7 +231,9 @@ extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, in
     i64 stride = grid_threads();
     int lane = threadIdx.x & 31;
     // Warp-uniform loop (t - lane is the warp's base), so the lanes can aggregate: gradients put
-    // most keys in a few bins, and lanes hitting one bin add once through their leader.
+    // most keys in a few bins (exact zeros in one), so the lanes in lane 0's bin add once through
+    // lane 0 (a shuffle and a ballot; __match_any_sync per element cost 26% of peak on an H200)
+    // and the others add alone, their same-bin conflicts serialized by the hardware.
     for (i64 t = global_thread(); t - lane < n; t += 4 * stride) {
         int v[4];
 #pragma unroll
@@ -210,8 +243,10 @@ extern "C" __global__ void radix_hist(const int* xi, i64 n, const i64* state, in
             int k = v[u] & ABS_MASK;
             bool counted = t + u * stride < n && (i64)(k >> (shift + nbits)) == prefix;
             int bin = counted ? (k >> shift) & (nbins - 1) : -1;
-            u32 peers = __match_any_sync(FULL, bin);
-            if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&local[bin], (u32)__popc(peers));
+            int lead = __shfl_sync(FULL, bin, 0);
+            u32 with_lead = __ballot_sync(FULL, bin == lead);
+            if (lane == 0 && lead >= 0) atomicAdd(&local[lead], (u32)__popc(with_lead));
+            else if (bin >= 0 && bin != lead) atomicAdd(&local[bin], 1u);
         }
     }
     __syncthreads();
@@ -362,7 +397,8 @@ extern "C" __global__ void block_absmax_kernel(const int* xi, float* scales, flo
         int m = 0;
         if (b < nblocks) {
             i64 a = b * block, e = min(a + block, n);
-            for (i64 j = a + sub; j < e; j += width) m = max(m, xi[j] & ABS_MASK);
+#pragma unroll 4
+            for (i64 j = a + sub; j < e; j += width) m = max(m, xi[j] & ABS_MASK);  // 4 loads in flight
         }
         for (int o = width >> 1; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
         if (sub == 0 && b < nblocks) {
@@ -393,6 +429,8 @@ extern "C" __global__ void block_quantize_kernel(const float* x, const float* in
         i64 j0 = g * 8;
         i64 b = j0 / block, next = (b + 1) * block;
         float f = inv[b];
+        float xv[8];
+        load8(x, j0, n, xv);
         u64 acc = 0;
         for (int e = 0; e < 8; ++e) {
             i64 j = j0 + e;
@@ -402,7 +440,7 @@ extern "C" __global__ void block_quantize_kernel(const float* x, const float* in
                 next += block;
                 f = inv[b];
             }
-            float y = __fmul_rn(x[j], f);
+            float y = __fmul_rn(xv[e], f);
             float r = stochastic ? uniform24((u32)j, k0, k1) : 0.5f;
             acc |= (u64)to_code(__fadd_rn(y, r), qmax) << (e * bits);
         }
@@ -410,29 +448,55 @@ extern "C" __global__ void block_quantize_kernel(const float* x, const float* in
     }
 }
 
-// out[j] (+)= (code_j - qmax) * (scale / qmax); one thread per 8 elements (`bits` whole bytes),
-// the step divided once per block met.
+// Code j of a packed stream (bits [j*bits, (j+1)*bits), lowest bit first): one or two bytes.
+__device__ __forceinline__ u32 read_code(const u8* packed, i64 nbytes, i64 j, int bits, u32 mask) {
+    i64 bit = j * bits, byte = bit >> 3;
+    int sh = (int)(bit & 7);
+    u32 w = packed[byte];
+    if (sh + bits > 8 && byte + 1 < nbytes) w |= (u32)packed[byte + 1] << 8;
+    return (w >> sh) & mask;
+}
+
+// j / d, in 32 bits where both fit (a fraction of the 64-bit division's cost).
+__device__ __forceinline__ i64 index_div(i64 j, i64 d) {
+    return (j <= 0xFFFFFFFFll && d <= 0xFFFFFFFFll) ? (i64)((u32)j / (u32)d) : j / d;
+}
+
+// out[j] (+)= (code_j - qmax) * (scale / qmax).  A warp takes tiles of 32 * DQ_UNROLL adjacent
+// elements, lane l element l of each 32, so every load and store is coalesced (one thread per 8
+// adjacent elements, as before, ran at 21% of an H200's peak); the step is divided again only
+// when a lane enters a new block (lanes move forward only).
+#define DQ_UNROLL 8
 __device__ __forceinline__ void dequantize_groups(const u8* packed, const float* scales, float* out,
                                                   int bits, i64 block, i64 n, i64 nbytes,
                                                   int accumulate, int qmax) {
     float fq = (float)qmax;
-    u64 mask = (1ull << bits) - 1ull;
-    i64 ngroups = (n + 7) / 8;
-    for (i64 g = global_thread(); g < ngroups; g += grid_threads()) {
-        i64 j0 = g * 8;
-        i64 b = j0 / block, next = (b + 1) * block;
-        float step = __fdiv_rn(scales[b], fq);
-        u64 acc = read_group(packed, nbytes, g, bits);
-        for (int e = 0; e < 8; ++e) {
-            i64 j = j0 + e;
-            if (j >= n) break;
-            if (j == next) {
-                ++b;
-                next += block;
-                step = __fdiv_rn(scales[b], fq);
+    u32 mask = (1u << bits) - 1u;
+    int lane = threadIdx.x & 31;
+    i64 next = 0;  // the end of the block whose step this lane holds
+    float step = 0.0f;
+    const i64 tile = 32 * DQ_UNROLL;
+    for (i64 base = global_warp() * tile; base < n; base += grid_warps() * tile) {
+        u32 codes[DQ_UNROLL];
+        float prev[DQ_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DQ_UNROLL; ++u) {
+            i64 j = base + u * 32 + lane;
+            codes[u] = j < n ? read_code(packed, nbytes, j, bits, mask) : 0u;
+            prev[u] = (accumulate && j < n) ? out[j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < DQ_UNROLL; ++u) {
+            i64 j = base + u * 32 + lane;
+            if (j < n) {
+                if (j >= next) {
+                    i64 b = index_div(j, block);
+                    next = (b + 1) * block;
+                    step = __fdiv_rn(scales[b], fq);
+                }
+                float v = __fmul_rn(__fsub_rn((float)codes[u], fq), step);
+                out[j] = accumulate ? __fadd_rn(prev[u], v) : v;
             }
-            float v = __fmul_rn(__fsub_rn((float)((acc >> (e * bits)) & mask), fq), step);
-            out[j] = accumulate ? __fadd_rn(out[j], v) : v;
         }
     }
 }
@@ -454,11 +518,11 @@ extern "C" __global__ void level_dequantize_kernel(const u8* packed, const float
 // bit j = !(x_j < 0); one thread per byte.
 extern "C" __global__ void sign_bits_kernel(const float* x, u8* packed, i64 n, i64 nbytes) {
     for (i64 byte = global_thread(); byte < nbytes; byte += grid_threads()) {
+        float xv[8];
+        load8(x, byte * 8, n, xv);
         u32 v = 0;
-        for (int t = 0; t < 8; ++t) {
-            i64 j = byte * 8 + t;
-            if (j < n && !(x[j] < 0.0f)) v |= 1u << t;
-        }
+        for (int t = 0; t < 8; ++t)
+            if (byte * 8 + t < n && !(xv[t] < 0.0f)) v |= 1u << t;
         packed[byte] = (u8)v;
     }
 }
@@ -665,6 +729,8 @@ extern "C" __global__ void table_dequantize_kernel(const u8* packed, const float
         i64 b = j0 / block, next = (b + 1) * block;
         float s = scales ? scales[b] : scale_table[scale_bytes[b]];
         u64 acc = read_group(packed, nbytes, g, bits);
+        float ov[8];
+        if (accumulate) load8(out, j0, n, ov);
         for (int e = 0; e < 8; ++e) {
             i64 j = j0 + e;
             if (j >= n) break;
@@ -674,8 +740,9 @@ extern "C" __global__ void table_dequantize_kernel(const u8* packed, const float
                 s = scales ? scales[b] : scale_table[scale_bytes[b]];
             }
             float v = __fmul_rn(table[(acc >> (e * bits)) & mask], s);
-            out[j] = accumulate ? __fadd_rn(out[j], v) : v;
+            ov[e] = accumulate ? __fadd_rn(ov[e], v) : v;
         }
+        store8(out, j0, n, ov);
     }
 }
 
@@ -705,6 +772,8 @@ extern "C" __global__ void level_quantize_kernel(const float* x, const float* sc
         i64 b = j0 / bucket, next = (b + 1) * bucket;
         float s = scales[b], pre;
         float mul = level_multiplier(fl, s > 0.0f ? s : 1.0f, &pre);
+        float xv[8];
+        load8(x, j0, n, xv);
         u64 acc = 0;
         for (int e = 0; e < 8; ++e) {
             i64 j = j0 + e;
@@ -715,7 +784,7 @@ extern "C" __global__ void level_quantize_kernel(const float* x, const float* sc
                 s = scales[b];
                 mul = level_multiplier(fl, s > 0.0f ? s : 1.0f, &pre);
             }
-            float v = x[j];
+            float v = xv[e];
             float q = floorf(__fadd_rn(__fmul_rn(__fmul_rn(fabsf(v), pre), mul), uniform24((u32)j, k0, k1)));
             if (q != q) q = 0.0f;
             int qi = (int)fminf(fmaxf(q, 0.0f), fl);
@@ -732,14 +801,16 @@ extern "C" __global__ void level_quantize_kernel(const float* x, const float* sc
 extern "C" __global__ void feedback_sign_kernel(const float* x, const float* r, float beta, int use_beta,
                                                 float* c, u8* packed, i64 n, i64 nbytes) {
     for (i64 byte = global_thread(); byte < nbytes; byte += grid_threads()) {
+        float xv[8], rv[8], cv[8];
+        load8(x, byte * 8, n, xv);
+        load8(r, byte * 8, n, rv);
         u32 v = 0;
         for (int t = 0; t < 8; ++t) {
-            i64 j = byte * 8 + t;
-            if (j >= n) break;
-            float cj = use_beta ? __fadd_rn(x[j], __fmul_rn(r[j], beta)) : __fadd_rn(x[j], r[j]);
-            c[j] = cj;
-            if (!(cj < 0.0f)) v |= 1u << t;
+            float cj = use_beta ? __fadd_rn(xv[t], __fmul_rn(rv[t], beta)) : __fadd_rn(xv[t], rv[t]);
+            cv[t] = cj;
+            if (byte * 8 + t < n && !(cj < 0.0f)) v |= 1u << t;
         }
+        store8(c, byte * 8, n, cv);
         packed[byte] = (u8)v;
     }
 }
@@ -770,19 +841,21 @@ extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const floa
         float mine = 0.0f;
         for (i64 g = 0; g < G; ++g) {
             i64 first = g * 256 + lane * 8;
-            float v[8];
+            float v[8], xv[8], rv[8];
             u32 byte = 0;
+            load8(x + a, first, len, xv);
+            load8(r + a, first, len, rv);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                i64 j = first + e;
                 float cj = 0.0f;
-                if (j < len) {
-                    cj = use_beta ? __fadd_rn(x[a + j], __fmul_rn(r[a + j], beta)) : __fadd_rn(x[a + j], r[a + j]);
-                    c_out[a + j] = cj;
+                if (first + e < len) {
+                    cj = use_beta ? __fadd_rn(xv[e], __fmul_rn(rv[e], beta)) : __fadd_rn(xv[e], rv[e]);
                     if (!(cj < 0.0f)) byte |= 1u << e;
                 }
+                xv[e] = cj;
                 v[e] = fabsf(cj);
             }
+            store8(c_out + a, first, len, xv);
             if (first < len) packed[(a + first) >> 3] = (u8)byte;
             float s = __shfl_sync(FULL, warp_tree256(v, lane), 0);
             if (lane == g) mine = s;
@@ -795,13 +868,10 @@ extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const floa
         if (lane == 0) scales[c] = s;
         for (i64 g = 0; g < G; ++g) {
             i64 first = g * 256 + lane * 8;
-            for (int e = 0; e < 8; ++e) {
-                i64 j = first + e;
-                if (j < len) {
-                    float cj = c_out[a + j];
-                    c_out[a + j] = __fsub_rn(cj, cj < 0.0f ? -s : s);
-                }
-            }
+            float cv[8];
+            load8(c_out + a, first, len, cv);
+            for (int e = 0; e < 8; ++e) cv[e] = __fsub_rn(cv[e], cv[e] < 0.0f ? -s : s);
+            store8(c_out + a, first, len, cv);
         }
     }
 }
