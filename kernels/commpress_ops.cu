@@ -343,14 +343,36 @@ extern "C" __global__ void scatter_add_f64(double* out, const i64* idx, const do
 // ------------------------------------------------------------------ bit packing
 // Element j's code occupies bits [j*bits, (j+1)*bits) of the byte stream, lowest bit first.
 // One thread per group of 8 elements, which is exactly `bits` whole bytes.
+// On the GPU a group of 2, 4 or 8 whole bytes inside the stream and aligned to its size moves as
+// one little-endian word (byte t = bits 8t.. of acc, as the loop below), so a warp's stores are
+// not 8 one-byte accesses per lane (block_quantize's packing ran at 56% of an H200's peak).
+__device__ __forceinline__ bool group_word(const u8* p, i64 byte0, i64 nbytes, int bits) {
+    return (bits == 2 || bits == 4 || bits == 8) && byte0 + bits <= nbytes && ((u64)(p + byte0) & (bits - 1)) == 0;
+}
+
 __device__ __forceinline__ void write_group(u8* packed, i64 nbytes, i64 g, int bits, u64 acc) {
     i64 byte0 = g * bits;
+#ifdef __CUDA_ARCH__
+    if (group_word(packed, byte0, nbytes, bits)) {
+        if (bits == 8) *reinterpret_cast<u64*>(packed + byte0) = acc;
+        else if (bits == 4) *reinterpret_cast<u32*>(packed + byte0) = (u32)acc;
+        else *reinterpret_cast<unsigned short*>(packed + byte0) = (unsigned short)acc;
+        return;
+    }
+#endif
     for (int t = 0; t < bits; ++t)
         if (byte0 + t < nbytes) packed[byte0 + t] = (u8)(acc >> (8 * t));
 }
 
 __device__ __forceinline__ u64 read_group(const u8* packed, i64 nbytes, i64 g, int bits) {
     i64 byte0 = g * bits;
+#ifdef __CUDA_ARCH__
+    if (group_word(packed, byte0, nbytes, bits)) {
+        if (bits == 8) return *reinterpret_cast<const u64*>(packed + byte0);
+        if (bits == 4) return *reinterpret_cast<const u32*>(packed + byte0);
+        return *reinterpret_cast<const unsigned short*>(packed + byte0);
+    }
+#endif
     u64 acc = 0;
     for (int t = 0; t < bits; ++t)
         if (byte0 + t < nbytes) acc |= (u64)packed[byte0 + t] << (8 * t);
