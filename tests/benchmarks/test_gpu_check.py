@@ -123,3 +123,12 @@ def test_kernel_checks_run_the_reference_on_the_host():
     other[3] = other[3] + 1
     with pytest.raises(SystemExit, match=r"same\[1\]: 1 of \d+ differ .* first at 3"):
         gpu_kernels.same((got, got), (got, other), "same")
+
+
+def test_report_judges_only_the_steps_asked_for(tmp_path):
+    rows = [{"config": "identity", "compressor": "identity", "ok": True, "sync_free": True}]
+    (tmp_path / "sync.json").write_text(json.dumps({"device": "GPU", "rows": rows, "missing_configs": []}))
+    report, _ = gpu_report.build(tmp_path, ("sync",))
+    assert report["failures"] == []  # no kernels.json, and kernels were not asked for
+    report, _ = gpu_report.build(tmp_path, ("kernels", "sync"))
+    assert report["failures"] == ["kernels: no result"]
