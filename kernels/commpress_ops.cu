@@ -52,9 +52,13 @@ __device__ __forceinline__ i64 grid_warps() { return grid_threads() >> 5; }
 // 16-byte aligned (j0 is a multiple of 8) and all eight are in range: with a thread per 8 adjacent
 // elements, 4-byte accesses make each warp instruction touch 8 cache lines (block_quantize ran at
 // 56% of an H200's peak).  The host build takes the element loop (same values).
+__device__ __forceinline__ bool vec8(const float* p, i64 j0, i64 lim) {
+    return j0 + 8 <= lim && (((u64)p) & 15) == 0;
+}
+
 __device__ __forceinline__ void load8(const float* p, i64 j0, i64 lim, float* v) {
 #ifdef __CUDA_ARCH__
-    if (j0 + 8 <= lim && (((u64)p) & 15) == 0) {
+    if (vec8(p, j0, lim)) {
         float4 a = *reinterpret_cast<const float4*>(p + j0);
         float4 b = *reinterpret_cast<const float4*>(p + j0 + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
@@ -68,7 +72,7 @@ __device__ __forceinline__ void load8(const float* p, i64 j0, i64 lim, float* v)
 // p[j0 + e] = v[e] for e < 8 with j0 + e < lim (two 16-byte stores on the GPU, as load8).
 __device__ __forceinline__ void store8(float* p, i64 j0, i64 lim, const float* v) {
 #ifdef __CUDA_ARCH__
-    if (j0 + 8 <= lim && (((u64)p) & 15) == 0) {
+    if (vec8(p, j0, lim)) {
         *reinterpret_cast<float4*>(p + j0) = make_float4(v[0], v[1], v[2], v[3]);
         *reinterpret_cast<float4*>(p + j0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
         return;
