@@ -21,6 +21,8 @@ SUITES = {
                 "(--quick)",
     "auto2x2": "register(model, \"auto\", hierarchy=2) on an emulated 2 nodes x 2 ranks: its path per bucket "
                "against flat and two-level fixed (--nets 100mbit,10gbit)",
+    "rounds": "the fixed cost of one gloo collective round, and a small model's DDP step with one round "
+              "or one per bucket",
     "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
              "(--quick, --net 1gbit)",
 }
