@@ -17,6 +17,11 @@ steps or more):
 warm-up): what is left of ``worker`` beyond it is the framework, the Python and torch calls around
 the kernels.
 
+``--layers`` also times the hook's layers (:data:`LAYERS`: the bucket on the worker, the unit, the
+collective call, the compressor kind's path, the steady-state lane, the all_gather, the dense path
+of DDP's own steps): the thread CPU per step inside each, inclusive, so the difference between a
+layer and the next one inside it is that layer's own Python and torch calls.
+
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
 A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is CPU-bound: its
 bytes are hidden already, and only less host work shortens its step.  ``compute`` is the same
@@ -93,6 +98,64 @@ class KernelClock:
             return self._total
 
 
+#: The hook's layers ``--layers`` times: (label, module, attribute).  Each is looked up through its
+#: module at call time by its caller, so replacing the attribute times every call.
+LAYERS = (
+    ("bucket", "commpress.hooks.ddp", "_Executor.run"),
+    ("unit", "commpress.hooks.ddp_step", "Step._run_unit"),
+    ("allreduce", "commpress.hooks.ddp_step", "allreduce"),
+    ("gather_kind", "commpress.collectives.quantized", "quantized_allreduce"),
+    ("sparse_kind", "commpress.collectives.sparse", "fixed_sparse_allreduce"),
+    ("steady_lane", "commpress.collectives.steady", "run"),
+    ("all_gather", "commpress.collectives._comm", "all_gather"),
+    ("dense_path", "commpress.hooks.ddp", "_dense_async"),
+)
+
+
+class LayerClock:
+    """Inclusive thread CPU spent in each of :data:`LAYERS` (a call inside another layer counts in
+    both; a layer's own recursion once), summed over threads.  Installed in a benchmark's rank only."""
+
+    def __init__(self) -> None:
+        self._total: dict[str, float] = {label: 0.0 for label, _, _ in LAYERS}
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+
+    def install(self) -> None:
+        import importlib
+
+        for label, module, attr in LAYERS:
+            owner = importlib.import_module(module)
+            *path, name = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            f = getattr(owner, name)
+            if not getattr(f, "_layer_clock", False):
+                setattr(owner, name, self._wrap(label, f))
+
+    def _wrap(self, label: str, f: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            depth = getattr(self._depth, label, 0)
+            setattr(self._depth, label, depth + 1)
+            t0 = time.thread_time() if depth == 0 else 0.0
+            try:
+                return f(*args, **kwargs)
+            finally:
+                setattr(self._depth, label, depth)
+                if depth == 0:
+                    used = time.thread_time() - t0
+                    with self._lock:
+                        self._total[label] += used
+
+        timed._layer_clock = True
+        timed.__wrapped__ = f
+        return timed
+
+    def seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._total)
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """``{tid: (name, CPU seconds)}`` of this process's threads (user + system, from ``/proc``)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -122,8 +185,8 @@ def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
 
 
 def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | None = None,
-              configs: list[str], steps: int, warmup: int, bucket_cap_mb: float | None = None
-              ) -> list[dict[str, Any]]:
+              configs: list[str], steps: int, warmup: int, bucket_cap_mb: float | None = None,
+              layers: bool = False) -> list[dict[str, Any]]:
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -135,6 +198,7 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
     loop = threading.get_native_id()
     clock = KernelClock()
+    layer_clock = LayerClock() if layers else None
     rows = []
     for name in configs:
         cfg = C.BY_NAME[name]
@@ -159,14 +223,18 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
         thread = getattr(executor, "_thread", None)
         worker = thread.native_id if thread is not None else None
         clock.install()   # after the warm-up: the kernels are compiled
+        if layer_clock is not None:
+            layer_clock.install()
         walls = []
         c0, p0, k0 = thread_cpu(), time.process_time(), clock.seconds()
+        l0 = layer_clock.seconds() if layer_clock is not None else {}
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             walls.append(time.perf_counter() - t0)
         parts = split(c0, thread_cpu(), loop, worker)
         parts["kernels"] = clock.seconds() - k0
+        spent = {f"layer_{k}": v - l0[k] for k, v in layer_clock.seconds().items()} if layer_clock else {}
         cpu = (time.process_time() - p0) / steps
         computes = []
         for _ in range(max(5, steps // 4)):
@@ -177,7 +245,7 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
         chose = ", ".join(f"{k}: {e['choice']}" for k, e in report_auto().items()) if report_auto else ""
         buckets = len(state.stats.last_step["units"]) if getattr(state, "stats", None) is not None else None
         rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu, "buckets": buckets,
-                     **{f"{k}_s": v / steps for k, v in parts.items()},
+                     **{f"{k}_s": v / steps for k, v in {**parts, **spent}.items()},
                      "compute_s": statistics.median(computes), "worker": worker is not None, "chose": chose})
         if state is not None and hasattr(state, "close"):
             state.close()
@@ -191,14 +259,16 @@ def verdict(row: dict[str, Any]) -> str:
 
 
 def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: int = 20,
-              bucket_cap_mb: float | None = None) -> list[dict[str, Any]]:
+              bucket_cap_mb: float | None = None, layers: bool = False) -> list[dict[str, Any]]:
     """One launch: every config in turn on 2 pinned ranks; a row per config, the slower rank's.
     ``bucket_cap_mb``: DDP's for every config but PyTorch's PowerSGD hook (one bucket always);
-    ``None``: DDP's default (a 1 MiB first bucket, then 25 MiB ones)."""
+    ``None``: DDP's default (a 1 MiB first bucket, then 25 MiB ones).  ``layers``: each row also
+    holds ``layer_<label>_ms``, the thread CPU per step inside each of :data:`LAYERS` (inclusive)."""
     from .netem import launch
 
     res = launch("benchmarks.cpu:rank_main", 2, net=net, pin=True,
-                 kwargs=dict(configs=configs, steps=steps, warmup=warmup, bucket_cap_mb=bucket_cap_mb))
+                 kwargs=dict(configs=configs, steps=steps, warmup=warmup, bucket_cap_mb=bucket_cap_mb,
+                             layers=layers))
     rows = []
     for i, name in enumerate(configs):
         r = max((ranks[i] for ranks in res), key=lambda row: row["step_s"])
@@ -220,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP's bucket_cap_mb for every config (default: DDP's own, a 1 MiB first bucket then "
                         "25 MiB; any value given makes DDP drop the small first bucket)")
+    p.add_argument("--layers", action="store_true",
+                   help="also time the hook's layers (thread CPU per step inside each, inclusive: LAYERS)")
     p.add_argument("--out", default="results", help="results root folder")
     args = p.parse_args(argv)
     from . import configs as C
@@ -230,10 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown configs {unknown}; known: {sorted(C.BY_NAME)}")
     net = None if args.net == "loopback" else args.net
     t0 = time.time()
-    rows = run_suite(names, net=net, steps=args.steps, warmup=args.warmup, bucket_cap_mb=args.bucket_cap_mb)
+    rows = run_suite(names, net=net, steps=args.steps, warmup=args.warmup, bucket_cap_mb=args.bucket_cap_mb,
+                     layers=args.layers)
     out = results_dir("cpu", args.out)
     write_results(out, rows, {"suite": "cpu", "argv": argv, "net": args.net, "wall_seconds": time.time() - t0})
     table = markdown_table(rows, COLUMNS)
+    if args.layers:
+        table += "\n\nThread CPU per step inside each layer of the hook (ms, inclusive):\n\n" + markdown_table(
+            rows, ["config", "worker_ms", "kernels_ms"] + [f"layer_{label}_ms" for label, _, _ in LAYERS])
     (out / "table.md").write_text(table + "\n")
     print(table)
     print(f"results: {out}")

@@ -94,3 +94,36 @@ def test_kernel_clock_counts_each_outermost_kernel_call_once(monkeypatch):
     start = clock.seconds()
     after = ops.block_quantize(x, 4, 64, False, 0, backend="numba")
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and clock.seconds() > start
+
+
+@pytest.mark.timeout(150)
+def test_layers_nest_and_name_the_path_each_config_took():
+    rows = cpu.run_suite(["ddp", "blockquant-4bit", "topk-1%-nowarmup"], net=None, steps=6, warmup=3, layers=True)
+    ddp, bq, topk = rows
+    labels = [label for label, _, _ in cpu.LAYERS]
+    assert all(ddp[f"layer_{k}_ms"] == 0 for k in labels), ddp              # DDP's own path: no hook layer
+    nested = ["bucket", "unit", "allreduce", "gather_kind", "steady_lane"]  # blockquant + EF on the CPU: the lane
+    got = [bq[f"layer_{k}_ms"] for k in nested]
+    assert all(v > 0 for v in got) and got == sorted(got, reverse=True), got   # inclusive: outer >= inner
+    assert bq["layer_all_gather_ms"] > 0 and bq["layer_sparse_kind_ms"] == 0, bq
+    assert bq["layer_bucket_ms"] <= bq["worker_ms"] + 0.5, bq                 # the worker runs the buckets
+    assert topk["layer_sparse_kind_ms"] > 0 and topk["layer_gather_kind_ms"] == 0, topk
+
+
+def test_layer_clock_counts_a_layer_once_however_deep_it_recurses():
+    clock = cpu.LayerClock()
+    calls = []
+
+    def nested(n):
+        calls.append(n)
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        return nested_timed(n - 1) if n else 0
+
+    nested_timed = clock._wrap("bucket", nested)
+    nested_timed(3)
+    spent = clock.seconds()
+    assert calls == [3, 2, 1, 0]
+    assert 0.008 <= spent["bucket"] < 0.03            # four 2 ms spins, counted once (not 2+4+6+8 ms)
+    assert spent["unit"] == 0.0
