@@ -106,7 +106,7 @@ def test_layers_nest_and_name_the_path_each_config_took():
     got = [bq[f"layer_{k}_ms"] for k in nested]
     assert all(v > 0 for v in got) and got == sorted(got, reverse=True), got   # inclusive: outer >= inner
     assert bq["layer_all_gather_ms"] > 0 and bq["layer_sparse_kind_ms"] == 0, bq
-    assert bq["layer_bucket_ms"] <= bq["worker_ms"] + 0.5, bq                 # the worker runs the buckets
+    assert bq["layer_bucket_ms"] <= bq["cpu_ms"] + 0.02, bq                  # a part of the process's CPU
     assert topk["layer_sparse_kind_ms"] > 0 and topk["layer_gather_kind_ms"] == 0, topk
 
 
