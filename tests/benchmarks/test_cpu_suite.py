@@ -51,7 +51,7 @@ def test_verdict_names_a_cpu_bound_rank():
 @pytest.mark.timeout(150)
 def test_tiny_run_splits_each_config(tmp_path):
     assert "cpu" in SUITES
-    rows = cpu.run_suite(["ddp", "blockquant-4bit"], net=None, steps=6, warmup=3)
+    rows = cpu.run_suite(["ddp", "blockquant-4bit"], net=None, steps=6, warmup=3, layers=True)
     assert [r["config"] for r in rows] == ["ddp", "blockquant-4bit"]
     for r in rows:
         assert r["step_ms"] > 0 and r["cpu_ms"] > 0 and r["compute_ms"] > 0, r
@@ -62,6 +62,14 @@ def test_tiny_run_splits_each_config(tmp_path):
     assert bq["worker"] is True                                        # the overlap worker ran the buckets
     assert ddp["kernels_ms"] == 0 and 0 < bq["kernels_ms"] <= bq["cpu_ms"], (ddp, bq)   # numba's share
     assert ddp["buckets"] == "" and bq["buckets"] == 2               # DDP's 1 MiB first bucket, then the rest
+    # --layers: DDP's own path has no hook layer; blockquant + EF on the CPU takes the steady lane, and
+    # each layer holds the ones inside it (inclusive), all within the process's CPU
+    labels = [label for label, _, _ in cpu.LAYERS]
+    assert all(ddp[f"layer_{k}_ms"] == 0 for k in labels), ddp
+    got = [bq[f"layer_{k}_ms"] for k in ("bucket", "unit", "allreduce", "gather_kind", "steady_lane")]
+    assert all(v > 0 for v in got) and got == sorted(got, reverse=True), got
+    assert bq["layer_all_gather_ms"] > 0 and bq["layer_sparse_kind_ms"] == 0 and bq["layer_dense_path_ms"] == 0, bq
+    assert bq["layer_bucket_ms"] <= bq["cpu_ms"] + 0.02, bq
 
 
 @pytest.mark.timeout(150)
@@ -94,20 +102,6 @@ def test_kernel_clock_counts_each_outermost_kernel_call_once(monkeypatch):
     start = clock.seconds()
     after = ops.block_quantize(x, 4, 64, False, 0, backend="numba")
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and clock.seconds() > start
-
-
-@pytest.mark.timeout(150)
-def test_layers_nest_and_name_the_path_each_config_took():
-    rows = cpu.run_suite(["ddp", "blockquant-4bit", "topk-1%-nowarmup"], net=None, steps=6, warmup=3, layers=True)
-    ddp, bq, topk = rows
-    labels = [label for label, _, _ in cpu.LAYERS]
-    assert all(ddp[f"layer_{k}_ms"] == 0 for k in labels), ddp              # DDP's own path: no hook layer
-    nested = ["bucket", "unit", "allreduce", "gather_kind", "steady_lane"]  # blockquant + EF on the CPU: the lane
-    got = [bq[f"layer_{k}_ms"] for k in nested]
-    assert all(v > 0 for v in got) and got == sorted(got, reverse=True), got   # inclusive: outer >= inner
-    assert bq["layer_all_gather_ms"] > 0 and bq["layer_sparse_kind_ms"] == 0, bq
-    assert bq["layer_bucket_ms"] <= bq["cpu_ms"] + 0.02, bq                  # a part of the process's CPU
-    assert topk["layer_sparse_kind_ms"] > 0 and topk["layer_gather_kind_ms"] == 0, topk
 
 
 def test_layer_clock_counts_a_layer_once_however_deep_it_recurses():
