@@ -41,7 +41,7 @@ import torch
 
 from .. import ops
 from ..compressors.blockquant import BlockQuant
-from ..feedback import ErrorFeedback, nonfinite_flag
+from ..feedback import ErrorFeedback
 from . import _comm, costmodel, wire
 from .accounting import CommStats, codec_timer
 
@@ -200,21 +200,17 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     for message in plan.messages:
         buf = torch.empty(message.width, dtype=torch.uint8)
         raw = buf.numpy()
-        flag = None
+        bad = False   # this message's NaN/inf verdict: host memory on this CPU-only lane
         for piece in message.pieces:
             try:
-                bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats)
-                flag = bad if flag is None else flag | bad
+                bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats) or bad
             except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
                 raw[piece.codes_at:piece.scales_at + piece.scales_bytes] = 0
                 if not code:
                     code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
         if message.dense_at >= 0:
-            d = dense.tensor.reshape(-1)
-            buf[message.dense_at:message.dense_at + d.numel() * d.element_size()].view(d.dtype).copy_(d)
-            flag = nonfinite_flag(d) if flag is None else flag | nonfinite_flag(d)
-        raw[:wire.STATUS_BYTES].view(np.int32)[:] = wire.status_word(flat.device, error=code, sig=message.sig,
-                                                                      nonfinite=flag).numpy()
+            bad = _put_dense(dense.tensor.reshape(-1), buf, raw, message.dense_at) or bad
+        _put_status(raw, flat.device, code, message.sig, bad)
         if plan.pipelined:
             flights.append(_comm.all_gather_start(buf, group=group, stats=stats))
         else:
@@ -232,19 +228,47 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
                 with _nb().threads_context(b - a):
                     _nb().dequantize_sum_into(arrays, plan.bits, plan.block, b - a, flat[a:b].numpy())
         if message.dense_at >= 0:
-            d = dense.tensor.view(-1)
-            width = d.numel() * d.element_size()
-            wire.add_rows(d, [gathered[s, message.dense_at:message.dense_at + width].view(d.dtype)
-                              for s in range(plan.world)])
+            _sum_dense(dense.tensor.view(-1), gathered, got, message.dense_at, plan.world)
         results.append((wire.read_status(gathered), message.sig))
     return results, msg
 
 
+def _put_dense(d: torch.Tensor, buf: torch.Tensor, raw: np.ndarray, at: int) -> bool:
+    """The riding dense part ``d`` into the message at byte ``at``; returns its NaN/inf verdict,
+    :func:`~commpress.feedback.nonfinite_flag`'s (one fp32 sum, read on the host)."""
+    if d.dtype == torch.float32:
+        raw[at:at + 4 * d.numel()].view(np.float32)[:] = d.numpy()
+    else:
+        buf[at:at + d.numel() * d.element_size()].view(d.dtype).copy_(d)
+    return d.numel() > 0 and not math.isfinite(d.sum(dtype=torch.float32).numpy())
+
+
+def _put_status(raw: np.ndarray, device: torch.device, code: int, sig: int, bad: bool) -> None:
+    """The message's status word (:func:`~.wire.status_word`'s bytes), built on the host."""
+    word = wire.host_status(code, sig, bad)
+    if word is None:   # a device error flag is pending: the device builds the word
+        word = wire.status_word(device, error=code, sig=sig, nonfinite=torch.tensor(bad)).numpy()
+    raw[:wire.STATUS_BYTES].view(np.int32)[:] = word
+
+
+def _sum_dense(d: torch.Tensor, gathered: torch.Tensor, got: np.ndarray, at: int, world: int) -> None:
+    """``d`` := the P riding dense parts added in rank order (:func:`~.wire.add_rows`; in numpy for
+    fp32, the same IEEE additions)."""
+    width = d.numel() * d.element_size()
+    if d.dtype != torch.float32:
+        wire.add_rows(d, [gathered[s, at:at + width].view(d.dtype) for s in range(world)])
+        return
+    out = d.numpy()
+    out[:] = got[0, at:at + width].view(np.float32)
+    for s in range(1, world):
+        np.add(out, got[s, at:at + width].view(np.float32), out=out)
+
+
 def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw: np.ndarray, key: Any, step: int,
-            transaction, stats: CommStats | None) -> torch.Tensor:
+            transaction, stats: CommStats | None) -> bool:
     """Chunk ``piece.chunk`` under error feedback into ``raw`` (the message's bytes), its new residual
     staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it (committed with the
-    step, or at once without one); returns its NaN/inf flag (0-d bool)."""
+    step, or at once without one); returns its NaN/inf verdict."""
     r = piece.chunk
     chunk = flat[plan.bounds[r]:plan.bounds[r + 1]]
     k = (key, r)
@@ -264,7 +288,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
         transaction.stage(ef, k, flag)
     else:
         ef.commit(k, flag)
-    return flag
+    return bool(bad)
 
 
 def _nb():

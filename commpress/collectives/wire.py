@@ -385,14 +385,10 @@ def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
     where flags are host memory already, read and written as one small tensor: a torch op on a
     tiny tensor costs more there than the read)."""
     extra = _DEVICE_ERROR.flag
-    if out is None and torch.device(device).type == "cpu" and (nonfinite is None or nonfinite.device.type == "cpu") \
-            and (extra is None or extra.device.type == "cpu"):
-        flags = int(error) << 8
-        if nonfinite is not None and bool(nonfinite.numpy()):
-            flags |= NONFINITE
-        if extra is not None and not error and bool(extra.numpy()):
-            flags += E_MISUSE << 8
-        return torch.tensor([flags, int(sig)], dtype=torch.int32)
+    if out is None and torch.device(device).type == "cpu" and (nonfinite is None or nonfinite.device.type == "cpu"):
+        word = host_status(error, sig, nonfinite is not None and bool(nonfinite.numpy()))
+        if word is not None:
+            return torch.tensor(word, dtype=torch.int32)
     w = out if out is not None else torch.empty(2, dtype=torch.int32, device=device)
     w[0].fill_(int(error) << 8)
     w[1].fill_(int(sig))
@@ -401,6 +397,21 @@ def status_word(device: torch.device, *, error: int = 0, sig: int = 0,
     if extra is not None and not error:
         w[0:1].add_(extra.to(torch.int32).reshape(1) * (E_MISUSE << 8))
     return w
+
+
+def host_status(error: int, sig: int, nonfinite: bool) -> tuple[int, int] | None:
+    """:func:`status_word`'s two int32 ``(flags, signature)`` computed on the host, for a CPU call
+    whose NaN/inf verdict is a Python bool; ``None`` while a device error flag is pending (only
+    the device may read it: build the word with :func:`status_word` there)."""
+    extra = _DEVICE_ERROR.flag
+    if extra is not None and extra.device.type != "cpu":
+        return None
+    flags = int(error) << 8
+    if nonfinite:
+        flags |= NONFINITE
+    if extra is not None and not error and bool(extra.numpy()):
+        flags += E_MISUSE << 8
+    return flags, int(sig)
 
 
 class _DeviceError(threading.local):

@@ -27,7 +27,7 @@ def data(rank: int, step: int, n: int) -> torch.Tensor:
 
 
 def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_at: int | None = None, n: int = N,
-           momentum: float = 0.0):
+           momentum: float = 0.0, dense_nan: bool = False):
     """Four steps of one call each through ``allreduce(..., out=t)`` as the DDP hook makes it; the
     lane on or forced off.  Returns every message sent, every result, dense sum, residual and
     velocity (``momentum``: momentum correction)."""
@@ -60,6 +60,8 @@ def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_
             if nan_at is not None and step == 2 and rank == 1:
                 t[nan_at] = float("nan")
             dense = data(rank, 100 + step, 37) if rider else None
+            if dense_nan and step == 2 and rank == 1:   # the riding dense part's NaN: the status carries it
+                dense[5] = float("inf")
             tx = ResidualTransaction()
             with ef.scaled_input("unit", 1.0 / world, chunks=world):   # the hook's 1/P, folded
                 out = allreduce(t, ef, key="unit", step=step, validate=False, transaction=tx, out=t,
@@ -138,6 +140,14 @@ def lane_worker(rank, world):
                                {k: nan_general[k] for k in ("results", "residuals")}),
                   "poisoned": bool(torch.isnan(nan_lane["results"][2]).all()),
                   "later_finite": bool(torch.isfinite(nan_lane["results"][3]).all())}
+    if world == 2:   # a dense part rides at P <= 2 only
+        lane, general = (_calls(use, world, False, True, 4, dense_nan=True) for use in (True, False))
+        out["dense_nan"] = {"same": same({k: lane[k] for k in ("results", "residuals")},
+                                         {k: general[k] for k in ("results", "residuals")}),
+                            "status": [bytes(m[:8].numpy()) for m in lane["sent"]]
+                            == [bytes(m[:8].numpy()) for m in general["sent"]],
+                            "poisoned": bool(torch.isnan(lane["results"][2]).all()),
+                            "lane_ran": lane["lane"]}
     set_cost_model(None)
     return out
 
@@ -148,13 +158,16 @@ def test_the_lane_is_the_general_paths_collective_bitwise(world):
     results = run(lane_worker, world, timeout=170)
     for r, res in enumerate(results):
         for key, case in res.items():
-            if key == "nan":
+            if key in ("nan", "dense_nan"):
                 continue
             assert case["lane_ran"] == 4 and case["general_ran"] == 0, (r, key, case)
             assert all(case["same"].values()), (r, key, case["same"])
             assert case["messages"] == 4 * (world if "pipe=True" in key else 1), (r, key)
             assert torch.equal(case["result"], results[0][key]["result"]), (r, key)   # identical on every rank
         assert res["nan"]["same"] and res["nan"]["poisoned"] and res["nan"]["later_finite"], (r, res["nan"])
+        if world == 2:   # an inf in one rank's riding dense part: the same status bytes, every rank poisoned
+            d = res["dense_nan"]
+            assert d["lane_ran"] == 4 and d["same"] and d["status"] and d["poisoned"], (r, d)
 
 
 def failing_worker(rank, world):
