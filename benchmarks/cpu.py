@@ -57,45 +57,64 @@ KERNELS = ("block_absmax", "block_dequantize", "block_quantize", "block_quantize
            "sign_scales", "sign_unpack", "topk_finish", "unpack_bits", "zero_at")
 
 
-class KernelClock:
-    """Thread CPU spent inside the numba kernels (:data:`KERNELS`), summed over threads; only the
-    outermost call of a thread counts.  :meth:`install` wraps the module's entry points in this
-    process (a benchmark's rank, never the library), :meth:`seconds` reads the total."""
+class _ThreadClock:
+    """Thread CPU spent inside wrapped functions, per label, summed over threads; only the outermost
+    call of a label on a thread counts (so a label's nested or recursive calls are not counted
+    twice).  Installed in a benchmark's rank, never in the library."""
 
-    def __init__(self) -> None:
-        self._total = 0.0
+    marker = "_thread_clock"   # set on every wrapper: a function is wrapped once
+
+    def __init__(self, labels) -> None:
+        self._total = {label: 0.0 for label in labels}
         self._lock = threading.Lock()
         self._depth = threading.local()
+
+    def _timed(self, label: str, f: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            depth = getattr(self._depth, label, 0)
+            setattr(self._depth, label, depth + 1)
+            t0 = time.thread_time() if depth == 0 else 0.0
+            try:
+                return f(*args, **kwargs)
+            finally:
+                setattr(self._depth, label, depth)
+                if depth == 0:
+                    used = time.thread_time() - t0
+                    with self._lock:
+                        self._total[label] += used
+
+        setattr(timed, self.marker, True)
+        timed.__wrapped__ = f
+        return timed
+
+    def _totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._total)
+
+
+class KernelClock(_ThreadClock):
+    """Thread CPU spent inside the numba kernels (:data:`KERNELS`), one label for them all: a kernel
+    called from another counts once.  :meth:`install` wraps the module's entry points,
+    :meth:`seconds` reads the total."""
+
+    marker = "_kernel_clock"
+
+    def __init__(self) -> None:
+        super().__init__(("kernels",))
 
     def install(self) -> None:
         from commpress.ops import _numba_kernels as K
 
         for name in KERNELS:
             f = getattr(K, name, None)
-            if f is not None and not getattr(f, "_kernel_clock", False):
+            if f is not None and not getattr(f, self.marker, False):
                 setattr(K, name, self._wrap(f))
 
     def _wrap(self, f: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            depth = getattr(self._depth, "n", 0)
-            self._depth.n = depth + 1
-            t0 = time.thread_time() if depth == 0 else 0.0
-            try:
-                return f(*args, **kwargs)
-            finally:
-                self._depth.n = depth
-                if depth == 0:
-                    used = time.thread_time() - t0
-                    with self._lock:
-                        self._total += used
-
-        timed._kernel_clock = True
-        timed.__wrapped__ = f
-        return timed
+        return self._timed("kernels", f)
 
     def seconds(self) -> float:
-        with self._lock:
-            return self._total
+        return self._totals()["kernels"]
 
 
 #: The hook's layers ``--layers`` times: (label, module, attribute).  Each is looked up through its
@@ -112,14 +131,14 @@ LAYERS = (
 )
 
 
-class LayerClock:
+class LayerClock(_ThreadClock):
     """Inclusive thread CPU spent in each of :data:`LAYERS` (a call inside another layer counts in
-    both; a layer's own recursion once), summed over threads.  Installed in a benchmark's rank only."""
+    both; a layer's own recursion once)."""
+
+    marker = "_layer_clock"
 
     def __init__(self) -> None:
-        self._total: dict[str, float] = {label: 0.0 for label, _, _ in LAYERS}
-        self._lock = threading.Lock()
-        self._depth = threading.local()
+        super().__init__(label for label, _, _ in LAYERS)
 
     def install(self) -> None:
         import importlib
@@ -130,30 +149,14 @@ class LayerClock:
             for part in path:
                 owner = getattr(owner, part)
             f = getattr(owner, name)
-            if not getattr(f, "_layer_clock", False):
+            if not getattr(f, self.marker, False):
                 setattr(owner, name, self._wrap(label, f))
 
     def _wrap(self, label: str, f: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            depth = getattr(self._depth, label, 0)
-            setattr(self._depth, label, depth + 1)
-            t0 = time.thread_time() if depth == 0 else 0.0
-            try:
-                return f(*args, **kwargs)
-            finally:
-                setattr(self._depth, label, depth)
-                if depth == 0:
-                    used = time.thread_time() - t0
-                    with self._lock:
-                        self._total[label] += used
-
-        timed._layer_clock = True
-        timed.__wrapped__ = f
-        return timed
+        return self._timed(label, f)
 
     def seconds(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._total)
+        return self._totals()
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:

@@ -62,13 +62,12 @@ def _rank(rank: int, world: int, store: str, pin: bool, calls: int, steps: int, 
 
 def _ddp_steps(rank: int, steps: int, warmup: int) -> list[dict]:
     import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commpress
 
     from .models import DigitsMLP
-
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     configs = {"DDP default (2 buckets)": {}, "DDP bucket_cap_mb=25 (1 bucket)": {"bucket_cap_mb": 25},
                "PyTorch allreduce_hook (2 buckets)": "torch", "commpress identity (2 buckets)": "identity"}
