@@ -539,24 +539,29 @@ def compensate(x, r, beta, scale, how, out, clen, v, m, uout, c0, c1):
 
 @njit(**_SOPTS)
 def _kth_largest(keys, k):
-    """The ``k``-th largest of non-negative int32 ``keys`` (1 <= k <= size): two 16-bit radix passes."""
-    hist = np.zeros(1 << 16, np.int64)
-    for j in range(keys.size):
-        hist[keys[j] >> 16] += 1
+    """The ``k``-th largest of non-negative int32 ``keys`` (1 <= k <= size): three radix passes of
+    11, 10 and 10 bits, each counting the keys under the prefix fixed so far (a 16 KB histogram:
+    a candidate set of a few thousand keys costs microseconds, where 16-bit passes cleared and
+    scanned 512 KB twice)."""
+    hist = np.zeros(2048, np.int64)
+    prefix = 0
     above = 0
-    hb = (1 << 16) - 1
-    while above + hist[hb] < k:
-        above += hist[hb]
-        hb -= 1
-    hist[:] = 0
-    for j in range(keys.size):
-        if (keys[j] >> 16) == hb:
-            hist[keys[j] & 0xFFFF] += 1
-    lb = (1 << 16) - 1
-    while above + hist[lb] < k:
-        above += hist[lb]
-        lb -= 1
-    return np.int32((hb << 16) | lb)
+    for p in range(3):
+        shift = 20 - 10 * p
+        width = 11 if p == 0 else 10
+        mask = (1 << width) - 1
+        top = shift + width
+        hist[:] = 0
+        for j in range(keys.size):
+            kj = keys[j]
+            if (kj >> top) == prefix:
+                hist[(kj >> shift) & mask] += 1
+        b = mask
+        while above + hist[b] < k:
+            above += hist[b]
+            b -= 1
+        prefix = (prefix << width) | b
+    return np.int32(prefix)
 
 
 @njit(**_SOPTS)

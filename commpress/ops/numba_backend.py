@@ -168,7 +168,7 @@ def _sample_runs(a: np.ndarray, m: int) -> np.ndarray:
     run = min(SAMPLE_RUN, m)
     runs = m // run
     step = a.size // runs   # >= 4 * run: the runs never overlap
-    return np.lib.stride_tricks.as_strided(a, (runs, run), (step * a.itemsize, a.itemsize), writeable=False)
+    return a[:runs * step].reshape(runs, step)[:, :run]   # a view (as_strided costs tens of microseconds)
 
 
 def _candidate_thresholds(xi: np.ndarray, k: int, sample_keys=None):
@@ -322,10 +322,25 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     n = x.numel()
     k = max(0, min(int(k), n))
     xf = _f32(x.reshape(-1)).numpy()
-    out = new_residual.view(-1).numpy()
+    rf = residual.view(-1).numpy() if residual is not None else None
+    idx_np, val_bits = topk_feedback_arrays(xf, rf, beta, scale, k, new_residual.view(-1).numpy(), velocity)
+    if idx_np is None:
+        return torch.empty(0, dtype=ref.index_dtype(n)), torch.empty(0, dtype=torch.float32)
+    return torch.from_numpy(idx_np), torch.from_numpy(val_bits.view(np.float32))
+
+
+def topk_feedback_arrays(xf: np.ndarray, rf: np.ndarray | None, beta: float, scale: float, k: int, out: np.ndarray,
+                         velocity=None) -> tuple[np.ndarray | None, np.ndarray]:
+    """The kernel calls of :func:`topk_compact_feedback` on flat numpy arrays the caller owns (fp32
+    ``xf``, ``rf`` or ``None``, ``out`` the new residual; ``0 <= k <= xf.size``; ``velocity``:
+    ``(live, momentum, new)`` tensors that :func:`_velocity_ok` accepted, or ``None``).  Returns
+    the chosen indices (index order) and their values' bits (int32), or ``(None, None)`` for
+    ``k == 0`` (compensated only).  What the sparse steady-state lane
+    (:mod:`commpress.collectives.steady_sparse`) calls."""
+    n = xf.size
     oi = out.view(np.int32)
-    has_r = residual is not None
-    rf = residual.view(-1).numpy() if has_r else xf
+    has_r = rf is not None
+    rf = rf if has_r else xf
     b32, s32 = np.float32(beta), np.float32(scale)
     how = (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
     vf, m32, uf, vbits = _velocity_args(velocity, xf)
@@ -345,7 +360,7 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
 
     if k == 0:  # compensate only
         K.compensate(xf, rf, b32, s32, how, out, _chunk(n), vf, m32, uf)
-        return torch.empty(0, dtype=ref.index_dtype(n)), torch.empty(0, dtype=torch.float32)
+        return None, None
     first = True
     for lo, frac in _candidate_thresholds(oi, k, sample_keys):
         if first:  # the fused pass: c is written and its candidates compacted
@@ -358,7 +373,7 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     take = np.empty(cidx.size, np.uint8)
     idx_np, val_np = K.topk_finish(cidx, cval, k, take)
     K.zero_at(oi, idx_np)
-    return torch.from_numpy(idx_np), torch.from_numpy(val_np.view(np.float32))
+    return idx_np, val_np
 
 
 def _chunk_slots(n: int, frac: float):
@@ -402,15 +417,24 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
             or indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel()
             or out.requires_grad):
         return ref.scatter_add_(out, indices, values)
-    idx = indices.contiguous().numpy()
-    val = values.detach().to(out.dtype).contiguous().numpy()
-    m = idx.size
-    nparts = 1 if m < 4096 else _threads()
-    bad = K.scatter_add(out.numpy(), idx, val, nparts)
+    scatter_add_into(out.numpy(), indices.contiguous().numpy(), values.detach().to(out.dtype).contiguous().numpy())
+    return out
+
+
+def zero_entries(a: np.ndarray, idx: np.ndarray) -> None:
+    """``a[idx] = 0`` for a flat fp32 array and in-range indices (the kernel's scattered write:
+    numpy's fancy index converts the indices first)."""
+    K.zero_at(a.view(np.int32), idx)
+
+
+def scatter_add_into(out: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
+    """The kernel call of :func:`scatter_add_` on numpy arrays (``out`` flat fp32 / fp64, ``idx``
+    int32 / int64, ``val`` of ``out``'s dtype, e.g. views into a gathered message)."""
+    nparts = 1 if idx.size < 4096 else _threads()
+    bad = K.scatter_add(out, idx, val, nparts)
     if bad >= 0:
         raise IndexError(f"scatter_add_: indices[{bad}] = {int(idx[bad])} is out of range "
-                         f"for out of size {out.numel()}")
-    return out
+                         f"for out of size {out.size}")
 
 
 # ---------------------------------------------------------------- random numbers and hashing

@@ -60,6 +60,17 @@ def test_topk_many_ties_and_fallback():
     run_selection(nb, "topk_compact", torch.linspace(-1, 1, 999), 10)
 
 
+@settings(max_examples=40)
+@given(data=st.data(), keys=st.lists(st.one_of(st.integers(0, 2**31 - 1), st.sampled_from(
+    [0, 1, 2**10 - 1, 2**10, 2**20, 2**31 - 1, 0x7F800000, 0x7FC00000])), min_size=1, max_size=300))
+def test_kth_largest_is_the_sorted_keys_kth(data, keys):
+    # The selection's exact k-th key (radix passes): ties, keys that share every prefix but the
+    # last bits, the extremes (0, inf's and NaN's magnitude keys, the largest key).
+    a = np.array(keys, np.int32)
+    k = data.draw(st.integers(1, a.size))
+    assert int(K._kth_largest(a, k)) == int(np.sort(a)[::-1][k - 1])
+
+
 def _feedback_case(x, r, beta, k, scale, alias, velocity=None):
     """``topk_compact_feedback`` on both backends: indices, values and the new residual
     bitwise; ``alias``: the new residual is the residual ("r") or the input ("x") itself;
