@@ -126,6 +126,7 @@ LAYERS = (
     ("gather_kind", "commpress.collectives.quantized", "quantized_allreduce"),
     ("sparse_kind", "commpress.collectives.sparse", "fixed_sparse_allreduce"),
     ("steady_lane", "commpress.collectives.steady", "run"),
+    ("sparse_lane", "commpress.collectives.steady_sparse", "run"),
     ("all_gather", "commpress.collectives._comm", "all_gather"),
     ("dense_path", "commpress.hooks.ddp", "_dense_async"),
 )

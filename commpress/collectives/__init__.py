@@ -7,6 +7,9 @@
   returns the **sum** over ranks, bitwise identical on every rank.  In steady
   state a call costs its payload's messages and nothing more (:mod:`.wire`); a
   ``dense=`` part rides in them where that costs no more bytes (:func:`carries_dense`).
+  A sparsifier's fixed-size payload goes through :func:`.sparse.fixed_sparse_allreduce`; its
+  hottest CPU case, topk under error feedback sending its selection, runs a cached plan per call
+  site (:mod:`.steady_sparse`): the same bytes, without the general path's per-call Python.
 * :func:`sparse_allreduce` and :data:`SPARSE_ALGORITHMS` — sparse sums of
   variable-size ``(indices, values)`` (allgather, recursive doubling, SparCML
   split, Zen hashed, dense, ``"auto"``), with a header exchange per call.

@@ -67,7 +67,7 @@ import torch
 from .. import ops
 from ..compressors.blockquant import BlockQuant
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
-from . import _comm, costmodel, wire
+from . import _comm, costmodel, steady_sparse, wire
 from .accounting import CommStats, codec_timer
 from .wire import (ERRORS, H_COUNT, HASH_RANGE, SKETCH, CollectiveInputError, has_feedback, header_hashed,
                    header_sketch, header_split, try_compress_fixed, unwrap)
@@ -494,6 +494,15 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
         return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
+    flat = tensor.reshape(-1)
+    plan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
+                                  out=out, dense=dense, world=world, whole_choice=whole_choice)
+    if plan is not None:   # the steady-state lane (topk + error feedback on the CPU): the same bytes
+        steady_sparse.run(plan, flat, compressor, group=group, key=key, stats=stats, transaction=transaction,
+                          dense=dense)
+        if stats is not None:
+            stats.add(calls=1, algorithm="allgather")
+        return out
     if world > 1 and has_feedback(compressor):
         if algorithm == "dense":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32,

@@ -121,13 +121,20 @@ def plan_for(flat: torch.Tensor, compressor: Any, *, group, algorithm: str, erro
         model, facts = None, None
     rider = None if dense is None else (dense.tensor.numel(), dense.tensor.dtype)
     key = (_comm.group_key(group), flat.numel(), tuple(bounds), algorithm, rider, facts, min_wire_s)
+    return cached_plan(compressor, key, lambda: _make_plan(flat, compressor.compressor, world, bounds, algorithm,
+                                                           model, rider, min_wire_s))
+
+
+def cached_plan(owner: Any, key: tuple, make) -> Any:
+    """``make()`` (a plan, or ``None``: no lane) made once per ``(owner, key)``: kept while ``owner``
+    (the error feedback) lives, its last 64 keys (a density warm-up's stages, a rebuilt layout)."""
     with _PLANS_LOCK:
-        found = _PLANS.get(compressor, {}).get(key, _UNSEEN)
+        found = _PLANS.get(owner, {}).get(key, _UNSEEN)
     if found is not _UNSEEN:
         return found
-    plan = _make_plan(flat, compressor.compressor, world, bounds, algorithm, model, rider, min_wire_s)
+    plan = make()
     with _PLANS_LOCK:
-        plans = _PLANS.setdefault(compressor, {})
+        plans = _PLANS.setdefault(owner, {})
         if len(plans) >= 64:
             plans.pop(next(iter(plans)))
         plans[key] = plan
