@@ -53,8 +53,8 @@ KERNELS = ("block_absmax", "block_dequantize", "block_quantize", "block_quantize
            "bitmap_encode", "bitmap_write", "bucket_norms", "compensate", "counter_bits", "counter_uniform",
            "fp8_dequantize", "fp8_quantize", "hash_owner", "hash_partition", "level_dequantize", "level_quantize",
            "magnitude_key", "mx_dequantize", "mx_quantize", "pack_bits", "qsgd_quantize", "restore_unselected",
-           "scatter_add", "select_chunks", "select_chunks_feedback", "select_gather", "sign_bits", "sign_pack_feedback",
-           "sign_scales", "sign_unpack", "topk_finish", "unpack_bits", "zero_at")
+           "sample_keys", "scatter_add", "select_chunks", "select_chunks_feedback", "select_gather", "sign_bits",
+           "sign_pack_feedback", "sign_scales", "sign_unpack", "topk_finish", "unpack_bits", "zero_at")
 
 
 class _ThreadClock:

@@ -479,6 +479,29 @@ def _compensate_velocity(x, v, m, r, beta, scale, how, thr, uout, out, flags):
         flags[j] = not abs(c) < thr
 
 
+@njit(**_SOPTS)
+def sample_keys(x, r, beta, scale, how, v, m, runs, run, step, outf, outi):
+    """The top-k threshold's sample of the compensated input, as magnitude keys: for ``runs`` runs of
+    ``run`` entries ``step`` apart, ``c = x*scale`` (``how`` bit 4) ``+ v*m`` (bit 16) ``+ r*beta``
+    (bit 1; ``beta`` with bit 2), each product and sum rounded to fp32 as numpy rounds them, written
+    into ``outf`` and its int32 view ``outi`` masked to the key (one pass over the sample, no
+    temporary arrays)."""
+    for i in range(runs):
+        base = i * step
+        for j in range(run):
+            p = base + j
+            c = x[p]
+            if how & 4:
+                c = c * scale
+            if how & 16:
+                c = c + v[p] * m
+            if how & 1:
+                c = c + (r[p] * beta if how & 2 else r[p])
+            outf[i * run + j] = c
+    for q in range(runs * run):
+        outi[q] = outi[q] & _ABS
+
+
 @njit(inline="always", **_SOPTS)
 def _compensate_piece(x, v, m, r, beta, scale, how, thr, uout, out, flags, p0, p1):
     """:func:`_compensate` (or, ``how`` bit 8, :func:`_compensate_velocity`) of ``[p0, p1)``."""

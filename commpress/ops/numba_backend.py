@@ -346,17 +346,13 @@ def topk_feedback_arrays(xf: np.ndarray, rf: np.ndarray | None, beta: float, sca
     vf, m32, uf, vbits = _velocity_args(velocity, xf)
     how |= vbits
 
-    def sample_keys(m: int) -> np.ndarray:
-        with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are keys like any other
-            c = _sample_runs(xf, m)
-            if how & 4:
-                c = c * s32
-            if how & 16:  # the velocity, unfused: the sample only places the threshold
-                c = c + _sample_runs(vf, m) * m32
-            if has_r:
-                rs = _sample_runs(rf, m)
-                c = c + (rs * b32 if how & 2 else rs)
-        return np.ascontiguousarray(c).view(np.int32) & _MAX_KEY
+    def sample_keys(m: int) -> np.ndarray:   # the runs of _sample_runs, compensated in one kernel pass
+        run = min(SAMPLE_RUN, m)
+        runs = m // run
+        keys = np.empty(runs * run, np.int32)
+        # the velocity, unfused (how bit 16): the sample only places the threshold
+        K.sample_keys(xf, rf, b32, s32, how, vf, m32, runs, run, n // runs, keys.view(np.float32), keys)
+        return keys
 
     if k == 0:  # compensate only
         K.compensate(xf, rf, b32, s32, how, out, _chunk(n), vf, m32, uf)

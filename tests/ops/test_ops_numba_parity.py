@@ -158,6 +158,30 @@ def test_the_topk_sample_is_evenly_spaced_runs_of_consecutive_entries(monkeypatc
     assert (np.diff(starts) == 70_000 // 64).all() and starts[0] == 0 and s[-1, -1] < a.size
 
 
+def test_the_sample_keys_kernel_rounds_as_numpy():
+    """The threshold sample's keys (one kernel pass) are numpy's fp32 arithmetic on the same runs,
+    bit for bit, for every combination of scale, velocity and residual, NaN and inf included."""
+    g = np.random.default_rng(3)
+    x, r, v = (g.standard_normal(4096).astype(np.float32) for _ in range(3))
+    x[[5, 77, 1000]] = [np.inf, np.nan, -np.inf]
+    r[9] = np.nan
+    s32, b32, m32 = np.float32(1 / 3), np.float32(0.9), np.float32(0.875)
+    runs, run = 32, 4
+    step = x.size // runs
+    for how in range(32):
+        if how & 2 and not how & 1:
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):
+            xs, vs, rs = (a[:runs * step].reshape(runs, step)[:, :run] for a in (x, v, r))
+            c = xs * s32 if how & 4 else xs
+            c = c + vs * m32 if how & 16 else c
+            c = c + (rs * b32 if how & 2 else rs) if how & 1 else c
+        want = np.ascontiguousarray(c, dtype=np.float32).view(np.int32).reshape(-1) & 0x7FFFFFFF
+        keys = np.empty(runs * run, np.int32)
+        K.sample_keys(x, r, b32, s32, how, v, m32, runs, run, step, keys.view(np.float32), keys)
+        assert np.array_equal(keys, want), how
+
+
 def test_topk_compact_feedback_ties_and_rescans():
     # Few distinct magnitudes: the sampled threshold admits too few (another pass over the
     # compensated values) or far too many (chunks overflow their slots and are rescanned).
