@@ -4,8 +4,8 @@
 call goes through the compressor chain's layers (error feedback, the compressor, the ops dispatch
 and the numba backend's checks), builds the message's layout and signature, writes it with torch
 ops on small views and decodes each rank's entries through the dispatch again: about 650 Python
-calls, 2 ms of a one-core rank's CPU per bucket whatever its size (``/work/prof`` probe of the
-digits bucket at 64K elements).  A training step calls it with the same static facts every time.
+calls, near 2 ms of a one-core rank's CPU per call on a 64K-element bucket, most of it not the
+kernels.  A training step calls it with the same static facts every time.
 
 This lane is what the call reduces to in the DDP hook's topk steps once the selection is the
 smaller message (after the density warm-up's first stages): :class:`~commpress.compressors.TopK`
