@@ -89,20 +89,27 @@ _UNSEEN = object()
 
 def _runs(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str]) -> bool:
     """Whether this call can take the lane (the cheap checks; the plan checks the algorithm)."""
+    inner = getattr(compressor, "compressor", None)
+    return (type(inner) is BlockQuant and not inner.stochastic
+            and cpu_feedback_call(compressor, flat, out, error, ("block_quantize_feedback", "block_dequantize_sum")))
+
+
+def cpu_feedback_call(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str],
+                      ops_used: tuple[str, ...]) -> bool:
+    """The checks every CPU lane makes: plain :class:`~commpress.ErrorFeedback` (no ``clip``), no
+    local error, ``flat`` a contiguous fp32 CPU tensor outside autograd, ``out`` its own buffer,
+    ``ops_used`` on the numba backend, and momentum correction only where the kernels know how torch
+    rounds the velocity."""
     if type(compressor) is not ErrorFeedback or error != (0, "") or compressor.clip is not None:
-        return False
-    inner = compressor.compressor
-    if type(inner) is not BlockQuant or inner.stochastic:
         return False
     if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.requires_grad:
         return False
     if (out is None or out.data_ptr() != flat.data_ptr() or not out.is_contiguous() or out.dtype != torch.float32
             or out.numel() != flat.numel()):
         return False
-    if (ops._resolve("block_quantize_feedback", flat.device)[0] != "numba"
-            or ops._resolve("block_dequantize_sum", flat.device)[0] != "numba"):
+    if any(ops._resolve(op, flat.device)[0] != "numba" for op in ops_used):
         return False
-    return not compressor.momentum or _nb().velocity_mode() is not None   # the kernels know torch's rounding
+    return not compressor.momentum or _nb().velocity_mode() is not None
 
 
 def plan_for(flat: torch.Tensor, compressor: Any, *, group, algorithm: str, error: tuple[int, str],

@@ -61,19 +61,8 @@ class Plan:
 
 def _runs(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str]) -> bool:
     """Whether this call can take the lane (the cheap checks; the plan checks the choice)."""
-    if type(compressor) is not ErrorFeedback or error != (0, "") or compressor.clip is not None:
-        return False
-    if type(compressor.compressor) is not TopK:
-        return False
-    if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.requires_grad:
-        return False
-    if (out is None or out.data_ptr() != flat.data_ptr() or not out.is_contiguous() or out.dtype != torch.float32
-            or out.numel() != flat.numel()):
-        return False
-    if (ops._resolve("topk_compact_feedback", flat.device)[0] != "numba"
-            or ops._resolve("scatter_add_", flat.device)[0] != "numba"):
-        return False
-    return not compressor.momentum or steady._nb().velocity_mode() is not None
+    return (type(getattr(compressor, "compressor", None)) is TopK
+            and steady.cpu_feedback_call(compressor, flat, out, error, ("topk_compact_feedback", "scatter_add_")))
 
 
 def plan_for(flat: torch.Tensor, compressor: Any, *, group, algorithm: str, step: int, error: tuple[int, str],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bitwise import same
 from distributed import run
 
 import commpress
@@ -96,16 +97,6 @@ def meaningful(sent: list[torch.Tensor], world: int, pipelined: bool, rider: boo
                n: int = N) -> list[torch.Tensor]:
     layout = regions(world, pipelined, rider, bits, n)
     return [torch.cat([m[a:b] for a, b in layout[i % len(layout)]]) for i, m in enumerate(sent)]
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def lane_worker(rank, world):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bitwise import same
 from distributed import run
 
 import commpress
@@ -83,16 +84,6 @@ def _meaningful(message: torch.Tensor, k: int, dense) -> torch.Tensor:
     """The status word and each tensor's bytes (the alignment padding is left unwritten)."""
     spans = [(0, wire.STATUS_BYTES)] + [(off, off + size) for _, _, off, size in _layout(k, dense).specs]
     return torch.cat([message[a:b] for a, b in spans])
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def lane_worker(rank, world):
