@@ -18,7 +18,7 @@ warm-up): what is left of ``worker`` beyond it is the framework, the Python and 
 the kernels.
 
 ``--layers`` also times the hook's layers (:data:`LAYERS`: the bucket on the worker, the unit, the
-collective call, the compressor kind's path, the steady-state lane, the all_gather, the dense path
+collective call, the compressor kind's path, the steady-state lanes, the all_gather, the dense path
 of DDP's own steps): the thread CPU per step inside each, inclusive, so the difference between a
 layer and the next one inside it is that layer's own Python and torch calls.
 

@@ -254,7 +254,13 @@ def _put_dense(d: torch.Tensor, buf: torch.Tensor, raw: np.ndarray, at: int) -> 
         raw[at:at + 4 * d.numel()].view(np.float32)[:] = d.numpy()
     else:
         buf[at:at + d.numel() * d.element_size()].view(d.dtype).copy_(d)
-    return d.numel() > 0 and not math.isfinite(d.sum(dtype=torch.float32).numpy())
+    return host_nonfinite(d)
+
+
+def host_nonfinite(t: torch.Tensor) -> bool:
+    """A CPU tensor's NaN/inf verdict as a Python bool: :func:`~commpress.feedback.nonfinite_flag`'s
+    test (its fp32 sum is not finite), read through numpy (host memory: no device sync)."""
+    return t.numel() > 0 and not math.isfinite(t.sum(dtype=torch.float32).numpy())
 
 
 def _put_status(raw: np.ndarray, device: torch.device, code: int, sig: int, bad: bool) -> None:

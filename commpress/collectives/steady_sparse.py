@@ -29,7 +29,6 @@ general path.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +166,7 @@ def _encode(flat: torch.Tensor, ef: ErrorFeedback, k: int, key: Any, idx: np.nda
     if k:
         idx[:] = chosen
         val.view(np.int32)[:] = bits
-        bad = not math.isfinite(torch.from_numpy(bits.view(np.float32)).sum(dtype=torch.float32).numpy())
+        bad = steady.host_nonfinite(torch.from_numpy(bits.view(np.float32)))
         if ef.momentum and ef.masking:   # momentum factor masking: the sent entries' velocity restarts
             v = ef._velocity_pending[key].numpy()
             nb.zero_entries(v, chosen)

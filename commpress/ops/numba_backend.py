@@ -165,10 +165,16 @@ def _sample_runs(a: np.ndarray, m: int) -> np.ndarray:
     spaced runs of :data:`SAMPLE_RUN` consecutive ones: a ``(runs, SAMPLE_RUN)`` view, no copy.  A run
     is one cache line of fp32, so a sample reads ``m / 16`` lines of a cold gradient, where a
     stride of one entry per line read ``m``."""
+    runs, run, step = _sample_geometry(a.size, m)
+    return a[:runs * step].reshape(runs, step)[:, :run]   # a view (as_strided costs tens of microseconds)
+
+
+def _sample_geometry(size: int, m: int) -> tuple[int, int, int]:
+    """``(runs, run, step)`` of :func:`_sample_runs`' ``m`` entries of ``size``: ``runs`` runs of
+    ``run`` consecutive entries, ``step`` apart (``>= 4 * run``: the runs never overlap)."""
     run = min(SAMPLE_RUN, m)
     runs = m // run
-    step = a.size // runs   # >= 4 * run: the runs never overlap
-    return a[:runs * step].reshape(runs, step)[:, :run]   # a view (as_strided costs tens of microseconds)
+    return runs, run, size // runs
 
 
 def _candidate_thresholds(xi: np.ndarray, k: int, sample_keys=None):
@@ -347,11 +353,10 @@ def topk_feedback_arrays(xf: np.ndarray, rf: np.ndarray | None, beta: float, sca
     how |= vbits
 
     def sample_keys(m: int) -> np.ndarray:   # the runs of _sample_runs, compensated in one kernel pass
-        run = min(SAMPLE_RUN, m)
-        runs = m // run
+        runs, run, step = _sample_geometry(n, m)
         keys = np.empty(runs * run, np.int32)
         # the velocity, unfused (how bit 16): the sample only places the threshold
-        K.sample_keys(xf, rf, b32, s32, how, vf, m32, runs, run, n // runs, keys.view(np.float32), keys)
+        K.sample_keys(xf, rf, b32, s32, how, vf, m32, runs, run, step, keys.view(np.float32), keys)
         return keys
 
     if k == 0:  # compensate only
