@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <atomic>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -29,40 +28,29 @@ struct dim3 {
 
 namespace cuhost {
 
-// A reusable barrier for a fixed number of threads.  Arrivals count on an atomic; a waiter yields a
-// few times while the generation it waits for is about to change (the common case: the last
-// threads of a block are already running), then sleeps on a condition variable, leaving the cores
-// to the threads still running (there are more threads than cores).  The atomics' acquire/release
-// order the block's writes before the barrier with its reads after, as ThreadSanitizer sees.
+// A reusable barrier for a fixed number of threads (mutex + condition variable: TSan-visible;
+// sleeping waiters leave the cores to the threads still running, there being more than cores).
 class Barrier {
  public:
   explicit Barrier(int n) : n_(n) {}
   void wait() {
-    const unsigned gen = gen_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      {
-        std::lock_guard<std::mutex> lock(m_);
-        gen_.store(gen + 1, std::memory_order_release);
-      }
-      cv_.notify_all();
-      return;
-    }
-    for (int i = 0; i < kYields; ++i) {
-      if (gen_.load(std::memory_order_acquire) != gen) return;
-      std::this_thread::yield();
-    }
     std::unique_lock<std::mutex> lock(m_);
-    cv_.wait(lock, [&] { return gen_.load(std::memory_order_acquire) != gen; });
+    unsigned gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen != gen_; });
+    }
   }
 
  private:
-  static constexpr int kYields = 8;
   std::mutex m_;
   std::condition_variable cv_;
   const int n_;
-  std::atomic<int> arrived_{0};
-  std::atomic<unsigned> gen_{0};
+  int count_ = 0;
+  unsigned gen_ = 0;
 };
 
 struct Block {
