@@ -63,7 +63,7 @@ TRAINS = ("topk", "blockquant", "powersgd")
 
 def _model(dry_run: bool) -> nn.Module:
     """An MLP: 1.2M parameters on the GPU; 4k on the dry run (the host build runs each CUDA thread
-    on a host thread: slow), one layer of which is compressed (min_numel 1024)."""
+    as a fiber on one core: slow), one layer of which is compressed (min_numel 1024)."""
     width = 24 if dry_run else 1024
     return nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, 10))

@@ -13,7 +13,7 @@ export HYPOTHESIS_PROFILE=ci
 export COMMPRESS_CALIBRATION_REPS="${COMMPRESS_CALIBRATION_REPS:-3}"
 # The whole suite: the numba parity tests on ~1e6-element inputs compile most of the parallel
 # kernels cold (about 2 minutes of one core; numba caches them for the rest). They start beside
-# the host check, which keeps one core busy for about a minute, and finish beside the others.
+# the host check, which keeps one core busy for about 20 s, and finish beside the others.
 early=tests/ops/test_ops_numba_large.py
 early_log=$(mktemp)
 early_pid=

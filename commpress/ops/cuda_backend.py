@@ -9,7 +9,7 @@ The ops here are written once against a *launcher*, which runs a named kernel of
   another GPU), and launches go to torch's current stream of the tensor's device with
   ``data_ptr()`` arguments (no DLPack per launch).  Outputs are allocated by torch.
 * :class:`HostLauncher` (CI): the same sources built for the host by ``kernels/host/build.py``
-  (one host thread per CUDA thread, real barriers), run on CPU tensors.  It checks every
+  (one fiber per CUDA thread, real barriers), run on CPU tensors.  It checks every
   argument against the kernel's signature, so the parity tests run *this* wrapper, not a copy.
 
 Host synchronization: none in ``topk_compact`` (the k-th key is found by a radix select on the
@@ -193,8 +193,9 @@ _SIZES = {"i32": 4, "i64": 8, "u32": 4, "u64": 8, "f32": 4, "f64": 8, "u8": 1}
 class HostLauncher:
     """Launches the host build of the kernels (``kernels/host/build.py``) on CPU tensors.
 
-    ``threads`` per block (a multiple of 32; each is a host thread) and ``max_grid`` are small
-    so that tests cover multi-warp blocks and grid-stride loops on small inputs.  With
+    ``threads`` per block (a multiple of 32; each is a fiber of the launching thread) and
+    ``max_grid`` are small so that tests cover multi-warp blocks and grid-stride loops on small
+    inputs.  With
     ``reads_are_free = False`` it behaves like the GPU for error reporting (tests of the no-sync path).
     """
 

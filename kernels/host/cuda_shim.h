@@ -1,13 +1,20 @@
 // Host shim: compiles kernels/*.cu as plain C++ so CI (no GPU) can run them.
 //
-// One launch runs every block of the grid in turn on blockDim.x std::threads (a thread of the
-// kernel is a host thread, from a pool kept between launches), so __syncthreads, warp shuffles
-// and ballots are real barriers that ThreadSanitizer can check.  __shared__ becomes `static`
-// (one block runs at a time; a barrier separates consecutive blocks; launches are serialized).
-// Only what the kernels use is mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks,
-// integer atomics and compare-and-swap.  fp32 math is plain C++ (build with -ffp-contract=off, no
-// -ffast-math): IEEE round to nearest, subnormals kept, which is what the __f*_rn intrinsics and
-// NVRTC's default -ftz=false give.
+// One launch runs every block of the grid in turn, with one execution context per CUDA thread of
+// the block, so __syncthreads, warp shuffles and ballots are real barriers: no thread passes one
+// before every thread it names has arrived.  Two ways to run those contexts:
+//  * fibers (the default): user-space contexts (ucontext) on the launching thread, switched only
+//    at barriers.  A barrier costs a few context switches instead of waking 64 kernel threads on
+//    two cores; each pass over the waiting fibers runs them in a different order (a seeded
+//    permutation), so a kernel whose result depends on the order of threads between barriers
+//    (a missing barrier) does not pass by luck of one fixed order;
+//  * std::threads, from a pool kept between launches (built with -fsanitize=thread, or with
+//    -DCUHOST_THREADS): what ThreadSanitizer checks for data races (kernels/host/tsan_driver.cpp).
+// __shared__ becomes `static` (one block runs at a time; launches are serialized).  Only what the
+// kernels use is mapped: 1-D grids, blockDim.x a multiple of 32, full-warp masks, integer atomics
+// and compare-and-swap.  fp32 math is plain C++ (build with -ffp-contract=off, no -ffast-math):
+// IEEE round to nearest, subnormals kept, which is what the __f*_rn intrinsics and NVRTC's default
+// -ftz=false give.
 #pragma once
 
 #include <algorithm>
@@ -22,17 +29,32 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SANITIZE_THREAD__) && !defined(CUHOST_THREADS)
+#define CUHOST_THREADS 1
+#endif
+#ifndef CUHOST_THREADS
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+#endif
+
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 
 namespace cuhost {
 
-// A reusable barrier for a fixed number of threads (mutex + condition variable: TSan-visible;
-// sleeping waiters leave the cores to the threads still running, there being more than cores).
+#ifndef CUHOST_THREADS
+inline void fiber_yield();  // back to the scheduler: another fiber runs (defined below)
+#endif
+
+// A reusable barrier for a fixed number of threads.  Threads: mutex + condition variable
+// (TSan-visible; sleeping waiters leave the cores to the threads still running, there being more
+// than cores).  Fibers: a waiter yields until the last arrival has opened the barrier.
 class Barrier {
  public:
   explicit Barrier(int n) : n_(n) {}
+#ifdef CUHOST_THREADS
   void wait() {
     std::unique_lock<std::mutex> lock(m_);
     unsigned gen = gen_;
@@ -44,10 +66,23 @@ class Barrier {
       cv_.wait(lock, [&] { return gen != gen_; });
     }
   }
+#else
+  void wait() {
+    unsigned gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      return;
+    }
+    while (gen == gen_) fiber_yield();
+  }
+#endif
 
  private:
+#ifdef CUHOST_THREADS
   std::mutex m_;
   std::condition_variable cv_;
+#endif
   const int n_;
   int count_ = 0;
   unsigned gen_ = 0;
@@ -109,6 +144,7 @@ inline unsigned ballot(bool pred) {
   return bits;
 }
 
+#ifdef CUHOST_THREADS
 // The host threads that play the CUDA threads, kept between launches (creating 64 threads per
 // launch costs more than most kernels).  Worker t runs thread t of every block of a launch.
 // Not fork-safe: a forked child must not launch (the tests never fork after loading the library).
@@ -185,6 +221,114 @@ void launch(unsigned grid, unsigned threads, F body) {
   static Pool pool;
   pool.run(grid, threads, std::function<void()>(body));
 }
+#else
+// The fibers that play the CUDA threads of one block, on the thread that launches.  Each has its
+// own stack (kept between launches, a guard page below it: an overflow faults instead of
+// corrupting a neighbour).  The scheduler resumes every unfinished fiber once per pass, in an
+// order drawn anew for each pass; a fiber runs until it waits at a barrier or returns.
+class Fibers {
+ public:
+  static constexpr size_t kStack = 256 * 1024;
+
+  ~Fibers() {
+    for (Fiber& f : fibers_) munmap(f.mem, f.size);
+  }
+
+  void run(unsigned grid, unsigned threads, const std::function<void()>& body) {
+    std::lock_guard<std::mutex> serial(launch_mutex_);  // one launch at a time (static __shared__)
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    while (fibers_.size() < threads) {
+      Fiber f;
+      f.size = kStack + page;
+      f.mem = mmap(nullptr, f.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (f.mem == MAP_FAILED) throw std::bad_alloc();
+      mprotect(f.mem, page, PROT_NONE);  // the stack grows down into this page: a fault
+      fibers_.push_back(f);
+    }
+    order_.resize(threads);
+    body_ = &body;
+    current_ = this;
+    for (unsigned b = 0; b < grid; ++b) {
+      Block blk((int)threads);
+      tl_blk = &blk;
+      tl_block.x = b;
+      tl_block_dim.x = threads;
+      tl_grid_dim.x = grid;
+      for (unsigned t = 0; t < threads; ++t) {
+        Fiber& f = fibers_[t];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = (char*)f.mem + page;
+        f.ctx.uc_stack.ss_size = f.size - page;
+        f.ctx.uc_link = &sched_;
+        makecontext(&f.ctx, &Fibers::entry, 0);
+        f.done = false;
+      }
+      unsigned live = threads;
+      while (live) {
+        shuffle(threads);
+        for (unsigned i = 0; i < threads; ++i) {
+          unsigned t = order_[i];
+          Fiber& f = fibers_[t];
+          if (f.done) continue;
+          tl_thread.x = t;
+          running_ = &f;
+          swapcontext(&sched_, &f.ctx);
+          if (f.done) --live;
+        }
+      }
+      tl_blk = nullptr;
+    }
+    current_ = nullptr;
+  }
+
+  void yield() { swapcontext(&running_->ctx, &sched_); }
+
+  static Fibers* current() { return current_; }
+
+ private:
+  struct Fiber {
+    ucontext_t ctx;
+    void* mem = nullptr;
+    size_t size = 0;
+    bool done = true;
+  };
+
+  static void entry() {
+    Fibers* self = current_;
+    (*self->body_)();
+    self->running_->done = true;  // returning resumes uc_link: the scheduler
+  }
+
+  // A new order of the fibers for the next pass (xorshift; the same sequence in every process).
+  void shuffle(unsigned n) {
+    for (unsigned i = 0; i < n; ++i) order_[i] = i;
+    for (unsigned i = n; i > 1; --i) {
+      seed_ ^= seed_ << 13;
+      seed_ ^= seed_ >> 7;
+      seed_ ^= seed_ << 17;
+      std::swap(order_[i - 1], order_[seed_ % i]);
+    }
+  }
+
+  static inline thread_local Fibers* current_ = nullptr;
+  std::mutex launch_mutex_;
+  std::vector<Fiber> fibers_;
+  std::vector<unsigned> order_;
+  const std::function<void()>* body_ = nullptr;
+  Fiber* running_ = nullptr;
+  ucontext_t sched_;
+  uint64_t seed_ = 0x9e3779b97f4a7c15ull;
+};
+
+inline void fiber_yield() { Fibers::current()->yield(); }
+
+template <typename F>
+void launch(unsigned grid, unsigned threads, F body) {
+  static Fibers fibers;
+  fibers.run(grid, threads, std::function<void()>(body));
+}
+#endif
+
 
 }  // namespace cuhost
 

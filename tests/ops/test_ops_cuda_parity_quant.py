@@ -1,7 +1,7 @@
 """The CUDA kernels of fp8, MX, QSGD/TernGrad levels and signsgd error feedback match the torch
 reference bit for bit, on the host build of kernels/*.cu (CI) and on a GPU (``gpu`` mark).
 
-Sizes are small on the host (each CUDA thread is a host thread); the GPU twin runs larger ones.
+Sizes are small on the host (each CUDA thread is a fiber of the host shim); the GPU twin runs larger ones.
 """
 
 from __future__ import annotations
