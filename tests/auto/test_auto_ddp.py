@@ -616,8 +616,8 @@ def revert_worker(rank, world):
     _train(model, opt, rank, range(12, 18))
     switched = {n: e["choice"] for n, e in state.stats.as_dict()["auto"].items()}
     probation = auto.decider.on_probation
-    for step in range(18, 22):                   # the new plan's window: slower steps (probation ends at 21)
-        time.sleep(0.04)
+    for step in range(18, 22):                   # the new plan's window: slower steps (probation ends at 21),
+        time.sleep(0.1)                          # by far more than a step slowed by other tests beside
         train_step(model, opt, rank, step)
     undone = {n: (e["choice"], e["switches"]) for n, e in state.stats.as_dict()["auto"].items()}
     _train(model, opt, rank, range(22, 26))      # the regular check point at 25: the plan is barred

@@ -12,6 +12,7 @@ refused on every rank, and a rank that fails to measure raising on both.
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 import torch
@@ -150,19 +151,37 @@ def auto_worker(rank, world):
     # if the link had slowed down 100x after registration) is corrected after two check windows
     # that read it so, from the seconds inside the units' reduce-scatters.  Dense only: one plan
     # throughout (a switch would start a new reference window, whatever the timings)
-    model8 = fsdp_shard(small_net(), world)
-    opt8 = torch.optim.SGD(model8.parameters(), lr=0.05)
-    state8 = commpress.fsdp.register(model8, "auto", check_every=1, candidates=[("dense",)])
-    auto8 = state8.codec
-    auto8.network = _net(world, CostModel(0.0, 1e-9, 0.0, 0.0))    # seconds per byte only
-    for step in range(5):
-        train_step(model8, opt8, rank, step)
-    before = auto8.link.scale
-    auto8.network = _net(world, CostModel(0.0, 1e-11, 0.0, 0.0))
-    for step in range(5, 8):
-        train_step(model8, opt8, rank, step)
-    out["link"] = (before, auto8.link.scale, state8.stats.as_dict()["auto_network"])
-    state8.close()
+    # Each reduce-scatter is held 20 ms (a slow link): what is measured is then the link's, not the
+    # loopback's microseconds, whose scheduling noise (a rank descheduled beside other tests) could
+    # rescale the model on its own before the change
+    import commpress.hooks.fsdp as fsdp_hook
+
+    class SlowLink:
+        def __getattr__(self, name):
+            return getattr(torch.distributed, name)
+
+        @staticmethod
+        def reduce_scatter_single(*a, **k):
+            time.sleep(0.02)
+            return torch.distributed.reduce_scatter_single(*a, **k)
+
+    fsdp_hook.dist = SlowLink()
+    try:
+        model8 = fsdp_shard(small_net(), world)
+        opt8 = torch.optim.SGD(model8.parameters(), lr=0.05)
+        state8 = commpress.fsdp.register(model8, "auto", check_every=1, candidates=[("dense",)])
+        auto8 = state8.codec
+        auto8.network = _net(world, CostModel(0.0, 1e-9, 0.0, 0.0))    # seconds per byte only
+        for step in range(5):
+            train_step(model8, opt8, rank, step)
+        before = auto8.link.scale
+        auto8.network = _net(world, CostModel(0.0, 1e-11, 0.0, 0.0))
+        for step in range(5, 8):
+            train_step(model8, opt8, rank, step)
+        out["link"] = (before, auto8.link.scale, state8.stats.as_dict()["auto_network"])
+        state8.close()
+    finally:
+        fsdp_hook.dist = torch.distributed
 
     # an optimizer attached after registration (Lightning): the unit codecs get its momentum
     model7 = fsdp_shard(small_net(), world)
