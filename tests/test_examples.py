@@ -30,15 +30,19 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2, timeout: float = 150,
-              env: dict[str, str] | None = None) -> str:
-    """Run ``examples/<script>`` on ``world`` ranks with a fresh file store; rank 0's stdout."""
+def start_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2,
+                env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``examples/<script>`` on ``world`` ranks with a fresh file store."""
     store = tmp_path / f"store-{os.urandom(4).hex()}"
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(COMMPRESS_INIT_METHOD=f"file://{store}", RANK=str(r), LOCAL_RANK=str(r),
-                                       WORLD_SIZE=str(world), **(env or {})))
-             for r in range(world)]
+    return [subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env(COMMPRESS_INIT_METHOD=f"file://{store}", RANK=str(r), LOCAL_RANK=str(r),
+                                      WORLD_SIZE=str(world), **(env or {})))
+            for r in range(world)]
+
+
+def finish_ranks(procs: list[subprocess.Popen], script: str, timeout: float = 150) -> str:
+    """Wait for the ranks of :func:`start_ranks` (killed after ``timeout``); rank 0's stdout."""
     outs = []
     try:
         for p in procs:
@@ -52,6 +56,12 @@ def run_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2, time
     return outs[0]
 
 
+def run_ranks(script: str, args: list[str], tmp_path: Path, world: int = 2, timeout: float = 150,
+              env: dict[str, str] | None = None) -> str:
+    """Run ``examples/<script>`` on ``world`` ranks with a fresh file store; rank 0's stdout."""
+    return finish_ranks(start_ranks(script, args, tmp_path, world, env), script, timeout)
+
+
 def _result(out: str) -> dict[str, str]:
     line = next(ln for ln in out.splitlines() if ln.startswith("step "))
     return dict(re.findall(r"(\S+) (\S+)", line))
@@ -59,9 +69,17 @@ def _result(out: str) -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 def test_ddp_example_trains_and_resumes_bitwise(tmp_path):
-    whole = _result(run_ranks("ddp_train.py", ["--steps", "8"], tmp_path))
     ckpt = tmp_path / "ckpt"
-    half = _result(run_ranks("ddp_train.py", ["--steps", "4", "--ckpt", str(ckpt)], tmp_path))
+    # the uninterrupted run and the first half side by side (their ranks mostly import and wait)
+    whole_ranks = start_ranks("ddp_train.py", ["--steps", "8"], tmp_path)
+    half_ranks = start_ranks("ddp_train.py", ["--steps", "4", "--ckpt", str(ckpt)], tmp_path)
+    try:
+        whole = _result(finish_ranks(whole_ranks, "ddp_train.py"))
+        half = _result(finish_ranks(half_ranks, "ddp_train.py"))
+    finally:
+        for p in half_ranks:
+            if p.poll() is None:
+                p.kill()
     assert (ckpt / "hook-rank0.pt").exists() and (ckpt / "hook-rank1.pt").exists()
     resumed = _result(run_ranks("ddp_train.py", ["--steps", "8", "--ckpt", str(ckpt)], tmp_path))
     assert float(whole["ratio"].rstrip("x")) > 2.0          # blockquant 8-bit went compressed
