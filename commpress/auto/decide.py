@@ -56,7 +56,9 @@ Python floats only, a fixed order: bitwise the same plan for the same inputs.
 
 Hysteresis (:class:`Decider`): the plan in use is replaced only when the new
 one's ``J`` is lower by more than ``margin × J(current)`` (the first plan, from all
-dense, by more than :data:`FIRST_MARGIN`).  It is
+dense, by more than :data:`FIRST_MARGIN`; one predicted to gain less than
+:data:`CONFIDENT_GAIN` waits for a check point that has measured the all-dense step, so that
+its outcome can be judged).  It is
 re-evaluated ``every`` steps, or sooner when the agreed bandwidth, latency or
 overlap moved by more than ``drift`` (relative) since the last decision.
 
@@ -619,6 +621,16 @@ def drifted(old: Signature, new: Signature, fraction: float) -> bool:
 #: check point, which has the measured per-call cost.
 FIRST_MARGIN = 0.15
 
+#: The predicted gain over all dense (``1 - J(plan) / J(all dense)``) from which the first plan is
+#: taken at the first check point even when no step of the all-dense start has been measured yet
+#: (the first check point ends the first timed step: no window of two).  Below it, the first plan
+#: waits for the next check point, which has the all-dense window's measured step: a switch is judged
+#: by its outcome against the plan before it (``revert``), and without that step a first plan the
+#: model mispriced (one overhead run on loopback kept a compressing plan at 1.39x DDP) would stand for
+#: ``every`` steps.  Where compressing pays, the first plan gains more (digits at 1 Gbit/s: 55%) and
+#: starts at once; a gain this small costs little while it waits (4 steps).
+CONFIDENT_GAIN = 0.4
+
 #: How much worse (relative) a new plan's measured ``step × price`` may be than the plan's before it
 #: before the switch is undone (:meth:`Decider.update`).  Above the window-to-window noise of a shared
 #: machine (its medians moved by up to 10–15% with nothing changed); below the misses it is there for:
@@ -634,7 +646,9 @@ class Decider:
     when ``every`` steps passed since the last decision, when :func:`drifted` by more than
     ``drift``, or at the first call; a new plan replaces the current one only when it is
     predicted better by more than ``margin`` (relative ``J``; the first decision, from all dense,
-    by more than :data:`FIRST_MARGIN` when that is larger).  Everything it keeps is in
+    by more than :data:`FIRST_MARGIN` when that is larger, and without a measured step of the
+    all-dense start by at least :data:`CONFIDENT_GAIN`, else it waits for the next check point:
+    :attr:`decided_at` stays ``None``).  Everything it keeps is in
     :meth:`state_dict` (Python numbers and strings: a resume decides bitwise alike).
     """
 
@@ -695,16 +709,25 @@ class Decider:
                 return undone
         if not self.due(step, m):
             return self.current, ()
+        first = self.decided_at is None   # no plan decided yet: all dense (perhaps a deferred first plan)
         old = self.current.choices if self.current is not None else None
         if old is not None and len(old) != len(m.buckets):
             old = None
+        dense = tuple(Choice(Candidate("dense")) for _ in m.buckets)
         new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
-                     current=old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets),
-                     margin=self.margin if old is not None else max(self.margin, FIRST_MARGIN))
+                     current=old if old is not None else dense,
+                     margin=max(self.margin, FIRST_MARGIN) if first else self.margin)
         if old is not None and self._barred(step, m, new.choices):
             new = self._kept(m, old)
-        base = old if old is not None else tuple(Choice(Candidate("dense")) for _ in m.buckets)
+        base = old if old is not None else dense
         switched = tuple(b for b, c in enumerate(new.choices) if c != base[b])
+        if switched and first and self.current is None and measured_s <= 0.0:
+            start = self._kept(m, dense)
+            if new.objective > (1.0 - CONFIDENT_GAIN) * start.objective:
+                # a first plan of modest predicted gain, and no measured all-dense step to judge it
+                # by: all dense until the next check point, which decides with that step measured
+                self.current, self.decided_at, self.watched = start, None, None
+                return start, ()
         if switched:   # on probation until the next check point (its window measures the new plan)
             before = self.current if old is not None else Decision(base, (0.0,) * len(base), 0.0, 1.0, 0.0)
             self.previous, self.previous_s, self.switched_at = before, measured_s, int(step)

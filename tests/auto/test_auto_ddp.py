@@ -643,6 +643,45 @@ def test_a_switch_measured_slower_is_undone_and_barred():
     assert torch.equal(a["params"], b["params"])
 
 
+def waiting_worker(rank, world):
+    """Every first plan waits for a measured all-dense step (CONFIDENT_GAIN above any gain): the
+    check point that ends the first compressed step keeps every bucket dense and decides nothing;
+    the early one decides, with the dense window's measured step as the switch's reference."""
+    import importlib
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    importlib.import_module("commpress.auto.decide").CONFIDENT_GAIN = 1.01   # the module (not the function)
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = commpress.ddp.register(model, "auto", min_numel=256, check_every=8, every=1000, remeasure=False,
+                                   candidates=[("blockquant", 8)])
+    auto = state.codec
+    auto.network = Network(world, SLOW)
+    seen = []
+    real_check = auto.check
+
+    def check(step, group):
+        out = real_check(step, group)
+        seen.append((step, sorted(set(e["choice"] for e in state.stats.as_dict()["auto"].values())),
+                     auto.decider.decided_at, auto.decider.previous_s))
+        return out
+
+    auto.check = check
+    _train(model, opt, rank, range(7))
+    state.close()
+    return {"seen": seen, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def test_a_first_plan_of_modest_gain_waits_for_a_measured_dense_step():
+    a, b = run(waiting_worker, 2, timeout=110)
+    assert [s[:3] for s in a["seen"]] == [s[:3] for s in b["seen"]] and torch.equal(a["params"], b["params"])
+    (first, kinds1, decided1, _), (early, kinds2, decided2, reference) = a["seen"]
+    assert (first, kinds1, decided1) == (1, ["dense"], None), a["seen"]   # waited: nothing decided
+    assert (early, kinds2, decided2) == (5, ["blockquant(bits=8)"], 5)     # decided, on probation ...
+    assert reference > 0 and b["seen"][1][3] == reference                  # ... against a measured dense step
+
+
 def test_the_measured_step_is_the_windows_median_from_backward_end_to_backward_end(monkeypatch):
     """What a switch's outcome is judged by: the median wall time between consecutive backward ends
     (the last bucket's arrival), on DDP's own path too; the step right after a check point (its own

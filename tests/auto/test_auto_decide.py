@@ -196,6 +196,48 @@ def test_the_first_plan_needs_a_larger_gain_over_dense():
     assert set(kinds(Decider(margin=0.05).update(1, far)[0])) != {"dense"}
 
 
+def _first_gain(m):
+    return 1 - decide(m).objective / dense_step(m)
+
+
+def test_a_modest_first_plan_waits_for_a_measured_dense_step_to_be_judged_by():
+    """A first plan predicted to gain less than CONFIDENT_GAIN, at a check point with no measured
+    step of the all-dense start, waits (all dense, nothing decided) for the next check point; there
+    it switches on probation against the measured dense step, and is undone if it measures worse.
+    With a measured step, or a large gain, the first plan starts at once; it never waits twice."""
+    from commpress.auto.decide import CONFIDENT_GAIN, FIRST_MARGIN
+
+    modest = None
+    for scale in (1.0, 0.7, 0.5, 0.4, 0.3):   # a slower link: more to gain from compressing
+        m = measures(CostModel(alpha=1e-4, beta=8e-9 / scale), [0.0, 0.0])
+        if FIRST_MARGIN + 0.02 < _first_gain(m) < CONFIDENT_GAIN - 0.02:
+            modest = m
+            break
+    assert modest is not None
+    assert _first_gain(measures(MBIT100, [0.0, 0.0])) > CONFIDENT_GAIN       # the slow link: at once (above)
+
+    dec = Decider(every=50, drift=0.25, margin=0.05, revert=0.2)
+    plan, switched = dec.update(1, modest)                                  # no measured step yet
+    assert set(kinds(plan)) == {"dense"} and switched == () and dec.decided_at is None and not dec.on_probation
+    resumed = Decider(every=50, drift=0.25, margin=0.05, revert=0.2)
+    resumed.load_state_dict(dec.state_dict())
+    plan, switched = dec.update(5, modest, measured_s=0.050)               # the dense window measured
+    assert switched and set(kinds(plan)) != {"dense"} and dec.on_probation and dec.previous_s == 0.050
+    assert dec.decided_at == 5 and plan == decide(modest)
+    assert resumed.update(5, modest, measured_s=0.050) == (plan, switched)  # a resume decides alike
+    worse = 0.050 * 1.3 / plan.price
+    back, undone = dec.update(9, modest, measured_s=worse)                  # judged: undone and barred
+    assert set(kinds(back)) == {"dense"} and set(undone) == set(switched) and dec.last_revert == (9, worse, 0.050)
+
+    measured = Decider(every=50, margin=0.05)                              # a measured step at the first check
+    plan, switched = measured.update(1, modest, measured_s=0.050)
+    assert switched and measured.on_probation
+    twice = Decider(every=50, margin=0.05)
+    twice.update(1, modest)
+    plan, switched = twice.update(5, modest)                               # still unmeasured: decides anyway
+    assert switched and twice.decided_at == 5 and twice.previous_s == 0.0   # no reference: cannot be judged
+
+
 def test_determinism_and_never_slower_on_random_measurements():
     rng = random.Random(0)
     for _ in range(12):
