@@ -227,7 +227,8 @@ class HostLauncher:
         self.launches.append(name)
         rc = self.lib.cuhost_launch(name.encode(), grid, threads, argv)
         if rc:
-            raise RuntimeError(f"cuhost_launch({name!r}, grid={grid}, threads={threads}) returned {rc}")
+            why = {-3: ": deadlock, threads wait at a barrier that some of them never reach"}.get(rc, "")
+            raise RuntimeError(f"cuhost_launch({name!r}, grid={grid}, threads={threads}) returned {rc}{why}")
 
 
 def _host_arg(name: str, i: int, ctype: str, a, device: torch.device):

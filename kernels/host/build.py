@@ -10,7 +10,9 @@ The library's C API, used by ``commpress.ops.cuda_backend.HostLauncher`` and by 
 
 * ``int cuhost_launch(const char* name, long long grid, int threads, void** args)``: runs kernel
   ``name`` like ``cuLaunchKernel`` (``args[i]`` points at parameter ``i``); 0 when done, -1 when no
-  kernel has that name, -2 when ``threads`` is not a positive multiple of 32.
+  kernel has that name, -2 when ``threads`` is not a positive multiple of 32, -3 when a block
+  deadlocked: its threads wait at a barrier that some never reach (fibers only; the threads
+  build, for TSan, hangs there).
 * ``const char* cuhost_signature(const char* name)``: the kernel's parameter types, comma
   separated (``i32 i64 u32 u64 f32 f64`` and pointers such as ``const i32*``), or NULL.
 """
@@ -76,7 +78,7 @@ def generate() -> str:
               'extern "C" int cuhost_launch(const char* name, long long grid, int threads, void** args) {',
               "  const Entry* e = find(name);", "  if (!e) return -1;",
               "  if (threads <= 0 || threads % 32) return -2;",
-              "  cuhost::launch((unsigned)grid, (unsigned)threads, [&] { e->fn(args); });",
+              "  if (!cuhost::launch((unsigned)grid, (unsigned)threads, [&] { e->fn(args); })) return -3;",
               "  return 0;", "}"]
     return "\n".join(lines) + "\n"
 

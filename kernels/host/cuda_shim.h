@@ -46,6 +46,9 @@ namespace cuhost {
 
 #ifndef CUHOST_THREADS
 inline void fiber_yield();  // back to the scheduler: another fiber runs (defined below)
+// Arrivals at barriers and finished threads of the running launch: a pass of the scheduler that
+// adds none finds every fiber waiting at a barrier that cannot open (a deadlock).
+inline thread_local unsigned long long tl_progress = 0;
 #endif
 
 // A reusable barrier for a fixed number of threads.  Threads: mutex + condition variable
@@ -69,6 +72,7 @@ class Barrier {
 #else
   void wait() {
     unsigned gen = gen_;
+    ++tl_progress;
     if (++count_ == n_) {
       count_ = 0;
       ++gen_;
@@ -217,15 +221,19 @@ class Pool {
 };
 
 template <typename F>
-void launch(unsigned grid, unsigned threads, F body) {
+bool launch(unsigned grid, unsigned threads, F body) {
   static Pool pool;
   pool.run(grid, threads, std::function<void()>(body));
+  return true;
 }
 #else
 // The fibers that play the CUDA threads of one block, on the thread that launches.  Each has its
 // own stack (kept between launches, a guard page below it: an overflow faults instead of
 // corrupting a neighbour).  The scheduler resumes every unfinished fiber once per pass, in an
-// order drawn anew for each pass; a fiber runs until it waits at a barrier or returns.
+// order drawn anew for each pass; a fiber runs until it waits at a barrier or returns.  A pass in
+// which no fiber arrived at a barrier or returned is a deadlock (threads that wait at a barrier
+// some others never reach, e.g. after an early return): the launch is abandoned and reported
+// (the threads build would hang there).
 class Fibers {
  public:
   static constexpr size_t kStack = 256 * 1024;
@@ -234,7 +242,8 @@ class Fibers {
     for (Fiber& f : fibers_) munmap(f.mem, f.size);
   }
 
-  void run(unsigned grid, unsigned threads, const std::function<void()>& body) {
+  // Returns false when a block deadlocked (the rest of the launch is not run).
+  bool run(unsigned grid, unsigned threads, const std::function<void()>& body) {
     std::lock_guard<std::mutex> serial(launch_mutex_);  // one launch at a time (static __shared__)
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     while (fibers_.size() < threads) {
@@ -265,6 +274,7 @@ class Fibers {
       }
       unsigned live = threads;
       while (live) {
+        const unsigned long long before = tl_progress;
         shuffle(threads);
         for (unsigned i = 0; i < threads; ++i) {
           unsigned t = order_[i];
@@ -275,10 +285,16 @@ class Fibers {
           swapcontext(&sched_, &f.ctx);
           if (f.done) --live;
         }
+        if (live && tl_progress == before) {  // every live fiber waits at a barrier that cannot open
+          tl_blk = nullptr;
+          current_ = nullptr;
+          return false;
+        }
       }
       tl_blk = nullptr;
     }
     current_ = nullptr;
+    return true;
   }
 
   void yield() { swapcontext(&running_->ctx, &sched_); }
@@ -297,6 +313,7 @@ class Fibers {
     Fibers* self = current_;
     (*self->body_)();
     self->running_->done = true;  // returning resumes uc_link: the scheduler
+    ++tl_progress;
   }
 
   // A new order of the fibers for the next pass (xorshift; the same sequence in every process).
@@ -322,10 +339,11 @@ class Fibers {
 
 inline void fiber_yield() { Fibers::current()->yield(); }
 
+// false: a block deadlocked at a barrier (see Fibers)
 template <typename F>
-void launch(unsigned grid, unsigned threads, F body) {
+bool launch(unsigned grid, unsigned threads, F body) {
   static Fibers fibers;
-  fibers.run(grid, threads, std::function<void()>(body));
+  return fibers.run(grid, threads, std::function<void()>(body));
 }
 #endif
 

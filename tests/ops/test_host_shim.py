@@ -1,7 +1,9 @@
 """The host shim (kernels/host/cuda_shim.h) that runs kernels/*.cu on CPU in CI: its barriers hold
-in both of its modes (fibers, the default, and std::threads, what TSan checks), and the fibers run
-the threads between two barriers in an order that changes, so a kernel that depends on one order
-(a missing barrier) is not passed by luck.  A small C++ program with its own kernels, built with g++.
+in both of its modes (fibers, the default, and std::threads, what TSan checks); the fibers run the
+threads between two barriers in an order that changes, so a kernel that depends on one order (a
+missing barrier) is not passed by luck; a block whose threads wait at a barrier some never reach
+is reported (fibers; the threads build hangs there).  A small C++ program with its own kernels,
+built with g++.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from cuda_targets import HOST_DIR
 
@@ -41,6 +44,13 @@ __global__ void order(unsigned* counter, int* seen) {
     }
 }
 
+// Thread 0 leaves before the barrier the others wait at: a deadlock on a GPU too.
+__global__ void early_return(int* out) {
+    if (threadIdx.x == 0) return;
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
 int main() {
     const int T = 64, G = 3;
     std::vector<int> out(T * G, -1);
@@ -64,6 +74,17 @@ int main() {
             std::printf("\n");
         }
     }
+#ifndef CUHOST_THREADS
+    std::vector<int> ones(T, 0);
+    bool ok = cuhost::launch(2, T, [&] { early_return(ones.data()); });
+    std::printf("early_return_ok %d\n", (int)ok);
+    std::fill(out.begin(), out.end(), -1);   // the next launch runs as usual
+    ok = cuhost::launch(G, T, [&] { neighbours(nullptr, out.data()); });
+    bad = 0;
+    for (int b = 0; b < G; ++b)
+        for (int t = 0; t < T; ++t) bad += out[b * T + t] != b * 1000 + (t + 1) % T;
+    std::printf("after_deadlock %d %d\n", (int)ok, bad);
+#endif
     return 0;
 }
 """
@@ -87,6 +108,29 @@ def test_barriers_and_shuffles_hold(tmp_path, flags):
     assert "neighbours_bad 0" in lines and "warp_sum_bad 0" in lines, lines
     orders = [list(map(int, ln.split()[1:])) for ln in lines if ln.startswith("order")]
     assert len(orders) == 6 and all(sorted(o) == list(range(64)) for o in orders)   # every thread, once
+
+
+def test_fibers_report_a_deadlock_and_run_the_next_launch(tmp_path):
+    lines = _run(tmp_path)
+    assert "early_return_ok 0" in lines and "after_deadlock 1 0" in lines, lines
+
+
+def test_a_deadlocked_kernel_raises_through_the_launcher():
+    """What the wrapper makes of the library's -3 (the kernels in kernels/*.cu never deadlock:
+    a stand-in library that reports one)."""
+    from commpress.ops import cuda_backend
+
+    class Lib:
+        def cuhost_signature(self, name):
+            return b""
+
+        def cuhost_launch(self, *args):
+            return -3
+
+    launcher = cuda_backend.HostLauncher.__new__(cuda_backend.HostLauncher)
+    launcher.lib, launcher.launches = Lib(), []
+    with pytest.raises(RuntimeError, match="deadlock"):
+        launcher.launch(torch.device("cpu"), "k", 1, (), 64)
 
 
 def test_fibers_pass_a_phase_in_changing_orders(tmp_path):
