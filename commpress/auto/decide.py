@@ -709,10 +709,11 @@ class Decider:
                 return undone
         if not self.due(step, m):
             return self.current, ()
-        first = self.decided_at is None   # no plan decided yet: all dense (perhaps a deferred first plan)
         old = self.current.choices if self.current is not None else None
         if old is not None and len(old) != len(m.buckets):
             old = None
+        # no plan decided yet (all dense, perhaps a first plan that waited), or a new layout
+        first = old is None or self.decided_at is None
         dense = tuple(Choice(Candidate("dense")) for _ in m.buckets)
         new = decide(m, candidates=self.candidates, prices=self.prices, critical=self.critical,
                      current=old if old is not None else dense,
