@@ -722,7 +722,7 @@ class Decider:
             new = self._kept(m, old)
         base = old if old is not None else dense
         switched = tuple(b for b, c in enumerate(new.choices) if c != base[b])
-        if switched and first and self.current is None and measured_s <= 0.0:
+        if switched and self.current is None and measured_s <= 0.0:   # the very first decision
             start = self._kept(m, dense)
             if new.objective > (1.0 - CONFIDENT_GAIN) * start.objective:
                 # a first plan of modest predicted gain, and no measured all-dense step to judge it

@@ -195,8 +195,8 @@ class HostLauncher:
 
     ``threads`` per block (a multiple of 32; each is a fiber of the launching thread) and
     ``max_grid`` are small so that tests cover multi-warp blocks and grid-stride loops on small
-    inputs.  With
-    ``reads_are_free = False`` it behaves like the GPU for error reporting (tests of the no-sync path).
+    inputs.  With ``reads_are_free = False`` it behaves like the GPU for error reporting (tests of
+    the no-sync path).
     """
 
     reads_are_free = True
