@@ -68,7 +68,10 @@ probation until the next check point, which compares the *measured* step of the 
 plan that measures worse by more than ``revert`` is undone and barred (vetoed) until ``every``
 steps have passed or the network or overlap drifted: a model that mispriced the switch (a
 loaded machine, a link that behaves unlike its calibration) costs one short window, not a
-whole period.
+whole period.  ``revert`` (20%) is set for a shared, noisy machine; where both windows' own
+steps were quiet (:func:`window_tolerance`, agreed) the limit is their difference's 95%
+half-width instead, down to :data:`REVERT_FLOOR` (5%): on a GPU cluster, whose steps vary by a
+percent, a switch that measured 8% worse is undone.
 """
 
 from __future__ import annotations
@@ -638,6 +641,34 @@ CONFIDENT_GAIN = 0.4
 #: on loopback measured 1.39x DDP's step.
 REVERT = 0.2
 
+#: The lowest ``revert`` a quiet window lowers it to (:meth:`Decider.update`'s ``measured_tol``): the
+#: windows of a GPU cluster's steps differ by a percent or two, and a plan measured 5% worse there
+#: is worse; below this, window-to-window drift that a window's own spread does not show (a data
+#: loader's pace, clocks) would undo sound switches.
+REVERT_FLOOR = 0.05
+
+#: Student's t at 97.5% by degrees of freedom (the interval of a window's measured step, from the
+#: spread of its few steps: :func:`window_tolerance`); 2.0 beyond the table (2.04 at 30).
+_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13)
+
+
+def window_tolerance(walls: list[float] | tuple[float, ...]) -> float:
+    """The relative half-width of a 95% interval of a window's measured step (the median of its
+    step walls): ``1.25 × t(n-1) × stdev / median / sqrt(n)`` (1.25: a median's standard error
+    over a mean's, for normal steps); ``inf`` for fewer than three steps (not known).  Outliers
+    widen it: a noisy window keeps the fixed ``revert``, a quiet one lowers it (:class:`Decider`)."""
+    n = len(walls)
+    if n < 3:
+        return math.inf
+    xs = sorted(float(w) for w in walls)
+    med = xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    if not (med > 0 and all(math.isfinite(x) for x in xs)):
+        return math.inf
+    mean = math.fsum(xs) / n
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    t = _T975[n - 2] if n - 2 < len(_T975) else 2.0
+    return 1.25 * t * sd / med / math.sqrt(n)
+
 
 class Decider:
     """The plan in use, with hysteresis and a re-evaluation schedule (same on every rank).
@@ -671,15 +702,19 @@ class Decider:
         self.current: Decision | None = None
         self.decided_at: int | None = None
         self.watched: Signature | None = None
-        #: the switch on probation: the plan before it and that plan's measured step (seconds), and
-        #: the check point that made it (``None`` when no switch waits for its outcome)
+        #: the switch on probation: the plan before it, that plan's measured step (seconds) and its
+        #: tolerance (:func:`window_tolerance`; ``inf``: not known), and the check point that made it
+        #: (``None`` when no switch waits for its outcome)
         self.previous: Decision | None = None
         self.previous_s: float = 0.0
+        self.previous_tol: float = math.inf
         self.switched_at: int | None = None
         #: plans undone by their outcome: ``describe`` tuple -> (step, the signature then)
         self.vetoed: dict[tuple[str, ...], tuple[int, Signature]] = {}
         #: the last revert: ``(step, measured s of the undone plan, measured s of the plan restored)``
         self.last_revert: tuple[int, float, float] | None = None
+        #: the relative limit that undid it (:meth:`revert_limit`)
+        self.last_revert_limit: float | None = None
 
     def due(self, step: int, m: Measurements) -> bool:
         """Whether :meth:`update` at ``step`` with ``m`` re-decides."""
@@ -694,17 +729,27 @@ class Decider:
         """Whether the last switch waits for its outcome (the next check point judges it)."""
         return self.switched_at is not None and self.previous is not None
 
-    def update(self, step: int, m: Measurements, measured_s: float = 0.0) -> tuple[Decision, tuple[int, ...]]:
+    def revert_limit(self, tol_now: float, tol_before: float) -> float:
+        """How much worse (relative) a switch may measure before it is undone: ``revert``, or less
+        where both windows were quiet: the half-width of the two windows' difference
+        (``hypot`` of their :func:`window_tolerance`; ``inf`` where one is not known), not below
+        :data:`REVERT_FLOOR`."""
+        return min(self.revert, max(REVERT_FLOOR, math.hypot(tol_now, tol_before)))
+
+    def update(self, step: int, m: Measurements, measured_s: float = 0.0,
+               measured_tol: float = math.inf) -> tuple[Decision, tuple[int, ...]]:
         """``(plan in use, indices of the buckets that switched)``; the plan is unchanged when
         not :meth:`due` or the predicted gain is within the margin.
 
         ``measured_s``: the measured (agreed) step seconds of the window that just ended, which ran
-        the plan in use (0: not measured).  A switch is judged by the window after it: when its
-        measured ``step × price`` exceeds the previous plan's by more than ``revert`` (relative),
+        the plan in use (0: not measured); ``measured_tol``: its agreed :func:`window_tolerance`
+        (``inf``: not known).  A switch is judged by the window after it: when its measured
+        ``step × price`` exceeds the previous plan's by more than :meth:`revert_limit` (relative),
         the previous plan comes back and the undone one is vetoed (see the module doc)."""
         measured_s = float(measured_s) if measured_s and math.isfinite(measured_s) and measured_s > 0 else 0.0
+        measured_tol = float(measured_tol) if measured_s and measured_tol >= 0 else math.inf   # NaN: not known
         if self.on_probation:
-            undone = self._judge(step, m, measured_s)
+            undone = self._judge(step, m, measured_s, measured_tol)
             if undone is not None:
                 return undone
         if not self.due(step, m):
@@ -732,27 +777,31 @@ class Decider:
         if switched:   # on probation until the next check point (its window measures the new plan)
             before = self.current if old is not None else Decision(base, (0.0,) * len(base), 0.0, 1.0, 0.0)
             self.previous, self.previous_s, self.switched_at = before, measured_s, int(step)
+            self.previous_tol = measured_tol
         self.current, self.decided_at, self.watched = new, int(step), signature(m)
         return new, switched
 
-    def _judge(self, step: int, m: Measurements, measured_s: float) -> tuple[Decision, tuple[int, ...]] | None:
+    def _judge(self, step: int, m: Measurements, measured_s: float,
+               measured_tol: float) -> tuple[Decision, tuple[int, ...]] | None:
         """The outcome of the switch on probation: ``None`` when it stands (or cannot be judged:
         a window without a measured step, a layout that changed), else the restored plan and the
         buckets that switched back."""
-        prev, before_s = self.previous, self.previous_s
-        self.previous, self.previous_s, self.switched_at = None, 0.0, None
+        prev, before_s, before_tol = self.previous, self.previous_s, self.previous_tol
+        self.previous, self.previous_s, self.previous_tol, self.switched_at = None, 0.0, math.inf, None
         cur = self.current
         if cur is None or prev is None or len(prev.choices) != len(cur.choices) or len(cur.choices) != len(m.buckets):
             return None
         if measured_s <= 0.0 or before_s <= 0.0:
             return None
-        if measured_s * cur.price <= before_s * prev.price * (1.0 + self.revert):
+        limit = self.revert_limit(measured_tol, before_tol)
+        if measured_s * cur.price <= before_s * prev.price * (1.0 + limit):
             return None
         restored = self._kept(m, prev.choices)
         if restored.choices != prev.choices:   # a previous choice no longer allowed (critical regime)
             return None
         self.vetoed[tuple(describe(c) for c in cur.choices)] = (int(step), signature(m))
         self.last_revert = (int(step), measured_s, before_s)
+        self.last_revert_limit = limit
         back = tuple(b for b, (c, p) in enumerate(zip(cur.choices, prev.choices)) if c != p)
         self.current, self.decided_at, self.watched = restored, int(step), signature(m)
         return restored, back
@@ -779,7 +828,7 @@ class Decider:
             "watched": _signature_state(self.watched),
             "probation": None if not self.on_probation else {
                 "switched_at": self.switched_at, "previous_s": self.previous_s,
-                "previous": _decision_state(self.previous)},
+                "previous_tol": self.previous_tol, "previous": _decision_state(self.previous)},
             "vetoed": [[list(k), at, _signature_state(sig)] for k, (at, sig) in self.vetoed.items()],
         }
 
@@ -794,6 +843,8 @@ class Decider:
         probation = state.get("probation")
         self.previous = None if probation is None else _decision_from(probation["previous"])
         self.previous_s = 0.0 if probation is None else float(probation["previous_s"])
+        # absent in checkpoints from before the windows' tolerance: the fixed revert
+        self.previous_tol = math.inf if probation is None else float(probation.get("previous_tol", math.inf))
         self.switched_at = None if probation is None else int(probation["switched_at"])
         self.vetoed = {tuple(k): (int(at), _signature_from(sig)) for k, at, sig in state.get("vetoed", [])}
 

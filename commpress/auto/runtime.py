@@ -103,7 +103,7 @@ from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
-                     comm_seconds)
+                     comm_seconds, window_tolerance)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
@@ -141,8 +141,9 @@ class AutoSpec(Compressor):
     ``remeasure``: track how much the link slowed down or sped up since registration from what
     the windows' collectives took (:class:`~commpress.auto.decide.LinkTracker`; ``False`` keeps
     the calibration made at registration as it is); ``revert``: a switch whose next window measures
-    a step × price worse than the plan's before it by more than this (relative) is undone and the plan
-    barred for ``every`` steps (:meth:`~commpress.auto.decide.Decider.update`).
+    a step × price worse than the plan's before it by more than this (relative; less where both
+    windows' steps were quiet: :meth:`~commpress.auto.decide.Decider.revert_limit`) is undone and
+    the plan barred for ``every`` steps (:meth:`~commpress.auto.decide.Decider.update`).
     It never compresses anything itself (:class:`AutoCodec` runs the choices).
     """
 
@@ -507,6 +508,10 @@ class AutoCodec:
         """The window's measured step, the median of its timed steps' walls (0: fewer than two)."""
         return statistics.median(self._walls) if len(self._walls) >= 2 else 0.0
 
+    def _window_tol(self) -> float:
+        """The relative 95% half-width of :meth:`_window_step` (:func:`~commpress.auto.decide.window_tolerance`)."""
+        return window_tolerance(self._walls)
+
     # -- the step's end (the thread that runs the buckets) -----------------------
     def end_step(self, step: int, layout: Any, group: Any) -> None:
         """Account the step that just committed; at a check point measure, agree, decide, switch."""
@@ -555,21 +560,21 @@ class AutoCodec:
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
             compute = self._window_compute()
-            wall = self._window_step()
+            wall, tol = self._window_step(), self._window_tol()
             window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
             measured = [s_ / n if n else 0.0 for s_, n, _ in window]
             comm = [c / n if n else 0.0 for _, n, c in window]
         except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
             error = exc
             measures = [BucketMeasure(u.key, u.numel) for u in units]
-            compute, measured, comm, wall = math.inf, [0.0] * len(units), [0.0] * len(units), 0.0
+            compute, measured, comm, wall, tol = math.inf, [0.0] * len(units), [0.0] * len(units), 0.0, math.inf
         try:
             network = self.network or Network(max(1, self.world), CostModel(0.0, 0.0))
             if network.hierarchical and (self.momentum or self.hierarchy is None):
                 # momentum correction: a velocity cannot be split across paths (flat only)
                 network = Network(network.world, network.flat, collective=network.collective)
             m = agree_measurements(network, measures, compute, cands, group, codec_inline=not self.queued,
-                                   extra=[(x, "min") for x in measured + comm] + [(wall, "max")])
+                                   extra=[(x, "min") for x in measured + comm] + [(wall, "max"), (tol, "max")])
         except ValueError as exc:
             if error is not None:
                 raise error from exc
@@ -577,7 +582,8 @@ class AutoCodec:
                 raise RuntimeError(f"auto: another rank failed to measure at step {step} "
                                    "(its error is raised there)") from exc
             raise
-        calls, comm, wall = m.extra[:len(units)], m.extra[len(units):2 * len(units)], m.extra[-1]
+        calls, comm = m.extra[:len(units)], m.extra[len(units):2 * len(units)]
+        wall, tol = m.extra[-2], m.extra[-1]
         # the bandwidth the window's collectives moved their bytes at (the signature the decider
         # watches: a link that slowed down or sped up since the last decision re-decides)
         network = m.network
@@ -590,13 +596,13 @@ class AutoCodec:
             network = self.link.update(network, [self.choices.get(u.key, DENSE) for u in units], m.buckets, comm)
         m = self._with_round_cost(dataclasses.replace(m, network=network, extra=calls), units)
         reverts = self.decider.last_revert
-        decision, switched = self.decider.update(step, m, measured_s=wall)
+        decision, switched = self.decider.update(step, m, measured_s=wall, measured_tol=tol)
         if self.decider.last_revert is not reverts:
             _, bad, good = self.decider.last_revert
             log.warning("commpress auto: step %d: the plan chosen at the last check point measured %.1f ms per "
-                        "step against %.1f ms for the plan before it (worse by more than revert=%g, with their "
+                        "step against %.1f ms for the plan before it (worse by more than %.0f%%, with their "
                         "prices): undone, and barred for %d steps", step, 1e3 * bad, 1e3 * good,
-                        self.decider.revert, self.decider.every)
+                        100 * self.decider.last_revert_limit, self.decider.every)
         for b in switched:
             self.switch(units[b].key, units[b].numel, decision.choices[b])
             kept = self.switches.setdefault(units[b].key, [])

@@ -20,6 +20,7 @@ from nets import MLP3 as Net, train_step, with_params
 
 import commpress
 from commpress.auto import Candidate, Choice, Network
+from commpress.auto.decide import REVERT, REVERT_FLOOR
 from commpress.auto.runtime import AutoCodec, AutoSpec, _slots
 from commpress.collectives.costmodel import CostModel
 
@@ -625,7 +626,7 @@ def revert_worker(rank, world):
     _train(model, opt, rank, range(22, 26))      # the regular check point at 25: the plan is barred
     final = {n: e["choice"] for n, e in state.stats.as_dict()["auto"].items()}
     return {"checks": checks, "switched": switched, "probation": probation, "undone": undone, "final": final,
-            "revert": auto.decider.last_revert, "vetoed": sorted(auto.decider.state_dict()["vetoed"][0][0])
+            "revert": auto.decider.last_revert, "limit": auto.decider.last_revert_limit, "vetoed": sorted(auto.decider.state_dict()["vetoed"][0][0])
             if auto.decider.vetoed else [], "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
 
 
@@ -641,6 +642,7 @@ def test_a_switch_measured_slower_is_undone_and_barred():
     assert set(a["final"].values()) == {"dense"} and a["final"] == b["final"]
     step, bad, good = a["revert"]
     assert step == 21 and bad > good + 0.03 and a["revert"] == b["revert"]
+    assert a["limit"] == b["limit"] and REVERT_FLOOR <= a["limit"] <= REVERT   # from the agreed windows
     assert "blockquant(bits=8)" in a["vetoed"]
     assert torch.equal(a["params"], b["params"])
 

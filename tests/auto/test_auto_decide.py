@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 
 import pytest
 
 from commpress.auto import (DEFAULT_CANDIDATES, BucketMeasure, Candidate, Choice, Decider, Measurements, Network,
                             Prices, decide, describe, exposed_seconds, gentlest, stats_record)
-from commpress.auto.decide import comm_seconds, critical_candidates
+from commpress.auto.decide import REVERT_FLOOR, comm_seconds, critical_candidates, window_tolerance
 from commpress.collectives import CostModel
 
 N = 1 << 18                       # 1 MB fp32 buckets
@@ -355,6 +357,64 @@ def test_a_switch_that_measures_worse_is_undone_and_barred():
     assert unmeasured.update(14, slow, measured_s=1.0) == (plan3, ()) and not unmeasured.on_probation
     with pytest.raises(ValueError, match="revert"):
         Decider(revert=-0.1)
+
+
+def test_window_tolerance_is_the_interval_of_a_windows_median():
+    """The relative 95% half-width of a window's median step: t(n-1) × 1.25 × stdev / median / sqrt(n);
+    not known (inf) below three steps or with a non-finite wall; narrower with more steps, wider
+    with an outlier."""
+    assert window_tolerance([]) == window_tolerance([0.1, 0.1]) == math.inf
+    assert window_tolerance([0.1, float("nan"), 0.1]) == math.inf
+    assert window_tolerance([0.05] * 5) == 0.0
+    w = [0.10, 0.11, 0.09]
+    assert window_tolerance(w) == pytest.approx(1.25 * 4.30 * statistics.stdev(w) / 0.10 / math.sqrt(3))
+    many = [0.10, 0.11, 0.09] * 10
+    assert window_tolerance(many) < window_tolerance(w) / 4
+    assert window_tolerance(many + [0.5]) > 2 * window_tolerance(many)
+    assert window_tolerance(list(reversed(many))) == window_tolerance(many)
+
+
+def test_a_quiet_window_lowers_the_revert_limit():
+    """Where both windows' steps were quiet the limit is their difference's interval, not below
+    REVERT_FLOOR: a switch measured 10% worse is undone that ``revert`` (20%) would keep; a noisy
+    window, or one whose spread is not known, keeps ``revert``; within the floor it stands."""
+    slow = measures(MBIT100, [0.0, 0.0])
+
+    def judged(before_tol, after_tol, worse):
+        dec = Decider(every=50, margin=0.05, revert=0.2)
+        plan, switched = dec.update(10, slow, measured_s=0.050, measured_tol=before_tol)
+        assert switched and dec.on_probation
+        out, back = dec.update(14, slow, measured_s=0.050 * worse / plan.price, measured_tol=after_tol)
+        return dec, bool(back)
+
+    dec, undone = judged(0.01, 0.01, 1.10)
+    assert undone and dec.last_revert_limit == REVERT_FLOOR and dec.vetoed
+    dec, undone = judged(0.05, 0.06, 1.10)                            # the limit: hypot(5%, 6%) = 7.8%
+    assert undone and dec.last_revert_limit == pytest.approx(math.hypot(0.05, 0.06))
+    assert judged(0.05, 0.06, 1.06)[1] is False
+    assert judged(0.01, 0.01, 1.04)[1] is False                       # inside the floor: it stands
+    assert judged(0.3, 0.01, 1.15)[1] is False                        # a noisy window: revert's 20%
+    assert judged(math.inf, 0.01, 1.15)[1] is False                   # not known: revert's 20%
+    assert judged(0.01, math.inf, 1.15)[1] is False
+    assert judged(0.3, 0.01, 1.25)[1] is True
+    assert Decider(revert=0.03).revert_limit(0.01, 0.01) == 0.03      # revert is the ceiling
+
+    dec = Decider(every=50, margin=0.05)                                # the tolerance is kept in the state
+    plan, _ = dec.update(10, slow, measured_s=0.050, measured_tol=0.01)
+    resumed = Decider(every=50, margin=0.05)
+    resumed.load_state_dict(dec.state_dict())
+    assert resumed.previous_tol == 0.01
+    assert resumed.update(14, slow, measured_s=0.055 / plan.price, measured_tol=0.01) == \
+        dec.update(14, slow, measured_s=0.055 / plan.price, measured_tol=0.01)
+    assert dec.vetoed and resumed.vetoed == dec.vetoed
+    old = Decider(every=50, margin=0.05)
+    old.update(10, slow, measured_s=0.050, measured_tol=0.01)
+    state = old.state_dict()
+    del state["probation"]["previous_tol"]                              # a checkpoint from before it
+    older = Decider(every=50, margin=0.05)
+    older.load_state_dict(state)
+    assert older.previous_tol == math.inf
+    assert older.update(14, slow, measured_s=0.055 / plan.price, measured_tol=0.01)[1] == ()
 
 
 def test_decider_state_keeps_probation_and_vetoes():
