@@ -45,7 +45,9 @@ What can be taken over, per parameter group that holds the hook's parameters:
   times what it was: one line is logged; scale ``weight_decay`` by ``1/(1 - m)``
   to keep it);
 * any other optimizer (Adam, AdamW, RMSprop, ...) or SGD without momentum: one
-  line is logged and nothing changes.
+  line is logged and nothing changes; with a sparsifier and an optimizer other than
+  SGD, a warning says that blockquant or bf16 keep an adaptive optimizer's convergence
+  (a coordinate moves only in the steps that select it).
 """
 
 from __future__ import annotations
@@ -149,6 +151,20 @@ class Takeover:
                 group["momentum"] = group.pop(MARK)
 
 
+def _warn_sparse_adaptive(compressor: Any, optimizer: Any) -> None:
+    """One warning for a sparsifier with an optimizer that normalizes per coordinate (Adam,
+    RMSprop, ...): it sees a coordinate's accumulated gradient only in the steps that select it, so
+    most coordinates move at a fraction of its learning rate."""
+    if getattr(compressor, "aggregation", None) != "sparse" or isinstance(optimizer, torch.optim.SGD):
+        return
+    log.warning("commpress: %s with %s: a sparsifier's error feedback sends each coordinate's accumulated "
+                "gradient only in the steps that select it, and a per-coordinate adaptive optimizer then "
+                "moves most coordinates at a fraction of its learning rate (this project's LM under AdamW: "
+                "topk 1%% ended 3.6%% above DDP's loss after 600 steps, blockquant 4-bit 0.2%%); blockquant or "
+                "bf16 keep an adaptive optimizer's convergence", getattr(compressor, "name", compressor),
+                type(optimizer).__name__)
+
+
 class TakeoverMixin:
     """``attach_optimizer`` and the restoring ``close`` of the DDP and FSDP2 hook states.
 
@@ -181,6 +197,7 @@ class TakeoverMixin:
             return 0.0
         m = sgd_momentum(optimizer, covered)
         if not m:
+            _warn_sparse_adaptive(getattr(self, "compressor", None), optimizer)
             return 0.0
         if not getattr(self, "compressed_param_names", True):  # DDP with nothing to compress
             log.info("commpress: the hook compresses none of the model's parameters (DDP's dense path, "

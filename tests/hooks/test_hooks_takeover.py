@@ -87,7 +87,15 @@ def takeover_worker(rank, world):
     st_e = commpress.ddp.register(e, "topk", optimizer=adam, **KW)
     out["adam"] = (st_e.momentum, before == {k: v for k, v in adam.param_groups[0].items() if k != "params"},
                    [m for m in lines.lines[n_lines:] if "no SGD momentum" in m])
-    for st in (st_b, st_e):
+    # a sparsifier with an adaptive optimizer: one warning; blockquant with it, or topk with SGD: none
+    out["adaptive_warned"] = [m for m in lines.lines[n_lines:] if "adaptive optimizer" in m]
+    f = DDP(_net())
+    n_lines = len(lines.lines)
+    st_f = commpress.ddp.register(f, "blockquant", bits=4, optimizer=torch.optim.AdamW(f.parameters()),
+                                  min_numel=256, overlap=False)
+    out["blockquant_adam_warned"] = [m for m in lines.lines[n_lines:] if "adaptive optimizer" in m]
+    out["sgd_warned"] = [m for m in lines.lines if "adaptive optimizer" in m and "SGD" in m]
+    for st in (st_b, st_e, st_f):
         st.close()
     return out
 
@@ -101,6 +109,9 @@ def test_takeover_matches_the_manual_recipe_and_restores_the_optimizer():
         assert out["restored"] == [(0.9, False)] * 3
         momentum, unchanged, adam_lines = out["adam"]
         assert momentum == 0.0 and unchanged and len(adam_lines) == 1
+        warned = out["adaptive_warned"]
+        assert len(warned) == 1 and "topk" in warned[0] and "Adam" in warned[0], warned
+        assert out["blockquant_adam_warned"] == [] and out["sgd_warned"] == []
         b = out["unit_bytes"]  # step 0: the hook's dense step; stages 25% (1), 11% (2, 3), 5% (4, 5)
         assert b[1] >= b[2] == b[3] > b[4] == b[5], b
 
