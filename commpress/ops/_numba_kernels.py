@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit, types
+from llvmlite import ir
 from numba.extending import intrinsic
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -71,6 +72,18 @@ def fma32(typingctx, a, b, c):
         return builder.fma(*args)
 
     return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _cttz64(typingctx, w):
+    """Trailing zero bits of a nonzero uint64 (``llvm.cttz``: one instruction)."""
+    if w != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return types.uint64(types.uint64), codegen
 
 
 def kernel_threads() -> int:
@@ -398,20 +411,23 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
 @njit(inline="always", **_SOPTS)
 def _scan_flags(seg, base, m, idx_out, val_out, pos, flags):
     """The scan half of :func:`_compact_piece`: append ``seg[t]`` (global index ``base + t``)
-    for every set ``flags[t]``, ``t < m``, skipping 8 clear flags at a time."""
+    for every set ``flags[t]``, ``t < m``, skipping 8 clear flags at a time and visiting only
+    the set ones of a word (its lowest set byte by ``cttz``: no branch per flag)."""
     cap = idx_out.size
     groups = (m + 7) >> 3
     for j in range(m, groups << 3):
         flags[j] = 0
     words = flags.view(np.uint64)
+    one = np.uint64(1)
     for g in range(groups):
-        if words[g] != 0:
-            for t in range(g << 3, (g << 3) + 8):
-                if flags[t]:
-                    if pos < cap:
-                        idx_out[pos] = base + t
-                        val_out[pos] = seg[t]
-                    pos += 1
+        w = words[g]
+        while w != 0:
+            t = (g << 3) + np.int64(_cttz64(w) >> np.uint64(3))
+            if pos < cap:
+                idx_out[pos] = base + t
+                val_out[pos] = seg[t]
+            pos += 1
+            w &= w - one
     return pos
 
 
@@ -595,28 +611,31 @@ def topk_finish(cidx, cval, k, take):
     candidates, 0 for the others.
     """
     c = cidx.size
+    if k <= 0:   # none chosen (the callers compensate only, without calling this)
+        take[:] = 0
+        return cidx[:0].copy(), cval[:0].copy()
     keys = cval & _ABS
-    kth = _kth_largest(keys, k) if 0 < k < c else np.int32(0)
+    kth = _kth_largest(keys, k) if k < c else np.int32(0)
     above = 0
     for j in range(c):
-        if keys[j] > kth:
-            above += 1
+        above += keys[j] > kth
     ties = k - above
-    idx = np.empty(k, cidx.dtype)
-    val = np.empty(k, cval.dtype)
+    # one slot more than k: every candidate is written at p and p advances only when taken
+    # (no branch on the taken flag, which a candidate set near k makes unpredictable)
+    idx = np.empty(k + 1, cidx.dtype)
+    val = np.empty(k + 1, cval.dtype)
     p = 0
     for j in range(c):
         kj = keys[j]
         t = kj > kth
-        if not t and kj == kth and ties > 0:
+        if kj == kth and ties > 0:
             t = True
             ties -= 1
         take[j] = t
-        if t:
-            idx[p] = cidx[j]
-            val[p] = cval[j]
-            p += 1
-    return idx, val
+        idx[p] = cidx[j]
+        val[p] = cval[j]
+        p += t
+    return idx[:k], val[:k]
 
 
 @njit(**_SOPTS)
