@@ -543,8 +543,34 @@ def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, i
         for p0 in range(a, b, _PIECE):
             p1 = min(p0 + _PIECE, b)
             _compensate_piece(x, v, m, r, beta, scale, how, thr, uout, out, flags, p0, p1)
-            pos = _scan_flags(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
+            pos = _scan_flags_zeroing(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
+        if pos > cap:   # overflowed: select_gather rescans this chunk's values, so they go back
+            for q in range(cap):
+                outi[io[q]] = vo[q]
         counts[c] = pos
+
+
+@njit(inline="always", **_SOPTS)
+def _scan_flags_zeroing(seg, base, m, idx_out, val_out, pos, flags):
+    """:func:`_scan_flags` that also zeroes ``seg[t]`` for every entry it stores (while the piece
+    is in cache; :func:`select_chunks_feedback`'s caller restores those not chosen)."""
+    cap = idx_out.size
+    groups = (m + 7) >> 3
+    for j in range(m, groups << 3):
+        flags[j] = 0
+    words = flags.view(np.uint64)
+    one = np.uint64(1)
+    for g in range(groups):
+        w = words[g]
+        while w != 0:
+            t = (g << 3) + np.int64(_cttz64(w) >> np.uint64(3))
+            if pos < cap:
+                idx_out[pos] = base + t
+                val_out[pos] = seg[t]
+                seg[t] = 0
+            pos += 1
+            w &= w - one
+    return pos
 
 
 def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout):
@@ -555,8 +581,10 @@ def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ib
     ``x`` and ``r`` and writes ``c``.  ``out`` may be ``x`` or ``r`` (elementwise).
     With momentum correction (``how`` bit 8) ``x*scale`` is first turned into the velocity
     ``u`` (:func:`_compensate_velocity`, ``v`` the live one, ``m`` the momentum), written
-    into ``uout`` in the same pass.  Overflowed chunks are rescanned from ``outi`` by
-    :func:`select_gather`."""
+    into ``uout`` in the same pass.  Every candidate of a chunk that did not overflow is zeroed
+    in ``out`` (its value is in the slots): the caller restores those not chosen, fewer scattered
+    writes than zeroing the chosen ones afterwards.  Overflowed chunks keep their values and are
+    rescanned from ``outi`` by :func:`select_gather`."""
     counts = np.zeros(_nch(x.size, clen), np.int64)
     _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout, counts)
     return counts

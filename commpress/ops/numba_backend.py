@@ -362,18 +362,25 @@ def topk_feedback_arrays(xf: np.ndarray, rf: np.ndarray | None, beta: float, sca
     if k == 0:  # compensate only
         K.compensate(xf, rf, b32, s32, how, out, _chunk(n), vf, m32, uf)
         return None, None
-    first = True
+    first, zeroed = True, False
     for lo, frac in _candidate_thresholds(oi, k, sample_keys):
-        if first:  # the fused pass: c is written and its candidates compacted
-            cidx, cval = _select_feedback(xf, rf, b32, s32, how, out, oi, min(lo, _INF_KEY), frac, vf, m32, uf)
+        if first:  # the fused pass: c is written, its candidates compacted and zeroed
+            cidx, cval, zeroed = _select_feedback(xf, rf, b32, s32, how, out, oi, min(lo, _INF_KEY), frac,
+                                                  vf, m32, uf)
             first = False
         else:  # a lower threshold: c is in new_residual now
+            if zeroed:   # the fused pass's candidates get their values back first
+                K.restore_unselected(oi, cidx, cval, np.zeros(cidx.size, np.uint8))
+                zeroed = False
             cidx, cval = _select(oi, lo, _MAX_KEY, oi, 0, frac)
         if cidx.size >= k:
             break
     take = np.empty(cidx.size, np.uint8)
     idx_np, val_np = K.topk_finish(cidx, cval, k, take)
-    K.zero_at(oi, idx_np)
+    if zeroed:
+        K.restore_unselected(oi, cidx, cval, take)
+    else:
+        K.zero_at(oi, idx_np)
     return idx_np, val_np
 
 
@@ -389,7 +396,9 @@ def _chunk_slots(n: int, frac: float):
 
 def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float, vf, m32, uf):
     """:func:`_select` (keys ``[lo, max]``, ``lo <= inf``'s key) over the compensated input,
-    written into ``out`` in the same pass (the velocity into ``uf`` with ``how`` bit 8)."""
+    written into ``out`` in the same pass (the velocity into ``uf`` with ``how`` bit 8).
+    Returns ``(indices, value bits, zeroed)``: with ``zeroed`` every candidate is 0 in ``out``
+    (the caller restores those not chosen), else every one holds its value."""
     n = xf.size
     clen, nch, cap, ibuf, vbuf = _chunk_slots(n, frac)
     thr = np.array([lo], np.int32).view(np.float32)[0]  # |c| >= thr  <=>  key(c) >= lo
@@ -398,7 +407,10 @@ def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float, vf, m
     idx = np.empty(total, _index_np(n))
     val = np.empty(total, np.int32)
     K.select_gather(oi, np.int32(lo), np.int32(_MAX_KEY), clen, cap, ibuf, vbuf, counts, idx, val, oi, 0)
-    return idx, val
+    overflowed = bool((counts > cap).any())
+    if overflowed:   # an overflowed chunk kept its values: back to one rule, every candidate's value in out
+        K.restore_unselected(oi, idx, val, np.zeros(idx.size, np.uint8))
+    return idx, val, not overflowed
 
 
 def magnitude_key(x: torch.Tensor) -> torch.Tensor:

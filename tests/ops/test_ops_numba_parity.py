@@ -196,6 +196,27 @@ def test_topk_compact_feedback_ties_and_rescans():
     _feedback_case(big, big.clone(), 1.0, 3, 1.0, None)
 
 
+def test_topk_compact_feedback_overflowed_chunk_in_the_fused_pass(monkeypatch):
+    """The fused pass zeroes each chunk's candidates in the new residual as it stores them; a chunk
+    whose candidates overflow its slots (values the sample never saw) must get them back before
+    it is rescanned.  The sizes of the library (not this module's tiny ones): 8 chunks of 32K."""
+    monkeypatch.setattr(nb, "MIN_CHUNK", 1 << 15)
+    monkeypatch.setattr(nb, "TOPK_SAMPLE", 1 << 14)
+    monkeypatch.setattr(nb, "SAMPLE_RUN", 16)
+    n = 1 << 18
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * 0.01
+    r = torch.randn(n, generator=g) * 0.001
+    pos = torch.arange(n)
+    runs, run, step = nb._sample_geometry(n, nb.TOPK_SAMPLE)
+    hidden = (pos < nb._chunk(n)) & (pos % step >= run) & (pos % 4 == 0)   # chunk 0, never sampled
+    x[hidden] = 10.0 + torch.rand(int(hidden.sum()), generator=g)
+    assert int(hidden.sum()) > 4 * 1024                                    # far above a chunk's slots
+    for k in (n // 100, int(hidden.sum()) + 7):
+        _feedback_case(x, r, 1.0, k, 1.0, None)
+        _feedback_case(x, r, 0.5, k, 0.5, "r")
+
+
 @settings(max_examples=25)
 @given(a=f32_arrays())
 def test_magnitude_key(a):
