@@ -122,13 +122,26 @@ def test_scaled_input_scales_one_compress_of_its_key():
     assert not ef._input_scales
 
 
-def test_fused_residual_is_exactly_what_was_not_sent():
-    ef = commpress.ErrorFeedback(TopK(0.03, density_warmup=0))
-    for step, x in _steps(poison_at=-1):
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("make,n", [(lambda: TopK(0.03, density_warmup=0), 3000),
+                                    (lambda: DGC(0.01, density_warmup=0), 20000)], ids=["topk", "dgc"])
+def test_fused_residual_is_exactly_what_was_not_sent(make, n, backend, monkeypatch):
+    """dgc's fixed wire sends the capacity's largest entries at or above its sampled threshold:
+    the slots below it are put back into the residual (``restore_below``) and sent as padding."""
+    if backend == "numba":
+        pytest.importorskip("commpress.ops.numba_backend")
+    monkeypatch.setenv("COMMPRESS_BACKEND", backend)
+    ef = commpress.ErrorFeedback(make())
+    padded = 0
+    for step, x in _steps(n=n, poison_at=-1):
         r = ef.residual("k")
         r = torch.zeros_like(x) if r is None else r.clone()
         with ef.scaled_input("k", 0.25):
             p = ef.compress_fixed(x, step=step, key="k")
         sent = ef.decompress(p)
         assert torch.equal(sent + ef.residual("k"), x * 0.25 + r)
-        assert int((ef.residual("k")[p.tensors[0].long()] != 0).sum()) == 0
+        idx = p.tensors[0].long()
+        real = idx[idx < n]
+        padded += int((idx >= n).sum())
+        assert int((ef.residual("k")[real] != 0).sum()) == 0
+    assert padded > 0 or isinstance(ef.compressor, TopK)   # dgc put slots back below its threshold
