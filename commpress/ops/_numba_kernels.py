@@ -409,10 +409,11 @@ def select_gather(xi, lo_key, hi_key, clen, cap, ibuf, vbuf, counts, idx_out, va
 
 
 @njit(inline="always", **_SOPTS)
-def _scan_flags(seg, base, m, idx_out, val_out, pos, flags):
+def _scan_flags(seg, base, m, idx_out, val_out, pos, flags, zero=False):
     """The scan half of :func:`_compact_piece`: append ``seg[t]`` (global index ``base + t``)
     for every set ``flags[t]``, ``t < m``, skipping 8 clear flags at a time and visiting only
-    the set ones of a word (its lowest set byte by ``cttz``: no branch per flag)."""
+    the set ones of a word (its lowest set byte by ``cttz``: no branch per flag).  With ``zero``,
+    ``seg[t]`` is zeroed once stored (while the piece is in cache; :func:`select_chunks_feedback`)."""
     cap = idx_out.size
     groups = (m + 7) >> 3
     for j in range(m, groups << 3):
@@ -426,6 +427,8 @@ def _scan_flags(seg, base, m, idx_out, val_out, pos, flags):
             if pos < cap:
                 idx_out[pos] = base + t
                 val_out[pos] = seg[t]
+                if zero:
+                    seg[t] = 0
             pos += 1
             w &= w - one
     return pos
@@ -543,34 +546,11 @@ def _select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, i
         for p0 in range(a, b, _PIECE):
             p1 = min(p0 + _PIECE, b)
             _compensate_piece(x, v, m, r, beta, scale, how, thr, uout, out, flags, p0, p1)
-            pos = _scan_flags_zeroing(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags)
+            pos = _scan_flags(outi[p0:p1], p0, p1 - p0, io, vo, pos, flags, True)
         if pos > cap:   # overflowed: select_gather rescans this chunk's values, so they go back
             for q in range(cap):
                 outi[io[q]] = vo[q]
         counts[c] = pos
-
-
-@njit(inline="always", **_SOPTS)
-def _scan_flags_zeroing(seg, base, m, idx_out, val_out, pos, flags):
-    """:func:`_scan_flags` that also zeroes ``seg[t]`` for every entry it stores (while the piece
-    is in cache; :func:`select_chunks_feedback`'s caller restores those not chosen)."""
-    cap = idx_out.size
-    groups = (m + 7) >> 3
-    for j in range(m, groups << 3):
-        flags[j] = 0
-    words = flags.view(np.uint64)
-    one = np.uint64(1)
-    for g in range(groups):
-        w = words[g]
-        while w != 0:
-            t = (g << 3) + np.int64(_cttz64(w) >> np.uint64(3))
-            if pos < cap:
-                idx_out[pos] = base + t
-                val_out[pos] = seg[t]
-                seg[t] = 0
-            pos += 1
-            w &= w - one
-    return pos
 
 
 def select_chunks_feedback(x, r, beta, scale, how, thr, out, outi, clen, cap, ibuf, vbuf, v, m, uout):
