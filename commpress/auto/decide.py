@@ -77,6 +77,7 @@ percent, a switch that measured 8% worse is undone.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -659,14 +660,12 @@ def window_tolerance(walls: list[float] | tuple[float, ...]) -> float:
     over a mean's, for normal steps); ``inf`` for fewer than three steps (not known).  Outliers
     widen it: a noisy window keeps the fixed ``revert``, a quiet one lowers it (:class:`Decider`)."""
     n = len(walls)
-    if n < 3:
+    if n < 3 or not all(math.isfinite(w) for w in walls):
         return math.inf
-    xs = sorted(float(w) for w in walls)
-    med = xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-    if not (med > 0 and all(math.isfinite(x) for x in xs)):
+    med = statistics.median(walls)
+    if not med > 0:
         return math.inf
-    mean = math.fsum(xs) / n
-    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    sd = statistics.stdev(walls)
     dof = n - 1
     t = _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.4 / dof
     return 1.25 * t * sd / med / math.sqrt(n)

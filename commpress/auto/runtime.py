@@ -508,10 +508,6 @@ class AutoCodec:
         """The window's measured step, the median of its timed steps' walls (0: fewer than two)."""
         return statistics.median(self._walls) if len(self._walls) >= 2 else 0.0
 
-    def _window_tol(self) -> float:
-        """The relative 95% half-width of :meth:`_window_step` (:func:`~commpress.auto.decide.window_tolerance`)."""
-        return window_tolerance(self._walls)
-
     # -- the step's end (the thread that runs the buckets) -----------------------
     def end_step(self, step: int, layout: Any, group: Any) -> None:
         """Account the step that just committed; at a check point measure, agree, decide, switch."""
@@ -560,7 +556,7 @@ class AutoCodec:
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
             compute = self._window_compute()
-            wall, tol = self._window_step(), self._window_tol()
+            wall, tol = self._window_step(), window_tolerance(self._walls)
             window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
             measured = [s_ / n if n else 0.0 for s_, n, _ in window]
             comm = [c / n if n else 0.0 for _, n, c in window]

@@ -128,14 +128,14 @@ def restore_below(residual: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     n = residual.numel()
     below = values.float().abs() < threshold
     if idx.numel():
-        if residual.device.type == "cpu" and residual.is_contiguous() and residual.dtype == torch.float32:
-            # only the entries put back (host memory: no device sync to find them); adding the
-            # others' 0 to a zeroed slot changed nothing, and cost a scattered write into a cold
-            # residual per slot
-            put = below.nonzero().view(-1)
-            ops.scatter_add_(residual.view(-1), idx[put], values[put].float())
-        elif residual.is_contiguous() and residual.dtype == torch.float32:
-            ops.scatter_add_(residual.view(-1), idx, torch.where(below, values.float(), 0.0))
+        if residual.is_contiguous() and residual.dtype == torch.float32:
+            if residual.device.type == "cpu":
+                # only the entries put back (host memory: finding them syncs no device); adding
+                # the others' 0 to their zeroed slots changes nothing and costs a scattered write each
+                put = below.nonzero().view(-1)
+                ops.scatter_add_(residual.view(-1), idx[put], values[put].float())
+            else:
+                ops.scatter_add_(residual.view(-1), idx, torch.where(below, values.float(), 0.0))
         else:
             residual.view(-1).index_put_((idx.long(),), torch.where(below, values.float(), 0.0),
                                          accumulate=True)

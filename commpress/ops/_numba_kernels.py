@@ -28,8 +28,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit, types
 from llvmlite import ir
+from numba import njit, types
 from numba.extending import intrinsic
 
 _M32 = np.uint64(0xFFFFFFFF)

@@ -370,7 +370,7 @@ def topk_feedback_arrays(xf: np.ndarray, rf: np.ndarray | None, beta: float, sca
             first = False
         else:  # a lower threshold: c is in new_residual now
             if zeroed:   # the fused pass's candidates get their values back first
-                K.restore_unselected(oi, cidx, cval, np.zeros(cidx.size, np.uint8))
+                oi[cidx] = cval
                 zeroed = False
             cidx, cval = _select(oi, lo, _MAX_KEY, oi, 0, frac)
         if cidx.size >= k:
@@ -409,7 +409,7 @@ def _select_feedback(xf, rf, b32, s32, how, out, oi, lo: int, frac: float, vf, m
     K.select_gather(oi, np.int32(lo), np.int32(_MAX_KEY), clen, cap, ibuf, vbuf, counts, idx, val, oi, 0)
     overflowed = bool((counts > cap).any())
     if overflowed:   # an overflowed chunk kept its values: back to one rule, every candidate's value in out
-        K.restore_unselected(oi, idx, val, np.zeros(idx.size, np.uint8))
+        oi[idx] = val
     return idx, val, not overflowed
 
 
