@@ -109,12 +109,15 @@ ALL: list[Config] = [
 #: Variants of topk 1% for the convergence study (momentum correction, masking, density warm-up): by name or the "convergence" group,
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
 #: warm-up; mask: DGC's momentum factor masking.  And blockquant 4-bit with momentum correction (mc:
-#: optimizer=), by name only.
+#: optimizer=), and the two without joined buckets (nojoin: ``join_buckets=False``), by name only.
 STUDY: list[Config] = [
     Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
     Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
     Config("topk-1%-mask", "commpress", "topk", {"ratio": 0.01, "momentum_masking": True}, takeover=True),
     Config("blockquant-4bit-mc", "commpress", "blockquant", {"bits": 4}, takeover=True),
+    # a round per bucket (join_buckets=False), against the default that joins a CPU rank's rounds
+    Config("blockquant-4bit-nojoin", "commpress", "blockquant", {"bits": 4, "join_buckets": False}),
+    Config("topk-1%-nojoin", "commpress", "topk", {"ratio": 0.01, "join_buckets": False}, takeover=True),
 ]
 BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",

@@ -65,7 +65,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               transaction: ResidualTransaction | None = None,
               shapes: list[tuple[int, ...]] | None = None, out: torch.Tensor | None = None,
               hierarchy=None, prescale: float | None = None, dense: torch.Tensor | None = None,
-              _error: tuple[int, str] | None = None) -> torch.Tensor:
+              passengers: wire.Passengers | None = None, _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
     ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
@@ -98,6 +98,11 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     and an error anywhere raises on every rank.  Otherwise it takes one ``all_reduce`` of
     its own after the payload's collective (with error feedback a NaN/inf in it is the call's
     verdict alike).  Checked before anything is sent (``TypeError`` / ``ValueError``).
+
+    ``passengers`` (:class:`~.wire.Passengers`): messages of calls held earlier
+    (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a steady
+    lane; ``passengers.carried`` tells, and the caller lands them (:func:`~.joint.land_all`) or,
+    uncarried, gathers them itself (:func:`~.joint.gather_held`).
     """
     if dense is not None:
         _check_dense(dense, tensor)
@@ -144,9 +149,11 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     if kind == "sum":
         out = _sum_path(tensor, compressor, out=result, prescale=prescale, **args)
     elif kind == "sparse":
-        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, dense=rider, **args)
+        out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, dense=rider, passengers=passengers,
+                                            **args)
     elif kind == "gather":
-        out = quantized.quantized_allreduce(tensor, compressor, out=result, dense=rider, **args)
+        out = quantized.quantized_allreduce(tensor, compressor, out=result, dense=rider, passengers=passengers,
+                                            **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if result is not None and out is not result:

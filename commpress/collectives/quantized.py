@@ -245,7 +245,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         generator: torch.Generator | None = None,
                         transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
                         model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
-                        dense: wire.Rider | None = None) -> torch.Tensor:
+                        dense: wire.Rider | None = None, passengers: wire.Passengers | None = None
+                        ) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
     ``algorithm``: ``"two_phase"`` (all-to-all, owner decode+sum+re-encode,
@@ -259,7 +260,9 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     to owner ``r`` after the payload, the owner sums it in rank order and sends the sum
     with its own (a reduce-scatter then an all-gather: ring bytes); ``"gather_all"`` (P <= 2
     only) sends it whole and every rank sums in rank order.  Left uncarried otherwise
-    (``"gather_all"`` at P > 2: the caller all-reduces it).
+    (``"gather_all"`` at P > 2: the caller all-reduces it).  ``passengers``
+    (:class:`~.wire.Passengers`): held messages that ride in the first ``all_gather`` on the steady
+    lane (:mod:`.steady`); left uncarried elsewhere.
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
@@ -276,7 +279,7 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                            out=out, dense=dense, world=world, bounds=bounds, min_wire_s=PIPELINE_MIN_WIRE_S)
     if plan is not None:   # the steady-state lane (blockquant + error feedback on the CPU): the same bytes
         results, msg = steady.run(plan, flat, compressor, group=group, key=key, step=step, stats=stats,
-                                  transaction=tx, dense=dense)
+                                  transaction=tx, dense=dense, passengers=passengers)
         _verdict(results, "allreduce", msg, flat, compressor, tx)
         if stats is not None:
             stats.add(calls=1, algorithm=plan.algorithm)

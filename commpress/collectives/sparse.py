@@ -474,7 +474,8 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                            algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                            transaction: ResidualTransaction, error: tuple[int, str] = (0, ""),
                            model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
-                           dense: wire.Rider | None = None) -> torch.Tensor:
+                           dense: wire.Rider | None = None, passengers: wire.Passengers | None = None
+                           ) -> torch.Tensor:
     """Sum over ranks of a sparsifier's payload of ``tensor``, shaped like ``tensor``.
 
     Every rank sends ``capacity(numel)`` slots (:meth:`SparseCompressor.compress_fixed`):
@@ -487,7 +488,9 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     this rank's status flag.  With error feedback the whole-tensor paths (``"dense"``, and
     ``"auto"``'s when the selection would be the larger message: :func:`whole_choice`) carry it
     alike at P <= 2 (:func:`_whole_quantized`, :func:`_whole_dense`).  Left uncarried
-    otherwise (the caller all-reduces it).
+    otherwise (the caller all-reduces it).  ``passengers`` (:class:`~.wire.Passengers`): held
+    messages that ride in the message on the steady lane (:mod:`.steady_sparse`); left uncarried
+    elsewhere.
     """
     inner = unwrap(compressor)
     world = _comm.world(group)
@@ -499,7 +502,7 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                                   out=out, dense=dense, world=world, whole_choice=whole_choice)
     if plan is not None:   # the steady-state lane (topk + error feedback on the CPU): the same bytes
         steady_sparse.run(plan, flat, compressor, group=group, key=key, stats=stats, transaction=transaction,
-                          dense=dense)
+                          dense=dense, passengers=passengers)
         if stats is not None:
             stats.add(calls=1, algorithm="allgather")
         return out

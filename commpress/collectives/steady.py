@@ -199,52 +199,77 @@ def _message(sig: int, chunks: list[tuple[int, tuple[int, int]]], rider) -> Mess
 
 
 def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key: Any, step: int,
-        stats: CommStats | None, transaction, dense: wire.Rider | None
-        ) -> tuple[list[tuple[torch.Tensor, int]], str]:
+        stats: CommStats | None, transaction, dense: wire.Rider | None,
+        passengers: wire.Passengers | None = None) -> tuple[list[tuple[torch.Tensor, int]], str]:
     """The call on the lane: every chunk encoded into its message, the messages gathered, every
     chunk's pieces decoded into ``flat`` (the output) in rank order.  Returns what
     :func:`.quantized._verdict` judges: ``([(statuses, signature)] per message, local error message)``.
     A chunk whose kernel raises sends a zeros payload with :data:`~.wire.E_MISUSE` (every rank raises
-    at the verdict, as on the general path)."""
-    if dense is not None:
-        dense.carried = True
-    ops._usage.note("block_quantize_feedback", "numba")   # what ops.backends_used() reports, as on the general path
-    ops._usage.note("block_dequantize_sum", "numba")
+    at the verdict, as on the general path).  ``passengers``: held messages that ride after the
+    first message (:class:`~.wire.Passengers`; their gathered rows are left to the caller)."""
     code, msg, flights = 0, "", []
-    for message in plan.messages:
-        buf = torch.empty(message.width, dtype=torch.uint8)
-        raw = buf.numpy()
-        bad = False   # this message's NaN/inf verdict: host memory on this CPU-only lane
-        for piece in message.pieces:
-            try:
-                bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats) or bad
-            except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
-                raw[piece.codes_at:piece.scales_at + piece.scales_bytes] = 0
-                if not code:
-                    code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
-        if message.dense_at >= 0:
-            bad = _put_dense(dense.tensor.reshape(-1), buf, raw, message.dense_at) or bad
-        _put_status(raw, flat.device, code, message.sig, bad)
+    for j, message in enumerate(plan.messages):
+        extra = passengers.width if j == 0 and passengers is not None else 0
+        buf, code, msg = encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
+                                transaction=transaction, dense=dense, error=(code, msg), extra=extra)
+        if extra:
+            passengers.board(buf, message.width)
         if plan.pipelined:
             flights.append(_comm.all_gather_start(buf, group=group, stats=stats))
         else:
             flights.append(_Done(_comm.all_gather(buf, group=group, stats=stats)))
     results = []
-    for message, flight in zip(plan.messages, flights):
+    for j, (message, flight) in enumerate(zip(plan.messages, flights)):
         gathered = flight.wait()
-        got = gathered.numpy()
-        with codec_timer(stats, "decompress"):
-            for piece in message.pieces:
-                a, b = plan.bounds[piece.chunk], plan.bounds[piece.chunk + 1]
-                arrays = [(got[s, piece.codes_at:piece.codes_at + piece.codes_bytes],
-                           got[s, piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32))
-                          for s in range(plan.world)]
-                with _nb().threads_context(b - a):
-                    _nb().dequantize_sum_into(arrays, plan.bits, plan.block, b - a, flat[a:b].numpy())
-        if message.dense_at >= 0:
-            _sum_dense(dense.tensor.view(-1), gathered, got, message.dense_at, plan.world)
-        results.append((wire.read_status(gathered), message.sig))
+        if j == 0 and passengers is not None:
+            passengers.alight(gathered, message.width)
+        results.append(land(plan, message, gathered, flat, dense=dense, stats=stats))
     return results, msg
+
+
+def encode(plan: Plan, message: Message, flat: torch.Tensor, compressor: ErrorFeedback, *, key: Any, step: int,
+           stats: CommStats | None, transaction, dense: wire.Rider | None, error: tuple[int, str] = (0, ""),
+           extra: int = 0) -> tuple[torch.Tensor, int, str]:
+    """``message``'s bytes (``extra`` more bytes after them, left for passengers), its chunks encoded
+    under error feedback, the riding dense part and the status word in; returns ``(buffer, code,
+    local message)``: ``error`` or, when a chunk's kernel raised, :data:`~.wire.E_MISUSE` (its payload
+    zeros)."""
+    ops._usage.note("block_quantize_feedback", "numba")   # what ops.backends_used() reports, as on the general path
+    ops._usage.note("block_dequantize_sum", "numba")
+    code, msg = error
+    buf = torch.empty(message.width + extra, dtype=torch.uint8)
+    raw = buf.numpy()
+    bad = False   # this message's NaN/inf verdict: host memory on this CPU-only lane
+    for piece in message.pieces:
+        try:
+            bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats) or bad
+        except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
+            raw[piece.codes_at:piece.scales_at + piece.scales_bytes] = 0
+            if not code:
+                code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
+    if message.dense_at >= 0:
+        dense.carried = True
+        bad = _put_dense(dense.tensor.reshape(-1), buf, raw, message.dense_at) or bad
+    _put_status(raw, flat.device, code, message.sig, bad)
+    return buf, code, msg
+
+
+def land(plan: Plan, message: Message, gathered: torch.Tensor, flat: torch.Tensor, *, dense: wire.Rider | None,
+         stats: CommStats | None) -> tuple[torch.Tensor, int]:
+    """``message``'s P gathered copies (``[P, >= width]`` bytes) decoded into ``flat``, the riding dense
+    part summed; returns ``(statuses, signature)`` for the verdict."""
+    got = gathered.numpy()
+    with codec_timer(stats, "decompress"):
+        for piece in message.pieces:
+            a, b = plan.bounds[piece.chunk], plan.bounds[piece.chunk + 1]
+            arrays = [(got[s, piece.codes_at:piece.codes_at + piece.codes_bytes],
+                       got[s, piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32))
+                      for s in range(plan.world)]
+            with _nb().threads_context(b - a):
+                _nb().dequantize_sum_into(arrays, plan.bits, plan.block, b - a, flat[a:b].numpy())
+    if message.dense_at >= 0:
+        _sum_dense(dense.tensor.view(-1), gathered, got, message.dense_at, plan.world)
+    return wire.read_status(gathered), message.sig
 
 
 def _put_dense(d: torch.Tensor, buf: torch.Tensor, raw: np.ndarray, at: int) -> bool:

@@ -104,15 +104,32 @@ def _make_plan(flat: torch.Tensor, inner: TopK, step: int, world: int, k: int, a
 
 
 def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key: Any, stats: CommStats | None,
-        transaction, dense: wire.Rider | None) -> torch.Tensor:
+        transaction, dense: wire.Rider | None, passengers: wire.Passengers | None = None) -> torch.Tensor:
     """The call on the lane: the selection encoded into the message, the messages gathered and
     judged (an error anywhere raises on every rank), every rank's entries added into ``flat`` (the
     output) in rank order; a NaN/inf anywhere poisons ``flat`` and keeps the residuals.  A
-    selection that raises sends padding (index ``numel``, value 0) with :data:`~.wire.E_MISUSE`."""
+    selection that raises sends padding (index ``numel``, value 0) with :data:`~.wire.E_MISUSE`.
+    ``passengers``: held messages that ride after this one (:class:`~.wire.Passengers`; their
+    gathered rows are left to the caller)."""
+    extra = passengers.width if passengers is not None else 0
+    buf, msg = encode(plan, flat, compressor, key=key, stats=stats, transaction=transaction, dense=dense,
+                      extra=extra)
+    if extra:
+        passengers.board(buf, plan.width)
+    gathered = _comm.all_gather(buf, group=group, stats=stats)
+    if passengers is not None:
+        passengers.alight(gathered, plan.width)
+    return land(plan, gathered, flat, msg=msg, dense=dense, stats=stats, transaction=transaction)
+
+
+def encode(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, key: Any, stats: CommStats | None,
+           transaction, dense: wire.Rider | None, extra: int = 0) -> tuple[torch.Tensor, str]:
+    """The message's bytes (``extra`` more after them, left for passengers): the selection under
+    error feedback, the riding dense part, the status word; returns ``(buffer, local error message)``."""
     k, n = plan.k, plan.numel
     ops._usage.note("topk_compact_feedback", "numba")   # what ops.backends_used() reports, as on the general path
     ops._usage.note("scatter_add_", "numba")
-    buf = torch.empty(plan.width, dtype=torch.uint8)
+    buf = torch.empty(plan.width + extra, dtype=torch.uint8)
     raw = buf.numpy()
     idx = raw[plan.idx_at:plan.idx_at + 4 * k].view(np.int32)
     val = raw[plan.val_at:plan.val_at + 4 * k].view(np.float32)
@@ -128,14 +145,22 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
         dense.carried = True
         bad = steady._put_dense(dense.tensor.reshape(-1), buf, raw, plan.dense_at) or bad
     steady._put_status(raw, flat.device, code, plan.sig, bad)
-    gathered = _comm.all_gather(buf, group=group, stats=stats)
+    return buf, msg
+
+
+def land(plan: Plan, gathered: torch.Tensor, flat: torch.Tensor, *, msg: str, dense: wire.Rider | None,
+         stats: CommStats | None, transaction) -> torch.Tensor:
+    """The P gathered messages (``[P, >= width]`` bytes) judged (an error anywhere raises here, on
+    every rank), their entries added into ``flat`` in rank order, the riding dense part summed; a
+    NaN/inf anywhere poisons ``flat`` and marks ``transaction`` bad.  Returns ``flat``."""
+    k = plan.k
     got = gathered.numpy()
     statuses = wire.read_status(gathered).numpy()
     wire.judge_bytes(statuses, plan.sig, "allreduce", msg)
     nb = steady._nb()
     with codec_timer(stats, "decompress"):
         out = flat.zero_().numpy()
-        with nb.threads_context(n):
+        with nb.threads_context(plan.numel):
             for s in range(plan.world):   # rank order on every rank: bitwise identical sums
                 nb.scatter_add_into(out, got[s, plan.idx_at:plan.idx_at + 4 * k].view(np.int32),
                                     got[s, plan.val_at:plan.val_at + 4 * k].view(np.float32))

@@ -357,6 +357,42 @@ class Rider:
         return own if bad is None else bad | own
 
 
+# ---------------------------------------------------------------- held messages riding in a call's gather
+@dataclass
+class Passengers:
+    """Messages of calls encoded earlier and held (:func:`commpress.collectives.joint.hold`) that
+    ride in a later call's first ``all_gather``: appended after that call's own message, so the
+    step pays one round for all of them.  The path that carries them (the steady lanes) sets
+    ``rows``, their gathered ``[P, width]`` bytes (a view), and ``carried``; a path that cannot
+    leaves both unset and the caller gathers them itself
+    (:func:`commpress.collectives.joint.gather_held`)."""
+
+    messages: list[torch.Tensor]
+    rows: torch.Tensor | None = None
+    carried: bool = False
+
+    @property
+    def width(self) -> int:
+        """Their bytes (each message 8-aligned, so every one starts 8-aligned after an 8-aligned message)."""
+        return sum(m.numel() for m in self.messages)
+
+    def board(self, buf: torch.Tensor, at: int) -> None:
+        """Copy the messages into ``buf`` from byte ``at`` (the carrying call's message ends there)."""
+        self.carried = True
+        raw = buf.numpy() if buf.device.type == "cpu" else None
+        for m in self.messages:
+            n = m.numel()
+            if raw is not None:
+                raw[at:at + n] = m.numpy()
+            else:
+                buf[at:at + n].copy_(m)
+            at += n
+
+    def alight(self, gathered: torch.Tensor, at: int) -> None:
+        """Their gathered rows: ``gathered[:, at:]``."""
+        self.rows = gathered[:, at:]
+
+
 def add_rows(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
     """``dst = rows[0] + rows[1] + ...`` in this order (rank order: bitwise the same on every
     rank), in fp32 for fp16 / bf16 (rounded once into ``dst``), in ``dst``'s dtype otherwise."""

@@ -179,6 +179,15 @@ class DDPState(TakeoverMixin, HookState):
         (flat or two-level, from the intra/inter models calibrated at binding).
         Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
         :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
+    join_buckets:
+        hold each bucket's compressed message until a later bucket's collective carries it
+        (:mod:`commpress.collectives.joint`): one round per step instead of one per bucket, the
+        values bitwise the same.  ``None`` (default): on where the backward pass keeps a rank's
+        cores busy (a CPU rank whose cores its threads fill, agreed across ranks), where each
+        round costs CPU time the backward needs (measured on the digits MLP: README, "Joined
+        buckets"); off on GPUs, where the first buckets' flights overlap the backward.
+        ``True`` / ``False``: always / never.  Units that take the general path (not a steady
+        lane) and a hierarchy send at once either way.
 
     Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -196,7 +205,7 @@ class DDPState(TakeoverMixin, HookState):
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
-                 optimizer: torch.optim.Optimizer | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | None = None,
                  **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
@@ -214,6 +223,8 @@ class DDPState(TakeoverMixin, HookState):
             raise TypeError(f"skip must be a callable name -> bool or None, got {type(skip).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+        if join_buckets is not None and not isinstance(join_buckets, bool):
+            raise TypeError(f"join_buckets must be None or a bool, got {type(join_buckets).__name__}")
         verify_every = _verify_every(verify_every)
         auto = isinstance(compressor, str) and compressor == "auto"
         if auto:  # a compressor per unit, chosen from measurements (commpress.auto)
@@ -241,6 +252,8 @@ class DDPState(TakeoverMixin, HookState):
         self.lowrank = self.inner.aggregation == "lowrank"
         self._skip = skip
         self._want_overlap = overlap and not verify_every
+        self.join_buckets = join_buckets
+        self._worker_own_core = True     # agreed at binding (world > 1)
         self.hierarchy_arg = hierarchy
         self.hierarchy = None
         self.dense_param_names: list[str] = []
@@ -294,6 +307,13 @@ class DDPState(TakeoverMixin, HookState):
         # After the fingerprint check (a collective on the model's group): the hook's own group.
         self.process_group, overlapped = _executor_group(self.process_group, self._want_overlap)
         self.hierarchy = _hierarchy(self.hierarchy_arg, self.process_group, self.world_size)
+        if self.world_size > 1 and (self.auto or self.join_buckets is None):
+            # whether an overlap worker could run beside the backward pass (agreed: every rank decides alike)
+            local = _ranks_on_this_host(self.process_group)
+            from ..auto.measure import agree
+
+            own = agree([1.0 if _worker_has_own_core(model, local) else 0.0], ["min"], self.process_group)[0]
+            self._worker_own_core = own == 1.0
         self.frozen = self._freeze()
         executor_cls = _Overlapped if overlapped else _Inline
         self.executor = executor_cls(self.frozen, self.layout, self.stats, step=self._step_count)
@@ -327,7 +347,6 @@ class DDPState(TakeoverMixin, HookState):
         """``"auto"``: the network model (calibrated just before), the check points, the
         forward hook that stamps the backward's start."""
         from ..auto.decide import Network
-        from ..auto.measure import agree
         from ..collectives.costmodel import CostModel
 
         auto = self._auto_codec
@@ -349,10 +368,8 @@ class DDPState(TakeoverMixin, HookState):
         auto.first_check = max(1, self.warmup_steps)
         # the overlap worker's codec runs beside the backward only where it has a core of its own;
         # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
-        # and "auto" prices it on the critical path (agreed: every rank decides alike)
-        local = _ranks_on_this_host(self.process_group)
-        own = agree([1.0 if _worker_has_own_core(model, local) else 0.0], ["min"], self.process_group)[0]
-        auto.queued = self.overlap and own == 1.0
+        # and "auto" prices it on the critical path (agreed at binding)
+        auto.queued = self.overlap and self._worker_own_core
         auto.world, auto.rank = self.world_size, self.rank
         self.stats.auto_report = lambda: self.codec.report()
         self.stats.auto_network = lambda: self.codec.network_report()
@@ -378,7 +395,9 @@ class DDPState(TakeoverMixin, HookState):
             hierarchy=self.hierarchy, seed=self.seed, scale=1.0 / self.world_size,
             fold_scale=cast and self.hierarchy is None, cast_to=self.inner.cast_to if cast else None,
             feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self.lowrank,
-            verify_every=self.verify_every, auto=self.codec if self.auto else None)
+            verify_every=self.verify_every, auto=self.codec if self.auto else None,
+            joins=(self.world_size > 1 and self.hierarchy is None
+                   and (not self._worker_own_core if self.join_buckets is None else self.join_buckets)))
 
     # -- what the executor owns, seen from here -------------------------------
     @property
@@ -463,6 +482,8 @@ class DDPState(TakeoverMixin, HookState):
         )
         if self.hierarchy_arg is not None:  # absent when flat: older checkpoints still load
             cfg["hierarchy"] = self.hierarchy_arg
+        if self.join_buckets is not None:   # absent by default, likewise (ranks must agree: fingerprinted)
+            cfg["join_buckets"] = self.join_buckets
         return cfg
 
     def noise_seed(self, key: Any) -> int:
@@ -606,7 +627,7 @@ class _Executor:
         try:
             if self.current is None:
                 self.current = Step(StepContext(self.config, self.layout, self.stats, self.step))
-            finished = self.current.run_bucket(index, buf, params, fut)
+            finished = self.current.run_bucket(index, buf, params, fut, last)
             cfg = self.config
             if cfg.verify_every and cfg.world_size > 1 and self.step % cfg.verify_every == 0:
                 for done in finished:

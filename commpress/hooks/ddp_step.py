@@ -15,7 +15,11 @@ Per bucket (:meth:`Step.run_bucket`):
    else it is all-reduced *asynchronously*, concurrently with the payloads;
 3. every unit this bucket completes runs :func:`commpress.collectives.allreduce`
    with the step's :class:`~commpress.feedback.ResidualTransaction` (payload
-   messages only; status inside; a NaN/inf on any rank poisons that unit);
+   messages only; status inside; a NaN/inf on any rank poisons that unit); with
+   :attr:`HookConfig.joins` (``join_buckets``: a CPU rank) a unit on a steady lane in a
+   bucket that is not the step's last is *held* instead (:mod:`commpress.collectives.joint`):
+   encoded now, its message carried by the next unit that runs, which lands it (at the
+   step's last bucket at the latest): one round per step;
 4. the dense part is waited for and scattered back; a NaN/inf in it marks the
    transaction bad (on the device; a riding one through its unit's status);
 5. buckets whose units are all done are returned to complete their futures.
@@ -43,6 +47,7 @@ the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -51,7 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..collectives import CommStats, allreduce, carries_dense
+from ..collectives import CommStats, allreduce, carries_dense, joint
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
@@ -342,6 +347,9 @@ class HookConfig:
     #: with ``register(model, "auto")``: the :class:`~commpress.auto.runtime.AutoCodec` that gives
     #: each unit its own codec (``codec`` is then that object too, for the dense momentum)
     auto: Any = None
+    #: hold a unit's message until the next unit that runs carries it (``join_buckets``;
+    #: :mod:`commpress.collectives.joint`): one round per step where every unit takes a steady lane
+    joins: bool = False
 
     @property
     def dense_rides(self) -> bool:
@@ -395,6 +403,19 @@ class StepContext:
 
 
 @dataclass
+class HeldUnit:
+    """A unit whose message waits for a later unit's flight (:mod:`commpress.collectives.joint`):
+    what lands it and puts its result (and its bucket's riding dense part) back."""
+
+    index: int
+    call: Any                                   # its joint.Held
+    out: torch.Tensor                           # the unit's input, where the sum lands
+    store: Callable | None                      # puts ``out`` back into the bucket (None: a view of it)
+    dense: tuple[Plan, torch.Tensor, torch.Tensor] | None   # (plan, bucket, dense part) riding in it
+    seconds: float = 0.0                        # its encode's (with "auto": its call's, less the flight)
+
+
+@dataclass
 class Finished:
     """A bucket whose buffer holds its final average."""
 
@@ -415,13 +436,17 @@ class Step:
         self.done_units: set[int] = set()
         self._dense_issue = 0.0                                    # seconds to issue the dense all_reduce
         self._bucket = -1                                          # the bucket being run
+        self._buf: torch.Tensor | None = None                      # and its buffer
+        self.held: list[HeldUnit] = []                             # units waiting for a later flight
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
-                   fut: torch.futures.Future) -> list[Finished]:
+                   fut: torch.futures.Future, last: bool = True) -> list[Finished]:
+        """Run bucket ``index`` (``last``: DDP's ``is_last()``; units held for a joint flight are
+        sent by then); returns the buckets it finished."""
         cfg, layout = self.ctx.config, self.ctx.layout
         world = cfg.world_size
-        self._bucket = index
+        self._bucket, self._buf = index, buf
         with Timer(cpu=True) as total:
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
@@ -440,15 +465,20 @@ class Step:
             cs = CommStats()  # rounds, time in collectives and codec passes, for the step's account
             if work is not None:
                 cs.add(rounds=1, seconds=self._dense_issue)
+            held_dense = False
             with Timer() as t_c:
                 for j, i in enumerate(runnable):
-                    algorithms.append(self._run_unit(i, cs, dense if rides and j == 0 else None))
+                    carried = dense if rides and j == 0 else None
+                    algorithms.append(self._run_unit(i, cs, carried, hold=not last))
+                    held_dense = held_dense or (carried is not None and i not in self.done_units)
+                if last and self.held:   # nothing ran after them: a flight of their own
+                    self._land_held(joint.gather_held([h.call for h in self.held], group=cfg.group, stats=cs))
             sent += cs.bytes_sent
             if work is not None:
                 with Timer() as t_w:
                     work.wait()
                 cs.add(seconds=t_w.seconds)
-            if dense is not None:
+            if dense is not None and not held_dense:
                 self._finish_dense(plan, buf, dense, judged=rides)
             finished = []
             for w in list(self.waiting):
@@ -498,8 +528,10 @@ class Step:
                 pos += n
         scatter_slices(buf, plan.dense_slices, dense)
 
-    def _run_unit(self, i: int, cs: CommStats, dense: torch.Tensor | None = None) -> str:
-        """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm.
+    def _run_unit(self, i: int, cs: CommStats, dense: torch.Tensor | None = None, hold: bool = False) -> str:
+        """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm.  With
+        ``hold`` and :attr:`HookConfig.joins` its message may wait for the next unit that runs (which
+        carries every held message and lands them: :meth:`_land_held`); it is then not done yet.
         ``dense``: the bucket's scaled dense part, summed in place within the unit's call."""
         cfg = self.ctx.config
         unit = self.ctx.layout.units[i]
@@ -510,7 +542,7 @@ class Step:
         t, store = unit_input(unit, pieces, packable)
         cs.last_algorithm = ""
         prescale = None
-        scaled = contextlib.nullcontext()
+        scaled = contextlib.nullcontext   # a new context per use (a generator's cannot be entered twice)
         codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
         if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
             codec, hierarchy = cfg.auto.in_force(unit), cfg.auto.hierarchy_of(unit)
@@ -519,20 +551,30 @@ class Step:
             if cfg.fold_scale:
                 prescale = cfg.scale
             elif codec is not None and (chunks := _scale_in_feedback(cfg, codec, hierarchy)) is not None:
-                scaled = codec.scaled_input(unit.key, cfg.scale, chunks=chunks)   # rides in error feedback's pass
+                scaled = functools.partial(codec.scaled_input, unit.key, cfg.scale,   # rides in error feedback's pass
+                                           chunks=chunks)
                 folded = cfg.scale
             else:
                 t.mul_(cfg.scale)
         if cfg.auto is not None:
             codec = cfg.auto.codec(unit, t, self._bucket, self.transaction, scale=folded, step=self.ctx.step)
             lowrank = codec.aggregation == "lowrank"
+        if hold and cfg.joins and prescale is None and hierarchy is None:
+            with Timer() as timer, scaled():
+                held = joint.hold(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
+                                  algorithm=cfg.algorithm, stats=cs, transaction=self.transaction, dense=dense)
+            if held is not None:
+                bucket = (plan, self._buf, dense) if dense is not None else None
+                self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds))
+                return held.algorithm
+        riders = joint.passengers([h.call for h in self.held]) if self.held else None
         in_comm = cs.comm_seconds
-        with Timer() as timer, scaled:
+        with Timer() as timer, scaled():
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,
                             shapes=unit.shapes if lowrank else None, out=t,
-                            hierarchy=hierarchy, prescale=prescale, dense=dense)
+                            hierarchy=hierarchy, prescale=prescale, dense=dense, passengers=riders)
         if cfg.auto is not None:
             cfg.auto.measured(unit, timer.seconds, cs.comm_seconds - in_comm)
         if cfg.unit_rides(unit):  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
@@ -543,7 +585,28 @@ class Step:
         elif out is not t:
             unit_store(pieces, out)
         self.done_units.add(i)
+        if riders is not None:   # the held units rode in this call, or go now in a flight of their own
+            rows = riders.rows if riders.carried else joint.gather_held([h.call for h in self.held],
+                                                                        group=cfg.group, stats=cs)
+            self._land_held(rows)
         return cs.last_algorithm or codec.aggregation
+
+    def _land_held(self, rows: torch.Tensor) -> None:
+        """The held units' gathered messages (``rows``, in holding order): each decoded and judged
+        (an error raises on every rank), its result put back into its bucket, its bucket's riding
+        dense part scattered back."""
+        held, self.held = self.held, []
+        auto = self.ctx.config.auto
+        for h, got in zip(held, joint.rows_of([h.call for h in held], rows)):
+            with Timer() as timer:
+                h.call.land(got)
+            if auto is not None:   # its encode and decode (the shared flight is the carrying unit's)
+                auto.measured(self.ctx.layout.units[h.index], h.seconds + timer.seconds)
+            if h.store is not None:
+                h.store(h.out)
+            self.done_units.add(h.index)
+            if h.dense is not None:
+                self._finish_dense(*h.dense, judged=True)
 
     # -- the step's end -----------------------------------------------------
     def commit(self) -> None:

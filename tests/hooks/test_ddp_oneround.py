@@ -29,7 +29,9 @@ def _train(name, params, rank):
     torch.manual_seed(0)
     model = DDP(MLP3(), bucket_cap_mb=0.02)  # several buckets, each with its biases
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    state = commpress.ddp.register(model, name, overlap=False, warmup_steps=0, min_numel=256, **params)
+    # join_buckets=False: a round per bucket (joined rounds: test_ddp_joint.py)
+    state = commpress.ddp.register(model, name, overlap=False, warmup_steps=0, min_numel=256, join_buckets=False,
+                                   **params)
     rounds, algorithms = [], []
     for step in range(STEPS):
         train_step(model, opt, rank, step)
@@ -87,7 +89,7 @@ def _auto_worker(rank, world):
     model = DDP(MLP3(), bucket_cap_mb=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = commpress.ddp.register(model, "auto", overlap=False, min_numel=256, check_every=2,
-                                   candidates=[("blockquant", 4)], remeasure=False)
+                                   candidates=[("blockquant", 4)], remeasure=False, join_buckets=False)
     state.codec.network = Network(world, CostModel(1e-4, 1e-4))   # 10 kB/s: compress, whatever the load
     rounds = []
     for step in range(5):   # dense warm-up, two measured steps, the choice from step 3 on

@@ -1,6 +1,7 @@
 """The DDP hook on the pipelined ``gather_all`` (one all_gather per chunk, where the calibrated link puts a
 chunk long enough on the wire): training is bitwise the one-message run, the bucket's dense part still
-rides (no all_reduce of its own), and the step makes one round per chunk."""
+rides (no all_reduce of its own), and the step makes one round per chunk; with the buckets joined
+(``join_buckets``) the held units ride in the last unit's first chunk: P rounds a step."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from commpress.collectives import quantized, set_cost_model
 def pipeline_hook_worker(rank, world):
     set_cost_model(1e-4, 1e-5)   # a slow link: every unit's chunk is long on the wire
     out = {}
-    for mode, threshold in (("one", math.inf), ("piped", 0.0)):
+    for mode, threshold, join in (("one", math.inf, False), ("piped", 0.0, False), ("joined", math.inf, True),
+                                  ("joined-piped", 0.0, True)):
         quantized.PIPELINE_MIN_WIRE_S = threshold
         torch.manual_seed(0)
         model = DDP(Net(), bucket_cap_mb=0.01)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        state = commpress.ddp.register(model, "blockquant", bits=4, min_numel=256)
+        state = commpress.ddp.register(model, "blockquant", bits=4, min_numel=256, join_buckets=join)
         rounds = []
         for step in range(5):
             train_step(model, opt, rank, step)
@@ -49,3 +51,9 @@ def test_hook_on_the_pipelined_gather_all_trains_bitwise_as_one_message():
         # pipelined a round per chunk, 2 at P=2
         assert one["rounds"][1:] and all(n > 0 for n in one["rounds"][1:]), one["rounds"]
         assert piped["rounds"][1:] == [2 * n for n in one["rounds"][1:]], (one["rounds"], piped["rounds"])
+        # joined: every unit's message in the last unit's flight (pipelined: its first chunk's), bitwise alike
+        assert one["rounds"][1] > 1, one["rounds"]
+        assert r["joined"]["rounds"][1:] == [1] * 4 and r["joined-piped"]["rounds"][1:] == [2] * 4, r
+        for mode in ("joined", "joined-piped"):
+            assert torch.equal(r[mode]["params"], one["params"]), mode
+            assert r[mode]["algorithms"] == ["gather_all"], r[mode]

@@ -1,0 +1,120 @@
+"""Held calls: a compressed call encoded now, its message sent in a later call's ``all_gather``.
+
+A DDP step reduces each bucket in a collective round of its own.  On a CPU rank of one core a
+gloo round costs about 1.4 ms of CPU beside its bytes (``benchmarks``' README, "Overhead"), time
+the backward pass needs; the digits MLP's step was 2.1-2.3 ms (12-13%) faster with DDP's buckets
+joined into one (README, "Where the host CPU goes").  Copying the buckets into one unit took half
+of that back.  Holding joins the rounds, not the tensors: each unit keeps its own key, residual,
+message and verdict, only the flight is shared.
+
+* :func:`hold` encodes a call on a steady lane (:mod:`.steady`: blockquant, unpipelined;
+  :mod:`.steady_sparse`: topk) exactly as :func:`~.core.allreduce` would (its residual staged in
+  the step's transaction, its riding dense part in its message) and returns a :class:`Held`, or
+  ``None`` where the call would take another path (it must then run at once).
+* The next call that runs (``allreduce(..., passengers=)`` with a :class:`~.wire.Passengers` of the
+  held messages) appends them to its first message: one round for all.  Where that call takes a
+  path that cannot carry them, :func:`gather_held` sends them in one round of their own.
+* :meth:`Held.land` decodes a held call's P gathered copies into its output and judges its
+  status: an error on any rank raises on every rank, a NaN/inf anywhere poisons that call's
+  output and keeps the step's residuals, as its own call would.
+
+The values are bitwise those of the calls run one by one (the same messages, decoded by the same
+code; ``tests/collectives/test_collectives_joint.py``).  Every rank must hold the same calls: the
+choice is a function of facts equal on every rank (the configuration, the sizes, the lane's
+static checks), and a failure while encoding travels in the held message's status, so no rank
+skips the shared round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import _comm, quantized, sparse, steady, steady_sparse, wire
+from .accounting import CommStats
+
+
+@dataclass
+class Held:
+    """A call encoded and waiting for its flight: ``message`` (uint8, 8-aligned width), the
+    algorithm it stands for, and :meth:`land`."""
+
+    message: torch.Tensor
+    algorithm: str
+    _land: Callable[[torch.Tensor], None]
+
+    def land(self, rows: torch.Tensor) -> None:
+        """Decode the P gathered copies of :attr:`message` (``[P, width]`` bytes, a view) into the
+        call's output and judge them (raises on every rank on an error anywhere)."""
+        self._land(rows)
+
+
+def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, algorithm: str,
+         stats: CommStats | None, transaction, dense: torch.Tensor | None = None) -> Held | None:
+    """Encode ``allreduce(tensor, compressor, ..., out=tensor, dense=dense)`` for a later flight,
+    where it takes a steady lane in one message; ``None`` otherwise (nothing done: run the call).
+    The sum lands in ``tensor`` (and ``dense``) at :meth:`Held.land`.  ``transaction`` (the step's)
+    stages the residual."""
+    world = _comm.world(group)
+    kind = getattr(wire.unwrap(compressor), "aggregation", None)
+    if world < 2 or transaction is None or kind not in ("gather", "sparse"):
+        return None
+    flat = tensor.reshape(-1)
+    rider = wire.Rider(dense) if dense is not None else None
+    if kind == "gather":
+        error = wire.local_check(tensor, compressor, algorithm, ("auto", "two_phase", "gather_all"))
+        bounds = quantized.chunk_bounds(flat.numel(), world, quantized.alignment(compressor))
+        plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=None,
+                               out=tensor, dense=rider, world=world, bounds=bounds)  # one message: unpipelined
+        if plan is None or len(plan.messages) != 1:
+            return None
+        message = plan.messages[0]
+        buf, _, msg = steady.encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
+                                    transaction=transaction, dense=rider)
+
+        def land_gather(rows: torch.Tensor) -> None:
+            results = [steady.land(plan, message, rows, flat, dense=rider, stats=stats)]
+            quantized._verdict(results, "allreduce", msg, flat, compressor, transaction)
+            if stats is not None:
+                stats.add(calls=1, algorithm=plan.algorithm)
+        return Held(buf, plan.algorithm, land_gather)
+    error = wire.local_check(tensor, compressor, algorithm, ("auto",) + sparse.SPARSE_ALGORITHMS)
+    splan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
+                                   out=tensor, dense=rider, world=world, whole_choice=sparse.whole_choice)
+    if splan is None:
+        return None
+    buf, msg = steady_sparse.encode(splan, flat, compressor, key=key, stats=stats, transaction=transaction,
+                                    dense=rider)
+
+    def land_sparse(rows: torch.Tensor) -> None:
+        steady_sparse.land(splan, rows, flat, msg=msg, dense=rider, stats=stats, transaction=transaction)
+        if stats is not None:
+            stats.add(calls=1, algorithm="allgather")
+    return Held(buf, "allgather", land_sparse)
+
+
+def passengers(held: list[Held]) -> wire.Passengers:
+    """The held messages, to ride in the next call (``allreduce(..., passengers=)``)."""
+    return wire.Passengers([h.message for h in held])
+
+
+def gather_held(held: list[Held], *, group, stats: CommStats | None) -> torch.Tensor:
+    """The held messages' flight of their own (one ``all_gather``): their ``[P, width]`` rows."""
+    if len(held) == 1:
+        return _comm.all_gather(held[0].message, group=group, stats=stats)
+    riders = passengers(held)
+    buf = torch.empty(riders.width, dtype=torch.uint8)
+    riders.board(buf, 0)
+    return _comm.all_gather(buf, group=group, stats=stats)
+
+
+def rows_of(held: list[Held], rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each held call's slice of the gathered ``rows`` (their messages in order)."""
+    out, at = [], 0
+    for h in held:
+        n = h.message.numel()
+        out.append(rows[:, at:at + n])
+        at += n
+    return out
