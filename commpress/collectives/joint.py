@@ -27,13 +27,23 @@ skips the shared round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from . import _comm, quantized, sparse, steady, steady_sparse, wire
+from . import _comm, costmodel, quantized, sparse, steady, steady_sparse, wire
 from .accounting import CommStats
+
+#: A call is held only while the held messages, this one included, spend at most this long on the
+#: wire by the group's calibrated cost model: a longer message is better sent at once, its flight
+#: overlapping the backward pass, than saving a round.  The pipelining threshold, the same trade
+#: measured (:data:`.quantized.PIPELINE_MIN_WIRE_S`: a message of its own pays from about 1.3-1.8 ms
+#: on the wire).  Measured on the digits MLP at 1 Gbit/s (2 ranks of one core): topk 1%'s first
+#: bucket (about 0.2 ms on the wire) held, its step 1.0-1.3 ms shorter; blockquant 4-bit's (1.3 ms)
+#: held, 0.4 ms shorter on average over ten alternating pairs, inside their spread.
+HOLD_MAX_WIRE_S = quantized.PIPELINE_MIN_WIRE_S
 
 
 @dataclass
@@ -52,11 +62,13 @@ class Held:
 
 
 def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, algorithm: str,
-         stats: CommStats | None, transaction, dense: torch.Tensor | None = None) -> Held | None:
+         stats: CommStats | None, transaction, dense: torch.Tensor | None = None, held_bytes: int = 0,
+         max_wire_s: float = math.inf) -> Held | None:
     """Encode ``allreduce(tensor, compressor, ..., out=tensor, dense=dense)`` for a later flight,
-    where it takes a steady lane in one message; ``None`` otherwise (nothing done: run the call).
-    The sum lands in ``tensor`` (and ``dense``) at :meth:`Held.land`.  ``transaction`` (the step's)
-    stages the residual."""
+    where it takes a steady lane in one message and the held messages (``held_bytes`` already,
+    this one added) spend at most ``max_wire_s`` on the wire by the calibrated cost model;
+    ``None`` otherwise (nothing done: run the call).  The sum lands in ``tensor`` (and ``dense``)
+    at :meth:`Held.land`.  ``transaction`` (the step's) stages the residual."""
     world = _comm.world(group)
     kind = getattr(wire.unwrap(compressor), "aggregation", None)
     if world < 2 or transaction is None or kind not in ("gather", "sparse"):
@@ -68,7 +80,8 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
         bounds = quantized.chunk_bounds(flat.numel(), world, quantized.alignment(compressor))
         plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=None,
                                out=tensor, dense=rider, world=world, bounds=bounds)  # one message: unpipelined
-        if plan is None or len(plan.messages) != 1:
+        if plan is None or len(plan.messages) != 1 or not _fits(group, world, held_bytes + plan.messages[0].width,
+                                                                max_wire_s):
             return None
         message = plan.messages[0]
         buf, _, msg = steady.encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
@@ -83,7 +96,7 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
     error = wire.local_check(tensor, compressor, algorithm, ("auto",) + sparse.SPARSE_ALGORITHMS)
     splan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
                                    out=tensor, dense=rider, world=world, whole_choice=sparse.whole_choice)
-    if splan is None:
+    if splan is None or not _fits(group, world, held_bytes + splan.width, max_wire_s):
         return None
     buf, msg = steady_sparse.encode(splan, flat, compressor, key=key, stats=stats, transaction=transaction,
                                     dense=rider)
@@ -95,9 +108,16 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
     return Held(buf, "allgather", land_sparse)
 
 
-def passengers(held: list[Held]) -> wire.Passengers:
-    """The held messages, to ride in the next call (``allreduce(..., passengers=)``)."""
-    return wire.Passengers([h.message for h in held])
+def _fits(group, world: int, nbytes: int, max_wire_s: float) -> bool:
+    """Whether ``nbytes`` gathered from every rank spend at most ``max_wire_s`` on the wire (the
+    calibrated model, agreed across ranks: every rank decides alike)."""
+    return math.isinf(max_wire_s) or costmodel.get_cost_model(group).beta * nbytes * (world - 1) <= max_wire_s
+
+
+def passengers(held: list[Held], landing: Callable[[torch.Tensor], None] | None = None) -> wire.Passengers:
+    """The held messages, to ride in the next call (``allreduce(..., passengers=)``); ``landing(rows)``
+    is called with their gathered rows as soon as they arrive (:class:`~.wire.Passengers`)."""
+    return wire.Passengers([h.message for h in held], landing)
 
 
 def gather_held(held: list[Held], *, group, stats: CommStats | None) -> torch.Tensor:

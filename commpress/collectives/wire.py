@@ -363,11 +363,13 @@ class Passengers:
     """Messages of calls encoded earlier and held (:func:`commpress.collectives.joint.hold`) that
     ride in a later call's first ``all_gather``: appended after that call's own message, so the
     step pays one round for all of them.  The path that carries them (the steady lanes) sets
-    ``rows``, their gathered ``[P, width]`` bytes (a view), and ``carried``; a path that cannot
-    leaves both unset and the caller gathers them itself
-    (:func:`commpress.collectives.joint.gather_held`)."""
+    ``rows``, their gathered ``[P, width]`` bytes (a view), and ``carried``, and calls ``landing(rows)``
+    (when given) as soon as they arrive, before it waits for its own later messages (a pipelined
+    call's next chunk): their decoding overlaps that flight.  A path that cannot carry them leaves
+    both unset and the caller gathers them itself (:func:`commpress.collectives.joint.gather_held`)."""
 
     messages: list[torch.Tensor]
+    landing: Any = None
     rows: torch.Tensor | None = None
     carried: bool = False
 
@@ -389,8 +391,11 @@ class Passengers:
             at += n
 
     def alight(self, gathered: torch.Tensor, at: int) -> None:
-        """Their gathered rows: ``gathered[:, at:]``."""
+        """Their gathered rows, ``gathered[:, at:]``, landed at once when a ``landing`` is given."""
         self.rows = gathered[:, at:]
+        if self.landing is not None:
+            landing, self.landing = self.landing, None
+            landing(self.rows)
 
 
 def add_rows(dst: torch.Tensor, rows: list[torch.Tensor]) -> None:

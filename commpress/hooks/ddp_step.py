@@ -438,6 +438,7 @@ class Step:
         self._bucket = -1                                          # the bucket being run
         self._buf: torch.Tensor | None = None                      # and its buffer
         self.held: list[HeldUnit] = []                             # units waiting for a later flight
+        self._landing_s = 0.0                                      # held units landed inside a carrier's call
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
@@ -562,13 +563,16 @@ class Step:
         if hold and cfg.joins and prescale is None and hierarchy is None:
             with Timer() as timer, scaled():
                 held = joint.hold(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
-                                  algorithm=cfg.algorithm, stats=cs, transaction=self.transaction, dense=dense)
+                                  algorithm=cfg.algorithm, stats=cs, transaction=self.transaction, dense=dense,
+                                  held_bytes=sum(h.call.message.numel() for h in self.held),
+                                  max_wire_s=joint.HOLD_MAX_WIRE_S)
             if held is not None:
                 bucket = (plan, self._buf, dense) if dense is not None else None
                 self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds))
                 return held.algorithm
-        riders = joint.passengers([h.call for h in self.held]) if self.held else None
-        in_comm = cs.comm_seconds
+        # the held units ride in this call, and land as soon as their rows arrive
+        riders = joint.passengers([h.call for h in self.held], self._land_held) if self.held else None
+        in_comm, self._landing_s = cs.comm_seconds, 0.0
         with Timer() as timer, scaled():
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
@@ -576,7 +580,7 @@ class Step:
                             shapes=unit.shapes if lowrank else None, out=t,
                             hierarchy=hierarchy, prescale=prescale, dense=dense, passengers=riders)
         if cfg.auto is not None:
-            cfg.auto.measured(unit, timer.seconds, cs.comm_seconds - in_comm)
+            cfg.auto.measured(unit, timer.seconds - self._landing_s, cs.comm_seconds - in_comm)
         if cfg.unit_rides(unit):  # "auto" may have picked an algorithm that cannot carry it (a sparse all_reduce)
             unit.declines_dense = not carries_dense(codec, world=cfg.world_size, hierarchy=hierarchy,
                                                     algorithm=cs.last_algorithm or cfg.algorithm)
@@ -585,10 +589,8 @@ class Step:
         elif out is not t:
             unit_store(pieces, out)
         self.done_units.add(i)
-        if riders is not None:   # the held units rode in this call, or go now in a flight of their own
-            rows = riders.rows if riders.carried else joint.gather_held([h.call for h in self.held],
-                                                                        group=cfg.group, stats=cs)
-            self._land_held(rows)
+        if riders is not None and not riders.carried:   # not carried: a flight of their own
+            self._land_held(joint.gather_held([h.call for h in self.held], group=cfg.group, stats=cs))
         return cs.last_algorithm or codec.aggregation
 
     def _land_held(self, rows: torch.Tensor) -> None:
@@ -600,6 +602,7 @@ class Step:
         for h, got in zip(held, joint.rows_of([h.call for h in held], rows)):
             with Timer() as timer:
                 h.call.land(got)
+            self._landing_s += timer.seconds
             if auto is not None:   # its encode and decode (the shared flight is the carrying unit's)
                 auto.measured(self.ctx.layout.units[h.index], h.seconds + timer.seconds)
             if h.store is not None:

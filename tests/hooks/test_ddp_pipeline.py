@@ -15,7 +15,7 @@ from distributed import run
 from nets import MLP3 as Net, train_step
 
 import commpress
-from commpress.collectives import quantized, set_cost_model
+from commpress.collectives import joint, quantized, set_cost_model
 
 
 def pipeline_hook_worker(rank, world):
@@ -24,6 +24,7 @@ def pipeline_hook_worker(rank, world):
     for mode, threshold, join in (("one", math.inf, False), ("piped", 0.0, False), ("joined", math.inf, True),
                                   ("joined-piped", 0.0, True)):
         quantized.PIPELINE_MIN_WIRE_S = threshold
+        joint.HOLD_MAX_WIRE_S = math.inf   # held however long on the wire (its limit: test_ddp_joint.py)
         torch.manual_seed(0)
         model = DDP(Net(), bucket_cap_mb=0.01)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
