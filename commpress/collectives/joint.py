@@ -80,20 +80,15 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
         bounds = quantized.chunk_bounds(flat.numel(), world, quantized.alignment(compressor))
         plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=None,
                                out=tensor, dense=rider, world=world, bounds=bounds)  # one message: unpipelined
-        if plan is None or len(plan.messages) != 1 or not _fits(group, world, held_bytes + plan.messages[0].width,
-                                                                max_wire_s):
-            return None
-        message = plan.messages[0]
-        buf, _, msg = steady.encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
-                                    transaction=transaction, dense=rider)
-
-        def land_gather(rows: torch.Tensor) -> None:
-            results = [steady.land(plan, message, rows, flat, dense=rider, stats=stats)]
-            quantized._verdict(results, "allreduce", msg, flat, compressor, transaction)
-            if stats is not None:
-                stats.add(calls=1, algorithm=plan.algorithm)
-        return Held(buf, plan.algorithm, land_gather)
+        return _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
+                            max_wire_s)
     error = wire.local_check(tensor, compressor, algorithm, ("auto",) + sparse.SPARSE_ALGORITHMS)
+    if (algorithm == "auto" and wire.has_feedback(compressor)
+            and sparse.whole_choice(tensor, wire.unwrap(compressor), step, world) == "blockquant"):
+        plan = steady.whole_plan_for(flat, compressor, codec=sparse.WHOLE_CODEC, group=group, error=error, out=tensor,
+                                     dense=rider, world=world)
+        return _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
+                            max_wire_s)
     splan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
                                    out=tensor, dense=rider, world=world, whole_choice=sparse.whole_choice)
     if splan is None or not _fits(group, world, held_bytes + splan.width, max_wire_s):
@@ -106,6 +101,25 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
         if stats is not None:
             stats.add(calls=1, algorithm="allgather")
     return Held(buf, "allgather", land_sparse)
+
+
+def _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
+                 max_wire_s) -> Held | None:
+    """A call on the quantized lane (:mod:`.steady`: blockquant's chunks, or a sparsifier's whole send)
+    held, when its plan is one message that fits the wire limit."""
+    if plan is None or len(plan.messages) != 1 or not _fits(group, world, held_bytes + plan.messages[0].width,
+                                                            max_wire_s):
+        return None
+    message = plan.messages[0]
+    buf, _, msg = steady.encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
+                                transaction=transaction, dense=rider)
+
+    def land(rows: torch.Tensor) -> None:
+        results = [steady.land(plan, message, rows, flat, dense=rider, stats=stats)]
+        steady.judge(results, "allreduce", msg, flat, compressor, transaction)
+        if stats is not None:
+            stats.add(calls=1, algorithm=plan.algorithm)
+    return Held(buf, plan.algorithm, land)
 
 
 def _fits(group, world: int, nbytes: int, max_wire_s: float) -> bool:

@@ -219,15 +219,7 @@ def _verdict(messages, what, msg, out, compressor, transaction) -> None:
     rank on an error anywhere; with error feedback, a NaN/inf anywhere poisons ``out`` and keeps
     the residuals."""
     if all(st.device.type == "cpu" for st, _ in messages):   # host memory: judged in numpy, no torch op
-        bad = False
-        for statuses, sig in messages:
-            st = statuses.numpy()
-            wire.judge_bytes(st, sig, what, msg)
-            bad = bad or bool((st[:, 0] & wire.NONFINITE).any())
-        if bad and has_feedback(compressor):
-            flag = torch.ones((), dtype=torch.bool)
-            transaction.mark_bad(flag)
-            wire.poison_(out, flag)
+        steady.judge(messages, what, msg, out, compressor, transaction)
         return
     for statuses, sig in messages:
         wire.check_byte_statuses(statuses, sig, what, msg)

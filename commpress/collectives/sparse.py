@@ -67,7 +67,7 @@ import torch
 from .. import ops
 from ..compressors.blockquant import BlockQuant
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
-from . import _comm, costmodel, steady_sparse, wire
+from . import _comm, costmodel, steady, steady_sparse, wire
 from .accounting import CommStats, codec_timer
 from .wire import (ERRORS, H_COUNT, HASH_RANGE, SKETCH, CollectiveInputError, has_feedback, header_hashed,
                    header_sketch, header_split, try_compress_fixed, unwrap)
@@ -512,6 +512,15 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                                 dense)
         send = whole_choice(tensor, inner, step, world) if algorithm == "auto" else "selection"
         if send == "blockquant":
+            wplan = steady.whole_plan_for(flat, compressor, codec=WHOLE_CODEC, group=group, error=error, out=out,
+                                          dense=dense, world=world)
+            if wplan is not None:   # the steady-state lane of the whole send (CPU, numba): the same bytes
+                results, msg = steady.run(wplan, flat, compressor, group=group, key=key, step=step, stats=stats,
+                                          transaction=transaction, dense=dense, passengers=passengers)
+                steady.judge(results, "allreduce", msg, flat, compressor, transaction)
+                if stats is not None:
+                    stats.add(calls=1, algorithm=wplan.algorithm)
+                return out
             return _whole_quantized(tensor, compressor, group, key, step, stats, transaction, error, out, dense)
         if send == "bf16":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,

@@ -71,7 +71,9 @@ class Message:
 @dataclass(frozen=True)
 class Plan:
     """The static facts of one call site: chunk ``r`` is ``bounds[r]:bounds[r + 1]``; one message per
-    chunk when ``pipelined`` (each started as soon as its chunk is encoded), else one for all."""
+    chunk when ``pipelined`` (each started as soon as its chunk is encoded), else one for all.
+    ``whole``: a sparsifier's whole-tensor send (:func:`whole_plan_for`): one chunk, the error
+    feedback's residual under the call's own key (not per chunk), every coordinate sent."""
 
     world: int
     bounds: tuple[int, ...]
@@ -80,6 +82,7 @@ class Plan:
     algorithm: str
     pipelined: bool
     messages: tuple[Message, ...]
+    whole: bool = False
 
 
 _PLANS: "weakref.WeakKeyDictionary[Any, dict[tuple, Plan]]" = weakref.WeakKeyDictionary()
@@ -178,6 +181,29 @@ def _make_plan(flat, inner: BlockQuant, world: int, bounds: list[int], algorithm
     return Plan(world, tuple(bounds), bits, block, algorithm, pipelined, tuple(messages))
 
 
+def whole_plan_for(flat: torch.Tensor, compressor: Any, *, codec: BlockQuant, group, error: tuple[int, str],
+                   out: torch.Tensor | None, dense: wire.Rider | None, world: int) -> Plan | None:
+    """The :class:`Plan` of a sparsifier's whole-tensor send (:func:`.sparse._whole_quantized`: the
+    compensated tensor in ``codec``, :data:`.sparse.WHOLE_CODEC`, one ``all_gather``, the dense part
+    riding at P <= 2) when it can take the lane (the checks of :func:`cpu_feedback_call`), else
+    ``None``.  The same message, signature, sums and residual as the general path (a density
+    warm-up's early stages: topk 1%'s first ~80 steps of its 200)."""
+    if world < 2 or not cpu_feedback_call(compressor, flat, out, error, ("block_quantize_feedback",
+                                                                          "block_dequantize_sum")):
+        return None
+    rider = None if dense is None or not wire.Rider.free(world) else (dense.tensor.numel(), dense.tensor.dtype)
+    key = ("whole", _comm.group_key(group), flat.numel(), rider, codec.bits, codec.block)
+    return cached_plan(compressor, key, lambda: _whole_plan(flat.numel(), codec, world, rider))
+
+
+def _whole_plan(n: int, codec: BlockQuant, world: int, rider) -> Plan:
+    facts = ("whole", n, codec.name, codec.bits, codec.block)
+    if rider is not None:
+        facts += (rider[0], str(rider[1]))
+    message = _message(wire.signature(*facts), [(0, _payload(n, codec.bits, codec.block))], rider)
+    return Plan(world, (0, n), codec.bits, codec.block, "whole_blockquant", False, (message,), whole=True)
+
+
 def _payload(m: int, bits: int, block: int) -> tuple[int, int]:
     """Bytes of a chunk of ``m`` elements: its packed codes and its fp32 scales (blockquant's wire)."""
     return (m * bits + 7) // 8, 4 * ((m + block - 1) // block)
@@ -272,6 +298,21 @@ def land(plan: Plan, message: Message, gathered: torch.Tensor, flat: torch.Tenso
     return wire.read_status(gathered), message.sig
 
 
+def judge(messages, what: str, msg: str, out: torch.Tensor, compressor: Any, transaction) -> None:
+    """Judge a call's messages whose statuses are in host memory (``[(statuses, signature)]``, each
+    its own signature), in numpy: raise on every rank on an error anywhere; with error feedback, a
+    NaN/inf anywhere poisons ``out`` and keeps the residuals (:func:`.quantized._verdict`'s CPU case)."""
+    bad = False
+    for statuses, sig in messages:
+        st = statuses.numpy()
+        wire.judge_bytes(st, sig, what, msg)
+        bad = bad or bool((st[:, 0] & wire.NONFINITE).any())
+    if bad and wire.has_feedback(compressor):
+        flag = torch.ones((), dtype=torch.bool)
+        transaction.mark_bad(flag)
+        wire.poison_(out, flag)
+
+
 def _put_dense(d: torch.Tensor, buf: torch.Tensor, raw: np.ndarray, at: int) -> bool:
     """The riding dense part ``d`` into the message at byte ``at``; returns its NaN/inf verdict,
     :func:`~commpress.feedback.nonfinite_flag`'s (one fp32 sum, read on the host)."""
@@ -316,7 +357,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     step, or at once without one); returns its NaN/inf verdict."""
     r = piece.chunk
     chunk = flat[plan.bounds[r]:plan.bounds[r + 1]]
-    k = (key, r)
+    k = key if plan.whole else (key, r)
     x, scale = ef._scaled(chunk, k)
     velocity = ef._velocity_slots(x, k) if ef.momentum else None   # momentum correction, in the same pass
     live = ef._live(k, x)
@@ -328,6 +369,8 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
         bad = nb.quantize_feedback_into(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta, scale,
                                         plan.bits, plan.block, pending.view(-1).numpy(), codes, scales,
                                         velocity) > 0
+    if plan.whole and ef.momentum and ef.masking:   # momentum factor masking: every coordinate was sent
+        ef._velocity_pending[k].zero_()
     flag = torch.tensor(bad)
     if transaction is not None:
         transaction.stage(ef, k, flag)

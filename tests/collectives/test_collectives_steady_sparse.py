@@ -15,7 +15,7 @@ from bitwise import same
 from distributed import run
 
 import commpress
-from commpress.collectives import CollectiveInputError, CommStats, _comm, allreduce, steady_sparse, wire
+from commpress.collectives import CollectiveInputError, CommStats, _comm, allreduce, steady, steady_sparse, wire
 from commpress.collectives.sparse import whole_choice
 from commpress.feedback import ResidualTransaction
 from commpress.ops import numba_backend as nb
@@ -29,23 +29,31 @@ def data(rank: int, step: int, n: int) -> torch.Tensor:
 
 
 def _calls(lane: bool, world: int, rider: bool, n: int = N, momentum: float = 0.0, warmup: int = 0,
-           nan_at: int | None = None, dense_nan: bool = False) -> dict:
-    """``STEPS`` calls of ``allreduce(..., out=t)`` as the DDP hook makes them, the lane on or forced
-    off: every message's meaningful bytes, every result and dense sum, the residuals and velocities."""
+           nan_at: int | None = None, dense_nan: bool = False, masking: bool = False) -> dict:
+    """``STEPS`` calls of ``allreduce(..., out=t)`` as the DDP hook makes them, the lanes (the
+    selection's, and the whole send's of a warm-up's early stages) on or forced off: every message's
+    meaningful bytes, every result and dense sum, the residuals and velocities."""
     rank = torch.distributed.get_rank()
-    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.02, density_warmup=warmup), momentum=momentum)
-    sent, results, dense_sums, ran, selections = [], [], [], [], 0
-    real_gather, real_run = _comm.all_gather, steady_sparse.run
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.02, density_warmup=warmup), momentum=momentum,
+                                 masking=masking)
+    sent, results, dense_sums, ran, whole, selections = [], [], [], [], [], 0
+    real_gather, real_run, real_whole = _comm.all_gather, steady_sparse.run, steady.run
 
     def lane_run(*a, **k):
         ran.append(True)
         return real_run(*a, **k)
 
+    def whole_run(plan, *a, **k):
+        whole.append(plan.whole)
+        return real_whole(plan, *a, **k)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_comm, "all_gather", lambda t, *a, **k: (sent.append(t.clone()), real_gather(t, *a, **k))[1])
         mp.setattr(steady_sparse, "run", lane_run)
+        mp.setattr(steady, "run", whole_run)
         if not lane:
             mp.setattr(steady_sparse, "plan_for", lambda *a, **k: None)
+            mp.setattr(steady, "whole_plan_for", lambda *a, **k: None)
         for step in range(STEPS):
             t = data(rank, step, n)
             if nan_at is not None and step == 2 and rank == 1:
@@ -68,7 +76,7 @@ def _calls(lane: bool, world: int, rider: bool, n: int = N, momentum: float = 0.
     state = {key: v.clone() for key, v in ef._residuals.items()}
     state.update({("velocity", key): v.clone() for key, v in ef._velocity.items()})
     return {"sent": sent, "results": results, "dense": dense_sums, "state": state, "lane": len(ran),
-            "selections": selections}
+            "selections": selections, "whole": sum(whole)}
 
 
 def _layout(k: int, dense) -> wire.Layout:
@@ -87,14 +95,17 @@ def _meaningful(message: torch.Tensor, k: int, dense) -> torch.Tensor:
 
 
 def lane_worker(rank, world):
-    cases = {"plain": {}, "momentum": dict(momentum=0.9), "n=64": dict(n=64), "warm-up": dict(warmup=3)}
+    cases = {"plain": {}, "momentum": dict(momentum=0.9), "n=64": dict(n=64), "warm-up": dict(warmup=3),
+             "warm-up+masking": dict(warmup=3, momentum=0.9, masking=True)}
     if world == 2:   # a dense part rides at P <= 2 only
-        cases.update({"rider": dict(rider=True), "rider+momentum": dict(rider=True, momentum=0.9)})
+        cases.update({"rider": dict(rider=True), "rider+momentum": dict(rider=True, momentum=0.9),
+                      "warm-up+rider": dict(warmup=3, rider=True, momentum=0.9)})
     out = {}
     for name, kw in cases.items():
         kw = {"rider": False, **kw}
         lane, general = _calls(True, world, **kw), _calls(False, world, **kw)
-        out[name] = {"lane_ran": lane["lane"], "general_ran": general["lane"], "selections": lane["selections"],
+        out[name] = {"lane_ran": lane["lane"], "general_ran": general["lane"] + general["whole"],
+                     "selections": lane["selections"], "whole_ran": lane["whole"],
                      "same": {k: same(lane[k], general[k]) for k in ("sent", "results", "dense", "state")},
                      "result": lane["results"][-1]}
     nan = [_calls(use, world, rider=world == 2, nan_at=3) for use in (True, False)]
@@ -144,7 +155,10 @@ def test_the_sparse_lane_is_the_general_paths_collective_bitwise(world):
             assert case["general_ran"] == 0 and all(case["same"].values()), (r, name, case)
             # every step that sends its selection takes the lane (a warm-up's first stages send the whole tensor)
             assert case["lane_ran"] == case["selections"], (r, name, case)
-            assert case["selections"] == STEPS or (name == "warm-up" and 0 < case["selections"] < STEPS), (r, name)
+            assert case["selections"] == STEPS or (name.startswith("warm-up") and 0 < case["selections"] < STEPS), \
+                (r, name)
+            # the warm-up's whole sends take the whole lane, bitwise the general path's (_whole_quantized)
+            assert case["whole_ran"] == STEPS - case["selections"], (r, name, case)
             assert torch.equal(case["result"], results[0][name]["result"]), (r, name)   # identical on every rank
         nan = res["nan"]
         assert nan["lane_ran"] == STEPS and nan["same"] and nan["poisoned"] and nan["later_finite"], (r, nan)

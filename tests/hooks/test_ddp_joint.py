@@ -23,6 +23,8 @@ STEPS = 5
 CASES = {   # (compressor, register keywords): the steady lanes, and "auto" choosing one of them
     "blockquant": ("blockquant", {"bits": 4}),
     "topk": ("topk", {"ratio": 0.05, "density_warmup": 0, "takeover": True}),
+    # inside its density warm-up: the whole compensated gradient in 4-bit (steady.whole_plan_for), held alike
+    "topk-warmup": ("topk", {"ratio": 0.05, "takeover": True}),
     "auto": ("auto", {"check_every": 2, "candidates": [("blockquant", 4)], "remeasure": False}),
 }
 
@@ -63,6 +65,7 @@ def _train(rank, world, name, join, overlap=True, nan_step=None):
             residuals.append(state.residuals_by_param())
         rounds.append(state.stats.last_step["rounds"])
     out = {"params": [p.detach().clone() for p in model.parameters()], "rounds": rounds,
+           "algorithms": sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}),
            "units": len(state.layout.units), "grads": grads, "residuals": residuals,
            "choices": sorted({e["choice"] for e in state.stats.as_dict().get("auto", {}).values()})}
     state.close()
@@ -92,7 +95,7 @@ def joint_worker(rank, world, names):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,names", [(2, ("blockquant", "topk", "auto")), (3, ("blockquant",))])
+@pytest.mark.parametrize("world,names", [(2, ("blockquant", "topk", "topk-warmup", "auto")), (3, ("blockquant",))])
 def test_joined_buckets_train_bitwise_in_one_round_a_step(world, names):
     res = run(joint_worker, world, names, timeout=230)
     for r in res:
@@ -108,6 +111,8 @@ def test_joined_buckets_train_bitwise_in_one_round_a_step(world, names):
             # the last steps (after DDP's rebuild): every unit's message in one all_gather, against one each
             assert alone["units"] >= 2 and alone["rounds"][-1] == alone["units"], (name, alone["rounds"])
             assert joined["rounds"][-2:] == [1, 1], (name, joined["rounds"])
+            if name == "topk-warmup":
+                assert joined["algorithms"] == ["whole_blockquant"], joined["algorithms"]
             if name == "auto":
                 assert joined["choices"] == alone["choices"] == ["blockquant(bits=4)"], joined["choices"]
     if world == 2:
