@@ -95,6 +95,9 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert verdict["blockquant-4bit"]["vs DDP"] == "2.00x"
     assert verdict["blockquant-4bit"]["vs torch fp16"] == "1.60x"
     assert verdict["topk-1%"]["time to target s"] == "not reached"
+    # a config of one seed is set against the baselines on that seed, not their mean over both
+    one = {r["config"]: r for r in sweep.verdict_rows(sweep.summarize_configs(rows + [row("bf16", "commpress", 2.0)]))}
+    assert one["bf16"]["vs DDP"] == "3.00x" and one["bf16"]["vs torch fp16"] == "2.00x", one["bf16"]
     lines = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), summary)
     text = "\n".join(lines)
     assert "blockquant-4bit" in lines[0]
