@@ -27,7 +27,9 @@ A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is 
 bytes are hidden already, and only less host work shortens its step.  ``compute`` is the same
 rank's step under ``no_sync`` (no gradient synchronisation); ``buckets``: the DDP buckets a
 commpress hook received per step (``--bucket-cap-mb``: DDP's ``bucket_cap_mb`` for every config;
-given explicitly, DDP drops its 1 MiB first bucket, and this model's 4.5 MB fit in one);
+given explicitly, DDP drops its 1 MiB first bucket, and this model's 4.5 MB fit in one); ``rounds``:
+the collective rounds of the hook's last step (joined rounds, ``join_buckets``, carry several buckets
+in one);
 ``chose``: an ``"auto"`` config's choice per bucket.  Linux only (``/proc``; a thread that ends
 inside the window is not counted, and the ones measured here live through it); a row is the
 slower rank's.
@@ -45,7 +47,7 @@ from typing import Any, Callable
 from .common import cpu_bound, markdown_table, results_dir, write_results
 
 COLUMNS = ["config", "step_ms", "cpu_ms", "idle_ms", "loop_ms", "worker_ms", "kernels_ms", "comm_ms", "compute_ms",
-           "verdict", "buckets", "chose"]
+           "verdict", "buckets", "rounds", "chose"]
 
 #: the numba backend's kernel entry points (what ``commpress.ops.numba_backend`` calls; none of them is
 #: called from compiled code, so replacing the module attribute cannot change a kernel's typing)
@@ -247,8 +249,10 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
             computes.append(time.perf_counter() - t0)
         report_auto = getattr(getattr(state, "stats", None), "auto_report", None)
         chose = ", ".join(f"{k}: {e['choice']}" for k, e in report_auto().items()) if report_auto else ""
-        buckets = len(state.stats.last_step["units"]) if getattr(state, "stats", None) is not None else None
+        last = state.stats.last_step if getattr(state, "stats", None) is not None else None
+        buckets, rounds = (len(last["units"]), last["rounds"]) if last is not None else (None, None)
         rows.append({"config": name, "step_s": statistics.median(walls), "cpu_s": cpu, "buckets": buckets,
+                     "rounds": rounds,
                      **{f"{k}_s": v / steps for k, v in {**parts, **spent}.items()},
                      "compute_s": statistics.median(computes), "worker": worker is not None, "chose": chose})
         if state is not None and hasattr(state, "close"):
@@ -280,6 +284,7 @@ def run_suite(configs: list[str], *, net: str | None, steps: int = 100, warmup: 
         row["idle_ms"] = round(max(0.0, row["step_ms"] - row["cpu_ms"]), 2)
         row["verdict"], row["worker"], row["chose"] = verdict(r), r["worker"], r["chose"]
         row["buckets"] = r["buckets"] if r["buckets"] is not None else ""
+        row["rounds"] = r["rounds"] if r["rounds"] is not None else ""
         rows.append(row)
     return rows
 

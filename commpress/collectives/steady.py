@@ -232,7 +232,7 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     :func:`.quantized._verdict` judges: ``([(statuses, signature)] per message, local error message)``.
     A chunk whose kernel raises sends a zeros payload with :data:`~.wire.E_MISUSE` (every rank raises
     at the verdict, as on the general path).  ``passengers``: held messages that ride after the
-    first message (:class:`~.wire.Passengers`; their gathered rows are left to the caller)."""
+    first message (:class:`~.wire.Passengers`; landed as soon as they arrive)."""
     code, msg, flights = 0, "", []
     for j, message in enumerate(plan.messages):
         extra = passengers.width if j == 0 and passengers is not None else 0

@@ -109,8 +109,8 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     judged (an error anywhere raises on every rank), every rank's entries added into ``flat`` (the
     output) in rank order; a NaN/inf anywhere poisons ``flat`` and keeps the residuals.  A
     selection that raises sends padding (index ``numel``, value 0) with :data:`~.wire.E_MISUSE`.
-    ``passengers``: held messages that ride after this one (:class:`~.wire.Passengers`; their
-    gathered rows are left to the caller)."""
+    ``passengers``: held messages that ride after this one (:class:`~.wire.Passengers`; landed as
+    soon as they arrive)."""
     extra = passengers.width if passengers is not None else 0
     buf, msg = encode(plan, flat, compressor, key=key, stats=stats, transaction=transaction, dense=dense,
                       extra=extra)

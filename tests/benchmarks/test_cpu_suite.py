@@ -62,6 +62,7 @@ def test_tiny_run_splits_each_config(tmp_path):
     assert bq["worker"] is True                                        # the overlap worker ran the buckets
     assert ddp["kernels_ms"] == 0 and 0 < bq["kernels_ms"] <= bq["cpu_ms"], (ddp, bq)   # numba's share
     assert ddp["buckets"] == "" and bq["buckets"] == 2               # DDP's 1 MiB first bucket, then the rest
+    assert ddp["rounds"] == "" and bq["rounds"] == 1, bq             # pinned ranks of one core: the rounds joined
     # --layers: DDP's own path has no hook layer; blockquant + EF on the CPU takes the steady lane, and
     # each layer holds the ones inside it (inclusive), all within the process's CPU
     labels = [label for label, _, _ in cpu.LAYERS]
