@@ -19,8 +19,9 @@ the kernels.
 
 ``--layers`` also times the hook's layers (:data:`LAYERS`: the bucket on the worker, the unit, the
 collective call, the compressor kind's path, the steady-state lanes, the all_gather, the dense path
-of DDP's own steps): the thread CPU per step inside each, inclusive, so the difference between a
-layer and the next one inside it is that layer's own Python and torch calls.
+of DDP's own steps, and with joined rounds a held unit's encode and its landing, which runs inside
+the carrying unit's collective call): the thread CPU per step inside each, inclusive, so the
+difference between a layer and the next one inside it is that layer's own Python and torch calls.
 
 ``idle`` is the step less the process's CPU: time the core waited (for the wire, or for the peer).
 A rank whose CPU is :data:`~benchmarks.common.CPU_BOUND` or more of its step is CPU-bound: its
@@ -131,6 +132,8 @@ LAYERS = (
     ("sparse_lane", "commpress.collectives.steady_sparse", "run"),
     ("all_gather", "commpress.collectives._comm", "all_gather"),
     ("dense_path", "commpress.hooks.ddp", "_dense_async"),
+    ("hold", "commpress.collectives.joint", "hold"),              # a held unit's encode (joined rounds)
+    ("land_held", "commpress.hooks.ddp_step", "Step._land_held"),  # its landing (inside the carrier's call)
 )
 
 
