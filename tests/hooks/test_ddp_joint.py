@@ -166,3 +166,10 @@ def test_a_held_unit_that_fails_fails_the_step_on_every_rank():
     assert "rank(s) [1]" in a[3] and "boom in a held unit" in b[3], (a, b)
     assert "HookError" in a[3] or "CollectiveInputError" in a[3], a
     assert a[4] is None and b[4] is None, (a, b)   # the next step runs (the failed one was rolled back)
+
+
+def test_join_buckets_is_none_or_a_bool_and_fingerprinted_when_set():
+    with pytest.raises(TypeError, match="join_buckets"):
+        commpress.ddp.DDPState("topk", ratio=0.01, join_buckets="yes")
+    assert commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=False).config()["join_buckets"] is False
+    assert "join_buckets" not in commpress.ddp.DDPState("topk", ratio=0.01).config()   # older checkpoints load
