@@ -185,9 +185,11 @@ class DDPState(TakeoverMixin, HookState):
         values bitwise the same.  ``None`` (default): on where the backward pass keeps a rank's
         cores busy (a CPU rank whose cores its threads fill, agreed across ranks), where each
         round costs CPU time the backward needs (measured on the digits MLP: README, "Joined
-        buckets"); off on GPUs, where the first buckets' flights overlap the backward.
-        ``True`` / ``False``: always / never.  Units that take the general path (not a steady
-        lane) and a hierarchy send at once either way.
+        rounds" under "DDP in one line"); off on GPUs, where the first buckets' flights overlap
+        the backward.  ``True`` / ``False``: always / never.  Either way a message is held only
+        while the held ones spend at most :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S`
+        on the wire by the calibrated link, and units that take the general path (not a steady
+        lane) or a hierarchy send at once.
 
     Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
