@@ -117,10 +117,8 @@ def _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, g
                                 transaction=transaction, dense=rider)
 
     def land(rows: torch.Tensor) -> None:
-        results = [steady.land(plan, message, rows, flat, dense=rider, stats=stats)]
-        steady.judge(results, "allreduce", msg, flat, compressor, transaction)
-        if stats is not None:
-            stats.add(calls=1, algorithm=plan.algorithm)
+        steady.finish(plan, [steady.land(plan, message, rows, flat, dense=rider, stats=stats)], msg, flat,
+                      compressor, transaction, stats)
     return Held(buf, plan.algorithm, land)
 
 

@@ -515,11 +515,8 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
             wplan = steady.whole_plan_for(flat, compressor, codec=WHOLE_CODEC, group=group, error=error, out=out,
                                           dense=dense, world=world)
             if wplan is not None:   # the steady-state lane of the whole send (CPU, numba): the same bytes
-                results, msg = steady.run(wplan, flat, compressor, group=group, key=key, step=step, stats=stats,
-                                          transaction=transaction, dense=dense, passengers=passengers)
-                steady.judge(results, "allreduce", msg, flat, compressor, transaction)
-                if stats is not None:
-                    stats.add(calls=1, algorithm=wplan.algorithm)
+                steady.run(wplan, flat, compressor, group=group, key=key, step=step, stats=stats,
+                           transaction=transaction, dense=dense, passengers=passengers)
                 return out
             return _whole_quantized(tensor, compressor, group, key, step, stats, transaction, error, out, dense)
         if send == "bf16":

@@ -226,12 +226,11 @@ def _message(sig: int, chunks: list[tuple[int, tuple[int, int]]], rider) -> Mess
 
 def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key: Any, step: int,
         stats: CommStats | None, transaction, dense: wire.Rider | None,
-        passengers: wire.Passengers | None = None) -> tuple[list[tuple[torch.Tensor, int]], str]:
+        passengers: wire.Passengers | None = None) -> None:
     """The call on the lane: every chunk encoded into its message, the messages gathered, every
-    chunk's pieces decoded into ``flat`` (the output) in rank order.  Returns what
-    :func:`.quantized._verdict` judges: ``([(statuses, signature)] per message, local error message)``.
-    A chunk whose kernel raises sends a zeros payload with :data:`~.wire.E_MISUSE` (every rank raises
-    at the verdict, as on the general path).  ``passengers``: held messages that ride after the
+    chunk's pieces decoded into ``flat`` (the output) in rank order, then judged and counted
+    (:func:`finish`).  A chunk whose kernel raises sends a zeros payload with
+    :data:`~.wire.E_MISUSE` (every rank raises at the verdict, as on the general path).  ``passengers``: held messages that ride after the
     first message (:class:`~.wire.Passengers`; landed as soon as they arrive)."""
     code, msg, flights = 0, "", []
     for j, message in enumerate(plan.messages):
@@ -250,7 +249,16 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
         if j == 0 and passengers is not None:
             passengers.alight(gathered, message.width)
         results.append(land(plan, message, gathered, flat, dense=dense, stats=stats))
-    return results, msg
+    finish(plan, results, msg, flat, compressor, transaction, stats)
+
+
+def finish(plan: Plan, results: list[tuple[torch.Tensor, int]], msg: str, flat: torch.Tensor, compressor: Any,
+           transaction, stats: CommStats | None) -> None:
+    """A call's landed messages (``[(statuses, signature)]``, :func:`land`'s) judged (:func:`judge`:
+    an error anywhere raises on every rank; a NaN/inf poisons ``flat``) and the call counted."""
+    judge(results, "allreduce", msg, flat, compressor, transaction)
+    if stats is not None:
+        stats.add(calls=1, algorithm=plan.algorithm)
 
 
 def encode(plan: Plan, message: Message, flat: torch.Tensor, compressor: ErrorFeedback, *, key: Any, step: int,

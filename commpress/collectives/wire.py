@@ -381,14 +381,9 @@ class Passengers:
     def board(self, buf: torch.Tensor, at: int) -> None:
         """Copy the messages into ``buf`` from byte ``at`` (the carrying call's message ends there)."""
         self.carried = True
-        raw = buf.numpy() if buf.device.type == "cpu" else None
         for m in self.messages:
-            n = m.numel()
-            if raw is not None:
-                raw[at:at + n] = m.numpy()
-            else:
-                buf[at:at + n].copy_(m)
-            at += n
+            buf[at:at + m.numel()].copy_(m)
+            at += m.numel()
 
     def alight(self, gathered: torch.Tensor, at: int) -> None:
         """Their gathered rows, ``gathered[:, at:]``, landed at once when a ``landing`` is given."""

@@ -473,7 +473,7 @@ class Step:
                     algorithms.append(self._run_unit(i, cs, carried, hold=not last))
                     held_dense = held_dense or (carried is not None and i not in self.done_units)
                 if last and self.held:   # nothing ran after them: a flight of their own
-                    self._land_held(joint.gather_held([h.call for h in self.held], group=cfg.group, stats=cs))
+                    self._fly_held(cs)
             sent += cs.bytes_sent
             if work is not None:
                 with Timer() as t_w:
@@ -590,8 +590,12 @@ class Step:
             unit_store(pieces, out)
         self.done_units.add(i)
         if riders is not None and not riders.carried:   # not carried: a flight of their own
-            self._land_held(joint.gather_held([h.call for h in self.held], group=cfg.group, stats=cs))
+            self._fly_held(cs)
         return cs.last_algorithm or codec.aggregation
+
+    def _fly_held(self, cs: CommStats) -> None:
+        """The held units in one ``all_gather`` of their own (no later unit carried them), landed."""
+        self._land_held(joint.gather_held([h.call for h in self.held], group=self.ctx.config.group, stats=cs))
 
     def _land_held(self, rows: torch.Tensor) -> None:
         """The held units' gathered messages (``rows``, in holding order): each decoded and judged
