@@ -347,6 +347,11 @@ def test_a_switch_that_measures_worse_is_undone_and_barred():
     assert set(kinds(kept)) == {"dense"} and switched_again == ()     # ... but the plan is barred
     again, switched_again = dec.update(80, slow, measured_s=0.050)     # due again, the veto expired
     assert again.choices == plan.choices and switched_again and dec.on_probation
+    dec.update(84, slow, measured_s=worse)                             # undone and barred again ...
+    assert dec.vetoed and set(kinds(dec.current)) == {"dense"}
+    slower = measures(CostModel(alpha=2e-4, beta=1.2e-7), [0.0, 0.0])  # ... until the link moved by 50%:
+    moved, switched_again = dec.update(90, slower, measured_s=0.050)   # drift drops the veto
+    assert not dec.vetoed and switched_again and set(kinds(moved)) != {"dense"}
 
     stands = Decider(every=50, margin=0.05, revert=0.2)
     plan2, _ = stands.update(10, slow, measured_s=0.050)
