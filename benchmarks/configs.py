@@ -109,7 +109,8 @@ ALL: list[Config] = [
 #: Variants of topk 1% for the convergence study (momentum correction, masking, density warm-up): by name or the "convergence" group,
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
 #: warm-up; mask: DGC's momentum factor masking.  And blockquant 4-bit with momentum correction (mc:
-#: optimizer=), and the two without joined buckets (nojoin: ``join_buckets=False``), by name only.
+#: optimizer=), the two without joined buckets (nojoin: ``join_buckets=False``) and blockquant with
+#: every bucket held (joinall: ``join_buckets=inf``), by name only.
 STUDY: list[Config] = [
     Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
     Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
@@ -118,6 +119,8 @@ STUDY: list[Config] = [
     # a round per bucket (join_buckets=False), against the default that joins a CPU rank's rounds
     Config("blockquant-4bit-nojoin", "commpress", "blockquant", {"bits": 4, "join_buckets": False}),
     Config("topk-1%-nojoin", "commpress", "topk", {"ratio": 0.01, "join_buckets": False}, takeover=True),
+    # every bucket held whatever its wire (join_buckets=inf: one round a step), against the 1.5 ms limit
+    Config("blockquant-4bit-joinall", "commpress", "blockquant", {"bits": 4, "join_buckets": float("inf")}),
 ]
 BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",

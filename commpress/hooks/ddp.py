@@ -186,10 +186,11 @@ class DDPState(TakeoverMixin, HookState):
         cores busy (a CPU rank whose cores its threads fill, agreed across ranks), where each
         round costs CPU time the backward needs (measured on the digits MLP: README, "Joined
         rounds" under "DDP in one line"); off on GPUs, where the first buckets' flights overlap
-        the backward.  ``True`` / ``False``: always / never.  Either way a message is held only
-        while the held ones spend at most :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S`
-        on the wire by the calibrated link, and units that take the general path (not a steady
-        lane) or a hierarchy send at once.
+        the backward.  ``True`` / ``False``: always / never.  A message is held only while the
+        held ones spend at most :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S` on the wire
+        by the calibrated link, or, where ``join_buckets`` is a number, that many seconds (always
+        on; ``math.inf``: no limit, one round a step however large the messages).  Units that take
+        the general path (not a steady lane) or a hierarchy send at once.
 
     Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -207,7 +208,7 @@ class DDPState(TakeoverMixin, HookState):
                  algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
                  **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
@@ -225,8 +226,10 @@ class DDPState(TakeoverMixin, HookState):
             raise TypeError(f"skip must be a callable name -> bool or None, got {type(skip).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
-        if join_buckets is not None and not isinstance(join_buckets, bool):
-            raise TypeError(f"join_buckets must be None or a bool, got {type(join_buckets).__name__}")
+        if join_buckets is not None and not isinstance(join_buckets, (bool, int, float)):
+            raise TypeError(f"join_buckets must be None, a bool or a number of seconds, got {type(join_buckets).__name__}")
+        if not isinstance(join_buckets, (bool, type(None))) and not join_buckets > 0:
+            raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)
         auto = isinstance(compressor, str) and compressor == "auto"
         if auto:  # a compressor per unit, chosen from measurements (commpress.auto)
@@ -399,7 +402,9 @@ class DDPState(TakeoverMixin, HookState):
             feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self.lowrank,
             verify_every=self.verify_every, auto=self.codec if self.auto else None,
             joins=(self.world_size > 1 and self.hierarchy is None
-                   and (not self._worker_own_core if self.join_buckets is None else self.join_buckets)))
+                   and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
+            hold_max_wire_s=(float(self.join_buckets) if not isinstance(self.join_buckets, (bool, type(None)))
+                             else None))
 
     # -- what the executor owns, seen from here -------------------------------
     @property

@@ -350,6 +350,9 @@ class HookConfig:
     #: hold a unit's message until the next unit that runs carries it (``join_buckets``;
     #: :mod:`commpress.collectives.joint`): one round per step where every unit takes a steady lane
     joins: bool = False
+    #: the held messages' wire limit (seconds, by the calibrated link) where ``join_buckets`` gave
+    #: one; ``None``: :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S`
+    hold_max_wire_s: float | None = None
 
     @property
     def dense_rides(self) -> bool:
@@ -565,7 +568,8 @@ class Step:
                 held = joint.hold(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                                   algorithm=cfg.algorithm, stats=cs, transaction=self.transaction, dense=dense,
                                   held_bytes=sum(h.call.message.numel() for h in self.held),
-                                  max_wire_s=joint.HOLD_MAX_WIRE_S)
+                                  max_wire_s=(joint.HOLD_MAX_WIRE_S if cfg.hold_max_wire_s is None
+                                              else cfg.hold_max_wire_s))
             if held is not None:
                 bucket = (plan, self._buf, dense) if dense is not None else None
                 self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds))

@@ -8,6 +8,8 @@ one rank while its unit is held fails the step on every rank (nobody hangs in th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -90,6 +92,8 @@ def joint_worker(rank, world, names):
         out["nan"] = {join: _train(rank, world, "blockquant", join, nan_step=3) for join in (True, False)}
         set_cost_model(1.0, 1e-5)   # 100 kB/s: a held message would spend longer than HOLD_MAX_WIRE_S on the wire
         out["slow"] = {join: _train(rank, world, "blockquant", join) for join in (True, False)}
+        # ... unless join_buckets gives a wire limit of its own (inf: none): held, one round a step
+        out["limit"] = {join: _train(rank, world, "blockquant", join) for join in (math.inf, False)}
     set_cost_model(None)
     return out
 
@@ -100,13 +104,18 @@ def test_joined_buckets_train_bitwise_in_one_round_a_step(world, names):
     res = run(joint_worker, world, names, timeout=230)
     for r in res:
         for name, got in r.items():
-            joined, alone = got[True], got[False]
+            on = math.inf if name == "limit" else True
+            joined, alone = got[on], got[False]
             assert same(joined["params"], alone["params"]), (world, name)
-            assert same(joined["params"], res[0][name][True]["params"]), (world, name)   # replicas alike
+            assert same(joined["params"], res[0][name][on]["params"]), (world, name)   # replicas alike
             if name == "nan":
                 continue
             if name == "slow":   # nothing held: the rounds of every unit (pipelined here) either way
                 assert joined["rounds"] == alone["rounds"] and alone["rounds"][-1] >= alone["units"] >= 2, got
+                continue
+            if name == "limit":   # held all the same (unpipelined), riding in the last unit's first message:
+                # its 2 pipelined rounds, against 2 for every unit
+                assert joined["rounds"][-1] == 2 and alone["rounds"][-1] == 2 * alone["units"] >= 4, got
                 continue
             # the last steps (after DDP's rebuild): every unit's message in one all_gather, against one each
             assert alone["units"] >= 2 and alone["rounds"][-1] == alone["units"], (name, alone["rounds"])
@@ -168,8 +177,12 @@ def test_a_held_unit_that_fails_fails_the_step_on_every_rank():
     assert a[4] is None and b[4] is None, (a, b)   # the next step runs (the failed one was rolled back)
 
 
-def test_join_buckets_is_none_or_a_bool_and_fingerprinted_when_set():
+def test_join_buckets_is_none_a_bool_or_a_wire_limit_and_fingerprinted_when_set():
     with pytest.raises(TypeError, match="join_buckets"):
         commpress.ddp.DDPState("topk", ratio=0.01, join_buckets="yes")
+    for bad in (0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="join_buckets"):
+            commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=bad)
+    assert commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=0.005).config()["join_buckets"] == 0.005
     assert commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=False).config()["join_buckets"] is False
     assert "join_buckets" not in commpress.ddp.DDPState("topk", ratio=0.01).config()   # older checkpoints load
