@@ -66,9 +66,12 @@ Outcomes, not only predictions (:meth:`Decider.update` with ``measured_s``): a s
 probation until the next check point, which compares the *measured* step of the new plan
 (its window's median wall time, agreed) times its price with the plan's before it.  A new
 plan that measures worse by more than ``revert`` is undone and barred (vetoed) until ``every``
-steps have passed or the network or overlap drifted: a model that mispriced the switch (a
+steps have passed or the network drifted: a model that mispriced the switch (a
 loaded machine, a link that behaves unlike its calibration) costs one short window, not a
-whole period.  ``revert`` (20%) is set for a shared, noisy machine; where both windows' own
+whole period.  A moved overlap does not lift a veto: the overlap is measured under the plan in
+use (on a CPU rank its codec shares the cores with the backward pass, and a bucket's hidden
+window grows with it), so the restored plan's window reads another overlap than the vetoed
+one's by construction, and lifting on it brought the vetoed plan back at the next check point.  ``revert`` (20%) is set for a shared, noisy machine; where both windows' own
 steps were quiet (:func:`window_tolerance`, agreed) the limit is their difference's 95%
 half-width instead, down to :data:`REVERT_FLOOR` (5%): on a GPU cluster, whose steps vary by a
 percent, a switch that measured 8% worse is undone.
@@ -815,9 +818,11 @@ class Decider:
 
     def _barred(self, step: int, m: Measurements, choices: tuple[Choice, ...]) -> bool:
         """Whether ``choices`` is a plan vetoed by its outcome less than ``every`` steps ago, with
-        the network and overlap within ``drift`` of what they were then (expired vetoes are dropped)."""
+        the network within ``drift`` of what it was then (expired vetoes are dropped; the overlap
+        is not compared: see the module doc)."""
+        now = signature(m)
         for key, (at, sig) in list(self.vetoed.items()):
-            if step - at >= self.every or drifted(sig, signature(m), self.drift):
+            if step - at >= self.every or drifted(Signature(sig.network, ()), Signature(now.network, ()), self.drift):
                 del self.vetoed[key]
         return tuple(describe(c) for c in choices) in self.vetoed
 

@@ -331,7 +331,8 @@ def test_link_tracker_scales_the_link_after_two_windows_of_the_same_plan():
 def test_a_switch_that_measures_worse_is_undone_and_barred():
     """The check point after a switch compares measured step × price of the new plan with the plan's
     before it: worse by more than ``revert`` undoes the switch and bars the plan until ``every`` steps
-    passed (or the network drifted); within ``revert``, or unmeasured, the switch stands."""
+    passed or the network drifted (a moved overlap, measured under another plan, does not lift it);
+    within ``revert``, or unmeasured, the switch stands."""
     slow = measures(MBIT100, [0.0, 0.0])                       # compressing is predicted to pay
     dec = Decider(every=50, drift=0.25, margin=0.05, revert=0.2)
     plan, switched = dec.update(10, slow, measured_s=0.050)   # the dense window measured 50 ms per step
@@ -349,6 +350,9 @@ def test_a_switch_that_measures_worse_is_undone_and_barred():
     assert again.choices == plan.choices and switched_again and dec.on_probation
     dec.update(84, slow, measured_s=worse)                             # undone and barred again ...
     assert dec.vetoed and set(kinds(dec.current)) == {"dense"}
+    hidden = measures(MBIT100, [0.02, 0.0])                            # the overlap moved by 40% of the
+    kept, switched_again = dec.update(86, hidden, measured_s=0.050)    # compute (re-decided): still barred
+    assert dec.vetoed and set(kinds(kept)) == {"dense"} and switched_again == ()
     slower = measures(CostModel(alpha=2e-4, beta=1.2e-7), [0.0, 0.0])  # ... until the link moved by 50%:
     moved, switched_again = dec.update(90, slower, measured_s=0.050)   # drift drops the veto
     assert not dec.vetoed and switched_again and set(kinds(moved)) != {"dense"}
