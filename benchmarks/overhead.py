@@ -24,8 +24,10 @@ interleaved step by step (so a change of machine load hits all of them alike):
     8-bit, topk 1% and ``"auto"``.
 
 Ranks: one process each (forkserver), a FileStore in a temporary folder, gloo,
-``torch.set_num_threads(1)`` as under torchrun, not pinned to cores, and no
-``OMP_*`` / ``NUMBA_*`` variables set.  A configuration that raises or hangs
+``torch.set_num_threads(1)`` as under torchrun, not pinned to cores (``--pin``: rank r
+on core r mod the cores, set before the process starts any thread, so that every
+gloo group's threads, the default one's and a hook's own, share the rank's core),
+and no ``OMP_*`` / ``NUMBA_*`` variables set.  A configuration that raises or hangs
 is reported as failed; the ranks are killed and the remaining configurations
 run again in fresh processes.  If PyTorch's ``powerSGD_hook`` fails (it can
 deadlock on gloo with several buckets), ``batched_powerSGD_hook`` runs instead.
@@ -377,7 +379,11 @@ def _watch_parent(parent_pid: int) -> None:
             pass
 
 
-def _rank_entry(section, rank, world, store_path, parent_pid, progress_array, results, pg_timeout, kwargs):
+def _rank_entry(section, rank, world, store_path, parent_pid, progress_array, results, pg_timeout, kwargs,
+                pin=False):
+    if pin:   # before any thread of this process starts (forked: none of the server's survived)
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     progress = _Progress(progress_array, rank)
     try:
@@ -434,7 +440,7 @@ def _context():
 
 
 def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout: float,
-             pg_timeout: float, idle_window: float = 10.0) -> Attempt:
+             pg_timeout: float, idle_window: float = 10.0, pin: bool = False) -> Attempt:
     """One set of ``world`` rank processes running ``kwargs["configs"]``; kills them on any failure.
 
     A hang is no progress for ``stall_timeout`` seconds, or, sooner, no progress for
@@ -452,7 +458,7 @@ def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout:
             for r in range(world):
                 p = ctx.Process(target=_rank_entry, daemon=True,
                                 args=(section, r, world, store_path, os.getpid(), progress, results,
-                                      pg_timeout, kwargs))
+                                      pg_timeout, kwargs, pin))
                 p.start()
                 procs.append(p)
             done: set[int] = set()
@@ -528,7 +534,7 @@ def _attempt(section: str, world: int, kwargs: dict[str, Any], *, stall_timeout:
 
 
 def measure(section: str, world: int, configs: list[str], *, stall_timeout: float = 45.0,
-            pg_timeout: float | None = None, log: Callable[[str], None] = print,
+            pg_timeout: float | None = None, log: Callable[[str], None] = print, pin: bool = False,
             **kwargs: Any) -> list[dict[str, Any]]:
     """Run ``configs`` of ``section`` on ``world`` ranks, side by side; one row per config.
 
@@ -549,7 +555,7 @@ def measure(section: str, world: int, configs: list[str], *, stall_timeout: floa
         attempts += 1
         t0 = time.monotonic()
         res = _attempt(section, world, {**kwargs, "configs": remaining}, stall_timeout=stall_timeout,
-                       pg_timeout=pg_timeout)
+                       pg_timeout=pg_timeout, pin=pin)
         wall = time.monotonic() - t0
         if res.rows is not None:
             for name, row in zip(remaining, res.rows):
@@ -637,7 +643,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
 def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup: int = 6,
               calls: int | None = None, sizes=SIZES, batch: int = BATCH, numel: int = NUMEL,
               fsdp_world_sizes=(2,), configs: dict[str, list[str]] | None = None, seed: int = 0,
-              stall_timeout: float = 45.0, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              stall_timeout: float = 45.0, log: Callable[[str], None] = print,
+              pin: bool = False) -> list[dict[str, Any]]:
     """Every requested section at every world size; returns the rows with ratios and goals."""
     configs = configs or {}
     rows: list[dict[str, Any]] = []
@@ -655,7 +662,7 @@ def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup:
             else:
                 kw.update(sizes=tuple(sizes), batch=batch)
             t0 = time.monotonic()
-            rows += measure(section, world, names, stall_timeout=stall_timeout, log=log, **kw)
+            rows += measure(section, world, names, stall_timeout=stall_timeout, log=log, pin=pin, **kw)
             log(f"[{section} P={world}] {time.monotonic() - t0:.1f}s")
     return add_ratios(rows)
 
@@ -682,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: ddp,allreduce,fsdp")
     p.add_argument("--stall-timeout", type=float, default=45.0,
                    help="seconds without progress before a configuration counts as hung (default 45)")
+    p.add_argument("--pin", action="store_true",
+                   help="one core per rank (rank r on core r mod the cores), set before any thread starts")
     p.add_argument("--out", default="results", help="results root folder")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -703,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
           f"steps, {cores} cores, load average {load0[0]:.2f}", flush=True)
     t0 = time.time()
     rows = run_suite(sections, worlds, steps=steps, warmup=warmup, calls=calls,
-                     stall_timeout=args.stall_timeout, log=lambda m: print(m, flush=True))
+                     stall_timeout=args.stall_timeout, log=lambda m: print(m, flush=True), pin=args.pin)
     wall = time.time() - t0
     load1 = os.getloadavg()
     notes = []
@@ -711,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     if over:
         notes.append(f"Note: {', '.join(map(str, over))} ranks on this {cores}-core machine are oversubscribed "
                      f"(ranks share cores, so those figures include scheduling contention).")
-    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, ranks not pinned; load average "
+    pinned = "ranks pinned one core each" if args.pin else "ranks not pinned"
+    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, {pinned}; load average "
                  f"{load0[0]:.2f} at start, {load1[0]:.2f} at end; {wall:.0f}s in total.")
     goals = [r for r in rows if "goal" in r]
     met = sum(r["meets_goal"] == "yes" for r in goals)
