@@ -397,6 +397,8 @@ def _rank_entry(section, rank, world, store_path, parent_pid, progress_array, re
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         rows = RANK_FNS[section](rank, world, progress, **kwargs)
+        for row in rows or []:   # the cores rank 0 could run on (1 with --pin)
+            row["cores"] = len(os.sched_getaffinity(0))
         results.put(("ok", rank, rows if rank == 0 else None, ""))
         try:
             dist.destroy_process_group()

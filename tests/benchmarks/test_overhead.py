@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def test_tiny_run_structure_and_ratios():
     assert auto["label"].startswith("commpress auto (bucket ") and ": " in auto["label"], auto["label"]
     assert _positive_finite(auto["ratio_vs_torch_hook"]), auto
     assert by["ddp", "torch_allreduce"]["bytes_per_step"] == by["ddp", "ddp"]["bytes_per_step"]
+
+
+@pytest.mark.timeout(60)
+def test_pin_gives_each_rank_one_core():
+    kw = dict(steps=2, warmup=2, sizes=(8, 16, 4), batch=4, seed=0, stall_timeout=30.0, log=lambda m: None)
+    pinned = overhead.measure("ddp", 2, ["ddp", "cp_identity"], pin=True, **kw)
+    assert [r["status"] for r in pinned] == ["ok", "ok"] and {r["cores"] for r in pinned} == {1}, pinned
+    free = overhead.measure("ddp", 2, ["ddp"], **kw)
+    assert free[0]["cores"] == len(os.sched_getaffinity(0)), free
 
 
 def test_failing_config_is_reported_and_the_rest_still_run():
