@@ -71,7 +71,8 @@ loaded machine, a link that behaves unlike its calibration) costs one short wind
 whole period.  A moved overlap does not lift a veto: the overlap is measured under the plan in
 use (on a CPU rank its codec shares the cores with the backward pass, and a bucket's hidden
 window grows with it), so the restored plan's window reads another overlap than the vetoed
-one's by construction, and lifting on it brought the vetoed plan back at the next check point.  ``revert`` (20%) is set for a shared, noisy machine; where both windows' own
+one's by construction, and lifting on it brought the vetoed plan back at the next check point.
+``revert`` (20%) is set for a shared, noisy machine; where both windows' own
 steps were quiet (:func:`window_tolerance`, agreed) the limit is their difference's 95%
 half-width instead, down to :data:`REVERT_FLOOR` (5%): on a GPU cluster, whose steps vary by a
 percent, a switch that measured 8% worse is undone.
@@ -820,9 +821,9 @@ class Decider:
         """Whether ``choices`` is a plan vetoed by its outcome less than ``every`` steps ago, with
         the network within ``drift`` of what it was then (expired vetoes are dropped; the overlap
         is not compared: see the module doc)."""
-        now = signature(m)
+        link = Signature(signature(m).network, ())
         for key, (at, sig) in list(self.vetoed.items()):
-            if step - at >= self.every or drifted(Signature(sig.network, ()), Signature(now.network, ()), self.drift):
+            if step - at >= self.every or drifted(Signature(sig.network, ()), link, self.drift):
                 del self.vetoed[key]
         return tuple(describe(c) for c in choices) in self.vetoed
 

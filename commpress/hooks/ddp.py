@@ -227,7 +227,8 @@ class DDPState(TakeoverMixin, HookState):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         if join_buckets is not None and not isinstance(join_buckets, (bool, int, float)):
-            raise TypeError(f"join_buckets must be None, a bool or a number of seconds, got {type(join_buckets).__name__}")
+            raise TypeError("join_buckets must be None, a bool or a number of seconds, got "
+                            f"{type(join_buckets).__name__}")
         if not isinstance(join_buckets, (bool, type(None))) and not join_buckets > 0:
             raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)
