@@ -156,6 +156,19 @@ def test_auto_goals_compare_on_the_seeds_both_ran():
     assert "auto did not reach the target on seed(s) [1]: MISSED" in text
     assert sweep.check_auto_goals(sweep.Leg("digits", 4, "1gbit", ()), rows) == []
     assert sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows[:-2]) == []   # no auto: nothing
+    # a compared run whose compute-only step is 1.25x the leg's median or more is named (the same model
+    # everywhere: it ran under load from outside); a run not compared, or below the bar, is not
+    rows[-1]["ttt_s"] = 3.4
+    for r in rows:
+        r["compute_s"] = 0.007
+    rows[-1]["compute_s"], rows[0]["compute_s"], rows[4]["compute_s"] = 0.010, 0.012, 0.008
+    lines = sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows)
+    assert lines[1].endswith("goal within 10%: met (under outside load: compute-only step auto seed 1's 10 ms "
+                             "against the leg's median 7 ms, the same model in every run)"), lines
+    assert "ddp seed 0" not in "\n".join(lines) and "blockquant-4bit seed 1" not in lines[1]
+    for r in rows:
+        r["compute_s"] = 0.007
+    assert "outside load" not in "\n".join(sweep.check_auto_goals(sweep.Leg("digits", 2, "1gbit", ()), rows))
 
 
 def test_demo_plan_names_known_configs_and_says_what_is_oversubscribed():
@@ -210,6 +223,10 @@ def test_tiny_sweep_writes_results(tmp_path):
     assert "| config |" in summary and "python -m benchmarks sweep" in summary
     assert "## Verdict" in summary and "commit " in summary
     assert "issue" not in summary.lower()              # the product speaks of itself
+    # rerender judges the goals again by the current rules (a stale verdict in results.json is replaced)
+    doc["meta"]["goals"] = ["- a stale verdict"]
+    (run_dir / "results.json").write_text(json.dumps(doc))
+    assert sweep.rerender(run_dir) == summary and "stale" not in (run_dir / "summary.md").read_text()
 
 
 @pytest.mark.timeout(150)
