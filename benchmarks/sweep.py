@@ -518,7 +518,8 @@ def check_auto_goals(leg: Leg, rows: list[dict]) -> list[str]:
 #: A run whose compute-only step is this many times the leg's median ran under load from outside:
 #: every run of a leg trains the same model in the same processes, so their compute-only steps
 #: agree within about 20% on this machine (the demo of a8dd1ae: digits 5-7 ms, the LM 6-8 ms but
-#: for two runs at 10 ms, whose steps were 3 ms longer than their rivals' on the same choices).
+#: for two runs near 10 ms, one of them `auto`'s seed 1, whose step was 18 ms against blockquant
+#: 4-bit's 15 on the same choice).
 DISTURBED = 1.25
 
 
