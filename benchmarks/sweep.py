@@ -411,8 +411,9 @@ def verdict_rows(summary: dict[str, dict]) -> list[dict]:
 VERDICT_COLUMNS = ["config", "seeds", "bytes ratio", "step ms", "time to target s", "vs DDP", "vs torch fp16"]
 
 
-def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
-    """The project's goals for this leg, evaluated on the measured rows (text lines)."""
+def check_goals(leg: Leg, summary: dict[str, dict], runs: list[dict] | None = None) -> list[str]:
+    """The project's goals for this leg, evaluated on the measured rows (text lines); with the leg's
+    ``runs``, a comparison with a run under outside load says so (:func:`_disturbed`)."""
     goals = GOALS.get((leg.task, leg.world_size, leg.net))
     if goals is None:
         return []
@@ -452,6 +453,10 @@ def check_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
             line += f" (short by {100 * (1 - sp / factor):.0f}%)"
         if 1 / (1 + NOISE) < sp < 1 + NOISE and factor <= 1:
             line += f", inside the ~{100 * NOISE:.0f}% run-to-run noise of this machine: a tie, not a win or a loss"
+        if runs:
+            pair = (best["config"], base["config"])
+            line += _disturbed([r for r in runs if "curve" in r],
+                               [(r["config"], r.get("seed", 0)) for r in runs if r["config"] in pair])
         lines.append(line)
     lines += check_step_goals(leg, summary)
     if ddp and ddp["step_s"] > 0:
@@ -669,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             b = _best(configs, kind, reached_only=False)
             if b and kind not in best.setdefault(leg.task, {}):
                 best[leg.task][kind] = b["config"]
-        meta["goals"] += check_goals(leg, configs) + check_auto_goals(leg, rows)
+        meta["goals"] += check_goals(leg, configs, rows) + check_auto_goals(leg, rows)
         meta["seconds"] = time.monotonic() - t0
         summary = finalize(out, rows_by_leg, meta)      # after every leg: partial results survive
     summary = _lowbw_part(args, out, rows_by_leg, meta, t0) or summary
@@ -721,7 +726,7 @@ def rerender(run_dir: str | Path) -> str:
         for key, rows in rows_by_leg.items():
             m = legs[key]
             leg = Leg(m["task"], m["world_size"], m["net"], (), pin=m.get("pin", True))
-            goals += check_goals(leg, summarize_configs(rows)) + check_auto_goals(leg, rows)
+            goals += check_goals(leg, summarize_configs(rows), rows) + check_auto_goals(leg, rows)
         doc["meta"]["goals"] = goals
     pngs = [run_dir / n for n in ("time_to_target.png", "frontier.png", "step_time.png") if (run_dir / n).exists()]
     summary = render_summary(rows_by_leg, doc["meta"], pngs)

@@ -117,6 +117,17 @@ def test_verdict_speedups_and_goals_say_by_how_much_and_the_bound():
     assert "step of blockquant-4bit vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.8x: MISSED" in text
     assert "step of topk-1% vs its compute-only step: 40 / 10 ms = 4.00x, goal <= 1.3x: MISSED (inside its density warm-up" in text
     assert sweep.check_goals(sweep.Leg("digits", 4, "1gbit", ()), summary) == []
+    # given the runs, a comparison with a run under outside load (its compute-only step 1.25x the
+    # leg's median or more) says so on that line only
+    loaded = [dict(r) for r in rows]
+    loaded[2]["compute_s"] = 0.020                            # torch-fp16 seed 0: 20 ms against 10
+    lines = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), summary, loaded)
+    fp16 = [x for x in lines if "vs torch-fp16" in x]
+    assert len(fp16) == 1 and fp16[0].endswith("(under outside load: compute-only step torch-fp16 seed 0's 20 ms "
+                                               "against the leg's median 10 ms, the same model in every run)")
+    assert sum("outside load" in x for x in lines) == 1
+    quiet = sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), summary, rows)   # quiet runs: nothing added
+    assert quiet == sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), summary)
     # a faster config that ran one seed of two is not the one the goals judge (its seed may be the easy one)
     one_seed = sweep.summarize_configs(rows + [row("bf16", "commpress", 1.5)])
     assert "fastest commpress config blockquant-4bit" in sweep.check_goals(sweep.Leg("digits", 2, "1gbit", ()), one_seed)[0]
