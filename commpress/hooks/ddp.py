@@ -188,7 +188,7 @@ class DDPState(TakeoverMixin, HookState):
         rounds" under "DDP in one line"); off on GPUs, where the first buckets' flights overlap
         the backward.  ``True`` / ``False``: always / never.  A message is held only while the
         held ones spend at most :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S` on the wire
-        by the calibrated link, or, where ``join_buckets`` is a number, that many seconds (always
+        by the calibrated link, or, where ``join_buckets`` is a float, that many seconds (always
         on; ``math.inf``: no limit, one round a step however large the messages).  Units that take
         the general path (not a steady lane) or a hierarchy send at once.
 
@@ -226,9 +226,10 @@ class DDPState(TakeoverMixin, HookState):
             raise TypeError(f"skip must be a callable name -> bool or None, got {type(skip).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
-        if join_buckets is not None and not isinstance(join_buckets, (bool, int, float)):
-            raise TypeError("join_buckets must be None, a bool or a number of seconds, got "
-                            f"{type(join_buckets).__name__}")
+        if join_buckets is not None and not isinstance(join_buckets, (bool, float)):
+            # an int is refused: join_buckets=1 reads as True but would be a one-second wire limit
+            raise TypeError("join_buckets must be None, a bool or a wire limit in seconds as a float (e.g. "
+                            f"0.005, math.inf), got {type(join_buckets).__name__} {join_buckets!r}")
         if not isinstance(join_buckets, (bool, type(None))) and not join_buckets > 0:
             raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)

@@ -178,9 +178,10 @@ def test_a_held_unit_that_fails_fails_the_step_on_every_rank():
 
 
 def test_join_buckets_is_none_a_bool_or_a_wire_limit_and_fingerprinted_when_set():
-    with pytest.raises(TypeError, match="join_buckets"):
-        commpress.ddp.DDPState("topk", ratio=0.01, join_buckets="yes")
-    for bad in (0, -1e-3, float("nan")):
+    for bad in ("yes", 1):   # an int reads as a bool but would be a one-second limit: refused
+        with pytest.raises(TypeError, match="join_buckets"):
+            commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=bad)
+    for bad in (0.0, -1e-3, float("nan")):
         with pytest.raises(ValueError, match="join_buckets"):
             commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=bad)
     assert commpress.ddp.DDPState("topk", ratio=0.01, join_buckets=0.005).config()["join_buckets"] == 0.005
