@@ -205,13 +205,14 @@ def warm_up(task_name: str, size: str, cfg: C.Config, seed: int, rank: int, ddp_
     task = make_task(task_name, size, seed)
     ddp = DDP(task.model, **ddp_kwargs)
     opt = task.make_opt(ddp.parameters())
-    C.attach(ddp, cfg, seed, opt)
+    state = C.attach(ddp, cfg, seed, opt)
     gen = torch.Generator().manual_seed(seed * 1000 + 900 + rank)
     for _ in range(steps):
         x, y = task.batch(gen)
         task.loss(ddp, x, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    _close(state)
     del ddp, opt, task
     dist.barrier()
 
@@ -335,9 +336,19 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         out.update(C.hook_bytes(cfg, grads, world))
     out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else float("inf")
     out["comm_s"] = max(0.0, step_s - out["compute_s"] - out["compression_s"])
+    _close(state)
     if rank0:
         report({"event": "done", "config": cfg.name, "result": out})
     return out
+
+
+def _close(state: Any) -> None:
+    """Release a commpress state's overlap worker and its process group (every rank at the same
+    point: the group's destruction is collective): without it each config of a leg, and each
+    throwaway warm-up replica, left an idle worker thread and a gloo group behind in the rank
+    processes that run the next ones."""
+    if state is not None and hasattr(state, "close"):
+        state.close()
 
 
 def _median_account(accounts: list[dict | None]) -> dict[str, float]:
