@@ -411,6 +411,13 @@ def verdict_rows(summary: dict[str, dict]) -> list[dict]:
 VERDICT_COLUMNS = ["config", "seeds", "bytes ratio", "step ms", "time to target s", "vs DDP", "vs torch fp16"]
 
 
+def leg_goals(leg: Leg, rows: list[dict], summary: dict[str, dict] | None = None) -> list[str]:
+    """Every goal line of a leg (:func:`check_goals`, :func:`check_auto_goals`) from its rows
+    (``summary``: their :func:`summarize_configs`, when already made)."""
+    summary = summary if summary is not None else summarize_configs(rows)
+    return check_goals(leg, summary, rows) + check_auto_goals(leg, rows)
+
+
 def check_goals(leg: Leg, summary: dict[str, dict], runs: list[dict] | None = None) -> list[str]:
     """The project's goals for this leg, evaluated on the measured rows (text lines); with the leg's
     ``runs``, a comparison with a run under outside load says so (:func:`_disturbed`)."""
@@ -674,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
             b = _best(configs, kind, reached_only=False)
             if b and kind not in best.setdefault(leg.task, {}):
                 best[leg.task][kind] = b["config"]
-        meta["goals"] += check_goals(leg, configs, rows) + check_auto_goals(leg, rows)
+        meta["goals"] += leg_goals(leg, rows, configs)
         meta["seconds"] = time.monotonic() - t0
         summary = finalize(out, rows_by_leg, meta)      # after every leg: partial results survive
     summary = _lowbw_part(args, out, rows_by_leg, meta, t0) or summary
@@ -725,8 +732,7 @@ def rerender(run_dir: str | Path) -> str:
         goals = []
         for key, rows in rows_by_leg.items():
             m = legs[key]
-            leg = Leg(m["task"], m["world_size"], m["net"], (), pin=m.get("pin", True))
-            goals += check_goals(leg, summarize_configs(rows), rows) + check_auto_goals(leg, rows)
+            goals += leg_goals(Leg(m["task"], m["world_size"], m["net"], (), pin=m.get("pin", True)), rows)
         doc["meta"]["goals"] = goals
     pngs = [run_dir / n for n in ("time_to_target.png", "frontier.png", "step_time.png") if (run_dir / n).exists()]
     summary = render_summary(rows_by_leg, doc["meta"], pngs)

@@ -101,8 +101,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
 
     ``passengers`` (:class:`~.wire.Passengers`): messages of calls held earlier
     (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a steady
-    lane; ``passengers.carried`` tells, and the caller lands them (:func:`~.joint.land_all`) or,
-    uncarried, gathers them itself (:func:`~.joint.gather_held`).
+    lane; ``passengers.carried`` tells, and the rows reach ``passengers.landing`` as soon as they
+    arrive (each held call's :meth:`~.joint.Held.land`) or, uncarried, the caller gathers them
+    itself (:func:`~.joint.gather_held`).
     """
     if dense is not None:
         _check_dense(dense, tensor)

@@ -100,8 +100,6 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
 
     def land_sparse(rows: torch.Tensor) -> None:
         steady_sparse.land(splan, rows, flat, msg=msg, dense=rider, stats=stats, transaction=transaction)
-        if stats is not None:
-            stats.add(calls=1, algorithm="allgather")
     return Held(buf, "allgather", land_sparse)
 
 

@@ -503,8 +503,6 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     if plan is not None:   # the steady-state lane (topk + error feedback on the CPU): the same bytes
         steady_sparse.run(plan, flat, compressor, group=group, key=key, stats=stats, transaction=transaction,
                           dense=dense, passengers=passengers)
-        if stats is not None:
-            stats.add(calls=1, algorithm="allgather")
         return out
     if world > 1 and has_feedback(compressor):
         if algorithm == "dense":

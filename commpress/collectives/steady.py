@@ -88,13 +88,15 @@ class Plan:
 _PLANS: "weakref.WeakKeyDictionary[Any, dict[tuple, Plan]]" = weakref.WeakKeyDictionary()
 _PLANS_LOCK = threading.Lock()
 _UNSEEN = object()
+#: the ops the lane's kernels stand for (checked on the numba backend; reported as used)
+_OPS = ("block_quantize_feedback", "block_dequantize_sum")
 
 
 def _runs(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str]) -> bool:
     """Whether this call can take the lane (the cheap checks; the plan checks the algorithm)."""
     inner = getattr(compressor, "compressor", None)
     return (type(inner) is BlockQuant and not inner.stochastic
-            and cpu_feedback_call(compressor, flat, out, error, ("block_quantize_feedback", "block_dequantize_sum")))
+            and cpu_feedback_call(compressor, flat, out, error, _OPS))
 
 
 def cpu_feedback_call(compressor: Any, flat: torch.Tensor, out: torch.Tensor | None, error: tuple[int, str],
@@ -188,8 +190,7 @@ def whole_plan_for(flat: torch.Tensor, compressor: Any, *, codec: BlockQuant, gr
     riding at P <= 2) when it can take the lane (the checks of :func:`cpu_feedback_call`), else
     ``None``.  The same message, signature, sums and residual as the general path (a density
     warm-up's early stages: topk 1%'s first ~80 steps of its 200)."""
-    if world < 2 or not cpu_feedback_call(compressor, flat, out, error, ("block_quantize_feedback",
-                                                                          "block_dequantize_sum")):
+    if world < 2 or not cpu_feedback_call(compressor, flat, out, error, _OPS):
         return None
     rider = None if dense is None or not wire.Rider.free(world) else (dense.tensor.numel(), dense.tensor.dtype)
     key = ("whole", _comm.group_key(group), flat.numel(), rider, codec.bits, codec.block)
@@ -230,8 +231,9 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     """The call on the lane: every chunk encoded into its message, the messages gathered, every
     chunk's pieces decoded into ``flat`` (the output) in rank order, then judged and counted
     (:func:`finish`).  A chunk whose kernel raises sends a zeros payload with
-    :data:`~.wire.E_MISUSE` (every rank raises at the verdict, as on the general path).  ``passengers``: held messages that ride after the
-    first message (:class:`~.wire.Passengers`; landed as soon as they arrive)."""
+    :data:`~.wire.E_MISUSE` (every rank raises at the verdict, as on the general path).
+    ``passengers``: held messages that ride after the first message (:class:`~.wire.Passengers`;
+    landed as soon as they arrive)."""
     code, msg, flights = 0, "", []
     for j, message in enumerate(plan.messages):
         extra = passengers.width if j == 0 and passengers is not None else 0
@@ -268,8 +270,8 @@ def encode(plan: Plan, message: Message, flat: torch.Tensor, compressor: ErrorFe
     under error feedback, the riding dense part and the status word in; returns ``(buffer, code,
     local message)``: ``error`` or, when a chunk's kernel raised, :data:`~.wire.E_MISUSE` (its payload
     zeros)."""
-    ops._usage.note("block_quantize_feedback", "numba")   # what ops.backends_used() reports, as on the general path
-    ops._usage.note("block_dequantize_sum", "numba")
+    for op in _OPS:   # what ops.backends_used() reports, as on the general path
+        ops._usage.note(op, "numba")
     code, msg = error
     buf = torch.empty(message.width + extra, dtype=torch.uint8)
     raw = buf.numpy()

@@ -152,7 +152,8 @@ def land(plan: Plan, gathered: torch.Tensor, flat: torch.Tensor, *, msg: str, de
          stats: CommStats | None, transaction) -> torch.Tensor:
     """The P gathered messages (``[P, >= width]`` bytes) judged (an error anywhere raises here, on
     every rank), their entries added into ``flat`` in rank order, the riding dense part summed; a
-    NaN/inf anywhere poisons ``flat`` and marks ``transaction`` bad.  Returns ``flat``."""
+    NaN/inf anywhere poisons ``flat`` and marks ``transaction`` bad; the call counted in ``stats``.
+    Returns ``flat``."""
     k = plan.k
     got = gathered.numpy()
     statuses = wire.read_status(gathered).numpy()
@@ -170,6 +171,8 @@ def land(plan: Plan, gathered: torch.Tensor, flat: torch.Tensor, *, msg: str, de
         flag = torch.ones((), dtype=torch.bool)
         transaction.mark_bad(flag)
         wire.poison_(flat, flag)
+    if stats is not None:
+        stats.add(calls=1, algorithm="allgather")
     return flat
 
 
