@@ -256,3 +256,24 @@ def test_one_process_fragments_stats_and_state_checks():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="keys"):
         dl.load_state_dict({"global": []})
+
+
+def dropped_worker(rank, world):
+    import gc
+    import threading
+    import weakref
+
+    model, opt, dl = _train(rank, 2 * H, fragments=2, overlap=1)
+    workers = [t for t in threading.enumerate() if t.name == "commpress-diloco"]
+    ref = weakref.ref(dl)
+    del model, opt, dl
+    gc.collect()
+    for t in workers:
+        t.join(timeout=10)
+    return len(workers), ref() is None, [t.is_alive() for t in workers]
+
+
+@pytest.mark.timeout(60)
+def test_a_diloco_dropped_without_close_is_freed_and_stops_its_worker():
+    for workers, freed, alive in run(dropped_worker, 2, timeout=50):
+        assert workers == 1 and freed and alive == [False]

@@ -110,6 +110,12 @@ class Worker:
                 item.finish(result)
             except BaseException as exc:  # noqa: BLE001 - raised from step() on every rank
                 item.finish(None, exc)
+            job = item = fn = stream = result = None   # an idle worker holds no exchange (its closure holds the DiLoCo)
+
+    def stop(self) -> None:
+        """Let the worker finish what is queued and exit; no wait, the group kept (its owner
+        collected without ``close()``)."""
+        self._queue.put(None)
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +211,12 @@ class DiLoCo:
         self._bytes = [0, 0]
         self._in_flight: list[Exchange] = []
         self._executor: Inline | Worker = make_executor(process_group, self.tau > 0 and self.world_size > 1)
+        self._stop_worker = None
+        if isinstance(self._executor, Worker):
+            # dropped without close(): stop the worker (which never holds this object); its group
+            # stays until the process ends (a group's shutdown may be collective on some backends)
+            self._stop_worker = weakref.finalize(self, self._executor.stop)
+            self._stop_worker.atexit = False
 
     # ------------------------------------------------------------------ loop
     def step(self) -> None:
@@ -355,6 +362,8 @@ class DiLoCo:
     def close(self) -> None:
         """Stop the worker thread and release its process group (collective-free)."""
         self._executor.close()
+        if self._stop_worker is not None:
+            self._stop_worker.detach()
 
     def __enter__(self) -> "DiLoCo":
         return self

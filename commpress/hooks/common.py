@@ -449,6 +449,11 @@ class HookState:
         self.stats = Stats()
         self.fingerprint: int | None = None
 
+    def _report_auto(self) -> None:
+        """Point the stats' ``"auto"`` reports at the current codec: bound methods, not closures
+        over this state (the overlap worker holds the stats, and must not keep the state alive)."""
+        self.stats.auto_report, self.stats.auto_network = self.codec.report, self.codec.network_report
+
     # -- configuration ---------------------------------------------------
     def config(self) -> dict[str, Any]:
         """What must agree across ranks and between a checkpoint and its loader."""

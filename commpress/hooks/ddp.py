@@ -70,6 +70,7 @@ import os
 import queue
 import socket
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -273,6 +274,7 @@ class DDPState(TakeoverMixin, HookState):
         self._pending_load: dict[str, Any] | None = None
         self._forward_hook = None
         self._forward_pre_hook = None
+        self._stop_worker: weakref.finalize | None = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)  # taken over at binding
         if model is not None:
@@ -325,6 +327,12 @@ class DDPState(TakeoverMixin, HookState):
         executor_cls = _Overlapped if overlapped else _Inline
         self.executor = executor_cls(self.frozen, self.layout, self.stats, step=self._step_count)
         self.overlap = overlapped
+        if overlapped:
+            # a state dropped without close() (with its model) stops its worker: the thread holds the
+            # executor, never this state; its group stays until the process ends (a group's shutdown
+            # may be collective on some backends, and a finalizer runs at no agreed point)
+            self._stop_worker = weakref.finalize(self, self.executor.stop)
+            self._stop_worker.atexit = False
         if self.world_size > 1:
             from ..collectives import get_cost_model
 
@@ -349,6 +357,8 @@ class DDPState(TakeoverMixin, HookState):
         if old is not None:  # rebuilt after binding (a momentum taken over): keep what binding set
             for name in ("network", "hierarchy", "first_check", "queued", "world", "rank"):
                 setattr(self.codec, name, getattr(old, name))
+        if self.stats.auto_report is not None:
+            self._report_auto()   # the reports follow the new codec
 
     def _bind_auto(self, model: DistributedDataParallel) -> None:
         """``"auto"``: the network model (calibrated just before), the check points, the
@@ -378,8 +388,7 @@ class DDPState(TakeoverMixin, HookState):
         # and "auto" prices it on the critical path (agreed at binding)
         auto.queued = self.overlap and self._worker_own_core
         auto.world, auto.rank = self.world_size, self.rank
-        self.stats.auto_report = lambda: self.codec.report()
-        self.stats.auto_network = lambda: self.codec.network_report()
+        self._report_auto()
         # host-clock stamps: under torch.compile they run eagerly (not traced: Dynamo cannot trace
         # time.perf_counter and would warn on every compile)
         @torch.compiler.disable
@@ -466,6 +475,8 @@ class DDPState(TakeoverMixin, HookState):
         give a taken-over optimizer its momentum back."""
         if self.executor is not None:
             self.executor.close()
+        if self._stop_worker is not None:
+            self._stop_worker.detach()
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
@@ -709,6 +720,12 @@ class _Overlapped(_Executor):
                     self.run(*args, inline=False)
             else:
                 self.run(*args, inline=False)
+            item = args = stream = None   # an idle worker holds no bucket (its tensors, parameters, future)
+
+    def stop(self) -> None:
+        """Let the worker finish what is queued and exit; no wait, the group kept (a state
+        collected without :meth:`close`)."""
+        self._queue.put(None)
 
     def close(self) -> None:
         if self._thread.is_alive():

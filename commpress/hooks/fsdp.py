@@ -272,6 +272,8 @@ class FSDPState(TakeoverMixin, HookState):
         if old is not None:
             for name in ("network", "first_check", "world", "rank", "order", "infos", "_units"):
                 setattr(self.codec, name, getattr(old, name))
+        if self.stats.auto_report is not None:
+            self._report_auto()   # the reports follow the new codec
 
     def _bind_auto(self) -> None:
         """``"auto"``: the α-β model of the group (calibrated now: a collective), the units in
@@ -290,8 +292,7 @@ class FSDPState(TakeoverMixin, HookState):
         auto.world, auto.rank = self.world_size, self.rank
         layouts = {name: _unit_layout(u.module) for name, u in self.units.items()}
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
-        self.stats.auto_report = lambda: self.codec.report()
-        self.stats.auto_network = lambda: self.codec.network_report()
+        self._report_auto()
 
     def _momentum_changed(self) -> None:
         if self.auto:

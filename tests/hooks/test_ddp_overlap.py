@@ -46,3 +46,39 @@ def test_overlap_and_inline_train_bitwise_alike():
     for rank_out in run(overlap_worker, 2, cases, timeout=140):
         for name, (same_params, same_residuals, n_residuals) in rank_out.items():
             assert same_params and same_residuals and n_residuals > 0, name
+
+
+def dropped_worker(rank, world, spec):
+    name, params = spec
+    import gc
+    import threading
+    import weakref
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 8)), bucket_cap_mb=0.01)
+    state = commpress.ddp.register(model, name, overlap=True, min_numel=256, **params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        model(torch.randn(8, 32, generator=g)).square().mean().backward()
+        opt.step()
+    worker = [t for t in threading.enumerate() if t.name == "commpress-ddp"]
+    model_ref, state_ref = weakref.ref(model), weakref.ref(state)
+    overlapped = state.overlap
+    del model, state, opt
+    gc.collect()
+    for t in worker:
+        t.join(timeout=10)
+    return overlapped, len(worker), model_ref() is None, state_ref() is None, [t.is_alive() for t in worker]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("spec", [("topk", {"ratio": 0.05}), ("auto", {})], ids=["topk", "auto"])
+def test_a_state_dropped_without_close_frees_the_model_and_stops_its_worker(spec):
+    """Dropping the model (and the state with it) without close() releases both and stops the
+    overlap worker: nothing the worker thread holds keeps the state, or the model, alive."""
+    for overlapped, workers, model_freed, state_freed, alive in run(dropped_worker, 2, spec, timeout=80):
+        assert overlapped and workers == 1
+        assert model_freed and state_freed
+        assert alive == [False]
