@@ -4,7 +4,8 @@ On gloo over loopback compression has nothing to gain, so every difference to
 plain DDP / PyTorch's own hooks / a dense ``all_reduce`` / plain FSDP2 is the
 hot path's overhead (see DESIGN.md, "The hot path's budget").  Three sections,
 each measured in ONE set of rank processes per world size, configurations
-interleaved step by step (so a change of machine load hits all of them alike):
+interleaved step by step (so a change of machine load hits all of them alike;
+``--block K``: K consecutive steps of each at a time, as training runs them):
 
 ``ddp``
     an MLP 64-2048-1024-10 (about 2.2M parameters), batch 32, SGD; one DDP model
@@ -156,34 +157,37 @@ class _Progress:
         self.array[2 * self.rank + 1] += 1
 
 
-def _interleave(rank, world, progress, names, step_fns, warmup, steps):
-    """Run ``warmup + steps`` rounds of one step per configuration; returns the
-    per-config median of the slowest rank's step time (seconds) and a hook called
-    at the end of the warm-up (before the first timed round).  Round ``s`` starts at
-    configuration ``s mod N`` (the same order on every rank): each configuration takes
-    every place in a round equally often, so none is always the one after DDP's
-    default or the first after the loop's own work."""
+def _interleave(rank, world, progress, names, step_fns, warmup, steps, block=1):
+    """Run ``warmup + steps`` steps of every configuration, ``block`` consecutive steps of one
+    before the next (1: step by step; more: as training runs them, each model's data warm in
+    the caches); returns the per-config median of the slowest rank's step time (seconds) and
+    what each step function returned for ``"mark"`` at the end of its warm-up (before its first
+    timed step).  Round ``r`` starts at configuration ``r mod N`` (the same order on every
+    rank): each configuration takes every place in a round equally often, so none is always
+    the one after DDP's default or the first after the loop's own work."""
     import torch
     import torch.distributed as dist
 
     times = torch.zeros(len(names), steps, dtype=torch.float64)
     marks = {}
     n = len(step_fns)
-    for s in range(warmup + steps):
-        if s == warmup:
-            marks = {name: fn("mark") for name, fn in zip(names, step_fns)}
-        for i in [(s + j) % n for j in range(n)]:
+    total = warmup + steps
+    for r in range(-(-total // block)):
+        for i in [(r + j) % n for j in range(n)]:
             fn = step_fns[i]
             progress.at(i)
-            t0 = time.perf_counter()
-            fn(s)
-            if s >= warmup:
-                times[i, s - warmup] = time.perf_counter() - t0
+            for s in range(r * block, min(total, (r + 1) * block)):
+                if s == warmup:
+                    marks[names[i]] = fn("mark")
+                t0 = time.perf_counter()
+                fn(s)
+                if s >= warmup:
+                    times[i, s - warmup] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest rank per step, once after the loop
     return [statistics.median(times[i].tolist()) for i in range(len(names))], marks
 
 
-def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, seed):
+def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, seed, block=1):
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -239,7 +243,7 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
         return step
 
     fns = [make_step(*r) for r in runs]
-    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps)
+    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps, block)
     sent = []
     for (name, model, opt, state, numel), fn in zip(runs, fns):
         if name in ("ddp", "torch_allreduce", "torch_fp16", "torch_bf16"):
@@ -263,7 +267,7 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
     return rows
 
 
-def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, seed):
+def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, seed, block=1):
     import torch
     import torch.distributed as dist
 
@@ -298,7 +302,7 @@ def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, see
         call.stats = stats
         fns.append(call)
     # the barrier inside each call is timed too, but it is the same for all of them
-    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps)
+    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps, block)
     sent = torch.tensor([(fn.stats.bytes_sent - marks[name]) / steps for name, fn in zip(configs, fns)],
                         dtype=torch.float64)
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
@@ -307,7 +311,7 @@ def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, see
             for sec, b, fn in zip(medians, sent.tolist(), fns)]
 
 
-def _fsdp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, seed):
+def _fsdp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, seed, block=1):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -348,7 +352,7 @@ def _fsdp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, s
         return step
 
     fns = [make_step(*r) for r in runs]
-    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps)
+    medians, marks = _interleave(rank, world, progress, configs, fns, warmup, steps, block)
     dense = [4.0 * r[4] * (world - 1) / world for r in runs]
     sent = torch.tensor([dense[j] if fn.state is None else (fn.state.stats.bytes_sent - marks[name]) / steps
                          for j, (name, fn) in enumerate(zip(configs, fns))], dtype=torch.float64)
@@ -646,7 +650,7 @@ def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup:
               calls: int | None = None, sizes=SIZES, batch: int = BATCH, numel: int = NUMEL,
               fsdp_world_sizes=(2,), configs: dict[str, list[str]] | None = None, seed: int = 0,
               stall_timeout: float = 45.0, log: Callable[[str], None] = print,
-              pin: bool = False) -> list[dict[str, Any]]:
+              pin: bool = False, block: int = 1) -> list[dict[str, Any]]:
     """Every requested section at every world size; returns the rows with ratios and goals."""
     configs = configs or {}
     rows: list[dict[str, Any]] = []
@@ -658,7 +662,7 @@ def run_suite(sections=SECTIONS, world_sizes=(2, 4), *, steps: int = 30, warmup:
                 continue
             names = configs.get(section) or list({"ddp": DDP_CONFIGS, "allreduce": ALLREDUCE_CONFIGS,
                                                   "fsdp": FSDP_CONFIGS}[section])
-            kw: dict[str, Any] = {"steps": steps, "warmup": warmup, "seed": seed}
+            kw: dict[str, Any] = {"steps": steps, "warmup": warmup, "seed": seed, "block": block}
             if section == "allreduce":
                 kw.update(numel=numel, steps=calls or steps)
             else:
@@ -693,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds without progress before a configuration counts as hung (default 45)")
     p.add_argument("--pin", action="store_true",
                    help="one core per rank (rank r on core r mod the cores), set before any thread starts")
+    p.add_argument("--block", type=int, default=1,
+                   help="consecutive steps of one configuration before the next (default 1: step by step; "
+                        "more: as training runs them, each model warm in the caches)")
     p.add_argument("--out", default="results", help="results root folder")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -704,17 +711,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world-sizes must be >= 2")
     steps = args.steps or (8 if args.quick else 30)
     warmup = args.warmup if args.warmup is not None else (5 if args.quick else 6)
+    if args.block < 1:
+        p.error("--block must be >= 1")
     if steps < 1 or warmup < 5:
         p.error("--steps must be >= 1 and --warmup >= 5 (past commpress's dense warm-up and DDP's bucket rebuild)")
     calls = steps
 
     cores = _cores()
     load0 = os.getloadavg()
+    order = "step by step" if args.block == 1 else f"{args.block} consecutive steps of each at a time"
     print(f"overhead: sections {','.join(sections)}, world sizes {worlds}, {warmup} warm-up + {steps} timed "
-          f"steps, {cores} cores, load average {load0[0]:.2f}", flush=True)
+          f"steps, configurations interleaved {order}, {cores} cores, load average {load0[0]:.2f}", flush=True)
     t0 = time.time()
     rows = run_suite(sections, worlds, steps=steps, warmup=warmup, calls=calls,
-                     stall_timeout=args.stall_timeout, log=lambda m: print(m, flush=True), pin=args.pin)
+                     stall_timeout=args.stall_timeout, log=lambda m: print(m, flush=True), pin=args.pin,
+                     block=args.block)
     wall = time.time() - t0
     load1 = os.getloadavg()
     notes = []
@@ -723,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"Note: {', '.join(map(str, over))} ranks on this {cores}-core machine are oversubscribed "
                      f"(ranks share cores, so those figures include scheduling contention).")
     pinned = "ranks pinned one core each" if args.pin else "ranks not pinned"
-    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, {pinned}; load average "
+    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, {pinned}, configurations "
+                 f"interleaved {order}; load average "
                  f"{load0[0]:.2f} at start, {load1[0]:.2f} at end; {wall:.0f}s in total.")
     goals = [r for r in rows if "goal" in r]
     met = sum(r["meets_goal"] == "yes" for r in goals)
@@ -734,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     text = tables(rows) + "\n\n" + "\n".join(notes)
     out = results_dir("overhead", args.out)
     write_results(out, rows, {"suite": "overhead", "argv": argv, "sections": sections, "world_sizes": worlds,
-                              "steps": steps, "warmup": warmup, "cores": cores, "load_start": load0,
+                              "steps": steps, "warmup": warmup, "block": args.block, "cores": cores, "load_start": load0,
                               "load_end": load1, "wall_seconds": wall, "sizes": SIZES, "batch": BATCH,
                               "numel": NUMEL, "notes": notes})
     (out / "table.md").write_text(text + "\n")

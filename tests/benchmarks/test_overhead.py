@@ -71,16 +71,19 @@ def test_failing_config_is_reported_and_the_rest_still_run():
     assert by["torch_bf16"]["status"].startswith("failed")
 
 
-def _interleave_order(rank, world, n, rounds):
-    order: list[int] = []
+def _interleave_order(rank, world, n, rounds, block=1, warmup=1):
+    order: list[tuple[int, int]] = []
 
     class Progress:
         def at(self, i):
             pass
 
-    fns = [(lambda s, i=i: order.append(i) if s != "mark" else 0.0) for i in range(n)]
-    medians, _ = overhead._interleave(rank, world, Progress(), [f"c{i}" for i in range(n)], fns, 1, rounds - 1)
-    return order, medians
+    # each step records (config, step); "mark" returns how many steps the config had run
+    fns = [(lambda s, i=i: order.append((i, s)) if s != "mark" else sum(c == i for c, _ in order))
+           for i in range(n)]
+    medians, marks = overhead._interleave(rank, world, Progress(), [f"c{i}" for i in range(n)], fns, warmup,
+                                          rounds - warmup, block)
+    return order, medians, marks
 
 
 @pytest.mark.timeout(60)
@@ -90,7 +93,8 @@ def test_interleave_rotates_the_order_so_no_config_always_follows_another():
     from distributed import run
 
     n, rounds = 3, 6
-    order, medians = run(_interleave_order, 1, n, rounds)[0]
+    order, medians, _ = run(_interleave_order, 1, n, rounds)[0]
+    order = [i for i, _ in order]
     assert len(order) == n * rounds and len(medians) == n
     per_round = [order[k * n:(k + 1) * n] for k in range(rounds)]
     for s, r in enumerate(per_round):
@@ -98,3 +102,21 @@ def test_interleave_rotates_the_order_so_no_config_always_follows_another():
     for cfg in range(n):
         places = [r.index(cfg) for r in per_round]
         assert sorted(places) == sorted(list(range(n)) * (rounds // n))
+
+
+@pytest.mark.timeout(60)
+def test_interleave_in_blocks_runs_consecutive_steps_and_marks_each_warm_up_end():
+    """``block=k``: k consecutive steps of one configuration (steps 0.. in order, the last block
+    short), rounds rotated as with single steps; each configuration's mark is taken just before
+    its first timed step, whatever the others have run."""
+    from distributed import run
+
+    n, total, block, warmup = 3, 7, 3, 4
+    order, medians, marks = run(_interleave_order, 1, n, total, block, warmup)[0]
+    assert len(order) == n * total and len(medians) == n
+    want = []
+    for r in range(3):   # rounds of 3, 3 and 1 steps
+        for i in [(r + j) % n for j in range(n)]:
+            want += [(i, s) for s in range(r * block, min(total, (r + 1) * block))]
+    assert order == want
+    assert marks == {f"c{i}": warmup for i in range(n)}
