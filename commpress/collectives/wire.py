@@ -272,12 +272,18 @@ def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: in
 
 
 def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None = None, *,
-                 slots: int = 0, pieces: int = 1) -> torch.Tensor:
+                 slots: int = 0, pieces: int = 1, scale_in_place: bool = False) -> torch.Tensor:
     """The one cast path (identity / fp16 / bf16): a new flat message of ``dtype`` holding
     ``tensor`` (times ``scale``, computed in ``tensor``'s dtype and rounded once), followed
     by ``slots`` elements left for the caller (the status slots, :data:`SUM_SLOTS`).
     ``pieces``: ``tensor`` is that many equal shards, each followed by its own ``slots``
-    (a ``reduce_scatter`` message: ``pieces * (numel / pieces + slots)`` elements)."""
+    (a ``reduce_scatter`` message: ``pieces * (numel / pieces + slots)`` elements).
+    ``scale_in_place``: ``tensor`` itself is scaled, then cast (for a tensor whose values are
+    not needed afterwards, such as a DDP bucket the result overwrites): the same bits, two
+    passes and no temporary (2.1M elements on one core: 0.45 ms against 0.8-1.2 in one call)."""
+    if scale_in_place and scale is not None:
+        tensor.mul_(scale)
+        scale = None
     n = tensor.numel()
     if pieces == 1:
         message = torch.empty(n + slots, dtype=dtype, device=tensor.device)
@@ -288,11 +294,33 @@ def cast_message(tensor: torch.Tensor, dtype: torch.dtype, scale: float | None =
         per = n // pieces
         message = torch.empty(pieces * (per + slots), dtype=dtype, device=tensor.device)
         body, src = message.view(pieces, per + slots)[:, :per], tensor.reshape(pieces, per)
-    if scale is not None:
-        torch.mul(src, scale, out=body)
-    else:
+    if scale is None:
         body.copy_(src)
+    elif src.dim() == 1:
+        _scaled_cast(src, scale, body)
+    else:
+        for row, out in zip(src, body):
+            _scaled_cast(row, scale, out)
     return message
+
+
+#: Elements per slice of a host scaled cast (4 MiB of fp32): ``torch.mul(src, scale, out=fp16)``
+#: builds an fp32 temporary of the whole input on CPU, a fresh allocation a call that is paged in
+#: and out of cache (one core, median of 20: 6.5M elements, a 25 MB DDP bucket, 4.4-5.0 ms in one
+#: call against 2.6-3.1 ms in 1M slices; 12M 44 ms against 5.5; 2.1M alike).
+CAST_SLICE = 1 << 20
+
+
+def _scaled_cast(src: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``out = (src * scale)`` cast to ``out``'s dtype, rounded once, in slices of at most
+    :data:`CAST_SLICE` elements where a temporary is made (a host cast to another dtype):
+    elementwise, so the bits are those of one call."""
+    n = src.numel()
+    if n <= CAST_SLICE or src.is_cuda or out.dtype == src.dtype:
+        torch.mul(src, scale, out=out)
+        return
+    for start in range(0, n, CAST_SLICE):
+        torch.mul(src[start:start + CAST_SLICE], scale, out=out[start:start + CAST_SLICE])
 
 
 # ---------------------------------------------------------------- byte layouts

@@ -946,7 +946,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
         sent, algorithm = dense_bytes, "dense"
         if cfg.world_size > 1 and cast is not None:
-            message = cast_message(buf, cast, cfg.scale)
+            message = cast_message(buf, cast, cfg.scale, scale_in_place=True)   # buf is overwritten by the sum
             work = dist.all_reduce(message, group=cfg.group, async_op=True)
             fut = work.get_future().then(lambda _: buf.copy_(message))
             sent = all_reduce_bytes(message.numel() * message.element_size(), cfg.world_size)

@@ -61,3 +61,26 @@ def test_cast_message_pieces_are_the_flat_message_cut_per_shard():
     assert torch.equal(flat[:12], (x * 0.25).to(torch.float16))
     with pytest.raises(ValueError, match="pieces"):
         cast_message(x, torch.float16, pieces=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_scaled_cast_in_slices_has_the_bits_of_one_call(dtype, monkeypatch):
+    # a large host cast runs in slices (no whole-input fp32 temporary); the bits must be the
+    # single call's, including the last short slice, NaN/inf, overflow and the reduce_scatter rows
+    from commpress.collectives import cast_message, wire
+
+    monkeypatch.setattr(wire, "CAST_SLICE", 7)
+    x = torch.randn(2 * 3 * 25, dtype=torch.float32) * 1e4
+    x[3], x[40], x[99] = float("nan"), float("inf"), 1e6
+    want = torch.mul(x, 0.5).to(dtype)
+    flat = cast_message(x, dtype, 0.5, slots=2)
+    assert torch.equal(flat[:x.numel()].view(torch.int16), want.view(torch.int16))
+    pieces = cast_message(x, dtype, 0.5, slots=2, pieces=3).view(3, 52)[:, :50].reshape(-1)
+    assert torch.equal(pieces.view(torch.int16), want.view(torch.int16))
+    # scaled in place first (a DDP bucket): the same bits, for a scale that rounds too
+    for scale in (0.5, 1 / 3):
+        want = torch.mul(x, scale).to(dtype)
+        y = x.clone()
+        got = cast_message(y, dtype, scale, slots=2, scale_in_place=True)
+        assert torch.equal(got[:x.numel()].view(torch.int16), want.view(torch.int16)), scale
+        torch.testing.assert_close(y, torch.mul(x, scale), rtol=0, atol=0, equal_nan=True)  # it was scaled
