@@ -110,7 +110,8 @@ ALL: list[Config] = [
 #: not in "all".  nomc: the optimizer keeps its momentum (no optimizer=); nowarmup: no density
 #: warm-up; mask: DGC's momentum factor masking.  And blockquant 4-bit with momentum correction (mc:
 #: optimizer=), the two without joined buckets (nojoin: ``join_buckets=False``) and blockquant with
-#: every bucket held (joinall: ``join_buckets=inf``), by name only.
+#: every bucket held (joinall: ``join_buckets=inf``), and blockquant and ``"auto"`` run in the hook
+#: call (inline: ``overlap=False``, no worker thread), by name only.
 STUDY: list[Config] = [
     Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
     Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
@@ -121,6 +122,9 @@ STUDY: list[Config] = [
     Config("topk-1%-nojoin", "commpress", "topk", {"ratio": 0.01, "join_buckets": False}, takeover=True),
     # every bucket held whatever its wire (join_buckets=inf: one round a step), against the 1.5 ms limit
     Config("blockquant-4bit-joinall", "commpress", "blockquant", {"bits": 4, "join_buckets": float("inf")}),
+    # each bucket run in DDP's hook call on the backward's thread (overlap=False), against the worker thread
+    Config("blockquant-4bit-inline", "commpress", "blockquant", {"bits": 4, "overlap": False}),
+    Config("auto-inline", "commpress", "auto", {"check_every": 20, "every": 100, "overlap": False}),
 ]
 BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",
