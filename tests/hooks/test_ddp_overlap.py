@@ -49,15 +49,16 @@ def test_overlap_and_inline_train_bitwise_alike():
 
 
 def dropped_worker(rank, world, spec):
-    name, params = spec
+    name, params, takeover = spec
     import gc
     import threading
     import weakref
 
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 8)), bucket_cap_mb=0.01)
-    state = commpress.ddp.register(model, name, overlap=True, min_numel=256, **params)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if takeover else 0.0)
+    state = commpress.ddp.register(model, name, overlap=True, min_numel=256,
+                                   **({"optimizer": opt} if takeover else {}), **params)
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + rank)
         opt.zero_grad()
@@ -74,7 +75,8 @@ def dropped_worker(rank, world, spec):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("spec", [("topk", {"ratio": 0.05}), ("auto", {})], ids=["topk", "auto"])
+@pytest.mark.parametrize("spec", [("topk", {"ratio": 0.05}, False), ("auto", {}, False),
+                                  ("topk", {"ratio": 0.05}, True)], ids=["topk", "auto", "topk-optimizer"])
 def test_a_state_dropped_without_close_frees_the_model_and_stops_its_worker(spec):
     """Dropping the model (and the state with it) without close() releases both and stops the
     overlap worker: nothing the worker thread holds keeps the state, or the model, alive."""
