@@ -746,9 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     text = tables(rows) + "\n\n" + "\n".join(notes)
     out = results_dir("overhead", args.out)
     write_results(out, rows, {"suite": "overhead", "argv": argv, "sections": sections, "world_sizes": worlds,
-                              "steps": steps, "warmup": warmup, "block": args.block, "cores": cores, "load_start": load0,
-                              "load_end": load1, "wall_seconds": wall, "sizes": SIZES, "batch": BATCH,
-                              "numel": NUMEL, "notes": notes})
+                              "steps": steps, "warmup": warmup, "block": args.block, "cores": cores,
+                              "load_start": load0, "load_end": load1, "wall_seconds": wall, "sizes": SIZES,
+                              "batch": BATCH, "numel": NUMEL, "notes": notes})
     (out / "table.md").write_text(text + "\n")
     print()
     print(text)
