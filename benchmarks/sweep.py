@@ -304,7 +304,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "config": r["config"],
             "seed": r.get("seed", ""),
             "bytes/step": _fmt_bytes(r["bytes_sent"]),
-            "payload": _fmt_bytes(r.get("payload_bytes")),
+            "payload": _fmt_bytes(r.get("payload_bytes") or None),   # unknown ("auto"; 0 in older results)
             "sent/payload": f"{r['bytes_sent'] / r['payload_bytes']:.2f}" if r.get("payload_bytes") else "",
             "ratio": f"{r['ratio']:.1f}x",
             "steps": r["steps"],

@@ -323,7 +323,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         sent = sent_per_step[skip:] or sent_per_step or [int(last.get("bytes_sent", 0))]
         out.update(bytes_sent=int(statistics.median(sent)), bytes_sent_last=int(last.get("bytes_sent", 0)),
                    dense_bytes=int(last.get("dense_bytes", 0)),
-                   payload_bytes=codec.get("payload_bytes", 0),
+                   payload_bytes=codec.get("payload_bytes"),   # None for "auto": its kinds vary by bucket
                    hook_s_per_step=float(last.get("hook_seconds", 0.0)),
                    algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0),
                    account=_median_account(accounts[skip:]))

@@ -274,3 +274,14 @@ def test_auto_rows_show_their_choices():
         "- auto seed 1 chose: bucket 0: bf16 (predicted 3.2 ms, measured 4.0 ms; before: blockquant(bits=4) from "
         "step 1, blockquant(bits=8) from step 21); bucket 1: topk(ratio=0.01) (predicted 1.0 ms, measured ? ms);")
     assert C.unavailable_reason(C.BY_NAME["auto"]) is None
+
+
+def test_a_payload_the_run_could_not_state_is_left_blank():
+    """``"auto"`` has no payload by contract (its kinds vary by bucket and over the run): its cell is
+    blank, not ``0 B`` (as older results stored it), and so is sent/payload; a fixed config's shows."""
+    base = {"metric": "accuracy", "bytes_sent": 588000, "ratio": 7.7, "steps": 100, "step_s": 0.02, "cpu_s": 0.015,
+            "compute_s": 0.006, "compression_s": 0.001, "comm_s": 0.013, "final": 0.95}
+    rows = sweep.table_rows([{**base, "config": "auto", "payload_bytes": None},
+                             {**base, "config": "auto", "payload_bytes": 0},
+                             {**base, "config": "blockquant-4bit", "payload_bytes": 588000}])
+    assert [(r["payload"], r["sent/payload"]) for r in rows] == [("", ""), ("", ""), ("588.00 KB", "1.00")]
