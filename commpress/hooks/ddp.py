@@ -231,7 +231,7 @@ class DDPState(TakeoverMixin, HookState):
             # an int is refused: join_buckets=1 reads as True but would be a one-second wire limit
             raise TypeError("join_buckets must be None, a bool or a wire limit in seconds as a float (e.g. "
                             f"0.005, math.inf), got {type(join_buckets).__name__} {join_buckets!r}")
-        if not isinstance(join_buckets, (bool, type(None))) and not join_buckets > 0:
+        if isinstance(join_buckets, float) and not join_buckets > 0:   # (a bool is not a float)
             raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)
         auto = isinstance(compressor, str) and compressor == "auto"
@@ -414,8 +414,7 @@ class DDPState(TakeoverMixin, HookState):
             verify_every=self.verify_every, auto=self.codec if self.auto else None,
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
-            hold_max_wire_s=(float(self.join_buckets) if not isinstance(self.join_buckets, (bool, type(None)))
-                             else None))
+            hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None)
 
     # -- what the executor owns, seen from here -------------------------------
     @property
