@@ -111,7 +111,7 @@ ALL: list[Config] = [
 #: warm-up; mask: DGC's momentum factor masking.  And blockquant 4-bit with momentum correction (mc:
 #: optimizer=), the two without joined buckets (nojoin: ``join_buckets=False``) and blockquant with
 #: every bucket held (joinall: ``join_buckets=inf``), and blockquant and ``"auto"`` run in the hook
-#: call (inline: ``overlap=False``, no worker thread), by name only.
+#: call (inline: ``overlap=False``, no worker thread), and ``"auto"`` told the optimizer (opt), by name only.
 STUDY: list[Config] = [
     Config("topk-1%-nomc", "commpress", "topk", {"ratio": 0.01}),
     Config("topk-1%-nowarmup", "commpress", "topk", {"ratio": 0.01, "density_warmup": 0}, takeover=True),
@@ -125,6 +125,9 @@ STUDY: list[Config] = [
     # each bucket run in DDP's hook call on the backward's thread (overlap=False), against the worker thread
     Config("blockquant-4bit-inline", "commpress", "blockquant", {"bits": 4, "overlap": False}),
     Config("auto-inline", "commpress", "auto", {"check_every": 20, "every": 100, "overlap": False}),
+    # "auto" told the optimizer (optimizer=): SGD's momentum taken over; an adaptive one (the LM's
+    # AdamW) leaves the sparsifiers out of the candidates
+    Config("auto-opt", "commpress", "auto", {"check_every": 20, "every": 100}, takeover=True),
 ]
 BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",

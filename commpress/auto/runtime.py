@@ -87,6 +87,7 @@ Not measured: device time on CUDA (the clock is the host's).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -164,6 +165,8 @@ class AutoSpec(Compressor):
         if not isinstance(remeasure, bool):
             raise TypeError(f"auto: remeasure must be a bool, got {remeasure!r}")
         self.candidates = cands
+        #: whether the candidates are the user's (``candidates=``) rather than the defaults
+        self.user_candidates = candidates is not DEFAULT_CANDIDATES
         self.check_every = check_every
         self.remeasure = remeasure
         self.prices = prices if prices is not None else Prices()
@@ -172,6 +175,22 @@ class AutoSpec(Compressor):
         Decider(candidates=cands, prices=self.prices, **self.decider_args)
         self._config = {"candidates": [describe(c) for c in cands], "check_every": check_every,
                         "prices": dataclasses.asdict(self.prices), "remeasure": remeasure, **self.decider_args}
+
+    def sparse_candidates(self) -> tuple[Candidate, ...]:
+        """The sparsifiers among the candidates (``topk``: each coordinate's accumulated
+        gradient is sent only in the steps that select it)."""
+        return tuple(c for c in self.candidates if prototype(c).aggregation == "sparse")
+
+    def without_sparsifiers(self) -> AutoSpec:
+        """A copy with the sparsifiers left out of the candidates (:meth:`sparse_candidates`),
+        the fingerprinted configuration with them; ``self`` when there are none."""
+        keep = tuple(c for c in self.candidates if c not in self.sparse_candidates())
+        if len(keep) == len(self.candidates):
+            return self
+        spec = copy.copy(self)
+        spec.candidates = keep
+        spec._config = dict(self._config, candidates=[describe(c) for c in keep])
+        return spec
 
     def compress(self, tensor, *, step=0, key=0, generator=None):
         raise RuntimeError("the 'auto' compressor only chooses: each unit runs its own codec (AutoCodec)")
@@ -190,6 +209,7 @@ def auto_spec(params: dict[str, Any], *, exclude: tuple[str, ...] = (), where: s
         raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
                          f"momentum_masking), got {unknown}")
     options = {k: params.pop(k) for k in AUTO_OPTIONS if k in params}
+    given = "candidates" in options
     if exclude:
         if "candidates" in options:
             cands = [_candidate(c) for c in options["candidates"]]
@@ -199,7 +219,9 @@ def auto_spec(params: dict[str, Any], *, exclude: tuple[str, ...] = (), where: s
                                  "are not supported there)")
         else:
             options["candidates"] = tuple(c for c in DEFAULT_CANDIDATES if c.kind not in exclude)
-    return AutoSpec(**options)
+    spec = AutoSpec(**options)
+    spec.user_candidates = given
+    return spec
 
 
 _BF16 = Choice(Candidate("bf16"))

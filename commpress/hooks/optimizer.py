@@ -47,7 +47,8 @@ What can be taken over, per parameter group that holds the hook's parameters:
 * any other optimizer (Adam, AdamW, RMSprop, ...) or SGD without momentum: one
   line is logged and nothing changes; with a sparsifier and an optimizer other than
   SGD, a warning says that blockquant or bf16 keep an adaptive optimizer's convergence
-  (a coordinate moves only in the steps that select it).
+  (a coordinate moves only in the steps that select it); ``"auto"`` with such an
+  optimizer leaves the sparsifiers out of its default candidates (one log line).
 """
 
 from __future__ import annotations
@@ -157,12 +158,15 @@ def _warn_sparse_adaptive(compressor: Any, optimizer: Any) -> None:
     most coordinates move at a fraction of its learning rate."""
     if getattr(compressor, "aggregation", None) != "sparse" or isinstance(optimizer, torch.optim.SGD):
         return
+    _warn_adaptive(getattr(compressor, "name", compressor), optimizer)
+
+
+def _warn_adaptive(what: str, optimizer: Any) -> None:
     log.warning("commpress: %s with %s: a sparsifier's error feedback sends each coordinate's accumulated "
                 "gradient only in the steps that select it, and a per-coordinate adaptive optimizer then "
                 "moves most coordinates at a fraction of its learning rate (this project's LM under AdamW: "
                 "topk 1%% ended 3.6%% above DDP's loss after 600 steps, blockquant 4-bit 0.2%%); blockquant or "
-                "bf16 keep an adaptive optimizer's convergence", getattr(compressor, "name", compressor),
-                type(optimizer).__name__)
+                "bf16 keep an adaptive optimizer's convergence", what, type(optimizer).__name__)
 
 
 class TakeoverMixin:
@@ -171,7 +175,8 @@ class TakeoverMixin:
     The host class provides ``_covered_parameter_ids()`` (``None`` while the
     parameters are not known yet: the takeover then waits for
     :meth:`_take_pending_optimizer`, called when they are) and, optionally,
-    ``_momentum_changed()`` (to rebuild what depends on the momentum).
+    ``_momentum_changed()`` (to rebuild what depends on the momentum, or on ``"auto"``'s
+    candidates: :meth:`_narrow_auto`).
     """
 
     _takeover: Takeover | None = None
@@ -197,7 +202,10 @@ class TakeoverMixin:
             return 0.0
         m = sgd_momentum(optimizer, covered)
         if not m:
-            _warn_sparse_adaptive(getattr(self, "compressor", None), optimizer)
+            if getattr(self, "auto", False):
+                self._narrow_auto(optimizer)
+            else:
+                _warn_sparse_adaptive(getattr(self, "compressor", None), optimizer)
             return 0.0
         if not getattr(self, "compressed_param_names", True):  # DDP with nothing to compress
             log.info("commpress: the hook compresses none of the model's parameters (DDP's dense path, "
@@ -225,6 +233,33 @@ class TakeoverMixin:
 
     def _momentum_changed(self) -> None:
         """Rebuild what depends on the momentum besides the codec (a host class overrides it)."""
+
+    def _narrow_auto(self, optimizer: torch.optim.Optimizer) -> None:
+        """``"auto"`` with an optimizer that normalizes per coordinate (anything but SGD): the
+        sparsifiers leave its default candidates (one log line), as a sparsifier alone would warn
+        (:func:`_warn_sparse_adaptive`); candidates the user gave stay, with that warning.  Before
+        the first check point only (``RuntimeError`` afterwards): what was decided is not undone."""
+        from ..auto.candidates import describe
+
+        spec = self.compressor
+        if isinstance(optimizer, torch.optim.SGD) or not spec.sparse_candidates():
+            return
+        names = ", ".join(describe(c) for c in spec.sparse_candidates())
+        if spec.user_candidates:
+            _warn_adaptive(f"auto's candidates given ({names})", optimizer)
+            return
+        if getattr(self.codec, "checks", 0) or self.holds_state():
+            raise RuntimeError("attach_optimizer: 'auto' has decided already; attach the optimizer before the "
+                               "first compressed step")
+        self.compressor = spec.without_sparsifiers()
+        if getattr(self, "inner", None) is spec:
+            self.inner = self.compressor
+        self._momentum_changed()   # the auto codec is rebuilt on the narrowed candidates
+        if self.fingerprint is not None:
+            self.check_config()    # the candidates are fingerprinted: every rank must agree
+        log.info("commpress: auto with %s: the sparsifiers (%s) are left out of the candidates (a per-coordinate "
+                 "adaptive optimizer moves a coordinate only in the steps that select it)",
+                 type(optimizer).__name__, names)
 
     def _take_pending_optimizer(self) -> None:
         """Run a deferred :meth:`attach_optimizer` now that the parameters are known."""

@@ -9,6 +9,7 @@ that fails to measure raising on every rank.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from nets import MLP3 as Net, train_step, with_params
 
 import commpress
 from commpress.auto import Candidate, Choice, Network
+from commpress.auto.candidates import describe
 from commpress.auto.decide import REVERT, REVERT_FLOOR
 from commpress.auto.runtime import AutoCodec, AutoSpec, _slots
 from commpress.collectives.costmodel import CostModel
@@ -252,6 +254,74 @@ def test_auto_folds_the_average_into_error_feedback():
         assert out["params"] and out["residuals"] and out["folded_calls"] > 0, out
         assert set(out["choices"]) == {"blockquant(bits=4)"}, out
         assert out["norms"], out   # the norm statistic sees the averaged gradient either way (to rounding)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def adaptive_worker(rank, world):
+    """A slow network and topk priced as dense: "auto" sends topk under SGD; with AdamW (at
+    register or attached later) the sparsifiers leave the default candidates and it never does."""
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    lines = _Lines()
+    logging.getLogger("commpress").addHandler(lines)
+    logging.getLogger("commpress").setLevel(logging.INFO)
+    cheap = commpress.auto.Prices(topk_base=1.0, topk_per_decade=0.0)
+    out = {}
+    for name, make, later in (("sgd", lambda p: torch.optim.SGD(p, lr=0.05), False),
+                              ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3), False),
+                              ("adamw_later", lambda p: torch.optim.AdamW(p, lr=1e-3), True)):
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.01)
+        opt = make(model.parameters())
+        n = len(lines.lines)
+        state = commpress.ddp.register(model, "auto", min_numel=256, check_every=2, every=2, margin=0.0,
+                                       remeasure=False, prices=cheap, **({} if later else {"optimizer": opt}))
+        if later:
+            state.attach_optimizer(opt)
+        state.codec.network = Network(world, SLOW)
+        _train(model, opt, rank, range(4))
+        out[name] = (sorted({e["choice"].split("(")[0] for e in state.stats.as_dict()["auto"].values()}),
+                     [describe(c) for c in state.codec.decider.candidates],
+                     state.config()["compressor_params"]["candidates"],
+                     [m for m in lines.lines[n:] if "left out of the candidates" in m])
+        if name == "sgd":   # decided (topk in force): too late to narrow
+            try:
+                state.attach_optimizer(torch.optim.Adam(model.parameters()))
+                out["late"] = None
+            except RuntimeError as exc:
+                out["late"] = str(exc)
+        state.close()
+    # candidates the user gave stay, with a warning
+    model = DDP(Net(), bucket_cap_mb=0.01)
+    n = len(lines.lines)
+    state = commpress.ddp.register(model, "auto", min_numel=256, candidates=[("dense",), ("topk", 0.01)],
+                                   optimizer=torch.optim.Adam(model.parameters()))
+    out["given"] = ([describe(c) for c in state.codec.decider.candidates],
+                    [m for m in lines.lines[n:] if "candidates given (topk" in m and "adaptive optimizer" in m])
+    state.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_auto_with_an_adaptive_optimizer_leaves_the_sparsifiers_out():
+    for out in run(adaptive_worker, 2, timeout=110):
+        choices, cands, config, logged = out["sgd"]
+        assert "topk" in choices and "topk(ratio=0.01)" in cands and logged == [], out["sgd"]
+        for name in ("adamw", "adamw_later"):
+            choices, cands, config, logged = out[name]
+            assert "topk" not in choices and choices != ["dense"], out[name]
+            assert not any(c.startswith("topk") for c in cands) and config == cands and "dense" in cands
+            assert len(logged) == 1 and "AdamW" in logged[0], logged
+        assert out["late"] is not None and "before the first compressed step" in out["late"]
+        cands, warned = out["given"]
+        assert cands == ["dense", "topk(ratio=0.01)"] and len(warned) == 1, out["given"]
 
 
 def test_switch_carries_residual_and_velocity(monkeypatch):

@@ -193,6 +193,14 @@ def auto_worker(rank, world):
     out["late"] = (state7.codec.momentum, sorted({c.momentum for c in state7.codec.codecs.values()}),
                    sorted(state7.stats.as_dict()["auto"]), opt7.param_groups[0]["momentum"])
     state7.close()
+    # an adaptive optimizer: the sparsifiers leave the default candidates (attached late, too)
+    model9 = fsdp_shard(small_net(), world)
+    state9 = commpress.fsdp.register(model9, "auto", check_every=2)
+    before = [c.kind for c in state9.codec.decider.candidates]
+    state9.attach_optimizer(torch.optim.AdamW(model9.parameters()))
+    out["adaptive"] = (before, [c.kind for c in state9.codec.decider.candidates],
+                       state9.config()["compressor_params"]["candidates"])
+    state9.close()
 
     # options: refused on every rank, before any collective
     errors = []
@@ -262,6 +270,9 @@ def test_register_auto_on_two_ranks():
     assert owed[3] > 0 and paths[4] != ["identity:reduce_scatter"] and owed[4] == 0.0, (paths, owed)
     assert paths[5] == ["identity:reduce_scatter"], paths
     assert a["late"] == (0.9, [0.9], ["0", "2"], 0.0) and b["late"] == a["late"], a["late"]
+    before, after, config = a["adaptive"]
+    assert "topk" in before and "topk" not in after and "blockquant" in after and b["adaptive"] == a["adaptive"]
+    assert not any(c.startswith("topk") for c in config)
     # options refused (each on both ranks)
     for r in (a, b):
         assert len(r["errors"]) == 3, r["errors"]
