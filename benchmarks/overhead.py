@@ -158,9 +158,11 @@ class _Progress:
 
 
 def _interleave(rank, world, progress, names, step_fns, warmup, steps, block=1):
-    """Run ``warmup + steps`` steps of every configuration, ``block`` consecutive steps of one
-    before the next (1: step by step; more: as training runs them, each model's data warm in
-    the caches); returns the per-config median of the slowest rank's step time (seconds) and
+    """Run ``warmup`` steps of each configuration back to back (its one-time costs, and
+    ``"auto"``'s first decisions, whose compute is the time from one of its steps to the next,
+    see its own steps only, as in training), then ``steps`` steps of every configuration,
+    ``block`` consecutive steps of one before the next (1: step by step; more: as training runs
+    them, each model's data warm in the caches); returns the per-config median of the slowest rank's step time (seconds) and
     what each step function returned for ``"mark"`` at the end of its warm-up (before its first
     timed step).  Round ``r`` starts at configuration ``r mod N`` (the same order on every
     rank): each configuration takes every place in a round equally often, so none is always
@@ -171,18 +173,20 @@ def _interleave(rank, world, progress, names, step_fns, warmup, steps, block=1):
     times = torch.zeros(len(names), steps, dtype=torch.float64)
     marks = {}
     n = len(step_fns)
-    total = warmup + steps
-    for r in range(-(-total // block)):
+    for i, fn in enumerate(step_fns):   # each configuration's warm-up back to back, as training runs it
+        progress.at(i)
+        for s in range(warmup):
+            fn(s)
+    for r in range(-(-steps // block)):
         for i in [(r + j) % n for j in range(n)]:
             fn = step_fns[i]
             progress.at(i)
-            for s in range(r * block, min(total, (r + 1) * block)):
+            for s in range(warmup + r * block, warmup + min(steps, (r + 1) * block)):
                 if s == warmup:
                     marks[names[i]] = fn("mark")
                 t0 = time.perf_counter()
                 fn(s)
-                if s >= warmup:
-                    times[i, s - warmup] = time.perf_counter() - t0
+                times[i, s - warmup] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest rank per step, once after the loop
     return [statistics.median(times[i].tolist()) for i in range(len(names))], marks
 
@@ -259,12 +263,18 @@ def _ddp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, se
         if name.startswith("cp_"):
             row["algorithms"] = "+".join(sorted(set(state.stats.algorithms.values())))
         if name == "cp_auto":   # what it chose, and when (a plan that compressed on loopback is the finding)
-            report = state.stats.as_dict().get("auto") or {}
-            row["label"] = "commpress auto (" + "; ".join(
-                f"bucket {b}: {e['choice']}" + (f", before: {earlier_choices(e)}" if earlier_choices(e) else "")
-                for b, e in report.items()) + ")"
+            row["label"] = _auto_label(state, "bucket")
         rows.append(row)
     return rows
+
+
+def _auto_label(state, unit: str = "unit") -> str:
+    """``commpress auto (bucket 0: dense; bucket 1: blockquant(bits=8), before: ...)``: each unit's
+    choice in the end and the ones it switched from."""
+    report = state.stats.as_dict().get("auto") or {}
+    return "commpress auto (" + "; ".join(
+        f"{unit} {b}: {e['choice']}" + (f", before: {earlier_choices(e)}" if earlier_choices(e) else "")
+        for b, e in report.items()) + ")"
 
 
 def _allreduce_rank(rank, world, progress, *, configs, steps, warmup, numel, seed, block=1):
@@ -362,6 +372,8 @@ def _fsdp_rank(rank, world, progress, *, configs, steps, warmup, sizes, batch, s
         row = {"ms": 1e3 * sec, "bytes_per_step": b, "dense_bytes_per_step": d, "params": r[5]}
         if fn.state is not None:
             row["algorithms"] = "+".join(sorted(set(fn.state.stats.algorithms.values())))
+        if r[0] == "cp_auto":   # what it chose per FSDP unit, and when
+            row["label"] = _auto_label(fn.state)
         rows.append(row)
     return rows
 

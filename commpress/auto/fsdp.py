@@ -24,8 +24,10 @@ carried) and the same ``state_dict``.  What differs from DDP
   ``reduce_scatter``, the others an ``all_to_all`` of ``P−1`` payloads of a chunk); codec
   seconds are ``P`` passes over a chunk of ``m`` elements (compress every chunk, decode
   every piece at the owner), measured on this device in the reduce dtype.
-* **What is measured**: each unit's reduce-scatter call (host seconds; ``measured_ms``
-  and the per-round cost beyond the α-β model) and the seconds inside its collective, against
+* **What is measured**: each unit's reduce-scatter call (host seconds; ``measured_ms``,
+  the per-round cost beyond the α-β model, and for a dense unit the rest of its excess per
+  second of its predicted reduce-scatter: :meth:`ReduceScatterAutoCodec._per_round`) and the
+  seconds inside its collective, against
   their prediction (:class:`~commpress.auto.decide.LinkTracker`, ``remeasure``: the link as DDP
   tracks it), the gradient norm per unit (on the device,
   read at check points), and the step's compute seconds: wall time between two step ends
@@ -65,6 +67,11 @@ class FSDPUnit:
     dtype: torch.dtype = torch.float32
     names: tuple[str, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
+
+
+#: the least predicted reduce_scatter seconds a dense unit's measured excess is read per second of
+#: (:meth:`ReduceScatterAutoCodec._per_round`)
+RATE_MIN_S = 1e-3
 
 
 class ReduceScatterAutoCodec(AutoCodec):
@@ -128,6 +135,22 @@ class ReduceScatterAutoCodec(AutoCodec):
 
     def _rounds_of(self, candidate: Candidate) -> int:
         return 1   # FSDP2's reduce_scatter, or one all_to_all
+
+    def _per_round(self, rows: list[tuple[Any, Choice, float, float, int]]) -> float:
+        """The per-round cost every call pays: the window's smallest excess per round; and, per dense
+        unit, the rest of its excess per second of its predicted reduce_scatter (``dense_rates``,
+        kept while the unit runs another kind).  FSDP2's reduce_scatter is not the collective the
+        α-β model was calibrated on (all_reduce and all_gather), and on gloo it costs more than an
+        all_reduce of the same input, in proportion to its bytes: averaged into a per-round cost,
+        that excess was charged to every candidate's round, and a unit stayed dense where
+        blockquant 8-bit measured 0.85-0.94x FSDP2's step.  Learned only where the predicted
+        collective is at least the per-round cost and :data:`RATE_MIN_S`: a small unit's call is
+        mostly its fixed cost, and its excess per predicted second would be noise."""
+        floor = min(max(0.0, e) / r for *_, e, _, r in rows)
+        for key, choice, e, comm, r in rows:
+            if choice == DENSE and comm >= max(floor * r, RATE_MIN_S):
+                self.dense_rates[key] = max(0.0, e - floor * r) / comm
+        return floor
 
     def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float | None:
         """``P`` passes over one chunk (compress each chunk, decode each piece at the owner);

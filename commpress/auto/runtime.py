@@ -346,6 +346,9 @@ class AutoCodec:
         self._units: list[Any] = []
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
+        #: per unit, what its dense call took beyond the model per second of its predicted collective
+        #: (learned where that collective is not the calibrated one: FSDP2's reduce_scatter)
+        self.dense_rates: dict[Any, float] = {}
         self._fresh: set[Any] = set()           # units switched to dense that have not run since
         self._unmeasured: set[Any] = set()      # units with a new codec, whose next call is not measured
         self._last_step: int | None = None
@@ -677,28 +680,40 @@ class AutoCodec:
         (codec + α-β collective of the choice in force; the agreed call seconds are the
         minimum over ranks), per round of those choices.  It holds what the bind-time α-β
         model does not: Python and framework time per call, and the wait at each round for
-        the slower rank.  Pure on agreed numbers: the same on every rank.  A change by more
+        the slower rank (:meth:`_per_round`).  Where a unit's dense call is priced by its bytes too
+        (``dense_rates``, FSDP2), its dense candidate pays that rate per second of its predicted
+        collective on top.  Pure on agreed numbers: the same on every rank.  A change by more
         than ``drift`` (relative) since the last decision re-decides.
         """
-        excess, rounds = 0.0, 0
+        rows = []   # (unit key, choice in force, seconds beyond the model, its collective's, rounds)
         for b, u in enumerate(units):
             meas = m.extra[b] if b < len(m.extra) else 0.0
             if meas <= 0.0:
                 continue
             choice = self.choices.get(u.key, DENSE)
             bucket = m.buckets[b]
-            excess += meas - codec_seconds(choice, bucket, m.network) - comm_seconds(choice, bucket, m.network)
-            rounds += self._rounds_of(choice.candidate) + (2 if choice.path == "two_level" else 0)
-        if rounds:
-            self.round_s = max(0.0, excess) / rounds
+            comm = comm_seconds(choice, bucket, m.network)
+            rows.append((u.key, choice, meas - codec_seconds(choice, bucket, m.network) - comm, comm,
+                         self._rounds_of(choice.candidate) + (2 if choice.path == "two_level" else 0)))
+        if rows:
+            self.round_s = self._per_round(rows)
         watched = self._round_s_decided
         if watched is not None and abs(self.round_s - watched) > self.spec.decider_args["drift"] * max(watched, 1e-4):
             self.decider.watched = None   # the per-round cost moved: re-decide now
         buckets = []
-        for b in m.buckets:
+        for i, b in enumerate(m.buckets):
             call = {c: self.round_s * self._rounds_of(c) for c in (*b.codec_s, DENSE.candidate)}
+            rate = self.dense_rates.get(units[i].key, 0.0) if i < len(units) else 0.0
+            if rate:
+                call[DENSE.candidate] += rate * comm_seconds(DENSE, b, m.network)
             buckets.append(dataclasses.replace(b, call_s=call, round_s=self.round_s))
         return dataclasses.replace(m, buckets=tuple(buckets))
+
+    def _per_round(self, rows: list[tuple[Any, Choice, float, float, int]]) -> float:
+        """The per-round cost from a window's ``rows`` (:meth:`_with_round_cost`): the excess over
+        all of them, per round (DDP: the dense all_reduce is the collective the model was calibrated
+        on, so what it took beyond it is per call, as for the other kinds)."""
+        return max(0.0, sum(e for _, _, e, _, _ in rows)) / sum(r for *_, r in rows)
 
     def _window_compute(self) -> float:
         """The window's compute seconds per step: the median of its timed steps (a step that also
@@ -835,12 +850,14 @@ class AutoCodec:
             "carry_keys": list(self._carry),
             "carry": [t.clone() for t in self._carry.values()],
             "link": self.link.state_dict(),
+            "dense_rate_keys": list(self.dense_rates),
+            "dense_rates": list(self.dense_rates.values()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
         # absent in checkpoints from before the two-level path / link tracking / per-step norms
-        extra = {"carry_keys", "carry", "link", "norm_steps"}
+        extra = {"carry_keys", "carry", "link", "norm_steps", "dense_rate_keys", "dense_rates"}
         if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
             raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
@@ -863,3 +880,4 @@ class AutoCodec:
         self.link = LinkTracker(_link_drift(self.spec))
         if "link" in state:
             self.link.load_state_dict(state["link"])
+        self.dense_rates = {k: float(r) for k, r in zip(state.get("dense_rate_keys", []), state.get("dense_rates", []))}

@@ -310,6 +310,49 @@ def test_switch_keeps_each_chunks_residual_and_velocity(monkeypatch):
         auto.switch("u", info.numel, Choice(Candidate("powersgd", 1)))
 
 
+def test_a_dense_units_excess_is_priced_by_its_bytes():
+    """FSDP2's reduce_scatter is not the calibrated collective: what a dense unit took beyond
+    the model, less the window's smallest per-round cost, is learned per second of its predicted
+    collective and charged to that unit's dense candidate only (kept while the unit runs another
+    kind, and in state_dict) where that collective is at least the per-round cost and 1 ms;
+    every candidate pays the smallest per-round cost."""
+    from commpress.auto.decide import codec_seconds, comm_seconds
+
+    auto = ReduceScatterAutoCodec(AutoSpec())
+    auto.world = 2
+    net = _net(2, CostModel(0.0, 1e-9))                     # 1 GB/s, no latency
+    bq = Candidate("blockquant", 8)
+    dense = Choice(Candidate("dense"))
+
+    class U:
+        def __init__(self, key):
+            self.key = key
+
+    units = [U("a"), U("b"), U("c")]
+    buckets = tuple(BucketMeasure(k, n, ((n,),), 0.0, {bq: 0.001}) for k, n in (("a", 4096), ("b", 1 << 20),
+                                                                                  ("c", 8192)))
+    comm = [comm_seconds(dense, b, net) for b in buckets]
+    # every unit pays 1 ms a call; b's reduce_scatter (2 ms predicted) also runs at 2.5x, c's 0.5 ms more
+    meas = (comm[0] + 0.001, 2.5 * comm[1] + 0.001, comm[2] + 0.001 + 0.0005)
+    out = auto._with_round_cost(Measurements(net, buckets, 0.05, extra=meas), units)
+    assert comm[1] > 0.002 and max(comm[0], comm[2]) < 1e-4
+    assert auto.round_s == pytest.approx(0.001)
+    assert auto.dense_rates == {"b": pytest.approx(1.5)}   # a and c: too small to read a rate from
+    b = out.buckets[1]
+    assert codec_seconds(dense, b, net) + comm[1] == pytest.approx(meas[1])   # dense priced as measured
+    assert codec_seconds(Choice(bq), b, net) == pytest.approx(0.001 + 0.001)  # the others: per round only
+    # b runs blockquant now (3 ms beyond its model): its learned dense rate stays
+    auto.choices["b"] = Choice(bq)
+    bq_meas = codec_seconds(Choice(bq), buckets[1], net) + \
+        comm_seconds(Choice(bq), buckets[1], net) + 0.003
+    out = auto._with_round_cost(Measurements(net, buckets, 0.05, extra=(meas[0], bq_meas, meas[2])), units)
+    assert auto.round_s == pytest.approx(0.001) and auto.dense_rates["b"] == pytest.approx(1.5)
+    assert codec_seconds(dense, out.buckets[1], net) == pytest.approx(0.001 + 1.5 * comm[1])
+    restored = ReduceScatterAutoCodec(AutoSpec())
+    restored.load_state_dict(auto.state_dict())
+    assert restored.dense_rates == auto.dense_rates
+
+
 def test_reduce_scatter_prediction_and_decision(monkeypatch):
     """Reduce-scatter terms (dense: FSDP2's own call; others: one all_to_all of a chunk's payload)
     and the decision on them: slow network compressed, fast dense; options checked."""

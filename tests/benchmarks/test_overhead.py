@@ -92,31 +92,33 @@ def test_interleave_rotates_the_order_so_no_config_always_follows_another():
     equally often (a fixed order made the last one always the step after the second last)."""
     from distributed import run
 
-    n, rounds = 3, 6
-    order, medians, _ = run(_interleave_order, 1, n, rounds)[0]
+    n, rounds, warmup = 3, 7, 1
+    order, medians, _ = run(_interleave_order, 1, n, rounds, 1, warmup)[0]
     order = [i for i, _ in order]
     assert len(order) == n * rounds and len(medians) == n
-    per_round = [order[k * n:(k + 1) * n] for k in range(rounds)]
+    assert order[:n] == list(range(n))          # the warm-up step of each
+    per_round = [order[n + k * n:n + (k + 1) * n] for k in range(rounds - warmup)]
     for s, r in enumerate(per_round):
         assert r == [(s + j) % n for j in range(n)]
     for cfg in range(n):
         places = [r.index(cfg) for r in per_round]
-        assert sorted(places) == sorted(list(range(n)) * (rounds // n))
+        assert sorted(places) == sorted(list(range(n)) * ((rounds - warmup) // n))
 
 
 @pytest.mark.timeout(60)
-def test_interleave_in_blocks_runs_consecutive_steps_and_marks_each_warm_up_end():
-    """``block=k``: k consecutive steps of one configuration (steps 0.. in order, the last block
-    short), rounds rotated as with single steps; each configuration's mark is taken just before
-    its first timed step, whatever the others have run."""
+def test_interleave_runs_each_warm_up_back_to_back_then_blocks_and_marks_each_warm_up_end():
+    """Each configuration's warm-up steps run back to back (``"auto"`` decides on them: its compute
+    is the time from one of its steps to the next); then ``block=k``: k consecutive timed steps of
+    one configuration (the last block short), rounds rotated as with single steps; each
+    configuration's mark is taken just before its first timed step, whatever the others have run."""
     from distributed import run
 
-    n, total, block, warmup = 3, 7, 3, 4
+    n, total, block, warmup = 3, 11, 3, 4
     order, medians, marks = run(_interleave_order, 1, n, total, block, warmup)[0]
     assert len(order) == n * total and len(medians) == n
-    want = []
-    for r in range(3):   # rounds of 3, 3 and 1 steps
+    want = [(i, s) for i in range(n) for s in range(warmup)]
+    for r in range(3):   # rounds of 3, 3 and 1 timed steps
         for i in [(r + j) % n for j in range(n)]:
-            want += [(i, s) for s in range(r * block, min(total, (r + 1) * block))]
+            want += [(i, s) for s in range(warmup + r * block, min(total, warmup + (r + 1) * block))]
     assert order == want
     assert marks == {f"c{i}": warmup for i in range(n)}
