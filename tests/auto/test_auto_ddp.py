@@ -9,7 +9,6 @@ that fails to measure raising on every rank.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from loglines import capture
 from nets import MLP3 as Net, train_step, with_params
 
 import commpress
@@ -256,22 +256,11 @@ def test_auto_folds_the_average_into_error_feedback():
         assert out["norms"], out   # the norm statistic sees the averaged gradient either way (to rounding)
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def adaptive_worker(rank, world):
     """A slow network and topk priced as dense: "auto" sends topk under SGD; with AdamW (at
     register or attached later) the sparsifiers leave the default candidates and it never does."""
     os.environ["COMMPRESS_BACKEND"] = "torch"
-    lines = _Lines()
-    logging.getLogger("commpress").addHandler(lines)
-    logging.getLogger("commpress").setLevel(logging.INFO)
+    lines = capture()
     cheap = commpress.auto.Prices(topk_base=1.0, topk_per_decade=0.0)
     out = {}
     for name, make, later in (("sgd", lambda p: torch.optim.SGD(p, lr=0.05), False),

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from loglines import capture
 from nets import small_net as _net, train_step as _step
 
 import commpress
@@ -29,19 +30,8 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def takeover_worker(rank, world):
-    lines = _Lines()
-    logging.getLogger("commpress").addHandler(lines)
-    logging.getLogger("commpress").setLevel(logging.INFO)
+    lines = capture()
     out = {}
     # A: register(optimizer=) -- a stale momentum buffer is dropped
     a = DDP(_net())
