@@ -3,9 +3,10 @@
 On gloo over loopback compression has nothing to gain, so every difference to
 plain DDP / PyTorch's own hooks / a dense ``all_reduce`` / plain FSDP2 is the
 hot path's overhead (see DESIGN.md, "The hot path's budget").  Three sections,
-each measured in ONE set of rank processes per world size, configurations
-interleaved step by step (so a change of machine load hits all of them alike;
-``--block K``: K consecutive steps of each at a time, as training runs them):
+each measured in ONE set of rank processes per world size: each configuration's
+warm-up steps back to back (``"auto"`` takes its first decisions there), then the
+timed steps interleaved step by step (so a change of machine load hits all of them
+alike; ``--block K``: K consecutive steps of each at a time, as training runs them):
 
 ``ddp``
     an MLP 64-2048-1024-10 (about 2.2M parameters), batch 32, SGD; one DDP model
@@ -733,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     order = "step by step" if args.block == 1 else f"{args.block} consecutive steps of each at a time"
     print(f"overhead: sections {','.join(sections)}, world sizes {worlds}, {warmup} warm-up + {steps} timed "
-          f"steps, configurations interleaved {order}, {cores} cores, load average {load0[0]:.2f}", flush=True)
+          f"steps, each warm-up back to back, the timed steps interleaved {order}, {cores} cores, load average "
+          f"{load0[0]:.2f}", flush=True)
     t0 = time.time()
     rows = run_suite(sections, worlds, steps=steps, warmup=warmup, calls=calls,
                      stall_timeout=args.stall_timeout, log=lambda m: print(m, flush=True), pin=args.pin,
@@ -746,8 +748,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"Note: {', '.join(map(str, over))} ranks on this {cores}-core machine are oversubscribed "
                      f"(ranks share cores, so those figures include scheduling contention).")
     pinned = "ranks pinned one core each" if args.pin else "ranks not pinned"
-    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, {pinned}, configurations "
-                 f"interleaved {order}; load average "
+    notes.append(f"gloo over loopback, torch.set_num_threads(1) per rank, {pinned}, each configuration's "
+                 f"warm-up back to back, the timed steps interleaved {order}; load average "
                  f"{load0[0]:.2f} at start, {load1[0]:.2f} at end; {wall:.0f}s in total.")
     goals = [r for r in rows if "goal" in r]
     met = sum(r["meets_goal"] == "yes" for r in goals)
