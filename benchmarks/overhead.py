@@ -163,9 +163,9 @@ def _interleave(rank, world, progress, names, step_fns, warmup, steps, block=1):
     ``"auto"``'s first decisions, whose compute is the time from one of its steps to the next,
     see its own steps only, as in training), then ``steps`` steps of every configuration,
     ``block`` consecutive steps of one before the next (1: step by step; more: as training runs
-    them, each model's data warm in the caches); returns the per-config median of the slowest rank's step time (seconds) and
-    what each step function returned for ``"mark"`` at the end of its warm-up (before its first
-    timed step).  Round ``r`` starts at configuration ``r mod N`` (the same order on every
+    them, each model's data warm in the caches); returns the per-config median of the slowest
+    rank's step time (seconds) and what each step function returned for ``"mark"`` at the end of
+    its warm-up (before its first timed step).  Round ``r`` starts at configuration ``r mod N`` (the same order on every
     rank): each configuration takes every place in a round equally often, so none is always
     the one after DDP's default or the first after the loop's own work."""
     import torch

@@ -184,7 +184,8 @@ class AutoSpec(Compressor):
     def without_sparsifiers(self) -> AutoSpec:
         """A copy with the sparsifiers left out of the candidates (:meth:`sparse_candidates`),
         the fingerprinted configuration with them; ``self`` when there are none."""
-        keep = tuple(c for c in self.candidates if c not in self.sparse_candidates())
+        sparse = self.sparse_candidates()
+        keep = tuple(c for c in self.candidates if c not in sparse)
         if len(keep) == len(self.candidates):
             return self
         spec = copy.copy(self)
@@ -701,9 +702,9 @@ class AutoCodec:
         if watched is not None and abs(self.round_s - watched) > self.spec.decider_args["drift"] * max(watched, 1e-4):
             self.decider.watched = None   # the per-round cost moved: re-decide now
         buckets = []
-        for i, b in enumerate(m.buckets):
+        for b, u in zip(m.buckets, units, strict=True):   # one measure per unit (check())
             call = {c: self.round_s * self._rounds_of(c) for c in (*b.codec_s, DENSE.candidate)}
-            rate = self.dense_rates.get(units[i].key, 0.0) if i < len(units) else 0.0
+            rate = self.dense_rates.get(u.key, 0.0)
             if rate:
                 call[DENSE.candidate] += rate * comm_seconds(DENSE, b, m.network)
             buckets.append(dataclasses.replace(b, call_s=call, round_s=self.round_s))

@@ -455,11 +455,12 @@ class DDPState(TakeoverMixin, HookState):
         """The parameters whose momentum the hook takes over (``None`` before binding)."""
         return set(self.layout.names) if (self.bound or self.layout.names) else None
 
-    def _momentum_changed(self) -> None:
-        """A momentum taken over after binding: freeze the configuration again (the codec
-        now has error feedback with momentum, so the cast path is off)."""
+    def _codec_changed(self) -> None:
+        """The codec's configuration changed after construction (a momentum taken over, ``"auto"``'s
+        candidates narrowed): rebuild the auto codec, freeze the configuration again (with momentum
+        the codec has error feedback, so the cast path is off)."""
         if self.auto:
-            self._new_auto_codec()   # attach_optimizer wrapped the spec: the per-unit codecs get the momentum
+            self._new_auto_codec()   # the per-unit codecs get the momentum, the decider the candidates
         if self.frozen is not None:
             self.frozen = self._freeze()
             self.executor.config = self.frozen

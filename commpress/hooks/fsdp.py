@@ -294,9 +294,9 @@ class FSDPState(TakeoverMixin, HookState):
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
         self._report_auto()
 
-    def _momentum_changed(self) -> None:
+    def _codec_changed(self) -> None:
         if self.auto:
-            self._new_auto_codec()   # attach_optimizer wrapped the spec: the per-unit codecs get the momentum
+            self._new_auto_codec()   # the per-unit codecs get the momentum, the decider the candidates
 
     def _covered_parameter_ids(self) -> set[int]:
         """The parameters whose momentum the hook takes over: every unit's."""

@@ -175,8 +175,8 @@ class TakeoverMixin:
     The host class provides ``_covered_parameter_ids()`` (``None`` while the
     parameters are not known yet: the takeover then waits for
     :meth:`_take_pending_optimizer`, called when they are) and, optionally,
-    ``_momentum_changed()`` (to rebuild what depends on the momentum, or on ``"auto"``'s
-    candidates: :meth:`_narrow_auto`).
+    ``_codec_changed()`` (to rebuild what depends on the codec's configuration: the momentum,
+    or ``"auto"``'s candidates, :meth:`_narrow_auto`).
     """
 
     _takeover: Takeover | None = None
@@ -222,7 +222,7 @@ class TakeoverMixin:
                 self.compressor, getattr(self, "error_feedback_arg", "auto"), m,
                 getattr(self, "momentum_masking", False))
             self.momentum = m
-            self._momentum_changed()
+            self._codec_changed()
             if self.fingerprint is not None:
                 self.check_config()   # the momentum is fingerprinted: every rank must agree
         self._takeover = Takeover(optimizer, covered, m)
@@ -231,8 +231,8 @@ class TakeoverMixin:
                  "the optimizer's momentum is 0 until close())", m)
         return m
 
-    def _momentum_changed(self) -> None:
-        """Rebuild what depends on the momentum besides the codec (a host class overrides it)."""
+    def _codec_changed(self) -> None:
+        """Rebuild what depends on the codec's configuration (a host class overrides it)."""
 
     def _narrow_auto(self, optimizer: torch.optim.Optimizer) -> None:
         """``"auto"`` with an optimizer that normalizes per coordinate (anything but SGD): the
@@ -254,7 +254,7 @@ class TakeoverMixin:
         self.compressor = spec.without_sparsifiers()
         if getattr(self, "inner", None) is spec:
             self.inner = self.compressor
-        self._momentum_changed()   # the auto codec is rebuilt on the narrowed candidates
+        self._codec_changed()   # the auto codec is rebuilt on the narrowed candidates
         if self.fingerprint is not None:
             self.check_config()    # the candidates are fingerprinted: every rank must agree
         log.info("commpress: auto with %s: the sparsifiers (%s) are left out of the candidates (a per-coordinate "
