@@ -93,7 +93,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -133,7 +133,7 @@ def _candidate(c: Any) -> Candidate:
 class AutoSpec(Compressor):
     """The ``"auto"`` compressor argument: its options, fingerprinted across ranks.
 
-    ``candidates``: what a unit may run (default :data:`~commpress.auto.DEFAULT_CANDIDATES`;
+    ``candidates``: what a unit may run (``None``: :data:`~commpress.auto.DEFAULT_CANDIDATES`;
     dense is always allowed); ``check_every``: steps between check points (one small
     ``all_reduce`` each); ``every``: steps between re-decisions; ``margin``: hysteresis
     (relative predicted gain needed to switch); ``drift``: re-decide sooner when a unit's
@@ -152,10 +152,10 @@ class AutoSpec(Compressor):
     aggregation = "sum"
     unbiased = True
 
-    def __init__(self, candidates: Any = DEFAULT_CANDIDATES, check_every: int = DEFAULT_CHECK_EVERY,
+    def __init__(self, candidates: Any = None, check_every: int = DEFAULT_CHECK_EVERY,
                  every: int = 1000, margin: float = 0.05, drift: float = 0.25, critical: float = 0.5,
                  prices: Prices | None = None, remeasure: bool = True, revert: float = REVERT) -> None:
-        cands = tuple(_candidate(c) for c in candidates)
+        cands = tuple(_candidate(c) for c in (DEFAULT_CANDIDATES if candidates is None else candidates))
         if not cands:
             raise ValueError("auto: candidates must not be empty")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
@@ -166,7 +166,7 @@ class AutoSpec(Compressor):
             raise TypeError(f"auto: remeasure must be a bool, got {remeasure!r}")
         self.candidates = cands
         #: whether the candidates are the user's (``candidates=``) rather than the defaults
-        self.user_candidates = candidates is not DEFAULT_CANDIDATES
+        self.user_candidates = candidates is not None
         self.check_every = check_every
         self.remeasure = remeasure
         self.prices = prices if prices is not None else Prices()
@@ -185,12 +185,17 @@ class AutoSpec(Compressor):
         """A copy with the sparsifiers left out of the candidates (:meth:`sparse_candidates`),
         the fingerprinted configuration with them; ``self`` when there are none."""
         sparse = self.sparse_candidates()
-        keep = tuple(c for c in self.candidates if c not in sparse)
-        if len(keep) == len(self.candidates):
+        return self._keeping(lambda c: c not in sparse)
+
+    def _keeping(self, keep: Callable[[Candidate], bool]) -> AutoSpec:
+        """A copy with only the candidates ``keep`` accepts (its configuration with them);
+        ``self`` when that is all of them."""
+        kept = tuple(c for c in self.candidates if keep(c))
+        if len(kept) == len(self.candidates):
             return self
         spec = copy.copy(self)
-        spec.candidates = keep
-        spec._config = dict(self._config, candidates=[describe(c) for c in keep])
+        spec.candidates = kept
+        spec._config = dict(self._config, candidates=[describe(c) for c in kept])
         return spec
 
     def compress(self, tensor, *, step=0, key=0, generator=None):
@@ -210,19 +215,16 @@ def auto_spec(params: dict[str, Any], *, exclude: tuple[str, ...] = (), where: s
         raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
                          f"momentum_masking), got {unknown}")
     options = {k: params.pop(k) for k in AUTO_OPTIONS if k in params}
-    given = "candidates" in options
-    if exclude:
-        if "candidates" in options:
-            cands = [_candidate(c) for c in options["candidates"]]
-            bad = [describe(c) for c in cands if c.kind in exclude]
-            if bad:
-                raise ValueError(f"auto: candidates {bad} cannot run in {where} (kinds {list(exclude)} "
-                                 "are not supported there)")
-        else:
-            options["candidates"] = tuple(c for c in DEFAULT_CANDIDATES if c.kind not in exclude)
     spec = AutoSpec(**options)
-    spec.user_candidates = given
-    return spec
+    if not exclude:
+        return spec
+    if spec.user_candidates:
+        bad = [describe(c) for c in spec.candidates if c.kind in exclude]
+        if bad:
+            raise ValueError(f"auto: candidates {bad} cannot run in {where} (kinds {list(exclude)} "
+                             "are not supported there)")
+        return spec
+    return spec._keeping(lambda c: c.kind not in exclude)
 
 
 _BF16 = Choice(Candidate("bf16"))

@@ -25,7 +25,7 @@ from commpress.auto import Candidate, Choice, Network
 from commpress.auto.decide import BucketMeasure, Measurements, decide, reduce_scatter_terms
 from commpress.auto.fsdp import ReduceScatterAutoCodec
 from commpress.auto.runtime import AutoSpec, auto_spec
-from commpress.auto.candidates import prototype
+from commpress.auto.candidates import describe, prototype
 from commpress.collectives.costmodel import CostModel
 
 SLOW = CostModel(1e-3, 1e-4)     # 10 kB/s: compressing pays whatever the compute
@@ -365,7 +365,12 @@ def test_reduce_scatter_prediction_and_decision(monkeypatch):
     tk = reduce_scatter_terms(prototype(Candidate("topk", 0.01)), n, P)
     assert tk[2] == P * prototype(Candidate("topk", 0.01)).capacity(n // P) and tk[1] < bq[1]
     spec = auto_spec({}, exclude=("powersgd",))
-    assert all(c.kind != "powersgd" for c in spec.candidates)
+    assert all(c.kind != "powersgd" for c in spec.candidates) and not spec.user_candidates
+    assert spec.config()["candidates"] == [describe(c) for c in spec.candidates]
+    given = auto_spec({"candidates": [("blockquant", 4)]}, exclude=("powersgd",))
+    assert given.user_candidates and given.candidates == (Candidate("blockquant", 4),)
+    with pytest.raises(ValueError, match=r"\['powersgd.*cannot run in FSDP2"):
+        auto_spec({"candidates": [("powersgd", 1), ("topk", 0.01)]}, exclude=("powersgd",), where="FSDP2")
     codec_s = {c: 1e-5 for c in spec.candidates if c.kind != "dense"}
     buckets = (BucketMeasure("a", n, codec_s=codec_s), BucketMeasure("b", n // 4, codec_s=codec_s))
     slow = decide(Measurements(_net(P, SLOW), buckets, 0.01), candidates=spec.candidates)
