@@ -242,9 +242,10 @@ class TakeoverMixin:
         from ..auto.candidates import describe
 
         spec = self.compressor
-        if isinstance(optimizer, torch.optim.SGD) or not spec.sparse_candidates():
+        sparse = spec.sparse_candidates()
+        if isinstance(optimizer, torch.optim.SGD) or not sparse:
             return
-        names = ", ".join(describe(c) for c in spec.sparse_candidates())
+        names = ", ".join(describe(c) for c in sparse)
         if spec.user_candidates:
             _warn_adaptive(f"auto's candidates given ({names})", optimizer)
             return
