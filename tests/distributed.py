@@ -55,6 +55,11 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, pg_timeout,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
+            if backend == "gloo":
+                # every rank's connections are up before any rank runs fn: a rank that raises at
+                # once would otherwise close its side while a peer is still in gloo's
+                # connectFullMesh (a RuntimeError there, not the peer's own result)
+                dist.barrier()
             out = fn(rank, world_size, *args, **kwargs)
             # plain pickle bytes: torch's queue reductions would share tensor storage through
             # a socket of this process, which may have exited before the parent reads it
