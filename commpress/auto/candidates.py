@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..compressors import base as _registry
+from ..compressors._util import DEFAULT_DENSITY_WARMUP
 from ..compressors.base import Compressor
 
 KINDS = ("dense", "bf16", "blockquant", "topk", "powersgd")
@@ -65,15 +66,16 @@ class Candidate:
         return 1.0 if self.kind == "bf16" else 0.0
 
     def build(self) -> Compressor:
-        """A new compressor of this kind (``identity`` for dense), without error feedback."""
+        """A new compressor of this kind (``identity`` for dense), without error feedback; topk with
+        the hooks' density warm-up (:data:`~commpress.compressors._util.DEFAULT_DENSITY_WARMUP`)."""
         if self.kind == "dense":
             return _registry.get("identity")
         if self.kind == "bf16":
             return _registry.get("bf16")
         if self.kind == "blockquant":
             return _registry.get("blockquant", bits=int(self.param))
-        if self.kind == "topk":
-            return _registry.get("topk", ratio=float(self.param))
+        if self.kind == "topk":   # the hooks' training policy: the density warm-up
+            return _registry.get("topk", ratio=float(self.param), density_warmup=DEFAULT_DENSITY_WARMUP)
         return _registry.get("powersgd", rank=int(self.param))
 
 

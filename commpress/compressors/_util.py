@@ -53,7 +53,9 @@ def num_keep(ratio: float, numel: int) -> int:
 
 
 # ---------------------------------------------------------------- density warm-up
-#: Steps of the sparsifiers' density warm-up by default (``density_warmup=``).
+#: Steps of the sparsifiers' density warm-up that the training hooks (DDP, FSDP2) ask of a
+#: sparsifier they build from a name when ``density_warmup=`` is not given.  A compressor
+#: built on its own (``commpress.get("topk", ratio=r)``) has no warm-up: it sends ``r``.
 DEFAULT_DENSITY_WARMUP = 200
 #: The density the warm-up starts from by default (``density_start=``), DGC's 25%.
 DEFAULT_DENSITY_START = 0.25

@@ -8,7 +8,7 @@ import torch
 
 from .. import ops
 from ._sparse import SparseCompressor, capped_by_threshold, restore_below
-from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, mix_seed,
+from ._util import (DEFAULT_DENSITY_START, check_ratio, check_warmup, mix_seed,
                     num_keep, stable_hash, warmup_ratio)
 from .base import register
 from .threshold import has_nan
@@ -44,10 +44,11 @@ class DGC(SparseCompressor):
 
     Density warm-up: as :class:`~commpress.compressors.topk.TopK`, ``k`` follows
     ``ratio_at(step)`` during the first ``density_warmup`` steps (from
-    ``density_start`` down to ``ratio``); ``density_warmup=0`` turns it off.
+    ``density_start`` down to ``ratio``); ``density_warmup=0`` (the default) turns it off;
+    the hooks turn it on for a sparsifier built from a name.
     """
 
-    def __init__(self, ratio: float, sample_ratio: float = 0.01, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+    def __init__(self, ratio: float, sample_ratio: float = 0.01, density_warmup: int = 0,
                  density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")

@@ -8,7 +8,7 @@ import torch
 
 from .. import ops
 from ..ops.reference import index_dtype
-from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_int, check_ratio, check_warmup, mix_seed,
+from ._util import (DEFAULT_DENSITY_START, check_int, check_ratio, check_warmup, mix_seed,
                     num_keep, propagate_nonfinite, stable_hash, warmup_ratio)
 from .base import Compressor, Payload, register
 
@@ -79,14 +79,15 @@ class RandomK(Compressor):
     Density warm-up: as :class:`~commpress.compressors.topk.TopK`, ``k`` follows
     ``ratio_at(step)`` during the first ``density_warmup`` steps (from
     ``density_start`` down to ``ratio``; fewer early steps with a 100x variance);
-    ``density_warmup=0`` turns it off.
+    ``density_warmup=0`` (the default) turns it off;
+    the hooks turn it on for a sparsifier built from a name.
     """
 
     aggregation = "sum"
     unbiased = True
     deterministic = True
 
-    def __init__(self, ratio: float, seed: int = 0, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+    def __init__(self, ratio: float, seed: int = 0, density_warmup: int = 0,
                  density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)

@@ -6,7 +6,7 @@ import torch
 
 from .. import ops
 from ._sparse import SparseCompressor
-from ._util import (DEFAULT_DENSITY_START, DEFAULT_DENSITY_WARMUP, check_ratio, check_warmup, num_keep,
+from ._util import (DEFAULT_DENSITY_START, check_ratio, check_warmup, num_keep,
                     warmup_ratio)
 from .base import register
 
@@ -20,12 +20,14 @@ class TopK(SparseCompressor):
     Wire: ``(indices int32, values)``, ``k * (4 + itemsize)`` bytes.  Biased: use
     with :class:`commpress.ErrorFeedback`.
 
-    Density warm-up (DGC): during the first ``density_warmup`` steps the ratio
-    is :func:`~commpress.compressors._util.warmup_ratio` of the step, falling
+    Density warm-up (DGC), off by default (``density_warmup=0``: every call sends
+    ``ratio``): during the first ``density_warmup`` steps the ratio is
+    :func:`~commpress.compressors._util.warmup_ratio` of the step, falling
     exponentially in stages from ``density_start`` (25%) to ``ratio``, so the
     early steps, whose gradients change fastest, are not starved; ``k`` (and the
     fixed wire's capacity) at a step is a pure function of ``(ratio, step, numel)``.
-    ``density_warmup=0`` turns it off.
+    The DDP and FSDP2 hooks turn it on (200 steps) for a sparsifier they build from
+    a name, unless ``density_warmup=`` is given.
     """
 
     #: every fixed-size slot holds a selected entry (never the padding index ``numel``)
@@ -33,7 +35,7 @@ class TopK(SparseCompressor):
     #: NaN/inf rank above every finite value, so a non-finite input always shows in the values
     keeps_nonfinite = True
 
-    def __init__(self, ratio: float, density_warmup: int = DEFAULT_DENSITY_WARMUP,
+    def __init__(self, ratio: float, density_warmup: int = 0,
                  density_start: float = DEFAULT_DENSITY_START) -> None:
         self.ratio = check_ratio(ratio)
         self.density_warmup, self.density_start = check_warmup(density_warmup, density_start)

@@ -136,7 +136,7 @@ def test_registry_errors():
 
 def test_defaults_and_config():
     assert commpress.get("blockquant").config() == {"bits": 8, "block": 256, "stochastic": False}
-    assert commpress.get("dgc", ratio=0.1).config() == {"ratio": 0.1, "sample_ratio": 0.01, "density_warmup": 200,
+    assert commpress.get("dgc", ratio=0.1).config() == {"ratio": 0.1, "sample_ratio": 0.01, "density_warmup": 0,
                                                         "density_start": 0.25}
     for name in ("qsgd", "terngrad", "signsgd", "powersgd"):
         commpress.get(name)  # every parameter has a default

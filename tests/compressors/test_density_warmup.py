@@ -49,6 +49,35 @@ def test_payload_size_follows_the_step(name):
         assert c.capacity(n) == off.capacity(n) == steady   # no step: the steady state
 
 
+@pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
+def test_a_bare_compressor_sends_its_ratio_at_every_step(name):
+    # the warm-up is a training policy of the hooks: get(name, ratio=r) sends r from step 0 on
+    n = 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    c = commpress.get(name, ratio=0.01)
+    assert c.density_warmup == 0
+    for step in (0, 1, 150):
+        assert c.ratio_at(step) == 0.01
+        sent = c.compress_fixed(x, step=step, key="w").tensors[-1].numel()
+        assert sent == (c.capacity(n) if c.aggregation == "sparse" else num_keep(0.01, n))
+    if name == "topk":   # exactly k = 1% of 1,000 entries, not the warm-up's 25%
+        assert c.compress(x, step=0).tensors[0].numel() == 10
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
+def test_the_hooks_ask_for_the_warmup_unless_given(name):
+    from commpress.compressors._util import DEFAULT_DENSITY_WARMUP
+    from commpress.hooks.common import resolve_compressor
+
+    assert resolve_compressor(name, {"ratio": 0.01}).density_warmup == DEFAULT_DENSITY_WARMUP
+    assert resolve_compressor(name, {"ratio": 0.01, "density_warmup": 3}).density_warmup == 3
+    # an instance is the user's: taken as it is
+    bare = commpress.get(name, ratio=0.01)
+    assert resolve_compressor(bare).density_warmup == 0
+    # a compressor without a warm-up gets nothing added
+    assert resolve_compressor("blockquant", {"bits": 4}).config()["bits"] == 4
+
+
 def test_bad_warmup_arguments_name_the_argument():
     with pytest.raises(ValueError, match="density_warmup"):
         commpress.get("topk", ratio=0.01, density_warmup=-1)
