@@ -3,6 +3,10 @@ bucket, dropped at its end.
 
 Per bucket (:meth:`Step.run_bucket`):
 
+0. with a loss scaler attached (:meth:`~commpress.hooks.common.HookState.attach_scaler`) the
+   bucket is multiplied by ``1/S`` on arrival (one in-place pass, on the device; ``S`` the
+   scaler's scale at the step's first bucket), so residuals and velocities hold unscaled
+   values, and every finished bucket by ``S`` again (step 5);
 1. every value is scaled by ``1/world_size`` before its sum (as DDP's reducer
    does); identity/fp16/bf16 fold the scaling into their cast, and a sparsifier's
    error feedback into its compensation pass;
@@ -60,7 +64,7 @@ from ..collectives import CommStats, allreduce, carries_dense, joint
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
-from .common import Stats, Timer, all_reduce_bytes
+from .common import Stats, Timer, all_reduce_bytes, loss_scales
 
 log = logging.getLogger("commpress")
 
@@ -353,6 +357,9 @@ class HookConfig:
     #: the held messages' wire limit (seconds, by the calibrated link) where ``join_buckets`` gave
     #: one; ``None``: :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S`
     hold_max_wire_s: float | None = None
+    #: AMP's ``torch.amp.GradScaler`` (``state.attach_scaler``): each compressed step divides its
+    #: buckets by the loss scale on arrival and multiplies the averages back (:meth:`Step.run_bucket`)
+    scaler: Any = None
 
     @property
     def dense_rides(self) -> bool:
@@ -442,6 +449,8 @@ class Step:
         self._buf: torch.Tensor | None = None                      # and its buffer
         self.held: list[HeldUnit] = []                             # units waiting for a later flight
         self._landing_s = 0.0                                      # held units landed inside a carrier's call
+        self._scales: tuple[torch.Tensor, torch.Tensor] | None = None   # (S, 1/S) of the loss scaler
+        self._scales_read = False
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
@@ -452,6 +461,9 @@ class Step:
         world = cfg.world_size
         self._bucket, self._buf = index, buf
         with Timer(cpu=True) as total:
+            scales = self._loss_scales(buf) if cfg.scaler is not None else None
+            if scales is not None:   # residuals and velocities are kept in unscaled units
+                buf.mul_(scales[1])
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
             layout.assign_units(plan)
@@ -490,6 +502,8 @@ class Step:
                 if not w.units:
                     self.waiting.remove(w)
                     finished.append(w)
+                    if self._scales is not None:   # back in the scaler's units for unscale_ / step
+                        w.buf.mul_(self._scales[0])
         self.ctx.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes,
                               algorithm="+".join(sorted(set(algorithms))) or ("waiting" if plan.compressed
                                                                               else "dense"),
@@ -497,6 +511,13 @@ class Step:
                               hook_cpu_seconds=total.cpu_seconds,
                               comm_seconds=cs.comm_seconds, codec_seconds=cs.codec_seconds)
         return finished
+
+    def _loss_scales(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(S, 1/S)`` of the attached scaler, read (on the device) once per step."""
+        if not self._scales_read:
+            self._scales = loss_scales(self.ctx.config.scaler, buf.device)
+            self._scales_read = True
+        return self._scales
 
     def _start_dense(self, plan: Plan, buf: torch.Tensor, send: bool = True):
         """Pack and scale the dense part and, with ``send``, start its all_reduce (``None`` when
