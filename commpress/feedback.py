@@ -36,9 +36,10 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from .compressors._sparse import SparseCompressor
-from .compressors._util import decode_keyed, encode_keyed
+from .compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .compressors.base import Compressor, Payload
 from .ops.reference import accumulate_velocity
+from .storage import LeanTensor, check_storage
 
 log = logging.getLogger("commpress")
 
@@ -163,6 +164,25 @@ def owns_transaction(fn):
     return wrapper
 
 
+@dataclasses.dataclass
+class FusedSlots:
+    """One key's buffers for a fused error-feedback kernel (:meth:`ErrorFeedback.open_fused`).
+
+    Attributes:
+        x: the input (its scale not applied yet when ``scale != 1``).
+        scale: multiply ``x`` by it in the kernel (the hook's folded ``1/P``).
+        live: the live residual in fp32, shaped like ``x`` (``None``: zero).
+        pending: fp32 buffer shaped like ``x`` for the next residual.
+        velocity: momentum correction's ``(live, momentum, new)`` or ``None``.
+    """
+
+    x: torch.Tensor
+    scale: float
+    live: torch.Tensor | None
+    pending: torch.Tensor
+    velocity: Any
+
+
 class ErrorFeedback(Compressor):
     """Wraps ``compressor``; itself a Compressor with the same wire format and aggregation.
 
@@ -199,7 +219,8 @@ class ErrorFeedback(Compressor):
     unbiased = False
 
     def __init__(self, compressor: Compressor, beta: float = 1.0, momentum: float = 0.0,
-                 clip: float | None = None, masking: bool = True) -> None:
+                 clip: float | None = None, masking: bool = True, storage: str = "fp32",
+                 seed: int = 0) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -217,6 +238,11 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"clip must be None or a finite number > 0, got {clip!r}")
         if not isinstance(masking, bool):
             raise TypeError(f"masking must be a bool, got {type(masking).__name__}")
+        self.storage = check_storage(storage)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
+        self._stores = 0   # lean stores so far: with the seed, the stochastic rounding's noise
         self.momentum = float(momentum)
         self.clip = None if clip is None else float(clip)
         self.masking = masking
@@ -225,8 +251,12 @@ class ErrorFeedback(Compressor):
             self._config.update(momentum=self.momentum, clip=self.clip)
         if self.momentum and not masking:  # absent by default: older fingerprints stay valid
             self._config["masking"] = False
-        self._residuals: dict[Any, torch.Tensor] = {}
-        self._pending: dict[Any, torch.Tensor] = {}
+        if self.storage != "fp32":   # absent by default: older fingerprints stay valid
+            self._config["storage"] = self.storage
+        # fp32 storage: fp32 tensors shaped like the input; lean storage: LeanTensor (flat)
+        self._residuals: dict[Any, Any] = {}
+        self._pending: dict[Any, Any] = {}
+        self._open: dict[Any, torch.Tensor] = {}   # lean storage: fp32 next residuals until sealed
         self._velocity: dict[Any, torch.Tensor] = {}
         self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -236,8 +266,30 @@ class ErrorFeedback(Compressor):
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
-        """The stored fp32 residual for ``key`` (the live buffer), or ``None``."""
-        return self._residuals.get(key)
+        """The stored residual for ``key`` in fp32, or ``None``: the live buffer itself with fp32
+        storage, a decoded (flat) copy with a lean one."""
+        live = self._residuals.get(key)
+        return live.decode() if isinstance(live, LeanTensor) else live
+
+    def _pending_buf(self, key: Any, like: torch.Tensor) -> torch.Tensor:
+        """The fp32 buffer (shaped like ``like``) where ``key``'s next residual is written: the
+        pending residual itself with fp32 storage, a working buffer until :meth:`_seal` with a lean one."""
+        return self._slot(self._pending if self.storage == "fp32" else self._open, key, like)
+
+    def _seal(self, key: Any) -> None:
+        """Lean storage: store ``key``'s written next residual (its working buffer, then freed)
+        as its pending residual.  A no-op with fp32 storage (it was written in place)."""
+        if self.storage == "fp32":
+            return
+        src = self._open.pop(key)
+        pend = self._pending.get(key)
+        if pend is None or pend.numel != src.numel() or pend.device != src.device:
+            pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device)
+        pend.encode(src, self._next_seed(key))
+
+    def _next_seed(self, key: Any) -> int:
+        self._stores += 1
+        return mix_seed(self.seed, _rank(), stable_hash(key), self._stores)
 
     def _slot(self, table: dict, key: Any, like: torch.Tensor) -> torch.Tensor:
         r = table.get(key)
@@ -304,16 +356,19 @@ class ErrorFeedback(Compressor):
         return tensor, scale
 
     def _live(self, key: Any, like: torch.Tensor) -> torch.Tensor | None:
-        """The live residual of ``key`` shaped like ``like``, or ``None`` when it has none
-        (or one of another size or device: a zero residual)."""
+        """The live residual of ``key`` in fp32 shaped like ``like`` (decoded into a new tensor
+        with lean storage), or ``None`` when it has none (or one of another size or device: a
+        zero residual)."""
         live = self._residuals.get(key)
-        if live is None or live.numel() != like.numel() or live.device != like.device:
+        if live is None or _numel(live) != like.numel() or live.device != like.device:
             return None
+        if isinstance(live, LeanTensor):
+            return live.decode().view(like.shape)
         return live if live.shape == like.shape else live.view(like.shape)
 
     def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-        pend = self._slot(self._pending, key, tensor) if out is None else out.view(tensor.shape)
+        pend = self._pending_buf(key, tensor) if out is None else out.view(tensor.shape)
         live = self._live(key, tensor)
         if live is None:
             if scale == 1.0:
@@ -341,17 +396,26 @@ class ErrorFeedback(Compressor):
             self._commit_dense(key.name, bad)
             return
         pend = self._pending[key]
-        live = self._slot(self._residuals, key, pend)
         keep_old = _host_verdict(bad)
-        if keep_old is None:
-            torch.where(bad, live, pend, out=live)
-        elif not keep_old:
-            self._residuals[key], self._pending[key] = pend, live
+        if isinstance(pend, LeanTensor):
+            live = self._residuals.get(key)
+            if live is None or live.numel != pend.numel or live.device != pend.device:
+                live = self._residuals[key] = LeanTensor(self.storage, pend.numel, pend.device)
+            if keep_old is None:
+                live.keep_where(bad, pend)
+            elif not keep_old:
+                self._residuals[key], self._pending[key] = pend, live
+        else:
+            live = self._slot(self._residuals, key, pend)
+            if keep_old is None:
+                torch.where(bad, live, pend, out=live)
+            elif not keep_old:
+                self._residuals[key], self._pending[key] = pend, live
         if self.momentum:
             vbuf = self._velocity_pending[key]
-            vpend = vbuf[:-1].view(pend.shape)
+            vpend = vbuf[:-1] if isinstance(pend, LeanTensor) else vbuf[:-1].view(pend.shape)
             if keep_old is None:
-                vlive = self._slot(self._velocity, key, pend)
+                vlive = self._slot(self._velocity, key, vpend)
                 torch.where(bad, vlive, vpend, out=vlive)
             elif not keep_old:  # swapped too: the live velocity becomes a view of the pending buffer
                 old = self._velocity.get(key)
@@ -367,6 +431,7 @@ class ErrorFeedback(Compressor):
     def rollback(self, key: Any) -> None:
         """Drop ``key``'s pending update: nothing to undo, the live buffers were not touched
         (the pending ones are overwritten by the next compensate)."""
+        self._open.pop(key, None)
 
     # -- plain momentum of the tensors that bypass compression ----------------
     def dense_momentum(self, tensor: torch.Tensor, name: str,
@@ -438,12 +503,44 @@ class ErrorFeedback(Compressor):
             g = tensor * torch.clamp(self.clip / norm, max=1.0)
         return accumulate_velocity(g, scale, live, m, new)
 
+    # -- the fused lanes' protocol (collectives/steady*.py run their own kernels) ----------
+    def open_fused(self, tensor: torch.Tensor, key: Any) -> "FusedSlots":
+        """What a kernel that compensates, encodes and writes the next residual in one pass needs
+        for ``key``: the input and its folded :meth:`scaled_input` scale, the live residual in fp32
+        (``None``: zero), the fp32 buffer for the next residual, and momentum correction's velocity
+        slots (``None`` without).  Close it with :meth:`close_fused`."""
+        x, scale = self._scaled(tensor, key)
+        velocity = self._velocity_slots(x, key) if self.momentum else None
+        return FusedSlots(x, scale, self._live(key, x), self._pending_buf(key, x), velocity)
+
+    def close_fused(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None = None,
+                    sent: Any = None, sent_all: bool = False) -> None:
+        """After the kernel of :meth:`open_fused` wrote the next residual: store it, apply momentum
+        factor masking (at the ``sent`` indices, or everywhere with ``sent_all``), and stage it in
+        ``transaction`` (else commit at once) under the local NaN/inf flag ``bad`` (0-d bool)."""
+        self._seal(key)
+        if self.momentum and self.masking:
+            if sent_all:
+                self._velocity_pending[key].zero_()
+            elif sent is not None and len(sent):
+                self.mask_sent(key, torch.as_tensor(sent))
+        if transaction is not None:
+            transaction.stage(self, key, bad)
+        else:
+            self.commit(key, bad)
+
+    def mask_sent(self, key: Any, indices: torch.Tensor) -> None:
+        """Momentum factor masking: zero ``key``'s pending velocity at ``indices`` (a padding
+        index ``numel`` lands in the buffer's extra slot, zeroed too)."""
+        buf = self._velocity_pending[key]
+        buf.index_fill_(0, indices.to(buf.device).long(), 0.0)
+        buf[-1] = 0.0
+
     def _mask_velocity(self, key: Any, payload: Payload) -> None:
         """Momentum factor masking: zero the pending velocity at the sent indices
         (padding slots point at ``numel``, the buffer's extra entry)."""
         if self.compressor.aggregation == "sparse" and payload.tensors[0].numel():
-            self._velocity_pending[key].index_fill_(0, payload.tensors[0].long(), 0.0)
-            self._velocity_pending[key][-1] = 0.0
+            self.mask_sent(key, payload.tensors[0])
 
     def _decode_buffer(self, payload: Payload) -> torch.Tensor:
         """A reused buffer for ``decompress(payload, out=)`` (grown to the largest key)."""
@@ -491,7 +588,7 @@ class ErrorFeedback(Compressor):
                 x, scale = self._accumulate(x, key, scale), 1.0
         if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
             payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
-                                                      self._slot(self._pending, key, x),
+                                                      self._pending_buf(key, x),
                                                       step=step, key=key, fixed=fixed, scale=scale, **velocity)
             return self._stage(key, payload, ~finite, transaction, whole)
         c = self._add_residual(x, key, scale)
@@ -514,6 +611,7 @@ class ErrorFeedback(Compressor):
         return self._stage(key, payload, local_bad, transaction, whole)
 
     def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
+        self._seal(key)
         if self.momentum and self.masking:
             if whole:
                 self._velocity_pending[key].zero_()
@@ -546,13 +644,14 @@ class ErrorFeedback(Compressor):
         else:
             dst = self._add_residual(tensor, key, scale, out=dst)
         if exact:
-            self._slot(self._pending, key, tensor).zero_()
+            self._pending_buf(key, tensor).zero_()
         else:
             out.view(dst.shape).copy_(dst)           # the rounded message
             dst.sub_(out.view(dst.shape))            # pending := compensated - what was sent
+        bad = nonfinite_flag(dst if exact else out)
+        self._seal(key)
         if self.momentum and self.masking:
             self._velocity_pending[key].zero_()
-        bad = nonfinite_flag(dst if exact else out)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:
@@ -564,9 +663,10 @@ class ErrorFeedback(Compressor):
         """Pending residual of ``key`` := ``compensated - sent`` (what :meth:`compensate`
         returned minus what was sent), kept as it was where either is non-finite; staged in
         ``transaction`` when given, else committed at once."""
-        pend = self._slot(self._pending, key, compensated)
+        pend = self._pending_buf(key, compensated)
         bad = nonfinite_flag(compensated) | nonfinite_flag(sent)
         torch.sub(compensated.reshape(pend.shape).float(), sent.reshape(pend.shape).float(), out=pend)
+        self._seal(key)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:
@@ -581,8 +681,10 @@ class ErrorFeedback(Compressor):
         """Remove ``key``'s live residual and velocity and return them (fp32, or ``None``):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
+        self._open.pop(key, None)
         self._velocity_pending.pop(key, None)
-        return self._residuals.pop(key, None), self._velocity.pop(key, None)
+        live = self._residuals.pop(key, None)
+        return (live.decode() if isinstance(live, LeanTensor) else live), self._velocity.pop(key, None)
 
     def absorb(self, key: Any, residual: torch.Tensor | None, velocity: torch.Tensor | None = None) -> None:
         """Add ``residual`` (and ``velocity``, with momentum correction) to ``key``'s live
@@ -596,6 +698,13 @@ class ErrorFeedback(Compressor):
                 continue
             live = table.get(key)
             src = t.detach().float()
+            if isinstance(live, LeanTensor) and live.numel == src.numel() and live.device == src.device:
+                live.encode(live.decode().add_(src.reshape(-1)), self._next_seed(key))
+                continue
+            if table is self._residuals and self.storage != "fp32":
+                lean = table[key] = LeanTensor(self.storage, src.numel(), src.device)
+                lean.encode(src, self._next_seed(key))
+                continue
             if live is None or live.numel() != src.numel() or live.device != src.device:
                 table[key] = src.clone()
             else:
@@ -606,6 +715,7 @@ class ErrorFeedback(Compressor):
         """Forget every residual (the inner compressor's state is kept)."""
         self._residuals.clear()
         self._pending.clear()
+        self._open.clear()
         self._velocity.clear()
         self._velocity_pending.clear()
         self._dense_velocity.clear()
@@ -613,24 +723,127 @@ class ErrorFeedback(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``, plus
-        ``"momentum"`` and ``"velocities"`` (same layout) with momentum correction."""
-        state = {"beta": self.beta, "residuals": encode_keyed(self._residuals),
-                 "compressor": self.compressor.state_dict()}
+        ``"momentum"`` and ``"velocities"`` (same layout) with momentum correction.  A lean
+        storage adds ``"storage"``, ``"stores"`` (the rounding noise's counter) and, for int8,
+        ``"residual_scales"``; its ``"residuals"`` are the stored codes, so a resume is bitwise."""
+        if self.storage == "fp32":
+            residuals = encode_keyed(self._residuals)
+        else:
+            residuals = encode_keyed({k: r.saved()[0] for k, r in self._residuals.items()})
+        state = {"beta": self.beta, "residuals": residuals, "compressor": self.compressor.state_dict()}
+        if self.storage != "fp32":
+            state.update(storage=self.storage, stores=self._stores)
+            if self.storage == "int8":
+                state["residual_scales"] = encode_keyed({k: r.saved()[1] for k, r in self._residuals.items()})
         if self.momentum:
             state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.  Residuals saved with another storage are converted
+        (decoded to fp32, then stored in this one's); ``ValueError`` for a malformed state."""
         keys = {"beta", "residuals", "compressor"} | ({"momentum", "velocities"} if self.momentum else set())
+        saved = state.get("storage", "fp32") if isinstance(state, dict) else "fp32"
+        try:
+            check_storage(saved)
+        except ValueError as exc:
+            raise ValueError(f"error feedback state: saved {exc} (this one stores {self.storage!r})") from None
+        if saved != "fp32":
+            keys |= {"storage", "stores"} | ({"residual_scales"} if saved == "int8" else set())
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"error feedback state must have keys {sorted(keys)}")
         residuals = decode_keyed(state["residuals"], "error feedback residuals")
+        scales = decode_keyed(state["residual_scales"], "error feedback residual scales") if saved == "int8" else {}
         velocities = decode_keyed(state["velocities"], "error feedback velocities") if self.momentum else {}
         self.compressor.load_state_dict(state["compressor"])
-        self._residuals = {k: r.float().clone() for k, r in residuals.items()}
+        self._stores = int(state.get("stores", self._stores))
+        loaded: dict[Any, Any] = {}
+        for k, codes in residuals.items():
+            if saved == "fp32":
+                value: Any = codes.float().clone()
+            else:
+                value = LeanTensor.from_saved(saved, codes, scales.get(k))
+            loaded[k] = _convert(value, self.storage, lambda: self._next_seed(k))
+        self._residuals = loaded
         self._velocity = {k: u.float().clone() for k, u in velocities.items()}
         self._pending.clear()
+        self._open.clear()
         self._velocity_pending.clear()
+
+    # -- memory ----------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this error feedback keeps alive, by kind: ``residuals`` (live), ``pending``
+        (the next residuals a transaction has not committed yet, kept between steps as buffers),
+        ``working`` (lean storage's fp32 buffers between a write and its seal), ``velocities``
+        and ``velocities_pending`` (momentum correction), ``dense_momentum`` (and its pending),
+        ``decode`` (the reused decode buffers) and ``compressor`` (the inner compressor's state,
+        e.g. PowerSGD's factors).  Each storage is counted once, in the first kind that holds it."""
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        groups = {
+            "residuals": self._residuals.values(), "pending": self._pending.values(),
+            "working": self._open.values(), "velocities": self._velocity.values(),
+            "velocities_pending": self._velocity_pending.values(),
+            "dense_momentum": [*self._dense_velocity.values(), *self._dense_pending.values()],
+            "decode": self._decode.values(), "compressor": _tensors_of(self.compressor.state_dict()),
+        }
+        for kind, items in groups.items():
+            total = 0
+            for t in items:
+                for tensor in (t.tensors() if isinstance(t, LeanTensor) else (t,)):
+                    total += _storage_bytes(tensor, seen)
+            out[kind] = total
+        return out
+
+    def memory_bytes(self) -> int:
+        """The sum of :meth:`memory`: every byte this error feedback keeps alive."""
+        return sum(self.memory().values())
+
+
+def _rank() -> int:
+    """This process's rank in the default group (0 when torch.distributed is not initialized)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _numel(t: Any) -> int:
+    return t.numel if isinstance(t, LeanTensor) else t.numel()
+
+
+def _convert(value: Any, storage: str, seed) -> Any:
+    """A loaded residual (fp32 tensor or LeanTensor) in ``storage``: as it is when it already is,
+    else decoded and stored anew (``seed()`` draws the rounding's seed)."""
+    if isinstance(value, LeanTensor) and value.storage == storage:
+        return value
+    if not isinstance(value, LeanTensor) and storage == "fp32":
+        return value
+    fp32 = value.decode() if isinstance(value, LeanTensor) else value.reshape(-1)
+    if storage == "fp32":
+        return fp32
+    lean = LeanTensor(storage, fp32.numel(), fp32.device)
+    lean.encode(fp32, seed())
+    return lean
+
+
+def _storage_bytes(t: torch.Tensor, seen: set[int]) -> int:
+    """``t``'s whole storage in bytes, the first time that storage is seen (0 after)."""
+    st = t.untyped_storage()
+    ptr = st.data_ptr()
+    if ptr in seen or st.nbytes() == 0:
+        return 0
+    seen.add(ptr)
+    return st.nbytes()
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_of(v)]
+    return []
 
 
 def _power_of_two(v: float) -> bool:

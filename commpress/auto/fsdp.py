@@ -187,8 +187,3 @@ class ReduceScatterAutoCodec(AutoCodec):
             self._units = [self.infos.get(k, FSDPUnit(k)) for k in self.order]
             self.check(step, group)
         self._last_end = time.perf_counter()   # the check's own time is not the next step's compute
-
-    def memory_bytes(self) -> int:
-        """Bytes of every unit's residuals and velocities."""
-        return sum(t.numel() * t.element_size() for c in self.codecs.values()
-                   for d in (c._residuals, c._velocity) for t in d.values())

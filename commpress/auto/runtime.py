@@ -483,9 +483,19 @@ class AutoCodec:
     def load_dense_velocities(self, velocities: dict[str, torch.Tensor]) -> None:
         self.home.load_dense_velocities(velocities)
 
-    @property
-    def _pending(self) -> dict[Any, torch.Tensor]:
-        return {(i, k): t for i, c in enumerate([self.home, *self.codecs.values()]) for k, t in c._pending.items()}
+    def memory(self) -> dict[str, int]:
+        """Bytes kept alive, by kind: every candidate's error feedback (:meth:`ErrorFeedback.memory`,
+        the home one's dense momentum included) and ``carry``, the residuals a path switch still owes."""
+        out: dict[str, int] = {}
+        for c in [self.home, *self.codecs.values()]:
+            for kind, n in c.memory().items():
+                out[kind] = out.get(kind, 0) + n
+        out["carry"] = sum(t.numel() * t.element_size() for t in self._carry.values())
+        return out
+
+    def memory_bytes(self) -> int:
+        """The sum of :meth:`memory`."""
+        return sum(self.memory().values())
 
     def residual(self, key: Any) -> torch.Tensor | None:
         for c in self.codecs.values():

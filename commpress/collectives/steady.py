@@ -368,24 +368,17 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     r = piece.chunk
     chunk = flat[plan.bounds[r]:plan.bounds[r + 1]]
     k = key if plan.whole else (key, r)
-    x, scale = ef._scaled(chunk, k)
-    velocity = ef._velocity_slots(x, k) if ef.momentum else None   # momentum correction, in the same pass
-    live = ef._live(k, x)
-    pending = ef._slot(ef._pending, k, x)
+    slots = ef.open_fused(chunk, k)   # momentum correction's velocity too, in the same pass
+    x, live = slots.x, slots.live
     codes = raw[piece.codes_at:piece.codes_at + piece.codes_bytes]
     scales = raw[piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32)
     nb = _nb()
     with codec_timer(stats, "compress"), nb.threads_context(chunk.numel()):
-        bad = nb.quantize_feedback_into(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta, scale,
-                                        plan.bits, plan.block, pending.view(-1).numpy(), codes, scales,
-                                        velocity) > 0
-    if plan.whole and ef.momentum and ef.masking:   # momentum factor masking: every coordinate was sent
-        ef._velocity_pending[k].zero_()
-    flag = torch.tensor(bad)
-    if transaction is not None:
-        transaction.stage(ef, k, flag)
-    else:
-        ef.commit(k, flag)
+        bad = nb.quantize_feedback_into(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta,
+                                        slots.scale, plan.bits, plan.block, slots.pending.view(-1).numpy(), codes,
+                                        scales, slots.velocity) > 0
+    # momentum factor masking: a whole tensor sent had every coordinate sent
+    ef.close_fused(k, torch.tensor(bad), transaction, sent_all=plan.whole)
     return bool(bad)
 
 

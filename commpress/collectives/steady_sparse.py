@@ -182,26 +182,17 @@ def _encode(flat: torch.Tensor, ef: ErrorFeedback, k: int, key: Any, idx: np.nda
     new residual staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it
     (committed with the step, or at once without one); returns its NaN/inf verdict (the general
     path's: the fp32 sum of the values sent)."""
-    x, scale = ef._scaled(flat, key)
-    velocity = ef._velocity_slots(x, key) if ef.momentum else None   # momentum correction, in the same pass
-    live = ef._live(key, x)
-    pending = ef._slot(ef._pending, key, x)
+    slots = ef.open_fused(flat, key)   # momentum correction's velocity too, in the same pass
+    x, live = slots.x, slots.live
     nb = steady._nb()
     with nb.threads_context(x.numel()):
         chosen, bits = nb.topk_feedback_arrays(x.numpy(), None if live is None else live.view(-1).numpy(), ef.beta,
-                                               scale, k, pending.view(-1).numpy(), velocity)
+                                               slots.scale, k, slots.pending.view(-1).numpy(), slots.velocity)
     bad = False
     if k:
         idx[:] = chosen
         val.view(np.int32)[:] = bits
         bad = steady.host_nonfinite(torch.from_numpy(bits.view(np.float32)))
-        if ef.momentum and ef.masking:   # momentum factor masking: the sent entries' velocity restarts
-            v = ef._velocity_pending[key].numpy()
-            nb.zero_entries(v, chosen)
-            v[-1] = 0.0
-    flag = torch.tensor(bad)
-    if transaction is not None:
-        transaction.stage(ef, key, flag)
-    else:
-        ef.commit(key, flag)
+    # momentum factor masking: the sent entries' velocity restarts
+    ef.close_fused(key, torch.tensor(bad), transaction, sent=torch.from_numpy(chosen) if k else None)
     return bad

@@ -24,6 +24,7 @@ Byte accounting follows :mod:`commpress.collectives.accounting`: an
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -59,11 +60,32 @@ def resolve_compressor(compressor: Compressor | str, params: dict[str, Any] | No
             )
         return compressor
     if isinstance(compressor, str):
-        return get(compressor, **params)
+        return get(compressor, **training_defaults(compressor, params))
     raise TypeError(
         "compressor must be a commpress.Compressor or a registry name "
         f"(one of {', '.join(_available())}), got {type(compressor).__name__}"
     )
+
+
+def training_defaults(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` for the compressor registered as ``name`` with the hooks' training policies
+    added where the user gave none: a sparsifier's density warm-up
+    (``density_warmup=DEFAULT_DENSITY_WARMUP`` steps; a bare compressor has none).
+
+    Args:
+        name: a registry name (``commpress.available()``).
+        params: the user's compressor parameters (not modified).
+    """
+    from ..compressors._util import DEFAULT_DENSITY_WARMUP
+    from ..compressors.base import _REGISTRY
+
+    cls = _REGISTRY.get(name)
+    if cls is None or "density_warmup" in params:
+        return params
+    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
+    if "density_warmup" not in inspect.signature(init).parameters:
+        return params
+    return {**params, "density_warmup": DEFAULT_DENSITY_WARMUP}
 
 
 def _available() -> list[str]:
@@ -82,10 +104,11 @@ def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> 
 
 
 def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto",
-                        momentum: float = 0.0, masking: bool = True) -> tuple[Compressor, bool]:
+                        momentum: float = 0.0, masking: bool = True,
+                        storage: str = "fp32") -> tuple[Compressor, bool]:
     """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when
     wanted (always with ``momentum > 0``: DGC's momentum correction lives there, with momentum
-    factor masking when ``masking``)."""
+    factor masking when ``masking``), its residuals kept in ``storage`` (:mod:`commpress.storage`)."""
     if momentum:
         if error_feedback is False:
             raise ValueError("momentum correction needs error feedback (error_feedback=False was given)")
@@ -101,7 +124,7 @@ def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "au
         if momentum and momentum != compressor.momentum:
             raise ValueError(f"momentum={momentum} given with an ErrorFeedback of momentum {compressor.momentum}")
         return compressor, True
-    return ErrorFeedback(compressor, momentum=momentum, masking=masking), True
+    return ErrorFeedback(compressor, momentum=momentum, masking=masking, storage=storage), True
 
 
 def all_reduce_bytes(nbytes: int, world: int) -> int:
@@ -161,6 +184,10 @@ class Stats:
     compress_seconds: float = 0.0
     hook_seconds: float = 0.0
     memory_overhead_bytes: int = 0
+    #: :attr:`memory_overhead_bytes` by kind (see :func:`codec_memory`), set with it by :meth:`set_memory`
+    memory_parts: dict[str, int] = field(default_factory=dict)
+    memory_params: int = 0                 # the model's parameters, for the figures per parameter
+    memory_sharded_state: int | None = None  # FSDP2: this rank's sharded params + grads, bytes
     algorithms: dict[str, str] = field(default_factory=dict)
     last_step: dict[str, Any] = field(default_factory=dict)
     _cur_sent: int = 0
@@ -277,6 +304,27 @@ class Stats:
         mean["steps"] = self.account_steps
         return mean
 
+    def set_memory(self, parts: dict[str, int], params: int, sharded_state: int | None = None) -> None:
+        """Record what the hook keeps alive between steps: ``parts`` (bytes by kind), the model's
+        ``params`` and, under FSDP2, the rank's ``sharded_state`` (parameter + gradient shards, bytes)."""
+        self.memory_parts = {k: int(v) for k, v in parts.items()}
+        self.memory_overhead_bytes = sum(self.memory_parts.values())
+        self.memory_params = int(params)
+        self.memory_sharded_state = sharded_state
+
+    def memory(self) -> dict[str, Any]:
+        """``{"bytes": total, "by_kind": {kind: bytes}, "bytes_per_param": total / params,
+        "by_kind_per_param": {...}}``, plus ``"of_sharded_state"`` (the total over the rank's
+        sharded parameters + gradients) under FSDP2."""
+        per = max(1, self.memory_params)
+        out: dict[str, Any] = {
+            "bytes": self.memory_overhead_bytes, "by_kind": dict(self.memory_parts), "params": self.memory_params,
+            "bytes_per_param": self.memory_overhead_bytes / per,
+            "by_kind_per_param": {k: v / per for k, v in self.memory_parts.items()}}
+        if self.memory_sharded_state:
+            out["of_sharded_state"] = self.memory_overhead_bytes / self.memory_sharded_state
+        return out
+
     @property
     def compression_ratio(self) -> float:
         """Cumulative dense bytes / bytes sent (``inf`` when nothing was sent, 1.0 before any step)."""
@@ -292,6 +340,7 @@ class Stats:
             "compress_seconds": self.compress_seconds,
             "hook_seconds": self.hook_seconds,
             "memory_overhead_bytes": self.memory_overhead_bytes,
+            "memory": self.memory(),
             "algorithms": dict(self.algorithms),
             "last_step": dict(self.last_step),
             "account": self.account(),
@@ -415,6 +464,35 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+# ----------------------------------------------------------------- loss scaling
+def check_scaler(scaler: Any) -> Any:
+    """``scaler`` when it is ``None`` or a ``torch.amp.GradScaler`` (a subclass included, e.g.
+    ``torch.cuda.amp.GradScaler``); ``TypeError`` naming the argument otherwise."""
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+    return scaler
+
+
+def loss_scales(scaler: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(S, 1/S)``: ``scaler``'s current loss scale and its reciprocal, fp32 0-d tensors on
+    ``device``, computed on the device from the scaler's own scale tensor (no host read).
+
+    ``None`` (nothing to undo) without a scaler, with a disabled one, and before its first
+    ``scaler.scale(...)`` (which creates the scale tensor).  With a power-of-two scale (GradScaler's
+    own, from a power-of-two ``init_scale``) multiplying by either is exact (barring under- or
+    overflow of the values multiplied)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    s = getattr(scaler, "_scale", None)
+    if s is None:
+        return None
+    s = s.detach().reshape(())
+    if s.device != device:   # the scaler lives where the loss was: normally the gradients' device
+        s = s.to(device)
+    s = s.float().clone()     # this step's value, whatever update() does to the scaler's tensor later
+    return s, torch.reciprocal(s)
+
+
 # ----------------------------------------------------------------- hook state
 class HookState:
     """Base of the DDP and FSDP2 hook states.
@@ -430,13 +508,20 @@ class HookState:
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
-                 momentum_masking: bool = False, **compressor_params: Any) -> None:
+                 momentum_masking: bool = False, residual_storage: str = "fp32",
+                 **compressor_params: Any) -> None:
+        from ..storage import check_storage
+
+        self.residual_storage = check_storage(residual_storage, "residual_storage")
+        if residual_storage != "fp32" and getattr(compressor, "name", compressor) == "auto":
+            raise ValueError("residual_storage must be 'fp32' with compressor 'auto' (its candidates keep "
+                             "fp32 residuals for now)")
         self.compressor = resolve_compressor(compressor, compressor_params)
         if not isinstance(momentum_masking, bool):
             raise TypeError(f"momentum_masking must be a bool, got {type(momentum_masking).__name__}")
         self.momentum_masking = momentum_masking
         self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum,
-                                                                   momentum_masking)
+                                                                   momentum_masking, self.residual_storage)
         self.error_feedback_arg = error_feedback   # momentum taken over later rewraps with it
         self.momentum = float(getattr(self.codec, "momentum", 0.0))
         self.process_group = process_group
@@ -448,6 +533,35 @@ class HookState:
         self.step = 0
         self.stats = Stats()
         self.fingerprint: int | None = None
+        self.scaler: Any = None   # see attach_scaler
+
+    # -- AMP loss scaling ------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Keep error-feedback residuals (and momentum-correction velocities) in the gradients'
+        own units under AMP's loss scaling.
+
+        With ``torch.amp.GradScaler`` the hook sees gradients multiplied by the loss scale
+        ``S``, which changes (halved after an overflow, grown every ``growth_interval`` steps):
+        state kept in scaled units would be off by the ratio of two steps' scales.  With a
+        scaler attached the hook multiplies its input by ``1/S`` before compressing (residuals
+        and velocities are then unscaled, the meaning they have in :meth:`state_dict`) and the
+        averaged result by ``S`` before handing it back, so ``scaler.unscale_`` /
+        ``scaler.step`` see what they expect.  ``S`` is read from the scaler's scale tensor on
+        the device (no host read).  Nothing else is sent; the scaler is not part of the
+        configuration fingerprint: attach it on every rank alike.
+
+        Args:
+            scaler: the ``torch.amp.GradScaler`` that scales the loss, or ``None`` to detach it.
+                A disabled scaler (``enabled=False``) does nothing.
+
+        Raises:
+            TypeError: ``scaler`` is neither ``None`` nor a ``torch.amp.GradScaler``.
+        """
+        self.scaler = check_scaler(scaler)
+        self._scaler_changed()
+
+    def _scaler_changed(self) -> None:
+        """Hook for subclasses that freeze their configuration (DDP)."""
 
     def _report_auto(self) -> None:
         """Point the stats' ``"auto"`` reports at the current codec: bound methods, not closures
@@ -543,6 +657,15 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v)
+
+
+def codec_memory(codec: Compressor) -> dict[str, int]:
+    """Bytes ``codec`` keeps alive between steps, by kind: its own ``memory()`` where it has one
+    (:class:`~commpress.ErrorFeedback`, ``"auto"``'s codec), else its state (``"compressor"``)."""
+    memory = getattr(codec, "memory", None)
+    if callable(memory):
+        return dict(memory())
+    return {"compressor": tensor_bytes(codec.state_dict())}
 
 
 def tensor_bytes(tensors: Any) -> int:

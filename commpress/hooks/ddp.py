@@ -82,7 +82,7 @@ from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .. import collectives
 from ..collectives import cast_message, unwrap
-from .common import HookState, Stats, Timer, all_reduce_bytes, tensor_bytes
+from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
 from .optimizer import TakeoverMixin
 
@@ -192,6 +192,11 @@ class DDPState(TakeoverMixin, HookState):
         by the calibrated link, or, where ``join_buckets`` is a float, that many seconds (always
         on; ``math.inf``: no limit, one round a step however large the messages).  Units that take
         the general path (not a steady lane) or a hierarchy send at once.
+    scaler:
+        AMP's ``torch.amp.GradScaler`` (``TypeError`` for anything else but ``None``): the hook
+        divides each compressed step's buckets by the loss scale before compressing and
+        multiplies the averages back, so residuals and velocities stay in unscaled units while
+        the scale changes (see :meth:`attach_scaler`, also for a scaler made later).
 
     Binding exchanges a configuration fingerprint (compressor, parameters,
     options, world size, parameter names/shapes/policy): ``ValueError`` on every
@@ -210,6 +215,7 @@ class DDPState(TakeoverMixin, HookState):
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
                  **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
@@ -242,7 +248,7 @@ class DDPState(TakeoverMixin, HookState):
                 or (isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1)):
             raise ValueError(f"hierarchy must be None, 'auto' or a positive int (ranks per node), got {hierarchy!r}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         **compressor_params)
+                         residual_storage=residual_storage, **compressor_params)
         self.auto = auto
         if auto:
             self._new_auto_codec()
@@ -277,6 +283,7 @@ class DDPState(TakeoverMixin, HookState):
         self._stop_worker: weakref.finalize | None = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)  # taken over at binding
+        self.attach_scaler(scaler)
         if model is not None:
             self.bind(model)
 
@@ -414,7 +421,15 @@ class DDPState(TakeoverMixin, HookState):
             verify_every=self.verify_every, auto=self.codec if self.auto else None,
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
-            hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None)
+            hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None,
+            scaler=self.scaler)
+
+    def _scaler_changed(self) -> None:
+        """A scaler attached (or detached) after binding: freeze the configuration again (the next
+        step reads it; a step in progress keeps its own)."""
+        if self.frozen is not None:
+            self.frozen = self._freeze()
+            self.executor.config = self.frozen
 
     # -- what the executor owns, seen from here -------------------------------
     @property
@@ -569,8 +584,9 @@ class DDPState(TakeoverMixin, HookState):
 
     # -- memory ----------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Bytes the hook keeps alive: residuals (live and pending), scratch, compressor state."""
-        return _memory_bytes(self.codec, self.layout)
+        """Bytes the hook keeps alive: residuals (live and pending), velocities, scratch,
+        compressor state (by kind: ``stats.as_dict()["memory"]``)."""
+        return sum(_memory_parts(self.codec, self.layout).values())
 
 
 def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_feedback: Any) -> Compressor:
@@ -633,7 +649,6 @@ class _Executor:
         self.step = step
         self.current: Step | None = None
         self.last_error: BaseException | None = None
-        self._memory_shape: tuple[int, int] = (-1, -1)
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -674,10 +689,8 @@ class _Executor:
         if self.config.auto is not None:  # "auto": a check point every check_every steps (collective)
             self.config.auto.end_step(self.step, self.layout, self.config.group)
         self.step += 1
-        shape = (len(self.layout.units), len(self.layout.plans))
-        if shape != self._memory_shape:  # buffers are allocated once: count them when they change
-            self._memory_shape = shape
-            self.stats.memory_overhead_bytes = _memory_bytes(self.config.codec, self.layout)
+        # counted each step (metadata only, no tensor is read): lean storage seals and frees buffers
+        self.stats.set_memory(_memory_parts(self.config.codec, self.layout), _params(self.layout))
         self.stats.end_step()
 
 
@@ -802,10 +815,15 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
     return typed(msg)
 
 
-def _memory_bytes(codec: Compressor, layout: ModelLayout) -> int:
-    """Bytes the hook keeps alive: residuals (live and pending), scratch, compressor state."""
-    pending = sum(t.numel() * t.element_size() for t in getattr(codec, "_pending", {}).values())
-    return layout.scratch_bytes() + pending + tensor_bytes(codec.state_dict())
+def _memory_parts(codec: Compressor, layout: ModelLayout) -> dict[str, int]:
+    """Bytes the hook keeps alive between steps, by kind: the codec's (:func:`codec_memory`) and
+    ``scratch``, the plans' and units' buffers."""
+    return codec_memory(codec) | {"scratch": layout.scratch_bytes()}
+
+
+def _params(layout: ModelLayout) -> int:
+    """The model's parameters (every one the hook sees, dense ones included)."""
+    return sum(s.numel() for s in layout.shapes.values())
 
 
 class _DenseVelocities:
@@ -974,6 +992,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
              overlap: bool = True, hierarchy: int | str | None = None,
              optimizer: torch.optim.Optimizer | None = None,
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
              **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
     ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
@@ -992,11 +1011,23 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
     ``compressor="auto"``: each unit gets its own compressor, chosen at check points from the
     measured overlap and codec cost and the calibrated network (see :mod:`commpress.auto.runtime`);
     ``state.stats.as_dict()["auto"]`` shows the choices.
+
+    Args:
+        scaler: AMP's ``torch.amp.GradScaler`` when the loss is scaled (fp16): residuals and
+            momentum-correction velocities are then kept in the gradients' own units, unaffected
+            by the scale's changes; the buckets handed back stay scaled for ``scaler.step``
+            (:meth:`DDPState.attach_scaler`; ``TypeError`` for anything but a GradScaler or
+            ``None``).  The other arguments: :class:`DDPState`.
+        residual_storage: how error feedback keeps its residuals between steps: ``"fp32"``
+            (4 bytes per compressed parameter, plus as much for the pending copy), ``"bf16"``
+            (2 + 2) or ``"int8"`` (blockwise with its own scales: about 1.03 + 1.03), rounded
+            stochastically (:mod:`commpress.storage`).  ``ValueError`` for another value.
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
-                     hierarchy=hierarchy, optimizer=optimizer, **compressor_params)
+                     hierarchy=hierarchy, optimizer=optimizer, scaler=scaler,
+                     residual_storage=residual_storage, **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 

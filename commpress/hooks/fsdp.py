@@ -91,6 +91,9 @@ bad on every rank and that unit's output is all-NaN on every rank (so
 rank as it was.  Both decisions are ``torch.where`` on the device.  Without error
 feedback the NaN/inf travel in the payload by the compressor's own contract
 (casts and quantizers keep them; top-k ranks them first).
+With ``scaler=`` (AMP's ``GradScaler``) a compressed call divides its input by the loss
+scale and multiplies its output back (0-d device tensors, no host read), so residuals are
+kept in unscaled units whatever the scale does (:meth:`FSDPState.attach_scaler`).
 
 Host reads: none in the steady state.  Nothing in the hook path calls
 ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` / ``float()`` of a tensor or
@@ -141,7 +144,7 @@ from .. import collectives
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor
 from ..feedback import ResidualTransaction
-from .common import HookState, Timer, resolve_compressor, tensor_bytes
+from .common import HookState, Timer, codec_memory, loss_scales, resolve_compressor, tensor_bytes
 from .optimizer import TakeoverMixin
 
 log = logging.getLogger("commpress")
@@ -217,6 +220,14 @@ class FSDPState(TakeoverMixin, HookState):
     residual updates (committed by :meth:`end_step`).  ``state_dict()`` /
     ``load_state_dict()`` save and restore the step counter, the residuals and
     the noise generator of this rank.
+
+    Args:
+        scaler: AMP's ``torch.amp.GradScaler`` (or ``None``; ``TypeError`` otherwise): the
+            compressed reduce-scatter (and replica all-reduce) divides its input by the loss
+            scale and multiplies its output back, so residuals and velocities stay in unscaled
+            units while the scale changes (:meth:`attach_scaler`, also for a scaler made later).
+            The unscaled values are held in the reduce dtype: with an fp16 reduce dtype the
+            smallest gradients may underflow there (an fp32 or bf16 reduce dtype does not).
     """
 
     kind = "fsdp"
@@ -225,6 +236,7 @@ class FSDPState(TakeoverMixin, HookState):
                  all_gather: Compressor | str | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
                  **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
         if self.auto:  # a compressor per unit, chosen from measurements (commpress.auto.fsdp)
@@ -236,7 +248,7 @@ class FSDPState(TakeoverMixin, HookState):
                                  "runs under error feedback so that a switch loses no residual")
             compressor = auto_spec(compressor_params, exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         **compressor_params)
+                         residual_storage=residual_storage, **compressor_params)
         if self.auto:
             self._new_auto_codec()
         if self.compressor.aggregation == "lowrank":
@@ -259,6 +271,7 @@ class FSDPState(TakeoverMixin, HookState):
         self.transaction = ResidualTransaction()
         self._step_open = False
         self._reduced: set[str] = set()
+        self.attach_scaler(scaler)
 
     # -- "auto" ----------------------------------------------------------------
     def _new_auto_codec(self) -> None:
@@ -344,10 +357,21 @@ class FSDPState(TakeoverMixin, HookState):
         if self.auto:  # a check point every check_every steps (collective: every rank at this step)
             self.codec.end_step(self.step, group=self.process_group)
         self.step += 1
-        # residual buffers (fp32, one per (unit, chunk)); read in place, no copy
-        self.stats.memory_overhead_bytes = (self.codec.memory_bytes() if self.auto else
-                                            tensor_bytes(list(getattr(self.codec, "_residuals", {}).values())))
+        # what the codec keeps (residuals per (unit, chunk), pending, velocities): metadata only
+        params, sharded = self._param_counts()
+        self.stats.set_memory(codec_memory(self.codec), params, sharded)
         self.stats.end_step()
+
+    def _param_counts(self) -> tuple[int, int]:
+        """``(params, sharded_bytes)``: the units' parameters (whole, each counted once) and this
+        rank's shards of them with their gradients, in bytes (twice the parameter shards)."""
+        seen: dict[int, torch.Tensor] = {}
+        for u in self.units.values():
+            for p in u.module.parameters():
+                seen.setdefault(id(p), p)
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in seen.values()]
+        return (sum(p.numel() for p in seen.values()),
+                2 * sum(t.numel() * t.element_size() for t in local))
 
     # -- checkpoints --------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
@@ -392,33 +416,48 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         st._touch_step(self.unit)
         cs = CommStats()
         codec, own_call, tag = st.codec, False, None
+        # with a loss scaler: (S, 1/S) on the device; the input is divided by S before anything
+        # compresses it or adds a residual to it (residuals are in unscaled units)
+        scales = loss_scales(st.scaler, input_tensor.device) if scale is not None and world > 1 else None
+        unscaled = False
         if st.auto:  # the unit's own codec, chosen at the last check point (the same on every rank)
             auto = st.codec
             info = auto.unit(self.unit, input_tensor.numel(), input_tensor.dtype)
             own_call = auto.native(self.unit)   # dense, nothing owed, no momentum: FSDP2's own call
+            if scales is not None and not own_call:   # a carry it adds is unscaled
+                input_tensor.mul_(scales[1])
+                unscaled = True
             codec = auto.codec(info, input_tensor, None)
             tag = auto.choices[self.unit]
         with Timer(cpu=True) as t:
             comp = codec.compressor if st.auto else st.compressor
+            native = False
             if scale is None or world == 1 or input_tensor.dtype not in comp.supported_dtypes:
                 if unit.calls == 0:
                     log.warning("commpress.fsdp: unit %r goes dense (reduce op %s, dtype %s, world size %d)",
                                 self.unit, op, input_tensor.dtype, world)
-                with Timer() as native:
+                with Timer() as native_call:
                     dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
-                cs.add(dense_bytes, rounds=1, seconds=native.seconds)
-                algorithm = "dense"
+                cs.add(dense_bytes, rounds=1, seconds=native_call.seconds)
+                algorithm, native = "dense", True
             elif own_call or (comp.name == "identity" and not st.uses_error_feedback):
                 with Timer() as call:
                     dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
                 cs.add(dense_bytes, rounds=1, seconds=call.seconds)
-                algorithm = "identity:reduce_scatter"
-            elif comp.aggregation == "sum" and not st.uses_error_feedback:
-                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "reduce_scatter")
-                algorithm = f"{comp.name}:reduce_scatter"
+                algorithm, native = "identity:reduce_scatter", True
             else:
-                self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "two_phase", codec, tag)
-                algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
+                if scales is not None:
+                    if not unscaled:
+                        input_tensor.mul_(scales[1])
+                    scale = scales[0] * scale   # the output back in the scaler's units, with FSDP's scale
+                if comp.aggregation == "sum" and not st.uses_error_feedback:
+                    self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "reduce_scatter")
+                    algorithm = f"{comp.name}:reduce_scatter"
+                else:
+                    self._reduce_scatter(output_tensor, input_tensor, group, scale, cs, "two_phase", codec, tag)
+                    algorithm = f"{comp.name}:{comp.aggregation}_reduce_scatter"
+            if native and unscaled:   # divided for "auto"'s codec, then sent by FSDP2's own call
+                output_tensor.mul_(scales[0])
             unit.calls += 1
         if st.auto:
             st.codec.measured(info, t.seconds, cs.comm_seconds)
@@ -470,11 +509,16 @@ class ReplicaAllReduce:
         cs = CommStats()
         facts = (reduce_output.numel(), reduce_output.dtype)
         with Timer(cpu=True) as t:
+            scales = loss_scales(st.scaler, reduce_output.device)
+            factor: float | torch.Tensor = 1.0 / replicas
+            if scales is not None:   # residuals in unscaled units; the output back in the scaler's
+                reduce_output.mul_(scales[1])
+                factor = scales[0] * factor
             summed = collectives.allreduce(reduce_output, st.codec, group=self.group, key=(self.unit, "replicas"),
                                            step=st.step, stats=cs, generator=st.generator,
                                            validate=self.validated != facts, transaction=st.transaction)
             self.validated = facts
-            torch.mul(summed, 1.0 / replicas, out=reduce_output)
+            torch.mul(summed, factor, out=reduce_output)
         st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
                         algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
                         hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
@@ -537,6 +581,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
              **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
@@ -563,6 +608,13 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     see :mod:`commpress.hooks.optimizer`); ``state.attach_optimizer(opt)`` for an
     optimizer made later.  The sparsifiers' density warm-up (``density_warmup=``,
     ``density_start=``) is a compressor parameter.
+    ``scaler``: AMP's ``torch.amp.GradScaler`` when the loss is scaled: residuals and velocities
+    are kept in unscaled units, the outputs stay scaled for ``scaler.step``
+    (:meth:`FSDPState.attach_scaler`, also for a scaler made later; ``TypeError`` for anything
+    but a GradScaler or ``None``).
+
+    ``residual_storage``: how error feedback keeps its residuals between steps, ``"fp32"``,
+    ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in :func:`commpress.ddp.register`).
 
     Collective: exchanges a configuration fingerprint over the units' process
     group (compressor, parameters, options, world size, unit names and
@@ -600,7 +652,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     pg = groups[0]._reduce_scatter_process_group
     state = FSDPState(compressor, error_feedback=error_feedback, all_gather=all_gather,
                       process_group=pg if replicate_group is None or reduce_scatter else dist.group.WORLD,
-                      units=units, **compressor_params)
+                      units=units, scaler=scaler, residual_storage=residual_storage, **compressor_params)
     state.replicate = None if replicate_group is None else replicate_group.size()
     if optimizer is not None:
         state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it

@@ -1,0 +1,183 @@
+"""How error feedback stores a residual between steps: fp32, bf16 or 8-bit blockwise.
+
+A residual is what error feedback still owes; it is read and rewritten once per
+step, and it is kept for every compressed parameter of the model, on every rank.
+Stored in fp32 it costs 4 bytes per parameter (8 with the pending copy a
+non-finite step needs); stored lean it costs
+
+==========  ==========================================  ============================
+storage     per element                                 error of one store
+==========  ==========================================  ============================
+``fp32``    4 bytes                                     none (the reference)
+``bf16``    2 bytes                                     unbiased, ``|e| < 2**-8 |x|``
+``int8``    1 byte + one fp32 scale per 128 (1.03 B)    unbiased, ``|e| < max|block| / 127``
+==========  ==========================================  ============================
+
+The lean formats round **stochastically** (LoCo, MicroAdam): a store is unbiased,
+so a small gradient that a residual accumulates over many steps is not rounded
+away at every store (round-to-nearest would keep a coordinate whose steps are
+below half a code at zero for ever).  The noise is drawn from a counter-based
+seed (:func:`~commpress.compressors._util.mix_seed` of the owner's seed and a store
+count), so a run and its resume from a checkpoint store the same codes.
+
+Everything runs on the tensor's device with torch operations: no host read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
+STORAGES = ("fp32", "bf16", "int8")
+#: Elements per fp32 scale of the ``int8`` storage.
+INT8_BLOCK = 128
+_INT8_MAX = 127.0
+
+
+def check_storage(value: object, name: str = "storage") -> str:
+    """``value`` when it is one of :data:`STORAGES`, else ``ValueError`` naming ``name`` and them."""
+    if not isinstance(value, str) or value not in STORAGES:
+        raise ValueError(f"{name} must be one of {', '.join(repr(s) for s in STORAGES)}, got {value!r}")
+    return value
+
+
+def bytes_per_element(storage: str) -> float:
+    """Bytes one element of a residual takes in ``storage`` (scales included, padding not)."""
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[check_storage(storage)]
+
+
+class LeanTensor:
+    """A flat fp32 tensor of ``numel`` elements kept in a lean ``storage`` ("bf16" or "int8").
+
+    Args:
+        storage: ``"bf16"`` or ``"int8"``.
+        numel: elements it stands for.
+        device: where the codes live.
+
+    Starts as zeros.  :meth:`encode` stores an fp32 tensor (stochastic rounding),
+    :meth:`decode` writes the stored value back as fp32, :meth:`keep_where`
+    chooses between two stores elementwise on the device (a transaction's commit).
+    """
+
+    __slots__ = ("storage", "numel", "codes", "scales")
+
+    def __init__(self, storage: str, numel: int, device: torch.device) -> None:
+        if check_storage(storage) == "fp32":
+            raise ValueError("LeanTensor: storage must be 'bf16' or 'int8' (fp32 is kept as a plain tensor)")
+        self.storage = storage
+        self.numel = int(numel)
+        if storage == "bf16":
+            self.codes = torch.zeros(self.numel, dtype=torch.bfloat16, device=device)
+            self.scales = None
+        else:
+            blocks = math.ceil(self.numel / INT8_BLOCK)
+            self.codes = torch.zeros(blocks * INT8_BLOCK, dtype=torch.int8, device=device)
+            self.scales = torch.zeros(blocks, dtype=torch.float32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors it keeps alive (codes, and scales for int8)."""
+        return (self.codes,) if self.scales is None else (self.codes, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def encode(self, src: torch.Tensor, seed: int) -> None:
+        """Store ``src`` (fp32, ``numel`` elements, any shape), rounding stochastically with
+        noise drawn from ``seed``.  A NaN/inf in ``src`` stores garbage: the caller's commit
+        keeps the old value where its flag says so."""
+        flat = src.reshape(-1)
+        if flat.numel() != self.numel:
+            raise ValueError(f"LeanTensor.encode: expected {self.numel} elements, got {flat.numel()}")
+        if self.numel == 0:
+            return
+        gen = torch.Generator(device=flat.device)
+        gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        if self.storage == "bf16":
+            # add 16 random low bits to the fp32 pattern, then truncate: rounds the magnitude up with
+            # probability (dropped bits) / 2**16, so E[stored] == src (sign-magnitude: both signs alike)
+            noise = _random_bits(self.numel, 2, flat.device, gen).view(torch.int16).to(torch.int32)
+            bits = flat.float().contiguous().view(torch.int32).add(noise.bitwise_and_(0xFFFF))
+            self.codes.view(torch.int16).copy_(bits.bitwise_right_shift_(16))
+            return
+        blocks = self.scales.numel()
+        x = flat.float()
+        pad = blocks * INT8_BLOCK - self.numel
+        if pad:
+            x = torch.nn.functional.pad(x, (0, pad))
+        x = x.view(blocks, INT8_BLOCK)
+        torch.amax(x.abs(), dim=1, out=self.scales)
+        self.scales.div_(_INT8_MAX)
+        inv = torch.where(self.scales > 0, 1.0 / self.scales, torch.zeros_like(self.scales))
+        y = x * inv[:, None]
+        # uniform noise in (0, 1) at 1/256 resolution (a rounding's bias below 1/512 of a code)
+        u = _random_bits(y.numel(), 1, y.device, gen).view(torch.uint8).view(y.shape)
+        y.add_(u.to(torch.float32).add_(0.5).mul_(1.0 / 256)).floor_().clamp_(-_INT8_MAX, _INT8_MAX)
+        self.codes.view(blocks, INT8_BLOCK).copy_(y)
+
+    def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored value as fp32 (``numel`` elements), in ``out`` when given (any shape with
+        ``numel`` elements, contiguous), else in a new flat tensor."""
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        flat = out.view(-1)
+        if self.storage == "bf16":
+            flat.copy_(self.codes)
+        elif self.numel:
+            blocks = self.scales.numel()
+            full = self.numel // INT8_BLOCK
+            codes = self.codes.view(blocks, INT8_BLOCK)
+            if full:
+                torch.mul(codes[:full], self.scales[:full, None], out=flat[:full * INT8_BLOCK].view(full, INT8_BLOCK))
+            if full < blocks:
+                tail = self.numel - full * INT8_BLOCK
+                torch.mul(codes[full, :tail], self.scales[full], out=flat[full * INT8_BLOCK:])
+        return out
+
+    def keep_where(self, bad: torch.Tensor, new: "LeanTensor") -> None:
+        """``self`` := ``self`` where the 0-d bool ``bad`` is set, else ``new`` (on the device)."""
+        for mine, theirs in zip(self.tensors(), new.tensors()):
+            torch.where(bad, mine, theirs, out=mine)
+
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(codes, scales)`` for a checkpoint: the ``numel`` codes (the int8 padding dropped)
+        and the int8 scales (``None`` for bf16)."""
+        return (self.codes, None) if self.scales is None else (self.codes[:self.numel].clone(), self.scales)
+
+    @classmethod
+    def from_saved(cls, storage: str, codes: torch.Tensor, scales: torch.Tensor | None) -> "LeanTensor":
+        """The inverse of :meth:`saved` (copies); ``ValueError`` when the parts do not fit."""
+        lean = cls(storage, codes.numel(), codes.device)
+        if storage == "int8":
+            if scales is None or scales.numel() != lean.scales.numel() or codes.dtype != torch.int8:
+                raise ValueError(f"int8 residual: {codes.numel()} int8 codes need {lean.scales.numel()} scales")
+            lean.scales.copy_(scales)
+            lean.codes[:codes.numel()].copy_(codes)
+        else:
+            if codes.dtype != torch.bfloat16:
+                raise ValueError(f"bf16 residual: codes must be bfloat16, got {codes.dtype}")
+            lean.codes.copy_(codes)
+        return lean
+
+    def copy_(self, other: "LeanTensor") -> None:
+        """Take ``other``'s stored value (same storage and numel)."""
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs)
+
+
+def _random_bits(count: int, width: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """``count * width`` uniformly random bytes (a flat uint8 tensor), drawn as whole int64 words
+    (eight bytes per draw: about 8x faster on the CPU than drawing them one by one)."""
+    nbytes = count * width
+    words = torch.empty(-(-nbytes // 8), dtype=torch.int64, device=device)
+    words.random_(-2 ** 63, 2 ** 63 - 1, generator=gen)
+    return words.view(torch.uint8)[:nbytes]
+
+
+__all__ = ["STORAGES", "INT8_BLOCK", "LeanTensor", "bytes_per_element", "check_storage"]

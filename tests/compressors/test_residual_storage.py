@@ -1,0 +1,141 @@
+"""Error feedback's residual storage (fp32, bf16, int8 blockwise) and its memory accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import commpress
+from commpress.storage import INT8_BLOCK, LeanTensor, bytes_per_element
+from memory_walk import storages_bytes
+
+LEAN = ("bf16", "int8")
+
+
+def _x(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("storage", LEAN)
+@pytest.mark.parametrize("n", [1, 127, 128, 1000])
+def test_a_store_is_within_one_code_of_the_value(storage, n):
+    x = _x(n) * 3.0
+    lean = LeanTensor(storage, n, x.device)
+    lean.encode(x, seed=5)
+    y = lean.decode()
+    if storage == "bf16":
+        bound = x.abs() * 2.0 ** -7            # one bf16 ulp at most
+    else:
+        blocks = torch.nn.functional.pad(x.abs(), (0, -n % INT8_BLOCK)).view(-1, INT8_BLOCK).amax(1) / 127
+        bound = blocks.repeat_interleave(INT8_BLOCK)[:n] * (1 + 1e-6)
+    assert bool(((y - x).abs() <= bound).all())
+    assert lean.nbytes == (2 * n if storage == "bf16" else -(-n // INT8_BLOCK) * (INT8_BLOCK + 4))
+
+
+@pytest.mark.parametrize("storage", LEAN)
+def test_a_store_is_unbiased(storage):
+    # stochastic rounding: the mean of many stores is the value, within 5 sigma of the estimator
+    n, trials = 256, 400
+    x = _x(n, 1)
+    x[0] = 100.0                              # the int8 block's scale: the others sit between codes
+    total = torch.zeros(n, dtype=torch.float64)
+    lean = LeanTensor(storage, n, x.device)
+    for t in range(trials):
+        lean.encode(x, seed=t)
+        total += lean.decode().double()
+    mean = total / trials
+    step = (x.abs() * 2.0 ** -7) if storage == "bf16" else torch.full((n,), 100.0 / 127)
+    sigma = step.double() / 2 / trials ** 0.5   # a rounding's spread is at most half a code
+    assert bool(((mean - x.double()).abs() <= 5 * sigma + 1e-12).all())
+
+
+@pytest.mark.parametrize("storage", LEAN)
+def test_a_small_steady_gradient_is_not_rounded_away(storage):
+    # round-to-nearest would keep a coordinate far below its block's code at zero for ever
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.01), storage=storage)
+    g = torch.zeros(1000)
+    g[:10] = 50.0          # sent every step: the block's scale stays large
+    g[500] = 0.05          # under half an int8 code of a block holding 50 (0.197)
+    sent = 0.0
+    for step in range(400):
+        p = ef.compress(g, step=step, key="w")
+        sent += float(ef.decompress(p)[500])
+        res = ef.residual("w")[500]
+    owed = 400 * 0.05
+    assert abs(sent + float(res) - owed) < 0.3 * owed
+
+
+@pytest.mark.parametrize("storage", ("fp32", *LEAN))
+def test_feedback_invariant_and_nonfinite_steps_keep_the_residual(storage):
+    ef = commpress.ErrorFeedback(commpress.get("blockquant", bits=4), storage=storage)
+    x = _x(3000, 2)
+    for step in range(3):
+        before = ef.residual("w")
+        before = torch.zeros(3000) if before is None else before.clone()
+        p = ef.compress(x, step=step, key="w")
+        after = ef.residual("w").reshape(-1)
+        got = ef.decompress(p).reshape(-1) + after
+        tol = 0 if storage == "fp32" else (2.0 ** -7 * got.abs().max() if storage == "bf16" else
+                                           got.abs().max() / 127 * 2)
+        assert float((got - (x + before)).abs().max()) <= float(tol) + 1e-5
+    kept = ef.residual("w").clone()
+    bad = x.clone()
+    bad[7] = float("nan")
+    p = ef.compress(bad, step=3, key="w")
+    assert bool(p.nonfinite)
+    assert torch.equal(ef.residual("w"), kept)
+
+
+@pytest.mark.parametrize("storage", LEAN)
+def test_state_dict_resumes_bitwise_and_converts_between_storages(storage, tmp_path):
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), storage=storage)
+    for step in range(3):
+        ef.compress(_x(500, step), step=step, key="w")
+    path = tmp_path / "ef.pt"
+    torch.save(ef.state_dict(), path)
+    state = torch.load(path, weights_only=True)
+    same = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), storage=storage)
+    same.load_state_dict(state)
+    assert torch.equal(same.residual("w"), ef.residual("w"))
+    # the next step too: the rounding's noise counter is restored
+    a, b = ef.compress(_x(500, 9), step=3, key="w"), same.compress(_x(500, 9), step=3, key="w")
+    assert torch.equal(a.tensors[1], b.tensors[1]) and torch.equal(ef.residual("w"), same.residual("w"))
+    # into fp32: the stored value exactly; from fp32 into this storage: within one code
+    wide = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1))
+    wide.load_state_dict(ef.state_dict())
+    assert torch.equal(wide.residual("w").reshape(-1), ef.residual("w"))
+    back = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), storage=storage)
+    back.load_state_dict(wide.state_dict())
+    r = wide.residual("w").reshape(-1)
+    assert float((back.residual("w") - r).abs().max()) <= float(r.abs().max()) / 64
+
+
+def test_bad_storage_values_are_named():
+    with pytest.raises(ValueError, match="storage must be one of 'fp32', 'bf16', 'int8'"):
+        commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), storage="int4")
+    ef = commpress.ErrorFeedback(commpress.get("topk", ratio=0.1), storage="int8")
+    ef.compress(_x(300), key="w")
+    state = ef.state_dict()
+    state["storage"] = "fp8"
+    with pytest.raises(ValueError, match="fp8"):
+        commpress.ErrorFeedback(commpress.get("topk", ratio=0.1)).load_state_dict(state)
+
+
+@pytest.mark.parametrize("storage", ("fp32", *LEAN))
+@pytest.mark.parametrize("name,params,momentum", [("topk", {"ratio": 0.01}, 0.9), ("blockquant", {"bits": 4}, 0.0),
+                                                  ("powersgd", {"rank": 2}, 0.0)])
+def test_memory_counts_every_storage_the_feedback_keeps(storage, name, params, momentum):
+    ef = commpress.ErrorFeedback(commpress.get(name, **params), storage=storage, momentum=momentum)
+    for step in range(3):
+        for key, n in (("a", 4096), ("b", 1000)):
+            ef.compress(_x(n, step).view(-1, 8), step=step, key=key)
+        if momentum:
+            ef.dense_momentum(_x(10, step), "bias")
+    parts = ef.memory()
+    assert ef.memory_bytes() == sum(parts.values()) == storages_bytes(ef)
+    elements = 4096 + 1000
+    per = bytes_per_element(storage)
+    # live and pending residuals, in the storage's size (int8: its blocks padded)
+    assert parts["residuals"] == parts["pending"] >= per * elements
+    assert parts["residuals"] <= per * elements + 2 * (INT8_BLOCK + 4)
+    assert parts["working"] == 0        # lean storage frees its fp32 buffers once sealed
