@@ -23,6 +23,8 @@ SUITES = {
                "against flat and two-level fixed (--nets 100mbit,10gbit)",
     "rounds": "the fixed cost of one gloo collective round, and a small model's DDP step with one round "
               "or one per bucket",
+    "memory": "bytes per parameter the hooks keep: stats.memory_overhead_bytes against the RSS slope over "
+              "two model sizes, DDP and FSDP2 vs plain and PyTorch's PowerSGD (--configs, --sizes 1024,2048)",
     "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
              "(--quick, --net 1gbit)",
 }
