@@ -78,7 +78,6 @@ class Unit:
     names: list[str]
     sizes: list[int]
     shapes: list[tuple[int, ...]]
-    scratch: torch.Tensor | None = None   # the concatenated input when it is not one view
     #: its last call's algorithm could not carry a dense part (at P=2: an all_reduce of its own
     #: then, issued concurrently rather than after the call; the sum is the same either way)
     declines_dense: bool = False
@@ -174,7 +173,42 @@ def scatter_slices(buf: torch.Tensor, slices: list[tuple[int, int]], src: torch.
 Pieces = list[tuple[torch.Tensor, int, int]]   # (bucket buffer, offset, numel) of a unit's parameters
 
 
-def unit_input(unit: Unit, pieces: Pieces, packable: bool = False) -> tuple[torch.Tensor, Callable | None]:
+class ScratchPool:
+    """The buffers units gather their pieces into when those are not one view, shared by every
+    unit: a unit takes one for its call and gives it back when its result is stored, so the
+    pool holds as many as there are units in flight at once (one, or the held units of a joint
+    round), each of the largest unit's size, instead of one per unit (the model's size)."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._all: list[torch.Tensor] = []
+
+    def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``numel`` elements of ``like``'s dtype and device (a view of a pooled one)."""
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= numel and buf.dtype == like.dtype and buf.device == like.device:
+                return self._free.pop(i)[:numel]
+        grown = max([numel] + [b.numel() for b in self._free if b.dtype == like.dtype and b.device == like.device])
+        for old in [b for b in self._free if b.dtype == like.dtype and b.device == like.device]:
+            self._free.remove(old)     # replaced by the larger one: dropped
+            self._all = [b for b in self._all if b is not old]
+        buf = torch.empty(grown, dtype=like.dtype, device=like.device)
+        self._all.append(buf)
+        return buf[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        """Return what :meth:`take` gave (once; a second return is ignored)."""
+        base = next((b for b in self._all if b.data_ptr() == view.data_ptr()), None)
+        if base is not None and not any(b is base for b in self._free):
+            self._free.append(base)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool keeps alive."""
+        return list(self._all)
+
+
+def unit_input(unit: Unit, pieces: Pieces, packable: bool = False,
+               pool: ScratchPool | None = None) -> tuple[torch.Tensor, Callable | None]:
     """``(input, store)``: the unit's parameters concatenated, and ``store(result)``, which puts
     a result of that shape back into the bucket's pieces (``None``: the input is a view of one
     bucket buffer, where a result written into it already is).
@@ -186,7 +220,8 @@ def unit_input(unit: Unit, pieces: Pieces, packable: bool = False) -> tuple[torc
       (:func:`packing`); the input is then a view and ``store`` moves them back.  The DDP
       buckets of an MLP (weights between biases) move ~1% of the unit instead of copying it
       twice;
-    * else the pieces copied into the unit's scratch (allocated once); ``store`` copies back.
+    * else the pieces copied into a buffer of ``pool`` (a new one without); ``store`` copies back
+      and returns the buffer to the pool.
     """
     buf, start, pos = pieces[0][0], pieces[0][1], pieces[0][1]
     for b, off, n in pieces:
@@ -209,14 +244,18 @@ def unit_input(unit: Unit, pieces: Pieces, packable: bool = False) -> tuple[torc
                 _move(buf, dst, src, n)
         return span, unpack
     ref = pieces[0][0]
-    if unit.scratch is None or unit.scratch.dtype != ref.dtype or unit.scratch.device != ref.device:
-        unit.scratch = torch.empty(unit.numel, dtype=ref.dtype, device=ref.device)
-    gathered = unit.scratch
+    gathered = (pool.take(unit.numel, ref) if pool is not None
+                else torch.empty(unit.numel, dtype=ref.dtype, device=ref.device))
     pos = 0
     for b, off, n in pieces:
         gathered[pos:pos + n].copy_(b[off:off + n])
         pos += n
-    return gathered, lambda result: unit_store(pieces, result)
+
+    def store(result: torch.Tensor) -> None:
+        unit_store(pieces, result)
+        if pool is not None:
+            pool.give(gathered)
+    return gathered, store
 
 
 def packing(pieces: Pieces) -> tuple[int, list[tuple[int, int, int]]] | None:
@@ -275,6 +314,7 @@ class ModelLayout:
         self.plans: dict[int, Plan] = {}
         self.units: list[Unit] = []
         self.unit_of: dict[str, int] = {}
+        self.scratch = ScratchPool()   # the units' gather buffers, shared
 
     def plan(self, index: int, params: list[torch.Tensor]) -> Plan:
         """The plan of bucket ``index`` (rebuilt when DDP changed the bucket's parameters)."""
@@ -295,8 +335,8 @@ class ModelLayout:
 
     def scratch_bytes(self) -> int:
         """Bytes of the plans' and units' scratch buffers."""
-        return sum(_nbytes(p.dense_scratch) for p in self.plans.values()) + sum(_nbytes(u.scratch)
-                                                                              for u in self.units)
+        return sum(_nbytes(p.dense_scratch) for p in self.plans.values()) + sum(
+            _nbytes(b) for b in self.scratch.buffers())
 
     def units_state(self) -> list[dict[str, Any]]:
         return [{"key": u.key, "names": list(u.names), "sizes": list(u.sizes)} for u in self.units]
@@ -360,6 +400,9 @@ class HookConfig:
     #: AMP's ``torch.amp.GradScaler`` (``state.attach_scaler``): each compressed step divides its
     #: buckets by the loss scale on arrival and multiplies the averages back (:meth:`Step.run_bucket`)
     scaler: Any = None
+    #: ``rollback="unit"``: each unit's residual updates commit as soon as its collective judged
+    #: them (under the step's bad flag so far), not at the step's end
+    unit_commits: bool = False
 
     @property
     def dense_rides(self) -> bool:
@@ -423,6 +466,7 @@ class HeldUnit:
     store: Callable | None                      # puts ``out`` back into the bucket (None: a view of it)
     dense: tuple[Plan, torch.Tensor, torch.Tensor] | None   # (plan, bucket, dense part) riding in it
     seconds: float = 0.0                        # its encode's (with "auto": its call's, less the flight)
+    staged: int = 0                             # the step's transaction position after its encode
 
 
 @dataclass
@@ -564,7 +608,7 @@ class Step:
         plan = self.ctx.layout.plans.get(self._bucket)
         # the bucket's gaps between the unit's pieces hold only its dense part (saved by _start_dense)
         packable = plan is not None and [nm for nm, _, _ in plan.compressed] == unit.names
-        t, store = unit_input(unit, pieces, packable)
+        t, store = unit_input(unit, pieces, packable, self.ctx.layout.scratch)
         cs.last_algorithm = ""
         prescale = None
         scaled = contextlib.nullcontext   # a new context per use (a generator's cannot be entered twice)
@@ -593,7 +637,8 @@ class Step:
                                               else cfg.hold_max_wire_s))
             if held is not None:
                 bucket = (plan, self._buf, dense) if dense is not None else None
-                self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds))
+                self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds,
+                                          staged=self.transaction.position()))
                 return held.algorithm
         # the held units ride in this call, and land as soon as their rows arrive
         riders = joint.passengers([h.call for h in self.held], self._land_held) if self.held else None
@@ -616,6 +661,8 @@ class Step:
         self.done_units.add(i)
         if riders is not None and not riders.carried:   # not carried: a flight of their own
             self._fly_held(cs)
+        if cfg.unit_commits and not self.held:   # judged on every rank (held ones too): commit
+            self.transaction.commit_through(self.transaction.position())
         return cs.last_algorithm or codec.aggregation
 
     def _fly_held(self, cs: CommStats) -> None:
@@ -639,6 +686,8 @@ class Step:
             self.done_units.add(h.index)
             if h.dense is not None:
                 self._finish_dense(*h.dense, judged=True)
+        if held and self.ctx.config.unit_commits:   # landed and judged: their updates commit
+            self.transaction.commit_through(held[-1].staged)
 
     # -- the step's end -----------------------------------------------------
     def commit(self) -> None:

@@ -152,9 +152,8 @@ def _buffers(state):
     for i, plan in state._plans.items():
         if plan.dense_scratch is not None:
             ptrs[("dense", i)] = plan.dense_scratch.data_ptr()
-    for i, unit in enumerate(state.units):
-        if unit.scratch is not None:
-            ptrs[("scratch", i)] = unit.scratch.data_ptr()
+    for i, buf in enumerate(state.layout.scratch.buffers()):   # the units' shared gather buffers
+        ptrs[("scratch", i)] = buf.data_ptr()
     codec = state.codec  # error feedback: a live and a pending residual per key (swapped on commit)
     for key in getattr(codec, "_residuals", {}):
         ptrs[("residual", repr(key))] = frozenset((codec._residuals[key].data_ptr(),
