@@ -128,6 +128,14 @@ STUDY: list[Config] = [
     # "auto" told the optimizer (optimizer=): SGD's momentum taken over; an adaptive one (the LM's
     # AdamW) leaves the sparsifiers out of the candidates
     Config("auto-opt", "commpress", "auto", {"check_every": 20, "every": 100}, takeover=True),
+    # lean error feedback (issue 50): residuals in 8 bits (stochastic rounding), committed per unit
+    # (rollback="unit": no pending copy between steps), against the fp32 default
+    Config("blockquant-4bit-int8res", "commpress", "blockquant",
+           {"bits": 4, "residual_storage": "int8", "rollback": "unit"}),
+    Config("topk-1%-int8res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "int8", "rollback": "unit"},
+           takeover=True),
+    # no residual at all: unbiased stochastic rounding instead of error feedback (ZeRO++ qgZ's choice)
+    Config("blockquant-4bit-sr", "commpress", "blockquant", {"bits": 4, "stochastic": True}),
 ]
 BY_NAME = {c.name: c for c in ALL + STUDY}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",
@@ -138,6 +146,8 @@ GROUPS = {
     "torch": [c.name for c in ALL if c.kind != "commpress"],
     "commpress": [c.name for c in ALL if c.kind == "commpress"],
     "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY if c.compressor == "topk"],
+    "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-int8res", "blockquant-4bit-sr", "topk-1%",
+               "topk-1%-int8res"],
 }
 
 

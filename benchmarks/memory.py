@@ -104,6 +104,14 @@ for _name, (_base, _store) in RESIDUAL_CONFIGS.items():
     _add(_name, _b["kind"], f"{_b['label']} residual_storage={_store}", _b["compressor"], _b["params"],
          baseline=_b["baseline"])
     CONFIGS[_name]["options"] = {"residual_storage": _store}   # register()'s, not the compressor's
+#: int8 residuals committed per unit (rollback="unit": no pending copy between steps)
+for _base in ("blockquant4", "topk", "topk-opt", "fsdp-blockquant4", "fsdp-topk"):
+    _b = CONFIGS[_base]
+    _name = f"{_base}-int8unit"
+    RESIDUAL_CONFIGS[_name] = (_base, "int8")
+    _add(_name, _b["kind"], f"{_b['label']} residual_storage=int8 rollback=unit", _b["compressor"],
+         _b["params"], opt=_b.get("opt", "adamw"), baseline=_b["baseline"], takeover=_b.get("takeover", False))
+    CONFIGS[_name]["options"] = {"residual_storage": "int8", "rollback": "unit"}
 #: PyTorch's powerSGD_hook can deadlock on gloo with several buckets: the batched one then
 FALLBACK = {"torch-powersgd": "torch-powersgd-batched"}
 DEFAULT_CONFIGS = [n for n in CONFIGS if n != "torch-powersgd-batched"]

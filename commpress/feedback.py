@@ -100,14 +100,30 @@ class ResidualTransaction:
 
     def __init__(self) -> None:
         self._staged: list[tuple[ErrorFeedback, Any, torch.Tensor | None]] = []
+        self._done = 0      # entries before this one were committed early (commit_through)
         self._bad: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return len(self._staged)
+        return len(self._staged) - self._done
 
     def stage(self, memory: Memory, key: Any, local_bad: torch.Tensor | None = None) -> None:
         """Remember that ``memory`` holds a pending update for ``key`` (committed by :meth:`commit`)."""
         self._staged.append((memory, key, local_bad))
+
+    def position(self) -> int:
+        """How many updates were staged so far (for :meth:`commit_through`)."""
+        return len(self._staged)
+
+    def commit_through(self, position: int) -> None:
+        """Commit the staged updates before ``position`` now, under the bad flag marked so far
+        (which stays: a later mark still keeps every update staged after it).  A step that
+        commits each unit's updates once its collective judged it (the hooks'
+        ``rollback="unit"``) keeps no pending state beyond the units in flight; a NaN/inf then
+        keeps the residuals of the unit that saw it and of every unit after it."""
+        end = min(position, len(self._staged))
+        for memory, key, local in self._staged[self._done:end]:
+            memory.commit(key, _either(self._bad, local))
+        self._done = max(self._done, end)
 
     def mark_bad(self, flag: torch.Tensor) -> None:
         """OR ``flag`` (0-d bool) into the transaction's bad flag."""
@@ -119,16 +135,18 @@ class ResidualTransaction:
 
     def commit(self, bad: torch.Tensor | None = None) -> None:
         flag = _either(self._bad, bad)
-        for memory, key, local in self._staged:
+        for memory, key, local in self._staged[self._done:]:
             memory.commit(key, _either(flag, local))
         self._staged.clear()
+        self._done = 0
         self._bad = None
 
     def rollback(self) -> None:
-        """Drop every staged update (the live state keeps its value)."""
-        for memory, key, _ in self._staged:
+        """Drop every staged update not committed yet (the live state keeps its value)."""
+        for memory, key, _ in self._staged[self._done:]:
             memory.rollback(key)
         self._staged.clear()
+        self._done = 0
         self._bad = None
 
 
@@ -189,8 +207,8 @@ class ErrorFeedback(Compressor):
     Per ``key``: ``c = x + beta * e`` (fp32); the payload is
     ``compressor.compress(c)`` (``c`` cast back to ``x``'s dtype); then
     ``e = c - decompress(payload)``.  So ``decompress(payload) + e_after ==
-    x + beta * e_before``.  Residuals are fp32, shaped like the input, allocated
-    once per key (with one pending buffer of the same size that also holds
+    x + beta * e_before``.  Residuals are fp32 (or lean, ``storage``), shaped like the
+    input, allocated once per key (with one pending buffer of the same size that also holds
     ``c``) and updated in place.  When ``c`` holds a NaN/inf the payload still
     carries it (so AMP's GradScaler sees it) and the residual keeps its old
     value.  For fp32 input to a sparsifier the residual is written in the same
@@ -214,13 +232,32 @@ class ErrorFeedback(Compressor):
     here: pair it with plain SGD, ``torch.optim.SGD(params, lr, momentum=0)``.
     The velocity commits with the residual (same non-finite rule and
     transactions), adds two fp32 buffers per key, and is in ``state_dict``.
+
+    Args:
+        compressor: what encodes the compensated tensor.
+        beta: the residual's weight in the compensation, in [0, 1].
+        momentum: momentum correction's factor in [0, 1) (0: off).
+        clip: local gradient clipping before the velocity (L2 norm), or ``None``.
+        masking: momentum factor masking (with ``momentum``).
+        storage: how residuals are kept between steps: ``"fp32"`` (exact), ``"bf16"`` or
+            ``"int8"`` (blockwise, stochastic rounding; :mod:`commpress.storage`).  The
+            computation is fp32 either way; a lean store decodes into a buffer of the key's
+            size while it works.
+        seed: the lean stores' rounding noise is drawn from it (and the rank, key and a count).
+        hold_pending: keep each key's pending residual between steps (allocated once; the
+            commit swaps it with the live one).  ``False`` frees it at the commit: only the
+            keys between a compress and their commit hold one (the hooks' ``rollback="unit"``).
+
+    Raises:
+        TypeError: ``compressor`` is not a Compressor, ``masking``/``hold_pending`` not bools.
+        ValueError: a number out of its range, or an unknown ``storage`` (naming the allowed ones).
     """
 
     unbiased = False
 
     def __init__(self, compressor: Compressor, beta: float = 1.0, momentum: float = 0.0,
                  clip: float | None = None, masking: bool = True, storage: str = "fp32",
-                 seed: int = 0) -> None:
+                 seed: int = 0, hold_pending: bool = True) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -239,6 +276,9 @@ class ErrorFeedback(Compressor):
         if not isinstance(masking, bool):
             raise TypeError(f"masking must be a bool, got {type(masking).__name__}")
         self.storage = check_storage(storage)
+        if not isinstance(hold_pending, bool):
+            raise TypeError(f"hold_pending must be a bool, got {type(hold_pending).__name__}")
+        self.hold_pending = hold_pending
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
@@ -395,7 +435,7 @@ class ErrorFeedback(Compressor):
         if isinstance(key, _Dense):
             self._commit_dense(key.name, bad)
             return
-        pend = self._pending[key]
+        pend = self._pending[key] if self.hold_pending else self._pending.pop(key)
         keep_old = _host_verdict(bad)
         if isinstance(pend, LeanTensor):
             live = self._residuals.get(key)
@@ -404,13 +444,17 @@ class ErrorFeedback(Compressor):
             if keep_old is None:
                 live.keep_where(bad, pend)
             elif not keep_old:
-                self._residuals[key], self._pending[key] = pend, live
+                self._residuals[key] = pend
+                if self.hold_pending:
+                    self._pending[key] = live
         else:
             live = self._slot(self._residuals, key, pend)
             if keep_old is None:
                 torch.where(bad, live, pend, out=live)
             elif not keep_old:
-                self._residuals[key], self._pending[key] = pend, live
+                self._residuals[key] = pend
+                if self.hold_pending:
+                    self._pending[key] = live
         if self.momentum:
             vbuf = self._velocity_pending[key]
             vpend = vbuf[:-1] if isinstance(pend, LeanTensor) else vbuf[:-1].view(pend.shape)

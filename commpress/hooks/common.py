@@ -67,6 +67,14 @@ def resolve_compressor(compressor: Compressor | str, params: dict[str, Any] | No
     )
 
 
+#: What a step with a NaN/inf keeps (the hooks' ``rollback=``): ``"step"``, every residual as it
+#: was (each key keeps a pending residual between steps: twice the storage); ``"unit"``, the
+#: residuals of the unit that saw it and of every unit after it (each unit commits once its
+#: collective judged it: pending residuals only for the units in flight); the units committed
+#: before keep their update, what they sent dropped with the step as GradScaler drops the gradient.
+ROLLBACKS = ("step", "unit")
+
+
 def training_defaults(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` for the compressor registered as ``name`` with the hooks' training policies
     added where the user gave none: a sparsifier's density warm-up
@@ -105,10 +113,11 @@ def wants_error_feedback(compressor: Compressor, error_feedback: bool | str) -> 
 
 def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "auto",
                         momentum: float = 0.0, masking: bool = True,
-                        storage: str = "fp32") -> tuple[Compressor, bool]:
+                        storage: str = "fp32", hold_pending: bool = True) -> tuple[Compressor, bool]:
     """Return ``(codec, uses_ef)``: ``compressor`` wrapped in ``commpress.ErrorFeedback`` when
     wanted (always with ``momentum > 0``: DGC's momentum correction lives there, with momentum
-    factor masking when ``masking``), its residuals kept in ``storage`` (:mod:`commpress.storage`)."""
+    factor masking when ``masking``), its residuals kept in ``storage`` (:mod:`commpress.storage`),
+    its pending ones between steps only with ``hold_pending``."""
     if momentum:
         if error_feedback is False:
             raise ValueError("momentum correction needs error feedback (error_feedback=False was given)")
@@ -124,7 +133,8 @@ def wrap_error_feedback(compressor: Compressor, error_feedback: bool | str = "au
         if momentum and momentum != compressor.momentum:
             raise ValueError(f"momentum={momentum} given with an ErrorFeedback of momentum {compressor.momentum}")
         return compressor, True
-    return ErrorFeedback(compressor, momentum=momentum, masking=masking, storage=storage), True
+    return ErrorFeedback(compressor, momentum=momentum, masking=masking, storage=storage,
+                         hold_pending=hold_pending), True
 
 
 def all_reduce_bytes(nbytes: int, world: int) -> int:
@@ -509,10 +519,13 @@ class HookState:
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
                  momentum_masking: bool = False, residual_storage: str = "fp32",
-                 **compressor_params: Any) -> None:
+                 rollback: str = "step", **compressor_params: Any) -> None:
         from ..storage import check_storage
 
         self.residual_storage = check_storage(residual_storage, "residual_storage")
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {', '.join(repr(r) for r in ROLLBACKS)}, got {rollback!r}")
+        self.rollback = rollback
         if residual_storage != "fp32" and getattr(compressor, "name", compressor) == "auto":
             raise ValueError("residual_storage must be 'fp32' with compressor 'auto' (its candidates keep "
                              "fp32 residuals for now)")
@@ -521,7 +534,8 @@ class HookState:
             raise TypeError(f"momentum_masking must be a bool, got {type(momentum_masking).__name__}")
         self.momentum_masking = momentum_masking
         self.codec, self.uses_error_feedback = wrap_error_feedback(self.compressor, error_feedback, momentum,
-                                                                   momentum_masking, self.residual_storage)
+                                                                   momentum_masking, self.residual_storage,
+                                                                   hold_pending=rollback == "step")
         self.error_feedback_arg = error_feedback   # momentum taken over later rewraps with it
         self.momentum = float(getattr(self.codec, "momentum", 0.0))
         self.process_group = process_group

@@ -216,7 +216,7 @@ class DDPState(TakeoverMixin, HookState):
                  overlap: bool = True, hierarchy: int | str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
                  scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-                 **compressor_params: Any) -> None:
+                 rollback: str = "step", **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
         if model is not None and not isinstance(model, DistributedDataParallel):
@@ -248,7 +248,7 @@ class DDPState(TakeoverMixin, HookState):
                 or (isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1)):
             raise ValueError(f"hierarchy must be None, 'auto' or a positive int (ranks per node), got {hierarchy!r}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         residual_storage=residual_storage, **compressor_params)
+                         residual_storage=residual_storage, rollback=rollback, **compressor_params)
         self.auto = auto
         if auto:
             self._new_auto_codec()
@@ -422,7 +422,7 @@ class DDPState(TakeoverMixin, HookState):
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
             hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None,
-            scaler=self.scaler)
+            scaler=self.scaler, unit_commits=self.rollback == "unit")
 
     def _scaler_changed(self) -> None:
         """A scaler attached (or detached) after binding: freeze the configuration again (the next
@@ -993,7 +993,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              overlap: bool = True, hierarchy: int | str | None = None,
              optimizer: torch.optim.Optimizer | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-             **compressor_params: Any) -> DDPState:
+             rollback: str = "step", **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
     ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
     ``state.state_dict()``, ``state.close()``).  Collective: call it on every rank
@@ -1022,12 +1022,19 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             (4 bytes per compressed parameter, plus as much for the pending copy), ``"bf16"``
             (2 + 2) or ``"int8"`` (blockwise with its own scales: about 1.03 + 1.03), rounded
             stochastically (:mod:`commpress.storage`).  ``ValueError`` for another value.
+        rollback: what a step with a NaN/inf anywhere (on any rank) keeps as it was: ``"step"``
+            (default) every residual, at the price of a pending copy of each between steps;
+            ``"unit"`` the residuals of the first unit that saw it and of every unit after it,
+            while the units judged before keep their update (what they sent is dropped with the
+            step, as GradScaler drops its gradient): each unit commits when its collective
+            ends, so pending residuals exist only for the units in flight (about half the
+            residual memory).  ``ValueError`` for another value.
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
                      hierarchy=hierarchy, optimizer=optimizer, scaler=scaler,
-                     residual_storage=residual_storage, **compressor_params)
+                     residual_storage=residual_storage, rollback=rollback, **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 

@@ -237,7 +237,7 @@ class FSDPState(TakeoverMixin, HookState):
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
                  scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-                 **compressor_params: Any) -> None:
+                 rollback: str = "step", **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
         if self.auto:  # a compressor per unit, chosen from measurements (commpress.auto.fsdp)
             from ..auto.fsdp import EXCLUDED_KINDS
@@ -248,7 +248,7 @@ class FSDPState(TakeoverMixin, HookState):
                                  "runs under error feedback so that a switch loses no residual")
             compressor = auto_spec(compressor_params, exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         residual_storage=residual_storage, **compressor_params)
+                         residual_storage=residual_storage, rollback=rollback, **compressor_params)
         if self.auto:
             self._new_auto_codec()
         if self.compressor.aggregation == "lowrank":
@@ -481,6 +481,8 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                                             generator=st.generator, validate=unit.validated != facts,
                                             transaction=st.transaction, algorithm=algorithm)
         unit.validated = facts
+        if st.rollback == "unit":   # judged on every rank: the unit's residual updates commit now
+            st.transaction.commit_through(st.transaction.position())
         if isinstance(scale, float) and scale == 1.0:
             out.copy_(summed)
         else:
@@ -518,6 +520,8 @@ class ReplicaAllReduce:
                                            step=st.step, stats=cs, generator=st.generator,
                                            validate=self.validated != facts, transaction=st.transaction)
             self.validated = facts
+            if st.rollback == "unit":
+                st.transaction.commit_through(st.transaction.position())
             torch.mul(summed, factor, out=reduce_output)
         st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
                         algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
@@ -582,6 +586,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
+             rollback: str = "step",
              **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
@@ -615,6 +620,9 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
 
     ``residual_storage``: how error feedback keeps its residuals between steps, ``"fp32"``,
     ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in :func:`commpress.ddp.register`).
+    ``rollback``: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a NaN/inf
+    keeps the residuals of the unit that saw it and of the later ones), as in
+    :func:`commpress.ddp.register`.
 
     Collective: exchanges a configuration fingerprint over the units' process
     group (compressor, parameters, options, world size, unit names and
@@ -652,7 +660,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     pg = groups[0]._reduce_scatter_process_group
     state = FSDPState(compressor, error_feedback=error_feedback, all_gather=all_gather,
                       process_group=pg if replicate_group is None or reduce_scatter else dist.group.WORLD,
-                      units=units, scaler=scaler, residual_storage=residual_storage, **compressor_params)
+                      units=units, scaler=scaler, residual_storage=residual_storage,
+                      rollback=rollback, **compressor_params)
     state.replicate = None if replicate_group is None else replicate_group.size()
     if optimizer is not None:
         state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it

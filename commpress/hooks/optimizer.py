@@ -220,7 +220,8 @@ class TakeoverMixin:
                                    "residuals); attach the optimizer before the first compressed step")
             self.codec, self.uses_error_feedback = wrap_error_feedback(
                 self.compressor, getattr(self, "error_feedback_arg", "auto"), m,
-                getattr(self, "momentum_masking", False), getattr(self, "residual_storage", "fp32"))
+                getattr(self, "momentum_masking", False), getattr(self, "residual_storage", "fp32"),
+                hold_pending=getattr(self, "rollback", "step") == "step")
             self.momentum = m
             self._codec_changed()
             if self.fingerprint is not None:

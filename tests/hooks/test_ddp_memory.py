@@ -23,9 +23,10 @@ def _train(rank, model, opt, steps, first=0):
         opt.step()
 
 
-def _run(rank, world, compressor, params, storage, steps):
+def _run(rank, world, compressor, params, storage, steps, rollback="step"):
     model = make_ddp(seed=3, bucket_cap_mb=25)   # one bucket: the fused CPU lanes run it
-    state = commpress.ddp.register(model, compressor, warmup_steps=1, residual_storage=storage, **params)
+    state = commpress.ddp.register(model, compressor, warmup_steps=1, residual_storage=storage,
+                                   rollback=rollback, **params)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(rank, model, opt, steps)
     mem = state.stats.as_dict()["memory"]
@@ -37,7 +38,8 @@ def _run(rank, world, compressor, params, storage, steps):
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     b.load_state_dict(ckpt["model"])
-    s_b = commpress.ddp.register(b, compressor, warmup_steps=1, residual_storage=storage, **params)
+    s_b = commpress.ddp.register(b, compressor, warmup_steps=1, residual_storage=storage,
+                                 rollback=rollback, **params)
     o_b = torch.optim.SGD(b.parameters(), lr=0.1)
     o_b.load_state_dict(ckpt["opt"])
     s_b.load_state_dict(ckpt["hook"])
@@ -55,8 +57,8 @@ def _run(rank, world, compressor, params, storage, steps):
 @pytest.mark.parametrize("compressor,params", [("topk", {"ratio": 0.05}), ("blockquant", {"bits": 4})])
 def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compressor, params):
     figures = {}
-    for storage in ("fp32", "int8"):
-        res = run(_run, 2, compressor, params, storage, 4, timeout=180)
+    for storage, rollback in (("fp32", "step"), ("int8", "step"), ("int8", "unit")):
+        res = run(_run, 2, compressor, params, storage, 4, rollback, timeout=180)
         (mem, counted, resumed, w0, compressed), (_, _, _, w1, _) = res
         assert all((a == b).all() for a, b in zip(w0, w1)), "replicas differ"
         assert resumed, "the resume from a checkpoint is not bitwise"
@@ -67,8 +69,11 @@ def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compres
         per = bytes_per_element(storage)
         assert per * elements <= mem["by_kind"]["residuals"] <= per * elements + 3 * 132   # int8: 3 padded blocks
         assert mem["by_kind"]["working"] == 0
-        figures[storage] = mem["bytes"]
-    assert figures["int8"] < 0.6 * figures["fp32"]
+        # rollback="unit" keeps no pending residual between steps; "step" one per key
+        assert mem["by_kind"]["pending"] == (0 if rollback == "unit" else mem["by_kind"]["residuals"])
+        figures[storage, rollback] = mem["bytes"]
+    assert figures["int8", "step"] < 0.6 * figures["fp32", "step"]
+    assert figures["int8", "unit"] < figures["int8", "step"]
 
 
 def test_residual_storage_is_checked():
@@ -76,3 +81,53 @@ def test_residual_storage_is_checked():
         commpress.ddp.DDPState("topk", ratio=0.01, residual_storage="fp4")
     with pytest.raises(ValueError, match="residual_storage must be 'fp32' with compressor 'auto'"):
         commpress.ddp.DDPState("auto", residual_storage="int8")
+    with pytest.raises(ValueError, match="rollback must be one of 'step', 'unit'"):
+        commpress.ddp.DDPState("topk", ratio=0.01, rollback="bucket")
+
+
+def _unit_residuals(state):
+    """{unit's parameter names: its residual (fp32 copy, or None)}."""
+    return {tuple(u.names): (None if (r := state.codec.residual(u.key)) is None else r.clone().reshape(-1))
+            for u in state.units}
+
+
+def _nonfinite_in(rank, world, rollback, poisoned):
+    from test_ddp import SMALL_CAP_MB, fast_ops
+    fast_ops()
+    model = make_ddp(seed=4, bucket_cap_mb=SMALL_CAP_MB)    # a bucket per parameter: a unit each
+    state = commpress.ddp.register(model, "topk", ratio=0.05, warmup_steps=1, rollback=rollback, overlap=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inject = {"on": False}
+
+    def poison(g):
+        if inject["on"] and rank == 1:
+            g = g.clone()
+            g.view(-1)[0] = float("inf")
+        return g
+
+    getattr(model.module, poisoned).weight.register_hook(poison)
+    _train(rank, model, opt, 3)
+    pending_between_steps = state.stats.as_dict()["memory"]["by_kind"]["pending"]
+    before = _unit_residuals(state)
+    inject["on"] = True
+    opt.zero_grad()
+    loss_of(model, *batch(rank, 3, seed=3)).backward()   # skipped, as GradScaler would
+    after = _unit_residuals(state)
+    order = [tuple(u.names) for u in state.units]           # the order the units ran in
+    state.close()
+    return pending_between_steps, order, {k: torch.equal(before[k], after[k]) for k in before}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("poisoned", ["fc2", "fc1"])   # compressed (fc3 goes dense); fc2 runs first
+def test_rollback_unit_keeps_no_pending_and_keeps_the_units_from_the_bad_one_on(poisoned):
+    for rollback in ("step", "unit"):
+        res = run(_nonfinite_in, 2, rollback, poisoned, timeout=100)
+        for pending, order, kept in res:
+            first_bad = [names[0].startswith(f"module.{poisoned}.") or names[0].startswith(f"{poisoned}.")
+                         for names in order].index(True)
+            if rollback == "step":   # every residual as it was, at the price of a pending copy each
+                assert pending > 0 and all(kept.values())
+            else:                    # no pending copy; the bad unit and every later one keep theirs
+                assert pending == 0
+                assert [kept[names] for names in order] == [i >= first_bad for i in range(len(order))]
