@@ -168,7 +168,7 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
         return {"compression_s": 0.0}
     import commpress
 
-    hook_only = ("momentum", "momentum_masking")   # the hook's keywords, not the compressor's
+    hook_only = ("momentum", "momentum_masking", "residual_storage", "rollback")   # the hook's, not the compressor's
     comp = commpress.get(cfg.compressor, **{k: v for k, v in cfg.params.items() if k not in hook_only})
     # Mirror the hook's split: 1-D and small (< min_numel) gradients go dense (4 bytes/element); the
     # rest is one compressed unit (the whole model here; the hook does one per bucket), or one per

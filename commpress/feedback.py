@@ -469,6 +469,8 @@ class ErrorFeedback(Compressor):
                     self._velocity_pending[key] = spare
                 else:  # the first swap: the next compensate allocates a pending buffer
                     del self._velocity_pending[key]
+            if not self.hold_pending:   # only the keys in flight hold a pending velocity
+                self._velocity_pending.pop(key, None)
 
     _apply = commit  # the name before the public protocol
 

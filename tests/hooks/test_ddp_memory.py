@@ -131,3 +131,27 @@ def test_rollback_unit_keeps_no_pending_and_keeps_the_units_from_the_bad_one_on(
             else:                    # no pending copy; the bad unit and every later one keep theirs
                 assert pending == 0
                 assert [kept[names] for names in order] == [i >= first_bad for i in range(len(order))]
+
+
+def _momentum_memory(rank, world, rollback):
+    model = make_ddp(seed=3, bucket_cap_mb=25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = commpress.ddp.register(model, "topk", ratio=0.05, warmup_steps=1, optimizer=opt,
+                                   residual_storage="int8", rollback=rollback)
+    _train(rank, model, opt, 3)
+    mem = state.stats.as_dict()["memory"]["by_kind"]
+    weights = [p.detach().numpy().copy() for p in model.parameters()]
+    state.close()
+    return mem, weights
+
+
+@pytest.mark.timeout(120)
+def test_rollback_unit_keeps_no_pending_velocity_either():
+    for rollback in ("step", "unit"):
+        (mem, w0), (_, w1) = run(_momentum_memory, 2, rollback, timeout=100)
+        assert all((a == b).all() for a, b in zip(w0, w1))
+        assert mem["velocities"] > 0      # the momentum taken over from SGD, fp32
+        if rollback == "unit":
+            assert mem["pending"] == mem["velocities_pending"] == 0
+        else:
+            assert mem["velocities_pending"] >= mem["velocities"]
