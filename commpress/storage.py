@@ -29,11 +29,12 @@ import math
 
 import torch
 
+from . import ops
+
 #: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
 STORAGES = ("fp32", "bf16", "int8")
 #: Elements per fp32 scale of the ``int8`` storage.
 INT8_BLOCK = 128
-_INT8_MAX = 127.0
 
 
 def check_storage(value: object, name: str = "storage") -> str:
@@ -99,27 +100,11 @@ class LeanTensor:
             return
         gen = torch.Generator(device=flat.device)
         gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        x = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
         if self.storage == "bf16":
-            # add 16 random low bits to the fp32 pattern, then truncate: rounds the magnitude up with
-            # probability (dropped bits) / 2**16, so E[stored] == src (sign-magnitude: both signs alike)
-            noise = _random_bits(self.numel, 2, flat.device, gen).view(torch.int16).to(torch.int32)
-            bits = flat.float().contiguous().view(torch.int32).add(noise.bitwise_and_(0xFFFF))
-            self.codes.view(torch.int16).copy_(bits.bitwise_right_shift_(16))
-            return
-        blocks = self.scales.numel()
-        x = flat.float()
-        pad = blocks * INT8_BLOCK - self.numel
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad))
-        x = x.view(blocks, INT8_BLOCK)
-        torch.amax(x.abs(), dim=1, out=self.scales)
-        self.scales.div_(_INT8_MAX)
-        inv = torch.where(self.scales > 0, 1.0 / self.scales, torch.zeros_like(self.scales))
-        y = x * inv[:, None]
-        # uniform noise in (0, 1) at 1/256 resolution (a rounding's bias below 1/512 of a code)
-        u = _random_bits(y.numel(), 1, y.device, gen).view(torch.uint8).view(y.shape)
-        y.add_(u.to(torch.float32).add_(0.5).mul_(1.0 / 256)).floor_().clamp_(-_INT8_MAX, _INT8_MAX)
-        self.codes.view(blocks, INT8_BLOCK).copy_(y)
+            ops.bf16_stochastic_encode(x, _random_bits(self.numel, 2, x.device, gen).view(torch.int16), self.codes)
+        else:
+            ops.int8_block_encode(x, _random_bits(self.numel, 1, x.device, gen), self.codes, self.scales, INT8_BLOCK)
 
     def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The stored value as fp32 (``numel`` elements), in ``out`` when given (any shape with

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from . import _usage, reference
+from . import _usage, lean, reference
 
 BACKENDS = ("torch", "numba", "cuda")
 
@@ -27,6 +27,7 @@ BACKENDS = ("torch", "numba", "cuda")
 _IMPLS: dict[str, dict[str, Callable]] = {"torch": {}}
 for _name in reference.__all__:
     _IMPLS["torch"][_name] = getattr(reference, _name)
+_IMPLS["torch"].update(lean.REFERENCE)   # the lean residual stores' encoders (commpress.storage)
 
 
 def register_backend(backend: str, impls: dict[str, Callable]) -> None:
@@ -98,7 +99,7 @@ def backends_used(reset: bool = False) -> dict[str, str]:
 
 
 def _dispatching(op: str) -> Callable:
-    ref = getattr(reference, op)
+    ref = _IMPLS["torch"][op]
 
     @functools.wraps(ref)
     def call(*args, backend: str | None = None, **kwargs):
@@ -117,10 +118,12 @@ def _dispatching(op: str) -> Callable:
 
 
 _load_optional_backends()
+if lean.NUMBA:
+    register_backend("numba", lean.NUMBA)
 
 # Re-export every op as a dispatching function: commpress.ops.topk_compact(...).
-for _name in reference.__all__:
+for _name in [*reference.__all__, *lean.REFERENCE]:
     globals()[_name] = _dispatching(_name)
 
-__all__ = list(reference.__all__) + ["BACKENDS", "available_backends", "backends_used", "register_backend",
+__all__ = list(reference.__all__) + list(lean.REFERENCE) + ["BACKENDS", "available_backends", "backends_used", "register_backend",
                                      "resolve"]

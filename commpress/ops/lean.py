@@ -1,0 +1,112 @@
+"""The lean residual stores' encoders (:mod:`commpress.storage`): torch reference and numba kernels.
+
+Two ops, dispatched like every op of :mod:`commpress.ops`:
+
+* :func:`int8_block_encode` — ``scales[b] = max|x_b| / 127``; ``codes = clamp(floor(x / scale + u),
+  -127, 127)`` with ``u = (noise + 0.5) / 256`` (noise: one random byte per element), so
+  ``E[codes * scale] == x`` up to the noise's 1/256 resolution;
+* :func:`bf16_stochastic_encode` — the fp32 bit pattern plus 16 random low bits, truncated to its
+  top 16 bits (bf16): rounds the magnitude up with probability (dropped bits) / 2**16.
+
+The numba kernels make one pass over ``x`` (int8: two over each block, which stays in cache) and
+compute in fp32 with the reference's operations in its order: bitwise the same codes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: The ``int8`` codes' largest magnitude.
+INT8_MAX = 127.0
+
+
+def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      block: int) -> None:
+    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (int8, ``len(scales) * block``, the
+    tail padding written as 0) and ``scales`` (fp32, one per ``block``), rounding stochastically
+    with ``noise`` (uint8, at least ``n`` bytes)."""
+    blocks = scales.numel()
+    n = x.numel()
+    xf = x.float()
+    pad = blocks * block - n
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    xb = xf.view(blocks, block)
+    torch.amax(xb.abs(), dim=1, out=scales)
+    scales.div_(INT8_MAX)
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    y = xb * inv[:, None]
+    u = noise[:n].to(torch.float32).add_(0.5).mul_(1.0 / 256)
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    y.add_(u.view(blocks, block)).floor_().clamp_(-INT8_MAX, INT8_MAX)
+    codes.view(blocks, block).copy_(y)
+
+
+def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor) -> None:
+    """Store the flat fp32 ``x`` as bf16 ``codes`` (same numel), rounding stochastically with
+    ``noise`` (int16, one per element: its low 16 bits are the added ones)."""
+    bits = x.float().contiguous().view(torch.int32).add(noise.to(torch.int32).bitwise_and_(0xFFFF))
+    codes.view(torch.int16).copy_(bits.bitwise_right_shift_(16))
+
+
+REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode}
+
+
+def _numba_impls() -> dict:
+    """The numba kernels (CPU), or ``{}`` without numba."""
+    try:
+        from numba import njit
+    except ImportError:
+        return {}
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _int8(x, noise, codes, scales, block):   # pragma: no cover - compiled
+        n = x.size
+        f127 = np.float32(INT8_MAX)
+        half = np.float32(0.5)
+        step = np.float32(1.0 / 256)
+        one = np.float32(1.0)
+        for b in range(scales.size):
+            lo = b * block
+            hi = min(lo + block, n)
+            amax = np.float32(0.0)
+            for i in range(lo, hi):
+                a = abs(x[i])
+                if a > amax or a != a:
+                    amax = a
+            s = amax / f127
+            scales[b] = s
+            inv = one / s if s > 0 else np.float32(0.0)
+            for i in range(lo, hi):
+                y = np.floor(x[i] * inv + (np.float32(noise[i]) + half) * step)
+                if y > f127:
+                    y = f127
+                elif y < -f127:
+                    y = -f127
+                codes[i] = np.int8(y)
+            for i in range(hi, lo + block):
+                codes[i] = 0
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _bf16(bits, noise, out):   # pragma: no cover - compiled
+        for i in range(bits.size):
+            out[i] = np.int16((bits[i] + (np.int32(noise[i]) & 0xFFFF)) >> 16)
+
+    def int8_numba(x, noise, codes, scales, block):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return int8_block_encode(x, noise, codes, scales, block)
+        _int8(x.numpy(), noise.numpy(), codes.numpy(), scales.numpy(), block)
+
+    def bf16_numba(x, noise, codes):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return bf16_stochastic_encode(x, noise, codes)
+        _bf16(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
+
+    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba}
+
+
+NUMBA = _numba_impls()
+
+__all__ = ["INT8_MAX", "bf16_stochastic_encode", "int8_block_encode"]

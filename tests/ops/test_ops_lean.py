@@ -1,0 +1,58 @@
+"""Parity of the lean residual stores' encoders (commpress.ops.lean): numba against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress import ops
+from commpress.storage import INT8_BLOCK
+
+pytestmark = pytest.mark.skipif("numba" not in ops.available_backends(), reason="numba not installed")
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    yield "randn", torch.randn(1000, generator=g) * 3
+    yield "one", torch.tensor([0.3])
+    yield "tail", torch.randn(INT8_BLOCK + 5, generator=g)
+    yield "zeros", torch.zeros(2 * INT8_BLOCK)
+    yield "subnormal", torch.full((300,), 1e-40) * torch.randn(300, generator=g).sign()
+    yield "huge", torch.randn(300, generator=g) * 3e38
+    x = torch.randn(400, generator=g)
+    x[5], x[200], x[301] = float("nan"), float("inf"), -float("inf")
+    yield "nonfinite", x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8) if t.element_size() == 1 \
+        else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("name,x", list(_inputs()))
+def test_int8_block_encode_numba_is_bitwise_the_reference(name, x):
+    n = x.numel()
+    blocks = -(-n // INT8_BLOCK)
+    noise = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    out = []
+    for backend in ("torch", "numba"):
+        codes = torch.full((blocks * INT8_BLOCK,), 99, dtype=torch.int8)
+        scales = torch.empty(blocks)
+        ops.int8_block_encode(x, noise, codes, scales, INT8_BLOCK, backend=backend)
+        out.append((codes, scales))
+    (c0, s0), (c1, s1) = out
+    assert torch.equal(c0, c1) and torch.equal(_bits(s0), _bits(s1))
+    if name == "randn":   # within a code of the value
+        y = (c0.float().view(blocks, INT8_BLOCK) * s0[:, None]).view(-1)[:n]
+        assert bool(((y - x).abs() <= s0.repeat_interleave(INT8_BLOCK)[:n] * 1.0001).all())
+
+
+@pytest.mark.parametrize("name,x", list(_inputs()))
+def test_bf16_stochastic_encode_numba_is_bitwise_the_reference(name, x):
+    noise = torch.randint(-2 ** 15, 2 ** 15, (x.numel(),), dtype=torch.int16, generator=torch.Generator().manual_seed(2))
+    out = []
+    for backend in ("torch", "numba"):
+        codes = torch.empty(x.numel(), dtype=torch.bfloat16)
+        ops.bf16_stochastic_encode(x, noise, codes, backend=backend)
+        out.append(codes)
+    assert torch.equal(_bits(out[0]), _bits(out[1]))
