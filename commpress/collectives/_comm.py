@@ -130,20 +130,31 @@ class BoundedCache:
         with self._lock:
             self._d.clear()
 
+    def values(self) -> list:
+        with self._lock:
+            return list(self._d.values())
+
 
 _SCRATCH = BoundedCache(16)
 
 
 def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable buffer of ``n`` elements (contents undefined), one per ``(tag, n, dtype,
-    device)`` and thread, the last few kept: fresh large allocations cost page faults on
-    every call.  Never return it to a caller: it is overwritten by the next call."""
-    key = (tag, n, dtype, str(device), threading.get_ident())
+    """A reusable buffer of ``n`` elements (contents undefined): a view of one buffer per
+    ``(tag, dtype, device)`` and thread, grown to the largest ``n`` asked, the last few kept
+    (fresh large allocations cost page faults on every call; one per size would keep the
+    model's size alive when every bucket has its own).  Never return it to a caller: it is
+    overwritten by the next call of the same tag."""
+    key = (tag, dtype, str(device), threading.get_ident())
     buf = _SCRATCH.get(key)
-    if buf is None:
+    if buf is None or buf.numel() < n:
         buf = torch.empty(n, dtype=dtype, device=device)
         _SCRATCH.put(key, buf)
-    return buf
+    return buf[:n]
+
+
+def scratch_bytes() -> int:
+    """Bytes the collectives' reusable buffers (:func:`scratch`) keep alive, every thread's."""
+    return sum(t.numel() * t.element_size() for t in _SCRATCH.values())
 
 
 def _charge(stats: CommStats | None, cost: tuple[int, int, int], t0: float | None = None) -> None:

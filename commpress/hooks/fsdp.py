@@ -143,8 +143,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from .. import collectives
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor
+from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ResidualTransaction
-from .common import HookState, Timer, codec_memory, loss_scales, resolve_compressor, tensor_bytes
+from .common import HookState, Timer, codec_memory, loss_scales, resolve_compressor
 from .optimizer import TakeoverMixin
 
 log = logging.getLogger("commpress")
@@ -218,8 +219,8 @@ class FSDPState(TakeoverMixin, HookState):
     sends ``n·(P−1)/P``; an all-gather of ``s`` bytes per rank sends
     ``s·(P−1)``).  ``state.transaction`` holds the current step's staged
     residual updates (committed by :meth:`end_step`).  ``state_dict()`` /
-    ``load_state_dict()`` save and restore the step counter, the residuals and
-    the noise generator of this rank.
+    ``load_state_dict()`` save and restore the step counter and the residuals (the
+    stochastic rounding's noise is a function of rank, step and unit: nothing to save).
 
     Args:
         scaler: AMP's ``torch.amp.GradScaler`` (or ``None``; ``TypeError`` otherwise): the
@@ -247,6 +248,13 @@ class FSDPState(TakeoverMixin, HookState):
                 raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice "
                                  "runs under error feedback so that a switch loses no residual")
             compressor = auto_spec(compressor_params, exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter")
+        elif (isinstance(compressor, str) and error_feedback == "auto" and "stochastic" not in compressor_params
+              and _takes(compressor, "stochastic")):
+            # FSDP2's default for a quantizer: unbiased stochastic rounding and no residual (ZeRO++
+            # qgZ's choice), so no rank keeps a full-size residual; stochastic=False brings error feedback
+            compressor_params = {**compressor_params, "stochastic": True}
+            log.info("commpress.fsdp: %s with stochastic rounding and no error feedback (no residual "
+                     "kept); stochastic=False keeps a residual of the whole model on every rank", compressor)
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          residual_storage=residual_storage, rollback=rollback, **compressor_params)
         if self.auto:
@@ -267,7 +275,6 @@ class FSDPState(TakeoverMixin, HookState):
                 )
             self.all_gather_compressor = ag
         self.units: dict[str, _Unit] = {name: _Unit(name, m) for name, m in units}
-        self.generator = torch.Generator().manual_seed(0x5EED + 7919 * self.rank)
         self.transaction = ResidualTransaction()
         self._step_open = False
         self._reduced: set[str] = set()
@@ -359,7 +366,9 @@ class FSDPState(TakeoverMixin, HookState):
         self.step += 1
         # what the codec keeps (residuals per (unit, chunk), pending, velocities): metadata only
         params, sharded = self._param_counts()
-        self.stats.set_memory(codec_memory(self.codec), params, sharded)
+        from ..collectives import _comm
+
+        self.stats.set_memory(codec_memory(self.codec) | {"collectives": _comm.scratch_bytes()}, params, sharded)
         self.stats.end_step()
 
     def _param_counts(self) -> tuple[int, int]:
@@ -373,15 +382,19 @@ class FSDPState(TakeoverMixin, HookState):
         return (sum(p.numel() for p in seen.values()),
                 2 * sum(t.numel() * t.element_size() for t in local))
 
+    def noise_seed(self, key: Any) -> int:
+        """The seed of this rank's stochastic rounding for ``key`` at the current step: a pure
+        function of ``(rank, step, key)``, handed to the collectives as an int (no generator is
+        read on the host, nothing to checkpoint)."""
+        return mix_seed(0x5EED, self.rank, self.step, stable_hash(key))
+
     # -- checkpoints --------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(),
-                "unit_calls": {name: int(u.calls) for name, u in self.units.items()}}
+        return {"unit_calls": {name: int(u.calls) for name, u in self.units.items()}}
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
         self.transaction.rollback()     # staged updates refer to the buffers being replaced
-        if "generator" in extra:
-            self.generator.set_state(extra["generator"])
+        # (an older checkpoint's "generator" is ignored: the noise is a function of the step now)
         for name, calls in extra.get("unit_calls", {}).items():
             if name in self.units:
                 self.units[name].calls = int(calls)
@@ -478,7 +491,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         facts = (inp.numel(), inp.dtype, tag)
         summed = collectives.reduce_scatter(inp, st.codec if codec is None else codec, group=group, key=self.unit,
                                             step=st.step, stats=cs,
-                                            generator=st.generator, validate=unit.validated != facts,
+                                            generator=st.noise_seed(self.unit), validate=unit.validated != facts,
                                             transaction=st.transaction, algorithm=algorithm)
         unit.validated = facts
         if st.rollback == "unit":   # judged on every rank: the unit's residual updates commit now
@@ -487,6 +500,16 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             out.copy_(summed)
         else:
             torch.mul(summed, scale, out=out)
+
+
+def _takes(name: str, param: str) -> bool:
+    """Whether the compressor registered as ``name`` takes the parameter ``param``."""
+    import inspect
+
+    from ..compressors.base import _REGISTRY
+
+    cls = _REGISTRY.get(name)
+    return cls is not None and param in inspect.signature(getattr(cls.__init__, "__wrapped__", cls.__init__)).parameters
 
 
 class ReplicaAllReduce:
@@ -517,7 +540,7 @@ class ReplicaAllReduce:
                 reduce_output.mul_(scales[1])
                 factor = scales[0] * factor
             summed = collectives.allreduce(reduce_output, st.codec, group=self.group, key=(self.unit, "replicas"),
-                                           step=st.step, stats=cs, generator=st.generator,
+                                           step=st.step, stats=cs, generator=st.noise_seed((self.unit, "replicas")),
                                            validate=self.validated != facts, transaction=st.transaction)
             self.validated = facts
             if st.rollback == "unit":
@@ -564,7 +587,8 @@ class QuantizedAllGather(_CommBase, AllGather):
             else:
                 facts = (n, input_tensor.dtype)
                 collectives.all_gather(input_tensor, comp, group=group, key=(self.unit, "all_gather"),
-                                       step=st.step, stats=cs, out=output_tensor, generator=st.generator,
+                                       step=st.step, stats=cs, out=output_tensor,
+                                       generator=st.noise_seed((self.unit, "all_gather")),
                                        validate=self.validated != facts)
                 self.validated = facts
                 algorithm = f"{comp.name}:all_gather"

@@ -371,7 +371,8 @@ def _commpress_frame() -> str | None:
 
 def _steady_state_host_reads(rank, world_size, configs):
     out = {}
-    for name, params in configs:
+    for label, params in configs:
+        name = label.split("/")[0]
         model = shard(make_model(), world_size)
         state = commpress.fsdp.register(model, name, **params)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -402,7 +403,8 @@ def _steady_state_host_reads(rank, world_size, configs):
         finally:
             for attr, fn in originals.items():
                 setattr(torch.Tensor, attr, fn)
-        out[name] = {"reads": reads, "steps": state.stats.steps, "ef": state.uses_error_feedback,
+        out[label] = {"reads": reads, "steps": state.stats.steps, "ef": state.uses_error_feedback,
+                      "residuals": state.stats.as_dict()["memory"]["by_kind"].get("residuals", 0),
                      "algorithms": dict(state.stats.algorithms)}
     return out
 
@@ -412,7 +414,9 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
     # One forward/backward/optimizer step after warm-up, with Tensor.item / tolist / __bool__ /
     # __int__ / __float__ / cpu recording every call made from a commpress frame: none may
     # happen (on a GPU each would be a device synchronization stalling the backward pass).
-    configs = [("blockquant", {"bits": 8}), ("topk", {"ratio": 0.1}),
+    # blockquant: FSDP2's default, stochastic rounding without a residual; blockquant/ef: with one
+    configs = [("blockquant", {"bits": 8}), ("blockquant/ef", {"bits": 8, "stochastic": False}),
+               ("topk", {"ratio": 0.1}),
                ("identity", {"all_gather": "blockquant"}), ("fp16", {}),
                # "auto" between check points (at the ends of steps 1 and 4); with momentum correction
                # every unit runs its codec under error feedback, dense included
@@ -422,7 +426,9 @@ def test_steady_state_step_reads_no_tensor_on_the_host():
             res = per_rank[name]
             assert res["reads"] == [], (name, res["reads"])
             assert res["steps"] == 3, (name, res)
-        assert per_rank["blockquant"]["ef"] and per_rank["topk"]["ef"]
+        assert per_rank["blockquant/ef"]["ef"] and per_rank["topk"]["ef"] and not per_rank["blockquant"]["ef"]
+        # the default keeps no residual on any rank; with error feedback, one of the whole unit
+        assert per_rank["blockquant"]["residuals"] == 0 < per_rank["blockquant/ef"]["residuals"]
         assert per_rank["blockquant"]["algorithms"]["0"] == "blockquant:gather_reduce_scatter"
         assert per_rank["topk"]["algorithms"]["0"] == "topk:sparse_reduce_scatter"
         assert per_rank["identity"]["algorithms"]["0/all_gather"] == "blockquant:all_gather"
