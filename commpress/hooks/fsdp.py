@@ -642,6 +642,11 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     (:meth:`FSDPState.attach_scaler`, also for a scaler made later; ``TypeError`` for anything
     but a GradScaler or ``None``).
 
+    A quantizer given by name (``"blockquant"``, ``"fp8"``, ``"mx"``) without ``stochastic=``
+    rounds stochastically and runs without error feedback: unbiased, and no rank keeps a residual
+    of the whole model (with ``stochastic=False``: error feedback, 8 bytes per parameter of the
+    model on every rank in fp32; see the README's FSDP2 memory table).
+
     ``residual_storage``: how error feedback keeps its residuals between steps, ``"fp32"``,
     ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in :func:`commpress.ddp.register`).
     ``rollback``: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a NaN/inf
