@@ -97,6 +97,9 @@ def _enter(name: str) -> None:
         _FAULT_HOOK(name)
 
 
+_CACHES: list["BoundedCache"] = []   # every cache of the collectives, for cached_bytes()
+
+
 class BoundedCache:
     """A dict of at most ``limit`` entries (the least recently used evicted), safe across
     threads.  Every module-level cache of the collectives is one, keyed by what it depends
@@ -106,6 +109,7 @@ class BoundedCache:
         self._d: dict = {}
         self._limit = limit
         self._lock = threading.Lock()
+        _CACHES.append(self)
 
     def get(self, key, default=None):
         with self._lock:
@@ -152,9 +156,24 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
     return buf[:n]
 
 
-def scratch_bytes() -> int:
-    """Bytes the collectives' reusable buffers (:func:`scratch`) keep alive, every thread's."""
-    return sum(t.numel() * t.element_size() for t in _SCRATCH.values())
+def cached_bytes() -> int:
+    """Bytes of the tensors the collectives' caches keep alive (process-wide, every thread's): the
+    reusable buffers of :func:`scratch`, the sparse collectives' hash domains, ..."""
+    seen: set[int] = set()
+    total = 0
+    stack = [v for cache in _CACHES for v in cache.values()]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return total
 
 
 def _charge(stats: CommStats | None, cost: tuple[int, int, int], t0: float | None = None) -> None:

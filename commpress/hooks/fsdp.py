@@ -368,7 +368,7 @@ class FSDPState(TakeoverMixin, HookState):
         params, sharded = self._param_counts()
         from ..collectives import _comm
 
-        self.stats.set_memory(codec_memory(self.codec) | {"collectives": _comm.scratch_bytes()}, params, sharded)
+        self.stats.set_memory(codec_memory(self.codec) | {"collectives": _comm.cached_bytes()}, params, sharded)
         self.stats.end_step()
 
     def _param_counts(self) -> tuple[int, int]:
