@@ -256,14 +256,15 @@ def test_stats_bytes_match_payloads(world_size):
 
 
 # ------------------------------------------------------------------ checkpoint / resume
-def _resume(rank, world_size):
+def _resume(rank, world_size, options=None):
+    options = options or {}
     # uninterrupted: 4 steps
     a = shard(make_model(), world_size)
-    commpress.fsdp.register(a, "topk", ratio=0.1)
+    commpress.fsdp.register(a, "topk", ratio=0.1, **options)
     train_steps(a, 4, rank)
     # interrupted: 2 steps, save (weights_only round trip), new model + state, 2 more steps
     b = shard(make_model(), world_size)
-    sb = commpress.fsdp.register(b, "topk", ratio=0.1)
+    sb = commpress.fsdp.register(b, "topk", ratio=0.1, **options)
     train_steps(b, 2, rank)
     buf = io.BytesIO()
     torch.save({"hook": sb.state_dict(), "params": local_params(b)}, buf)
@@ -273,20 +274,23 @@ def _resume(rank, world_size):
     with torch.no_grad():
         for p, saved in zip(c.parameters(), ckpt["params"]):
             p.to_local().copy_(saved)
-    sc = commpress.fsdp.register(c, "topk", ratio=0.1)
+    sc = commpress.fsdp.register(c, "topk", ratio=0.1, **options)
     sc.load_state_dict(ckpt["hook"])
     residual_keys = sorted(map(str, sc.codec._residuals))
     train_steps(c, 2, rank, start=2)
     same = all(torch.equal(x, y) for x, y in zip(local_params(a), local_params(c)))
-    return same, sc.step, residual_keys
+    return same, sc.step, residual_keys, sc.stats.as_dict()["memory"]["by_kind"]
 
 
 @pytest.mark.timeout(90)
-def test_state_dict_round_trip_resumes_bitwise():
-    for same, step, keys in run(_resume, 2):
+@pytest.mark.parametrize("options", [{}, {"residual_storage": "int8", "rollback": "unit"}])
+def test_state_dict_round_trip_resumes_bitwise(options):
+    for same, step, keys, memory in run(_resume, 2, options):
         assert same
         assert step == 4
         assert len(keys) == 4       # two units x two chunks
+        # the lean choice: int8 residuals, no pending copy between steps
+        assert (memory["pending"] == 0) == bool(options) and memory["residuals"] > 0
 
 
 # ------------------------------------------------------------------ non-finite
