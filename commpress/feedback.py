@@ -39,6 +39,7 @@ from .compressors._sparse import SparseCompressor
 from .compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .compressors.base import Compressor, Payload
 from .ops.reference import accumulate_velocity
+from ._pool import BufferPool
 from .storage import LeanTensor, check_storage
 
 log = logging.getLogger("commpress")
@@ -297,6 +298,8 @@ class ErrorFeedback(Compressor):
         self._residuals: dict[Any, Any] = {}
         self._pending: dict[Any, Any] = {}
         self._open: dict[Any, torch.Tensor] = {}   # lean storage: fp32 next residuals until sealed
+        self._work = BufferPool()   # lean storage's fp32 buffers for the next residuals, until sealed
+        self._decoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live one
         self._velocity: dict[Any, torch.Tensor] = {}
         self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -314,7 +317,14 @@ class ErrorFeedback(Compressor):
     def _pending_buf(self, key: Any, like: torch.Tensor) -> torch.Tensor:
         """The fp32 buffer (shaped like ``like``) where ``key``'s next residual is written: the
         pending residual itself with fp32 storage, a working buffer until :meth:`_seal` with a lean one."""
-        return self._slot(self._pending if self.storage == "fp32" else self._open, key, like)
+        if self.storage == "fp32":
+            return self._slot(self._pending, key, like)
+        buf = self._open.get(key)
+        if buf is None or buf.numel() != like.numel() or buf.device != like.device:
+            if buf is not None:
+                self._work.give(buf)
+            buf = self._open[key] = self._work.take(like.numel(), torch.float32, like.device)
+        return buf.view(like.shape)
 
     def _seal(self, key: Any) -> None:
         """Lean storage: store ``key``'s written next residual (its working buffer, then freed)
@@ -324,8 +334,14 @@ class ErrorFeedback(Compressor):
         src = self._open.pop(key)
         pend = self._pending.get(key)
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
-            pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device)
+            pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
         pend.encode(src, self._next_seed(key))
+        self._work.give(src)
+
+    def _release_open(self, key: Any) -> None:
+        buf = self._open.pop(key, None)
+        if buf is not None:
+            self._work.give(buf)
 
     def _next_seed(self, key: Any) -> int:
         self._stores += 1
@@ -402,8 +418,12 @@ class ErrorFeedback(Compressor):
         live = self._residuals.get(key)
         if live is None or _numel(live) != like.numel() or live.device != like.device:
             return None
-        if isinstance(live, LeanTensor):
-            return live.decode().view(like.shape)
+        if isinstance(live, LeanTensor):   # into this thread's decode buffer, reused by the next decode
+            slot = (threading.get_ident(), live.device)
+            buf = self._decoded.get(slot)
+            if buf is None or buf.numel() < live.numel:
+                buf = self._decoded[slot] = torch.empty(live.numel, dtype=torch.float32, device=live.device)
+            return live.decode(buf[:live.numel]).view(like.shape)
         return live if live.shape == like.shape else live.view(like.shape)
 
     def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0,
@@ -477,7 +497,7 @@ class ErrorFeedback(Compressor):
     def rollback(self, key: Any) -> None:
         """Drop ``key``'s pending update: nothing to undo, the live buffers were not touched
         (the pending ones are overwritten by the next compensate)."""
-        self._open.pop(key, None)
+        self._release_open(key)
 
     # -- plain momentum of the tensors that bypass compression ----------------
     def dense_momentum(self, tensor: torch.Tensor, name: str,
@@ -635,7 +655,8 @@ class ErrorFeedback(Compressor):
         if inner.fuses_feedback(x, fixed):  # compensate + encode + next residual, one pass
             payload, finite = inner.compress_feedback(x, self._live(key, x), self.beta,
                                                       self._pending_buf(key, x),
-                                                      step=step, key=key, fixed=fixed, scale=scale, **velocity)
+                                                      step=step, key=key, fixed=fixed, scale=scale, **velocity,
+                                                      **({} if inner.deterministic else {"generator": generator}))
             return self._stage(key, payload, ~finite, transaction, whole)
         c = self._add_residual(x, key, scale)
         if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
@@ -654,6 +675,8 @@ class ErrorFeedback(Compressor):
             payload = run(src, step=step, key=key, generator=generator)
             payload = _detach_from(payload, c)
             c.sub_(inner.decompress(payload, out=self._decode_buffer(payload)).reshape(c.shape).float())
+            if inner.aggregation == "lowrank":   # a finite c whose factors overflowed: a non-finite residual
+                local_bad = local_bad | ~torch.isfinite(c).all()
         return self._stage(key, payload, local_bad, transaction, whole)
 
     def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
@@ -727,7 +750,7 @@ class ErrorFeedback(Compressor):
         """Remove ``key``'s live residual and velocity and return them (fp32, or ``None``):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
-        self._open.pop(key, None)
+        self._release_open(key)
         self._velocity_pending.pop(key, None)
         live = self._residuals.pop(key, None)
         return (live.decode() if isinstance(live, LeanTensor) else live), self._velocity.pop(key, None)
@@ -762,6 +785,8 @@ class ErrorFeedback(Compressor):
         self._residuals.clear()
         self._pending.clear()
         self._open.clear()
+        self._work.clear()
+        self._decoded.clear()
         self._velocity.clear()
         self._velocity_pending.clear()
         self._dense_velocity.clear()
@@ -814,13 +839,16 @@ class ErrorFeedback(Compressor):
         self._velocity = {k: u.float().clone() for k, u in velocities.items()}
         self._pending.clear()
         self._open.clear()
+        self._work.clear()
+        self._decoded.clear()
         self._velocity_pending.clear()
 
     # -- memory ----------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """Bytes this error feedback keeps alive, by kind: ``residuals`` (live), ``pending``
         (the next residuals a transaction has not committed yet, kept between steps as buffers),
-        ``working`` (lean storage's fp32 buffers between a write and its seal), ``velocities``
+        ``working`` (lean storage's fp32 buffers: the next residuals until sealed, pooled, and a
+        decoded live residual per thread, each of the order of the largest key), ``velocities``
         and ``velocities_pending`` (momentum correction), ``dense_momentum`` (and its pending),
         ``decode`` (the reused decode buffers) and ``compressor`` (the inner compressor's state,
         e.g. PowerSGD's factors).  Each storage is counted once, in the first kind that holds it."""
@@ -828,7 +856,8 @@ class ErrorFeedback(Compressor):
         out: dict[str, int] = {}
         groups = {
             "residuals": self._residuals.values(), "pending": self._pending.values(),
-            "working": self._open.values(), "velocities": self._velocity.values(),
+            "working": [*self._open.values(), *self._work.buffers(), *self._decoded.values()],
+            "velocities": self._velocity.values(),
             "velocities_pending": self._velocity_pending.values(),
             "dense_momentum": [*self._dense_velocity.values(), *self._dense_pending.values()],
             "decode": self._decode.values(), "compressor": _tensors_of(self.compressor.state_dict()),

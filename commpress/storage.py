@@ -57,25 +57,26 @@ class LeanTensor:
         numel: elements it stands for.
         device: where the codes live.
 
-    Starts as zeros.  :meth:`encode` stores an fp32 tensor (stochastic rounding),
+    Starts as zeros (``zeroed=False``: undefined, for one about to be encoded).  :meth:`encode` stores an fp32 tensor (stochastic rounding),
     :meth:`decode` writes the stored value back as fp32, :meth:`keep_where`
     chooses between two stores elementwise on the device (a transaction's commit).
     """
 
     __slots__ = ("storage", "numel", "codes", "scales")
 
-    def __init__(self, storage: str, numel: int, device: torch.device) -> None:
+    def __init__(self, storage: str, numel: int, device: torch.device, zeroed: bool = True) -> None:
         if check_storage(storage) == "fp32":
             raise ValueError("LeanTensor: storage must be 'bf16' or 'int8' (fp32 is kept as a plain tensor)")
         self.storage = storage
         self.numel = int(numel)
+        make = torch.zeros if zeroed else torch.empty   # empty: for a store about to be encoded
         if storage == "bf16":
-            self.codes = torch.zeros(self.numel, dtype=torch.bfloat16, device=device)
+            self.codes = make(self.numel, dtype=torch.bfloat16, device=device)
             self.scales = None
         else:
             blocks = math.ceil(self.numel / INT8_BLOCK)
-            self.codes = torch.zeros(blocks * INT8_BLOCK, dtype=torch.int8, device=device)
-            self.scales = torch.zeros(blocks, dtype=torch.float32, device=device)
+            self.codes = make(blocks * INT8_BLOCK, dtype=torch.int8, device=device)
+            self.scales = make(blocks, dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import CommStats, allreduce, carries_dense, joint
+from .._pool import BufferPool
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
@@ -173,42 +174,8 @@ def scatter_slices(buf: torch.Tensor, slices: list[tuple[int, int]], src: torch.
 Pieces = list[tuple[torch.Tensor, int, int]]   # (bucket buffer, offset, numel) of a unit's parameters
 
 
-class ScratchPool:
-    """The buffers units gather their pieces into when those are not one view, shared by every
-    unit: a unit takes one for its call and gives it back when its result is stored, so the
-    pool holds as many as there are units in flight at once (one, or the held units of a joint
-    round), each of the largest unit's size, instead of one per unit (the model's size)."""
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._all: list[torch.Tensor] = []
-
-    def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of ``numel`` elements of ``like``'s dtype and device (a view of a pooled one)."""
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= numel and buf.dtype == like.dtype and buf.device == like.device:
-                return self._free.pop(i)[:numel]
-        grown = max([numel] + [b.numel() for b in self._free if b.dtype == like.dtype and b.device == like.device])
-        for old in [b for b in self._free if b.dtype == like.dtype and b.device == like.device]:
-            self._free.remove(old)     # replaced by the larger one: dropped
-            self._all = [b for b in self._all if b is not old]
-        buf = torch.empty(grown, dtype=like.dtype, device=like.device)
-        self._all.append(buf)
-        return buf[:numel]
-
-    def give(self, view: torch.Tensor) -> None:
-        """Return what :meth:`take` gave (once; a second return is ignored)."""
-        base = next((b for b in self._all if b.data_ptr() == view.data_ptr()), None)
-        if base is not None and not any(b is base for b in self._free):
-            self._free.append(base)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every buffer the pool keeps alive."""
-        return list(self._all)
-
-
 def unit_input(unit: Unit, pieces: Pieces, packable: bool = False,
-               pool: ScratchPool | None = None) -> tuple[torch.Tensor, Callable | None]:
+               pool: BufferPool | None = None) -> tuple[torch.Tensor, Callable | None]:
     """``(input, store)``: the unit's parameters concatenated, and ``store(result)``, which puts
     a result of that shape back into the bucket's pieces (``None``: the input is a view of one
     bucket buffer, where a result written into it already is).
@@ -244,7 +211,7 @@ def unit_input(unit: Unit, pieces: Pieces, packable: bool = False,
                 _move(buf, dst, src, n)
         return span, unpack
     ref = pieces[0][0]
-    gathered = (pool.take(unit.numel, ref) if pool is not None
+    gathered = (pool.take(unit.numel, ref.dtype, ref.device) if pool is not None
                 else torch.empty(unit.numel, dtype=ref.dtype, device=ref.device))
     pos = 0
     for b, off, n in pieces:
@@ -314,7 +281,9 @@ class ModelLayout:
         self.plans: dict[int, Plan] = {}
         self.units: list[Unit] = []
         self.unit_of: dict[str, int] = {}
-        self.scratch = ScratchPool()   # the units' gather buffers, shared
+        #: the units' gather buffers, shared: as many as units in flight at once (one, or the held
+        #: units of a joint round), each of the largest unit's size, not one per unit (the model's size)
+        self.scratch = BufferPool()
 
     def plan(self, index: int, params: list[torch.Tensor]) -> Plan:
         """The plan of bucket ``index`` (rebuilt when DDP changed the bucket's parameters)."""

@@ -80,12 +80,19 @@ def _numba_impls() -> dict:
             scales[b] = s
             inv = one / s if s > 0 else np.float32(0.0)
             for i in range(lo, hi):
-                y = np.floor(x[i] * inv + (np.float32(noise[i]) + half) * step)
-                if y > f127:
-                    y = f127
-                elif y < -f127:
-                    y = -f127
-                codes[i] = np.int8(y)
+                v = x[i] * inv + (np.float32(noise[i]) + half) * step
+                if v != v:   # NaN: the platform's conversion, as the reference's
+                    codes[i] = np.int8(v)
+                    continue
+                if v >= f127:
+                    t = 127
+                elif v <= -f127:
+                    t = -127
+                else:
+                    t = np.int32(v)   # floor without a libm call
+                    if t > v:
+                        t -= 1
+                codes[i] = np.int8(t)
             for i in range(hi, lo + block):
                 codes[i] = 0
 
