@@ -651,6 +651,55 @@ extern "C" __global__ void norm_rescue_kernel(const float* x, float* norms, i64 
     }
 }
 
+// reference.sign_pack's rescue, one warp per chunk whose scale the tree kernels left +inf (the
+// others return at once): a finite chunk (largest bits(|x|) below INF_KEY) is summed again on
+// |x| * 2**-32 (SIGN_RESCUE_SHIFT, exact) in groups of 256 (warp_tree256) whose roots lane 0
+// combines in the reference's order (as norm_rescue_kernel), then (sum / len) * 2**32, saturated
+// at the fp32 maximum.  A chunk holding inf keeps its +inf.
+#define SIGN_DOWN 2.3283064365386963e-10f  // 2**-32
+#define SIGN_UP 4294967296.0f              // 2**32
+
+__device__ __forceinline__ float sign_rescued(float acc, i64 len) {
+    float r = __fmul_rn(__fdiv_rn(acc, (float)len), SIGN_UP);
+    return r < __int_as_float(INF_KEY) ? r : (float)F32_MAX;
+}
+
+extern "C" __global__ void sign_rescue_kernel(const float* x, float* scales, i64 n, i64 chunk, i64 nchunks) {
+    int lane = threadIdx.x & 31;
+    for (i64 c = global_warp(); c < nchunks; c += grid_warps()) {  // warp-uniform
+        if (!(scales[c] == __int_as_float(INF_KEY))) continue;
+        i64 base = c * chunk, len = min(chunk, n - base);
+        int m = 0;
+        for (i64 j = lane; j < len; j += 32) m = max(m, __float_as_int(x[base + j]) & ABS_MASK);
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+        if (m >= INF_KEY) continue;
+        float stack[64];
+        int level[64];
+        int top = 0;
+        for (i64 g0 = 0; g0 < len; g0 += 256) {  // warp-uniform
+            i64 first = g0 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = first + e < len ? __fmul_rn(fabsf(x[base + first + e]), SIGN_DOWN) : 0.0f;
+            float s = warp_tree256(v, lane);
+            if (lane == 0) {
+                int lv = 0;
+                while (top > 0 && level[top - 1] == lv) {
+                    s = __fadd_rn(stack[--top], s);
+                    ++lv;
+                }
+                stack[top] = s;
+                level[top++] = lv;
+            }
+        }
+        if (lane == 0) {
+            float acc = top ? stack[top - 1] : 0.0f;
+            for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+            scales[c] = sign_rescued(acc, len);
+        }
+    }
+}
+
 // out[j] (+)= +scale or -scale of j's chunk by bit j.
 extern "C" __global__ void sign_unpack_kernel(const u8* packed, const float* scales, float* out,
                                               i64 chunk, i64 n, int accumulate) {
@@ -891,6 +940,29 @@ extern "C" __global__ void sign_feedback_fused_kernel(const float* x, const floa
             if ((lane & (2 * o - 1)) == 0) mine = __fadd_rn(mine, other);
         }
         float s = __fdiv_rn(__shfl_sync(FULL, mine, 0), (float)len);
+        if (s == __int_as_float(INF_KEY)) {  // warp-uniform: sign_rescue_kernel's rescue, on c_out
+            __syncwarp();  // c_out as every lane wrote it
+            int m = 0;
+            for (i64 j = lane; j < len; j += 32) m = max(m, __float_as_int(c_out[a + j]) & ABS_MASK);
+            for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+            if (m < INF_KEY) {
+                float part = 0.0f;
+                for (i64 g = 0; g < G; ++g) {
+                    i64 first = g * 256 + lane * 8;
+                    float v[8];
+                    load8(c_out + a, first, len, v);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = first + e < len ? __fmul_rn(fabsf(v[e]), SIGN_DOWN) : 0.0f;
+                    float t = __shfl_sync(FULL, warp_tree256(v, lane), 0);
+                    if (lane == g) part = t;
+                }
+                for (int o = 1; o < 32; o <<= 1) {
+                    float other = __shfl_down_sync(FULL, part, o);
+                    if ((lane & (2 * o - 1)) == 0) part = __fadd_rn(part, other);
+                }
+                s = sign_rescued(__shfl_sync(FULL, part, 0), len);
+            }
+        }
         if (lane == 0) scales[c] = s;
         for (i64 g = 0; g < G; ++g) {
             i64 first = g * 256 + lane * 8;

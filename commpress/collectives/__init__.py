@@ -1,6 +1,7 @@
 """Collectives for compressed gradients, on torch.distributed primitives.
 
-* :func:`all_gather` — every rank's tensor through a fixed-size compressor, status inside
+* :func:`all_gather` — every rank's tensor through a fixed-size compressor (a quantizer, or a
+  sparsifier's capacity slots), status inside
   (FSDP2's quantized parameter all-gather).
 * :func:`cast_message` — the one cast path of identity / fp16 / bf16 messages.
 * :func:`allreduce` — compress → the collective the compressor needs → decompress;

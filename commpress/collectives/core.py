@@ -281,27 +281,37 @@ def _cast_path(tensor, wire_dtype, group, stats, code, msg, out, prescale=None) 
     return out
 
 
+@owns_transaction
 def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: Any = 0, step: int = 0,
                stats: CommStats | None = None, out: torch.Tensor | None = None,
-               generator: torch.Generator | int | None = None, validate: bool = True) -> torch.Tensor:
+               generator: torch.Generator | int | None = None, validate: bool = True,
+               transaction: ResidualTransaction | None = None) -> torch.Tensor:
     """Every rank's ``tensor``, compressed on the wire, decoded: a ``[P, *tensor.shape]`` tensor
     of ``tensor``'s dtype, row ``r`` from rank ``r`` (this rank's own row decoded too, so every
     rank holds the same values).  FSDP2's quantized parameter all-gather is this call.
 
     Wire: ONE ``all_gather`` of ``w`` bytes per rank: the 8-byte status word of :mod:`.wire`
     (error code, signature of the static facts) and the fixed-size payload
-    (``compress_fixed``), each tensor 8-aligned; ``w = 8 + Σ align8(tensor bytes)``.  A rank
-    whose compress fails sends a zero payload of the same size, and every rank raises
-    :class:`~commpress.collectives.wire.CollectiveInputError` together.  ``validate`` agrees on
-    ``(numel, dtype, compressor)`` with one header exchange the first time a key is seen.
-    ``compressor``: a fixed-size kind (``"gather"`` or ``"sum"``).  ``out``: ``P * numel``
-    elements of ``tensor``'s dtype (any shape, contiguous), written and returned viewed as
-    ``[P, *tensor.shape]``.
+    (``compress_fixed``), each tensor 8-aligned; ``w = 8 + Σ align8(tensor bytes)``.  A
+    quantizer (aggregation ``"gather"``) or a ``"sum"`` compressor sends its codes as they are;
+    a sparsifier (``"sparse"``: topk, dgc, threshold) sends exactly
+    ``capacity(numel, step)`` slots of ``(indices, values)`` (int32 indices when ``numel <
+    2**31``, values in ``tensor``'s dtype), a slot with no entry holding index ``numel`` and value
+    0 (:class:`~commpress.compressors._sparse.SparseCompressor`), so ``w`` follows from ``numel``
+    and ``step`` alone and row ``r`` is ``decompress(compress_fixed(x_r))``: the kept entries,
+    zeros elsewhere.  A rank whose compress fails sends a zero payload of the same size, and every
+    rank raises :class:`~commpress.collectives.wire.CollectiveInputError` together.  ``validate``
+    agrees on ``(numel, dtype, compressor)`` with one header exchange the first time a key is seen.
+    ``compressor``: a fixed-size kind (``"gather"``, ``"sum"`` or ``"sparse"``), or a
+    :class:`~commpress.ErrorFeedback` around one: its residual update (what this rank's row did
+    not carry) is staged in ``transaction`` (a new one per call when not given, committed when
+    the call returns and dropped when it raises).  ``out``: ``P * numel`` elements of ``tensor``'s
+    dtype (any shape, contiguous), written and returned viewed as ``[P, *tensor.shape]``.
     """
     inner = unwrap(compressor)
-    if getattr(inner, "aggregation", None) not in ("gather", "sum"):
+    if getattr(inner, "aggregation", None) not in ("gather", "sum", "sparse"):
         raise TypeError(f"all_gather: compressor must be a fixed-size commpress Compressor (aggregation "
-                        f"'gather' or 'sum'), got {compressor!r}")
+                        f"'gather', 'sum' or 'sparse'), got {compressor!r}")
     wire.flush_deferred()
     world, n = _comm.world(group), tensor.numel()
     err = local_check(tensor, compressor, "auto", ("auto",))
@@ -311,7 +321,7 @@ def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key:
                    algorithm="auto", kind="gather", config=fingerprint(compressor), stats=stats,
                    local_message=err[1], what="all_gather")
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=None, error=err)
+                                            transaction=transaction, error=err)
     result = torch.empty(world * n, dtype=tensor.dtype, device=tensor.device) if out is None else out
     rows_out = result.view(world, n)
     if world == 1:

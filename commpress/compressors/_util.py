@@ -131,11 +131,15 @@ def uniform(seed: int, n: int, device: torch.device) -> torch.Tensor:
 def propagate_nonfinite(values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``values`` turned all-NaN when ``flat`` holds a NaN or inf, unchanged otherwise.
 
-    One reduction pass and no host sync: ``total - total`` is ``+0`` for a finite
-    sum and NaN otherwise.  Used by selectors that could drop a non-finite entry.
+    One reduction pass (``aminmax``: a NaN reaches both ends, an inf one of them) and no host
+    sync: ``(lo - lo) + (hi - hi)`` is ``+0`` when both are finite and NaN otherwise.  Exact: a
+    finite ``flat`` whose sum would overflow is still finite (a sum read it as non-finite).  Used
+    by selectors that could drop a non-finite entry.
     """
-    total = flat.sum(dtype=torch.float32)
-    return values + (total - total).to(values.dtype)
+    if flat.numel() == 0:
+        return values
+    lo, hi = torch.aminmax(flat.reshape(-1))
+    return values + ((lo - lo) + (hi - hi)).to(values.dtype)
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -139,7 +139,9 @@ class Compressor(ABC):
                           scale: float = 1.0) -> tuple["Payload", torch.Tensor]:
         """With :attr:`fused_feedback`: compensate ``tensor*scale + beta*residual`` (``residual``
         ``None``: zero), encode it (the fixed-size wire format when ``fixed``) and write the
-        next residual into ``pending`` in one pass; returns ``(payload, finite)``."""
+        next residual into ``pending`` in one pass; returns ``(payload, finite)``.  A compressor
+        that is not :attr:`deterministic` also takes ``generator=`` (its noise, as in :meth:`compress`),
+        which error feedback passes on."""
         raise NotImplementedError(f"{self.name} has no fused error feedback (fused_feedback is False)")
 
     @abstractmethod

@@ -47,6 +47,29 @@ class QSGD(Compressor):
                                           seed_from_generator(generator))
         return self.make_payload(tensor, (packed, norms))
 
+    fused_feedback = True
+
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """fp32 on the CPU: error feedback runs :meth:`compress_feedback` (on a GPU the separate
+        kernels stay: the fused op has no CUDA kernel yet)."""
+        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
+                          scale: float = 1.0, generator=None) -> tuple[Payload, torch.Tensor]:
+        """Error feedback in one pass (:func:`commpress.ops.qsgd_quantize_feedback`): the payload of
+        ``c = tensor * scale + beta * residual`` with the noise of ``generator`` (as :meth:`compress`)
+        and, in ``new_residual``, ``c - decompress(payload)``; each bucket is compensated, summed,
+        coded and its residual written while it is in cache.  Returns ``(payload, finite)``;
+        ``new_residual`` is only valid when ``finite`` (0-dim bool: every norm finite) is True.  The
+        same payload and residual as compensating, compressing and decoding in turn (bitwise for
+        ``beta = 1``)."""
+        self.check_input(tensor)
+        packed, norms, finite = ops.qsgd_quantize_feedback(tensor.reshape(-1), residual, beta, self.levels,
+                                                           self.bucket, seed_from_generator(generator),
+                                                           new_residual, scale)
+        return self.make_payload(tensor, (packed, norms)), finite
+
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         packed, norms = payload.tensors
         vals = ops.level_dequantize(packed, norms, self.bucket, self.levels, payload.numel,

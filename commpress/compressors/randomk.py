@@ -72,9 +72,9 @@ class RandomK(Compressor):
     sent: wire = the ``k`` values ``x[indices]`` in the input dtype, ``k*itemsize``
     bytes, and payloads add elementwise (aggregation ``"sum"``).  The receiver
     recomputes the indices from ``payload.meta`` (``seed``, ``step``, ``key``, ``k``)
-    and scales by ``numel/k``, so ``E[decompress] = x``.  If the tensor holds a
-    NaN/inf, every sent value becomes NaN (one extra reduction pass), so
-    non-finite gradients are never hidden.
+    and scales by ``numel/k``, so ``E[decompress] = x`` (a product beyond the fp32 range
+    saturates at its maximum).  If the tensor holds a NaN/inf, every sent value becomes NaN
+    (one extra reduction pass), so non-finite gradients are never hidden.
 
     Density warm-up: as :class:`~commpress.compressors.topk.TopK`, ``k`` follows
     ``ratio_at(step)`` during the first ``density_warmup`` steps (from
@@ -127,5 +127,15 @@ class RandomK(Compressor):
         if n:
             idx = self.indices(n, step=payload.meta["step"], key=payload.meta["key"],
                                device=values.device)
-            ops.scatter_add_(dst, idx, values.float() * (n / idx.numel()))
+            ops.scatter_add_(dst, idx, _scaled(values.float(), n / idx.numel()))
         return self.finish_decode(payload, dst, out)
+
+
+def _scaled(values: torch.Tensor, factor: float) -> torch.Tensor:
+    """``values * factor`` (fp32), saturated at the fp32 maximum where a finite value's product
+    overflows (so a finite payload decodes finite, and error feedback keeps the excess in its
+    residual); NaN/inf values stay as they are.  Elementwise over the ``k`` values, decided on the
+    device (no host read)."""
+    out = values * factor
+    big = torch.finfo(torch.float32).max
+    return torch.where(torch.isinf(out) & torch.isfinite(values), out.clamp(-big, big), out)

@@ -93,7 +93,9 @@ class SparseLoCo(Compressor):
             codes = _unpack(packed, self.bits, k)
             levels = 2 ** (self.bits - 1)
             lo, hi = scales[:, 0:1], scales[:, 1:2]
-            mag = lo + (hi - lo) * ((codes & (levels - 1)).float() + 0.5) / levels
+            # the bin centre as a fraction of the width first (exact: levels is a power of two), so
+            # lo + (hi - lo) * f <= hi never overflows
+            mag = lo + (hi - lo) * (((codes & (levels - 1)).float() + 0.5) / levels)
             vals = torch.where((codes >> (self.bits - 1)) != 0, -mag, mag)
             dense.scatter_(1, idx.long(), vals)
         target = self.decode_target(payload, out)

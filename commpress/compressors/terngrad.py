@@ -41,6 +41,27 @@ class TernGrad(Compressor):
         packed = ops.level_quantize(x, scale, max(n, 1), 1, seed_from_generator(generator))
         return self.make_payload(tensor, (packed, scale))
 
+    fused_feedback = True
+
+    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
+        """fp32 on the CPU: error feedback runs :meth:`compress_feedback` (on a GPU the separate
+        kernels stay: the fused op has no CUDA kernel yet)."""
+        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+
+    def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
+                          new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
+                          scale: float = 1.0, generator=None) -> tuple[Payload, torch.Tensor]:
+        """Error feedback in two passes (:func:`commpress.ops.terngrad_quantize_feedback`): ``s`` of
+        ``c = tensor * scale + beta * residual``, then the payload of ``c`` with the noise of
+        ``generator`` (as :meth:`compress`) and, in ``new_residual``, ``c - decompress(payload)``;
+        ``c`` itself is never stored.  Returns ``(payload, finite)``; ``new_residual`` is only valid
+        when ``finite`` (0-dim bool: ``s`` finite) is True.  The same payload and residual as
+        compensating, compressing and decoding in turn (bitwise for ``beta = 1``)."""
+        self.check_input(tensor)
+        packed, s, finite = ops.terngrad_quantize_feedback(tensor.reshape(-1), residual, beta,
+                                                           seed_from_generator(generator), new_residual, scale)
+        return self.make_payload(tensor, (packed, s)), finite
+
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         packed, scale = payload.tensors
         vals = ops.level_dequantize(packed, scale, max(payload.numel, 1), 1, payload.numel,

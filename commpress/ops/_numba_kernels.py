@@ -51,6 +51,9 @@ _F32_MIN = np.float32(2.0 ** -126)
 _PRESCALE = np.float32(2.0 ** 64)  # reference.LEVEL_PRESCALE
 _INV_PRESCALE = np.float32(2.0 ** -64)
 _NAN32 = np.float32(np.nan)
+_F32_MAX32 = np.float32(np.finfo(np.float32).max)
+_SIGN_DOWN = np.float32(2.0 ** -32)  # reference.SIGN_RESCUE_SHIFT
+_SIGN_UP = np.float32(2.0 ** 32)
 _ZERO64 = np.uint64(0)
 
 _PIECE = 8192  # cache-resident piece of a chunk (elements)
@@ -211,6 +214,14 @@ def _bits24(i, k0, k1):
     h = _mix32((np.uint64(i) & _M32) ^ k0)
     h = _mix32((h + k1) & _M32)
     return h >> _S8
+
+
+@njit(inline="always", **_SOPTS)
+def _uniform24(i, k0, k1):
+    """``counter_uniform`` of element ``i`` (an int): ``_bits24 / 2**24`` as fp32.  The uint64 form
+    with its masks vectorizes best here (64-bit lanes, the masked products as ``vpmuludq``): 1.4x
+    faster in the QSGD code loop than wrapping uint32 arithmetic (``vpmulld``)."""
+    return np.float32(np.int32(_bits24(np.uint64(i), k0, k1))) * _U24
 
 
 _GRAIN = 64  # split edges of the elementwise kernels (whole cache lines)
@@ -1203,18 +1214,19 @@ def _dequantize_chunk(pa, sa, pb, sb, two, bits, block, a, b, out, accumulate):
 
 # ---------------------------------------------------------------- sign + scale
 @njit(inline="always", **_SOPTS)
-def _tree_sum_abs(x, a, b):
-    """Sum of |x[a:b]| in the reference's fixed order: adjacent pairs, level by level,
-    over ``[a, b)`` zero-padded to a power of two (a streaming binary counter)."""
+def _tree_sum_abs(x, a, b, f):
+    """Sum of |x[a:b]| * f in the reference's fixed order: adjacent pairs, level by level,
+    over ``[a, b)`` zero-padded to a power of two (a streaming binary counter); ``f`` is a power
+    of two (the literal 1.0 folds away after inlining)."""
     stack = np.empty(64, np.float32)
     level = np.empty(64, np.int64)
     top = 0
     j = a
     while j + 8 <= b:
-        v0 = abs(x[j]) + abs(x[j + 1])
-        v1 = abs(x[j + 2]) + abs(x[j + 3])
-        v2 = abs(x[j + 4]) + abs(x[j + 5])
-        v3 = abs(x[j + 6]) + abs(x[j + 7])
+        v0 = abs(x[j]) * f + abs(x[j + 1]) * f
+        v1 = abs(x[j + 2]) * f + abs(x[j + 3]) * f
+        v2 = abs(x[j + 4]) * f + abs(x[j + 5]) * f
+        v3 = abs(x[j + 6]) * f + abs(x[j + 7]) * f
         v = (v0 + v1) + (v2 + v3)
         lv = 3
         while top > 0 and level[top - 1] == lv:
@@ -1226,7 +1238,7 @@ def _tree_sum_abs(x, a, b):
         top += 1
         j += 8
     while j < b:
-        v = abs(x[j])
+        v = abs(x[j]) * f
         lv = 0
         while top > 0 and level[top - 1] == lv:
             top -= 1
@@ -1246,25 +1258,73 @@ def _tree_sum_abs(x, a, b):
 
 @chunked(lambda x, chunk, scales: scales.size)
 def sign_scales(x, chunk, scales, c0, c1):
-    """scales[c] = tree-sum |x| over chunk ``c`` / its length (fp32)."""
+    """scales[c] = the scale of chunk ``c`` (:func:`_sign_scale`: mean |x| in the reference's
+    pairwise order, rescued where a finite chunk's sum overflows)."""
     n = x.size
+    buf = np.empty(min(chunk, _PAIRWISE_MAX), np.float32)
     for c in range(c0, c1):
         a = c * chunk
         b = min(a + chunk, n)
-        scales[c] = _tree_sum_abs(x, a, b) / np.float32(b - a)
+        scales[c] = _sign_scale(x, a, b, buf)
+
+
+@njit(inline="always", **_SOPTS)
+def _abs_sum(x, a, b, buf, f):
+    """The reference's pairwise sum of ``|x[a:b]| * f``: level by level in ``buf`` for runs of at
+    most ``_PAIRWISE_MAX`` (vectorized), else streaming."""
+    if b - a <= _PAIRWISE_MAX:
+        return _pairwise_level_sum(x[a:b], False, buf, f)
+    return _tree_sum_abs(x, a, b, f)
+
+
+@njit(inline="always", **_SOPTS)
+def _sign_scale(x, a, b, buf):
+    """``reference.sign_pack``'s scale of chunk ``x[a:b]``: mean |x| in the pairwise order, or, for a
+    finite chunk whose sum overflowed, the rescue on ``|x| * 2**-SIGN_RESCUE_SHIFT``."""
+    m = np.float32(b - a)
+    s = _abs_sum(x, a, b, buf, _F1)
+    if s == _INF32:
+        for j in range(a, b):
+            if not abs(x[j]) < _INF32:
+                return s / m   # a NaN/inf entry: the scale stays non-finite
+        r = (_abs_sum(x, a, b, buf, _SIGN_DOWN) / m) * _SIGN_UP
+        return r if r < _INF32 else _F32_MAX32
+    return s / m
+
+
+#: ``w * _BYTE_BITS >> 56`` gathers the low bits of the 8 bytes of ``w`` (each 0 or 1, little-endian)
+#: into one byte, byte ``t`` to bit ``t``: the partial products never overlap, so nothing carries.
+_BYTE_BITS = np.uint64(0x0102040810204080)
+_S56 = np.uint64(56)
+
+
+@njit(inline="always", **_SOPTS)
+def _sign_bytes(c, flags, packed, byte0):
+    """``packed[byte0 + i]`` = bits ``not (c[8i + t] < 0)`` of ``c`` (``t`` = bit), the tail byte
+    zero-padded: one vectorized compare per entry into ``flags`` (at least ``c.size`` bytes,
+    8-aligned), then one multiply per 8 entries."""
+    m = c.size
+    for j in range(m):
+        flags[j] = np.uint8(not (c[j] < _F0))
+    w = m >> 3
+    words = flags[:8 * w].view(np.uint64)
+    for i in range(w):
+        packed[byte0 + i] = np.uint8((words[i] * _BYTE_BITS) >> _S56)
+    if m & 7:
+        v = np.uint8(0)
+        for t in range(m & 7):
+            v |= np.uint8(flags[8 * w + t] << t)
+        packed[byte0 + w] = v
 
 
 @chunked(lambda x, packed: packed.size)
 def sign_bits(x, packed, c0, c1):
-    """Bit j = not (x[j] < 0), little-endian, 8 entries per byte."""
+    """Bit j = not (x[j] < 0), little-endian, 8 entries per byte (bytes ``[c0, c1)``, a piece at a time)."""
     n = x.size
-    for byte in range(c0, c1):
-        a = byte * 8
-        v = 0
-        for t in range(min(8, n - a)):
-            if not (x[a + t] < _F0):
-                v |= 1 << t
-        packed[byte] = np.uint8(v)
+    flags = np.empty(_PIECE, np.uint8)
+    for p0 in range(8 * c0, min(8 * c1, n), _PIECE):
+        p1 = min(p0 + _PIECE, 8 * c1, n)
+        _sign_bytes(x[p0:p1], flags, packed, p0 >> 3)
 
 
 @chunked(lambda packed, scales, chunk, n, out, accumulate: scales.size)
@@ -1546,106 +1606,293 @@ def _level_multiplier(fl, s):
     return fl / (s * p), p
 
 
-@chunked(lambda x, xi, scales, bucket, levels, bits, k0, k1, clen, packed: _nch(x.size, clen))
-def level_quantize(x, xi, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1):
-    """QSGD/TernGrad stochastic codes (see ``reference.level_quantize``), packed per chunk
-    of ``clen`` entries (a multiple of 8)."""
+@njit(inline="always", **_SOPTS)
+def _level_codes(t, pre, mul, fl, step, base, k0, k1, feedback, codes, os):
+    """QSGD/TernGrad codes of one bucket's values ``t`` (see ``reference.level_quantize``), element
+    ``j`` with the noise of element ``base + j``: ``q = clamp(floor((|t_j| * pre) * mul + u), 0, fl)``
+    (NaN -> 0), ``code = fl + q`` or ``fl - q`` by ``t_j``'s sign bit, into ``codes[j]``;
+    ``feedback``: also ``os[j] = t_j - (code - fl) * step``, what ``level_dequantize`` leaves of it.
+    The signed level is ``copysign(q, t_j)``, so the loop has no branch and vectorizes; ``codes`` and
+    ``os`` must not overlap ``t``."""
+    if feedback:
+        for j in range(t.size):
+            v = t[j]
+            q = np.floor((abs(v) * pre) * mul + _uniform24(base + j, k0, k1))
+            q = min(max(_F0, q), fl)  # max(0, NaN) is 0
+            code = fl + np.copysign(q, v)
+            codes[j] = np.uint8(np.int32(code))
+            os[j] = v - (code - fl) * step
+    else:
+        for j in range(t.size):
+            v = t[j]
+            q = np.floor((abs(v) * pre) * mul + _uniform24(base + j, k0, k1))
+            q = min(max(_F0, q), fl)  # max(0, NaN) is 0
+            codes[j] = np.uint8(np.int32(fl + np.copysign(q, v)))
+
+
+@chunked(lambda x, scales, bucket, levels, bits, k0, k1, clen, packed: _nch(x.size, clen))
+def level_quantize(x, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1):
+    """QSGD/TernGrad stochastic codes (see ``reference.level_quantize``), coded and packed a piece
+    of ``_PIECE`` entries at a time (chunks of ``clen`` entries, a multiple of 8)."""
     n = x.size
     fl = np.float32(levels)
-    lv = np.int32(levels)
+    codes = np.empty(_PIECE + 4, np.uint8)
     for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
-        if bits == 8:
-            codes = packed[a:b]
-        else:
-            codes = np.empty(b - a, np.uint8)
-        j = a
-        while j < b:
-            bk = j // bucket
-            e = min(b, (bk + 1) * bucket)
-            s = scales[bk]
-            if not (s > _F0):
-                s = np.float32(1.0)
-            mul, pre = _level_multiplier(fl, s)
-            for t in range(j, e):
-                y = (abs(x[t]) * pre) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
-                q = np.floor(y)
-                q = _F0 if q != q else min(max(q, _F0), fl)
-                qi = np.int32(q)
-                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
-            j = e
-        if bits != 8:
-            _pack_range(codes, a, a, b, bits, packed)
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            j = p0
+            while j < p1:
+                bk = j // bucket
+                e = min(p1, (bk + 1) * bucket)
+                s = scales[bk]
+                if not (s > _F0):
+                    s = np.float32(1.0)
+                mul, pre = _level_multiplier(fl, s)
+                _level_codes(x[j:e], pre, mul, fl, _F0, j, k0, k1, False, codes[j - p0:e - p0], x)
+                j = e
+            _put_codes(codes, p1 - p0, p0, bits, packed)
 
 
-@chunked(lambda x, xi, bucket, levels, bits, k0, k1, clen, packed, norms: _nch(x.size, clen))
-def qsgd_quantize(x, xi, bucket, levels, bits, k0, k1, clen, packed, norms, c0, c1):
-    """:func:`bucket_norms` + :func:`level_quantize` in one pass: each bucket (at most
-    ``_PAIRWISE_MAX`` entries) is summed while in cache, then coded.  ``clen`` is a
+@njit(inline="always", **_SOPTS)
+def _put_codes(codes, m, a, bits, packed):
+    """The ``m`` codes ``codes[0:m]`` (a private buffer of at least ``m + 4``) as elements ``[a, a + m)``
+    of ``packed`` (``a`` a multiple of 8): copied for 8 bits, else :func:`_pack_chunk`."""
+    if bits == 8:
+        packed[a:a + m] = codes[:m]
+    else:
+        _pack_chunk(codes, m, a, bits, packed)
+
+
+@njit(inline="always", **_SOPTS)
+def _compensate_squares(x, r, beta, scale, how, t, buf):
+    """``t = x*scale + r*beta`` as :func:`_compensate_plain` and, in the same loop, the first level
+    of the bucket's pairwise sum of squares, ``buf[i] = t[2i]**2 + t[2i+1]**2`` (what
+    :func:`_pairwise_level_sum` starts with): one pass over the bucket instead of two.  For the
+    common ``how`` (0: ``x``; 1: ``x + r``; 5: ``x*scale + r``, the hooks' averaging); returns False
+    (``t`` written, ``buf`` not) for the others."""
+    m = t.size
+    h = m >> 1
+    if how == 1:
+        for i in range(h):
+            c0 = x[2 * i] + r[2 * i]
+            c1 = x[2 * i + 1] + r[2 * i + 1]
+            t[2 * i] = c0
+            t[2 * i + 1] = c1
+            buf[i] = c0 * c0 + c1 * c1
+        if m & 1:
+            t[m - 1] = x[m - 1] + r[m - 1]
+    elif how == 0:
+        for i in range(h):
+            c0 = x[2 * i]
+            c1 = x[2 * i + 1]
+            t[2 * i] = c0
+            t[2 * i + 1] = c1
+            buf[i] = c0 * c0 + c1 * c1
+        if m & 1:
+            t[m - 1] = x[m - 1]
+    elif how == 5:
+        for i in range(h):
+            c0 = x[2 * i] * scale + r[2 * i]
+            c1 = x[2 * i + 1] * scale + r[2 * i + 1]
+            t[2 * i] = c0
+            t[2 * i + 1] = c1
+            buf[i] = c0 * c0 + c1 * c1
+        if m & 1:
+            t[m - 1] = x[m - 1] * scale + r[m - 1]
+    else:
+        _compensate_plain(x, r, beta, scale, how, t)
+        return False
+    return True
+
+
+@njit(inline="always", **_SOPTS)
+def _pairwise_squares_finish(t, buf):
+    """:func:`_pairwise_level_sum` of ``t`` squared (``f = 1``) whose first level is already in
+    ``buf[:t.size // 2]`` (:func:`_compensate_squares`)."""
+    m = t.size
+    if m < 2:
+        return t[0] * t[0] if m else _F0
+    p = 2
+    while p < m:
+        p *= 2
+    half = p >> 1
+    full = m >> 1
+    if m & 1:
+        buf[full] = t[m - 1] * t[m - 1]
+        full += 1
+    for i in range(full, half):
+        buf[i] = _F0
+    w = half
+    while w > 1:
+        w >>= 1
+        for i in range(w):
+            buf[i] = buf[2 * i] + buf[2 * i + 1]
+    return buf[0]
+
+
+@njit(inline="always", **_SOPTS)
+def _bucket_norm(t, ti, buf, first):
+    """``reference.bucket_norms`` of one cache-resident bucket ``t`` (``ti`` its int32 view, ``buf``
+    at least half its power-of-two size): the pairwise sum of squares (its first level already in
+    ``buf`` when ``first``), again scaled when it over- or underflowed."""
+    sq = _pairwise_squares_finish(t, buf) if first else _pairwise_level_sum(t, True, buf, _F1)
+    if _norm_fast_ok(sq):
+        return np.float32(np.sqrt(np.float64(sq)))
+    k = _norm_shift(ti, 0, t.size)
+    return _norm_rescued(_pairwise_level_sum(t, True, buf, _pow2_f32(k)), k)
+
+
+@njit(**_SOPTS)  # not inlined: one compiled body for the two kernels below (compile time)
+def _qsgd_chunk(x, r, beta, scale, how, feedback, levels, bits, bucket, k0, k1, a, b, out, packed, norms):
+    """QSGD of elements ``[a, b)`` (whole buckets of at most ``_PAIRWISE_MAX``; ``a`` a multiple of
+    8): each bucket staged in a private buffer (``c = x*scale + r*beta`` with the first level of its
+    squares, :func:`_compensate_squares`), its norm (:func:`_bucket_norm`) and codes
+    (:func:`_level_codes`) while it is in L1; ``feedback``: also ``out[j] := c_j - decoded_j`` (the new residual; ``out`` may be ``x`` or
+    ``r``).  Returns True when some bucket's norm is not finite."""
+    fl = np.float32(levels)
+    m = b - a
+    codes = np.empty(m + 4, np.uint8)
+    width = min(bucket, m)
+    tmpi = np.empty(width, np.int32)
+    tmp = tmpi.view(np.float32)
+    buf = np.empty(width, np.float32)
+    bad = False
+    for s0 in range(a, b, bucket):
+        s1 = min(s0 + bucket, b)
+        k = s1 - s0
+        t = tmp[:k]
+        first = _compensate_squares(x[s0:s1], r[s0:s1], beta, scale, how, t, buf)
+        nrm = _bucket_norm(t, tmpi[:k], buf, first)
+        norms[s0 // bucket] = nrm
+        if not abs(nrm) < _INF32:
+            bad = True
+        mul, pre = _level_multiplier(fl, nrm if nrm > _F0 else _F1)
+        _level_codes(t, pre, mul, fl, nrm / fl, s0, k0, k1, feedback, codes[s0 - a:s1 - a],
+                     out[s0:s1])
+    _put_codes(codes, m, a, bits, packed)
+    return bad
+
+
+@chunked(lambda x, bucket, levels, bits, k0, k1, clen, packed, norms: _nch(x.size, clen))
+def qsgd_quantize(x, bucket, levels, bits, k0, k1, clen, packed, norms, c0, c1):
+    """:func:`bucket_norms` + :func:`level_quantize` in one pass (:func:`_qsgd_chunk`): each bucket
+    (at most ``_PAIRWISE_MAX`` entries) is summed while in cache, then coded.  ``clen`` is a
     multiple of ``bucket`` and of 8."""
     n = x.size
-    fl = np.float32(levels)
-    lv = np.int32(levels)
+    for c in range(c0, c1):
+        a = c * clen
+        _qsgd_chunk(x, x, _F0, _F1, 0, False, levels, bits, bucket, k0, k1, a, min(a + clen, n), x, packed, norms)
+
+
+@chunked(lambda x, r, beta, scale, how, bucket, levels, bits, k0, k1, clen, out, packed, norms, bad: bad.size)
+def _qsgd_quantize_feedback(x, r, beta, scale, how, bucket, levels, bits, k0, k1, clen, out, packed, norms, bad,
+                            c0, c1):
+    n = x.size
+    for c in range(c0, c1):
+        a = c * clen
+        if _qsgd_chunk(x, r, beta, scale, how, True, levels, bits, bucket, k0, k1, a, min(a + clen, n), out,
+                       packed, norms):
+            bad[c] = 1
+
+
+def qsgd_quantize_feedback(x, r, beta, scale, how, bucket, levels, bits, k0, k1, clen, out, packed, norms):
+    """Error feedback + :func:`qsgd_quantize` in one pass per chunk of buckets, each bucket while it
+    is in L1: ``c = x*scale + r*beta`` (``how`` as :func:`_compensate_plain`), its norm and codes,
+    then ``out := c - decoded``, the new residual (``out`` may be ``x`` or ``r``).  Returns the
+    number of chunks with a non-finite norm."""
+    bad = np.zeros(_nch(x.size, clen), np.uint8)
+    _qsgd_quantize_feedback(x, r, beta, scale, how, bucket, levels, bits, k0, k1, clen, out, packed, norms, bad)
+    return int(bad.sum())
+
+
+@chunked(lambda x, r, beta, scale, how, clen, keys: keys.size)
+def _absmax_compensated(x, r, beta, scale, how, clen, keys, c0, c1):
+    """keys[c] = the largest bits(|c_j|) of chunk ``c``, ``c = x*scale + r*beta`` staged a piece at a time."""
+    n = x.size
+    tmpi = np.empty(_PIECE, np.int32)
+    tmp = tmpi.view(np.float32)
     for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
-        if bits == 8:
-            codes = packed[a:b]
-        else:
-            codes = np.empty(b - a, np.uint8)
-        buf = np.empty(bucket, np.float32)
-        for s0 in range(a, b, bucket):
-            s1 = min(s0 + bucket, b)
-            sq = _pairwise_level_sum(x[s0:s1], True, buf, _F1)
-            if _norm_fast_ok(sq):
-                nrm = np.float32(np.sqrt(np.float64(sq)))
-            else:
-                k = _norm_shift(xi, s0, s1)
-                nrm = _norm_rescued(_pairwise_level_sum(x[s0:s1], True, buf, _pow2_f32(k)), k)
-            norms[s0 // bucket] = nrm
-            s = nrm if nrm > _F0 else np.float32(1.0)
-            mul, pre = _level_multiplier(fl, s)
-            for t in range(s0, s1):
-                y = (abs(x[t]) * pre) * mul + np.float32(np.int32(_bits24(t, k0, k1))) * _U24
-                q = np.floor(y)
-                q = _F0 if q != q else min(max(q, _F0), fl)
-                qi = np.int32(q)
-                codes[t - a] = np.uint8(lv - qi if xi[t] < 0 else lv + qi)
-        if bits != 8:
-            _pack_range(codes, a, a, b, bits, packed)
+        m = np.int32(0)
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            _compensate_plain(x[p0:p1], r[p0:p1], beta, scale, how, tmp[:p1 - p0])
+            m = max(m, _absmax_key(tmpi, 0, p1 - p0))
+        keys[c] = m
+
+
+@chunked(lambda x, r, beta, scale, how, s, k0, k1, clen, out, packed: _nch(x.size, clen))
+def _terngrad_codes_feedback(x, r, beta, scale, how, s, k0, k1, clen, out, packed, c0, c1):
+    """Pass 2 of :func:`terngrad_quantize_feedback`: ``c`` again, a piece at a time, its 2-bit codes
+    under the scale ``s`` and ``out := c - decoded``."""
+    n = x.size
+    fl = _F1
+    mul, pre = _level_multiplier(fl, s if s > _F0 else _F1)
+    tmp = np.empty(_PIECE, np.float32)
+    codes = np.empty(_PIECE + 4, np.uint8)
+    step = s / fl
+    for c in range(c0, c1):
+        a = c * clen
+        b = min(a + clen, n)
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            t = tmp[:p1 - p0]
+            _compensate_plain(x[p0:p1], r[p0:p1], beta, scale, how, t)
+            _level_codes(t, pre, mul, fl, step, p0, k0, k1, True, codes, out[p0:p1])
+            _pack_chunk(codes, p1 - p0, p0, 2, packed)
+
+
+def terngrad_quantize_feedback(x, r, beta, scale, how, k0, k1, clen, out, packed):
+    """Error feedback + TernGrad (one level, one scale ``max |c|``) in two passes over ``x`` and
+    ``r``: the scale of ``c = x*scale + r*beta`` (no write), then ``c`` again, its 2-bit codes and
+    ``out := c - decoded`` (``out`` may be ``x`` or ``r``: each piece is read before it is
+    written).  ``clen`` a multiple of 8.  Returns the scale (fp32; NaN when some ``c`` is NaN)."""
+    keys = np.zeros(_nch(x.size, clen), np.int32)
+    _absmax_compensated(x, r, beta, scale, how, clen, keys)
+    key = np.int32(keys.max()) if keys.size else np.int32(0)
+    s = np.array([key if key <= _INF_KEY else 0x7FC00000], np.int32).view(np.float32)
+    _terngrad_codes_feedback(x, r, beta, scale, how, s[0], k0, k1, clen, out, packed)
+    return s
 
 
 @chunked(lambda packed, scales, bucket, levels, bits, n, clen, out, accumulate: _nch(n, clen))
 def level_dequantize(packed, scales, bucket, levels, bits, n, clen, out, accumulate, c0, c1):
-    """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels)."""
+    """out[j] (+)= (code_j - levels) * (scales[j // bucket] / levels), unpacked a piece of ``_PIECE``
+    entries at a time (:func:`_unpack_chunk`; chunks of ``clen``, a multiple of 8)."""
     fl = np.float32(levels)
+    codes = np.empty(_PIECE + 4, np.uint8)
     for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
-        if bits == 8:
-            codes = packed[a:b]
-        else:
-            codes = np.empty(b - a, np.uint8)
-            _unpack_range(packed, a, b, bits, codes, a)
-        j = a
-        while j < b:
-            bk = j // bucket
-            e = min(b, (bk + 1) * bucket)
-            step = scales[bk] / fl
-            if accumulate:
-                for t in range(j, e):
-                    out[t] = out[t] + (np.float32(codes[t - a]) - fl) * step
+        for p0 in range(a, b, _PIECE):
+            p1 = min(p0 + _PIECE, b)
+            if bits == 8:
+                codes[:p1 - p0] = packed[p0:p1]
             else:
-                for t in range(j, e):
-                    out[t] = (np.float32(codes[t - a]) - fl) * step
-            j = e
+                _unpack_chunk(packed, p0, p1 - p0, bits, codes)
+            j = p0
+            while j < p1:
+                bk = j // bucket
+                e = min(p1, (bk + 1) * bucket)
+                step = scales[bk] / fl
+                cs = codes[j - p0:e - p0]
+                os = out[j:e]
+                if accumulate:
+                    for t in range(e - j):
+                        os[t] = os[t] + (np.float32(cs[t]) - fl) * step
+                else:
+                    for t in range(e - j):
+                        os[t] = (np.float32(cs[t]) - fl) * step
+                j = e
 
 
 # ---------------------------------------------------------------- sign + scale + error feedback
 @njit(inline="always", **_SOPTS)
 def _pairwise_level_sum(v, square, buf, f):
-    """Sum of |v| (or (v*f)**2, ``f`` a power of two: the literal 1.0 folds away after inlining)
+    """Sum of |v| * f (or (v*f)**2; ``f`` a power of two: the literal 1.0 folds away after inlining)
     in the reference's pairwise order (zero-padded to a power of two, adjacent pairs level by
     level), computed level by level in ``buf`` (>= half that power): vectorizable, unlike the
     streaming :func:`_tree_sum_abs`; for cache-sized ``v``."""
@@ -1653,7 +1900,7 @@ def _pairwise_level_sum(v, square, buf, f):
     if m == 0:
         return _F0
     if m == 1:
-        return (v[0] * f) * (v[0] * f) if square else abs(v[0])
+        return (v[0] * f) * (v[0] * f) if square else abs(v[0]) * f
     p = 2
     while p < m:
         p *= 2
@@ -1666,9 +1913,9 @@ def _pairwise_level_sum(v, square, buf, f):
             buf[i] = y0 * y0 + y1 * y1
     else:
         for i in range(full):
-            buf[i] = abs(v[2 * i]) + abs(v[2 * i + 1])
+            buf[i] = abs(v[2 * i]) * f + abs(v[2 * i + 1]) * f
     if m & 1:
-        buf[full] = (v[m - 1] * f) * (v[m - 1] * f) if square else abs(v[m - 1])
+        buf[full] = (v[m - 1] * f) * (v[m - 1] * f) if square else abs(v[m - 1]) * f
         full += 1
     for i in range(full, half):
         buf[i] = _F0
@@ -1684,11 +1931,12 @@ def _pairwise_level_sum(v, square, buf, f):
 def _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, bad, c0, c1):
     """One chunk range of :func:`sign_pack_feedback` (``bad[c]`` set for a non-finite chunk)."""
     n = x.size
+    buf = np.empty(min(chunk, _PAIRWISE_MAX), np.float32)
+    flags = np.empty(min(chunk, n), np.uint8)
     for c in range(c0, c1):
         a = c * chunk
         b = min(a + chunk, n)
         cs = new_res[a:b]
-        buf = np.empty(min(chunk, _PAIRWISE_MAX), np.float32)
         xs = x[a:b]
         rs = res[a:b]
         if use_beta:
@@ -1697,20 +1945,12 @@ def _sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales, 
         else:
             for j in range(b - a):
                 cs[j] = xs[j] + rs[j]
-        if chunk <= _PAIRWISE_MAX:
-            s = _pairwise_level_sum(cs, False, buf, _F1) / np.float32(b - a)
-        else:
-            s = _tree_sum_abs(new_res, a, b) / np.float32(b - a)
+        s = _sign_scale(new_res, a, b, buf)
         scales[c] = s
         if not (abs(s) < np.float32(np.inf)):
             bad[c] = 1
         m = b - a
-        for byte in range((m + 7) >> 3):  # branch-free: signs are random
-            o = byte * 8
-            v = 0
-            for t in range(min(8, m - o)):
-                v |= np.int32(not (cs[o + t] < _F0)) << t
-            packed[(a >> 3) + byte] = np.uint8(v)
+        _sign_bytes(cs, flags, packed, a >> 3)
         for j in range(m):
             cj = cs[j]
             cs[j] = cj + s if cj < _F0 else cj - s

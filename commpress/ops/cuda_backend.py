@@ -630,7 +630,15 @@ def sign_pack(x: torch.Tensor, chunk: int):
     if n:
         _launch(x.device, "sign_bits_kernel", nbytes, xf, packed, _i64(n), _i64(nbytes))
         _tree(xf, chunk, 1, 1, scales)
+        _sign_rescue(xf, chunk, scales)
     return packed, scales
+
+
+def _sign_rescue(xf: torch.Tensor, chunk: int, scales: torch.Tensor) -> None:
+    """The rescue of :func:`commpress.ops.reference.sign_pack` for the chunks whose scale came out
+    +inf (a warp per chunk; the others return at once): no host read decides it."""
+    _launch(xf.device, "sign_rescue_kernel", scales.numel() * 32, xf, scales, _i64(xf.numel()), _i64(chunk),
+            _i64(scales.numel()))
 
 
 def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int,
@@ -862,6 +870,7 @@ def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chu
         _launch(x.device, "feedback_sign_kernel", nbytes, xf, r, np.float32(beta), use_beta, c, packed,
                 _i64(n), _i64(nbytes))
         _tree(c, chunk, 1, 1, scales)
+        _sign_rescue(c, chunk, scales)
         _launch(x.device, "sign_residual_kernel", n, packed, scales, c, _i64(chunk), _i64(n))
     return packed, scales, torch.isfinite(scales).all()
 

@@ -827,8 +827,7 @@ def level_quantize(x: torch.Tensor, scales: torch.Tensor, bucket: int, levels: i
     xf = _f32(x)
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     k0, k1 = ref.seed_words(seed)
-    xn = xf.numpy()
-    K.level_quantize(xn, xn.view(np.int32), scales.reshape(-1).float().contiguous().numpy(), b,
+    K.level_quantize(xf.numpy(), scales.reshape(-1).float().contiguous().numpy(), b,
                      int(levels), bits, np.uint64(k0), np.uint64(k1), _chunk(n), packed)
     return torch.from_numpy(packed)
 
@@ -846,10 +845,52 @@ def qsgd_quantize(x: torch.Tensor, levels: int, bucket: int, seed: int):
     packed = np.empty((n * bits + 7) // 8, np.uint8)
     norms = np.empty((n + b - 1) // b, np.float32)
     k0, k1 = ref.seed_words(seed)
-    xn = xf.numpy()
-    K.qsgd_quantize(xn, xn.view(np.int32), b, int(levels), bits, np.uint64(k0), np.uint64(k1),
-                    _quant_chunk(b), packed, norms)
+    K.qsgd_quantize(xf.numpy(), b, int(levels), bits, np.uint64(k0), np.uint64(k1), _quant_chunk(b), packed, norms)
     return torch.from_numpy(packed), torch.from_numpy(norms)
+
+
+def _how(has_r: bool, beta: float, scale: float) -> int:
+    """The ``how`` of :func:`~._numba_kernels._compensate_plain` for ``x*scale + residual*beta``."""
+    return (1 if has_r else 0) | (2 if has_r and float(beta) != 1.0 else 0) | (4 if float(scale) != 1.0 else 0)
+
+
+def qsgd_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, levels: int, bucket: int,
+                           seed: int, new_residual: torch.Tensor, scale: float = 1.0):
+    """See :func:`commpress.ops.reference.qsgd_quantize_feedback` (one pass per chunk of buckets, each
+    bucket compensated, summed, coded and its residual written while it is in L1)."""
+    n = x.numel()
+    if (not _fb_layout_ok(x, residual, new_residual) or not valid_block(bucket) or not _valid_levels(levels)
+            or min(int(bucket), n) > K._PAIRWISE_MAX):
+        return ref.qsgd_quantize_feedback(x, residual, beta, levels, bucket, seed, new_residual, scale)
+    b = max(1, min(int(bucket), n))
+    bits = ref.level_bits(int(levels))
+    packed = np.empty((n * bits + 7) // 8, np.uint8)
+    norms = np.empty((n + b - 1) // b, np.float32)
+    k0, k1 = ref.seed_words(seed)
+    xn = _flat_np(x)
+    has_r = residual is not None
+    bad = K.qsgd_quantize_feedback(xn, _flat_np(residual) if has_r else xn, np.float32(beta), np.float32(scale),
+                                   _how(has_r, beta, scale), b, int(levels), bits, np.uint64(k0), np.uint64(k1),
+                                   _quant_chunk(b), _flat_np(new_residual), packed, norms)
+    return torch.from_numpy(packed), torch.from_numpy(norms), torch.from_numpy(np.array(bad == 0))
+
+
+def terngrad_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, seed: int,
+                               new_residual: torch.Tensor, scale: float = 1.0):
+    """See :func:`commpress.ops.reference.terngrad_quantize_feedback` (two passes: the scale of the
+    compensated tensor, then its codes and residual; the compensated tensor is never stored)."""
+    if not _fb_layout_ok(x, residual, new_residual):
+        return ref.terngrad_quantize_feedback(x, residual, beta, seed, new_residual, scale)
+    n = x.numel()
+    packed = np.empty((n * 2 + 7) // 8, np.uint8)
+    k0, k1 = ref.seed_words(seed)
+    xn = _flat_np(x)
+    has_r = residual is not None
+    s = K.terngrad_quantize_feedback(xn, _flat_np(residual) if has_r else xn, np.float32(beta), np.float32(scale),
+                                     _how(has_r, beta, scale), np.uint64(k0), np.uint64(k1), _chunk(n),
+                                     _flat_np(new_residual), packed)
+    scale_t = torch.from_numpy(s)
+    return torch.from_numpy(packed), scale_t, torch.isfinite(scale_t).all()
 
 
 def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, levels: int, numel: int,
@@ -968,6 +1009,8 @@ _OPS = {
     "level_quantize": level_quantize,
     "qsgd_quantize": qsgd_quantize,
     "level_dequantize": level_dequantize,
+    "qsgd_quantize_feedback": qsgd_quantize_feedback,
+    "terngrad_quantize_feedback": terngrad_quantize_feedback,
     "sign_pack_feedback": sign_pack_feedback,
     "block_quantize_feedback": block_quantize_feedback,
 }

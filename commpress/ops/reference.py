@@ -339,8 +339,10 @@ def sign_pack(x: torch.Tensor, chunk: int):
     Bit ``i`` is 1 when ``not (x_i < 0)`` (so 0, -0.0 and NaN read as
     positive).  ``scales[c] = sum(|x|)/len`` over chunk ``c`` in fp32 (NaN/inf
     propagate); the sum is :func:`pairwise_sum_rows` (a fixed order, so every
-    backend gets the same bits).  Returns ``(bits uint8 ceil(n/8), scales fp32
-    ceil(n/chunk))``.
+    backend gets the same bits).  A finite chunk whose sum overflows is summed again on
+    ``|x| * 2**-SIGN_RESCUE_SHIFT`` (exact), and its scale is ``(sum / len) * 2**SIGN_RESCUE_SHIFT``
+    saturated at the fp32 maximum: a finite chunk always gets a finite scale.  Returns
+    ``(bits uint8 ceil(n/8), scales fp32 ceil(n/chunk))``.
     """
     xf = x.reshape(-1).float()
     n = xf.numel()
@@ -348,11 +350,23 @@ def sign_pack(x: torch.Tensor, chunk: int):
     positive = (~(xf < 0)).to(torch.uint8)
     padded = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)
     padded[:n] = xf.abs()
-    sums = pairwise_sum_rows(padded.reshape(nchunks, chunk))
+    rows = padded.reshape(nchunks, chunk)
+    sums = pairwise_sum_rows(rows)
     lengths = torch.full((nchunks,), float(chunk), dtype=torch.float32, device=x.device)
     if nchunks and n % chunk:
         lengths[-1] = float(n % chunk)
-    return pack_bits(positive, 1), sums / lengths
+    scales = sums / lengths
+    # the rescue, computed for every chunk and selected on the device (no host read)
+    up = pow2_f32(torch.tensor(SIGN_RESCUE_SHIFT, dtype=torch.int32, device=x.device))
+    down = pow2_f32(torch.tensor(-SIGN_RESCUE_SHIFT, dtype=torch.int32, device=x.device))
+    rescued = ((pairwise_sum_rows(rows * down) / lengths) * up).clamp(max=F32_MAX)
+    overflowed = torch.isinf(sums) & (rows.view(torch.int32).amax(1) < 0x7F800000) if nchunks else sums.isinf()
+    return pack_bits(positive, 1), torch.where(overflowed, rescued, scales)
+
+
+#: The exact down-scaling of a sign chunk's |x| whose plain sum overflowed (:func:`sign_pack`):
+#: ``2**32`` leaves room for ``2**32`` entries of the fp32 maximum.
+SIGN_RESCUE_SHIFT = 32
 
 
 def sign_unpack(bits: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int,
@@ -629,6 +643,44 @@ def level_dequantize(packed: torch.Tensor, scales: torch.Tensor, bucket: int, le
     return _emit(codes * step.repeat_interleave(b)[:numel], out, accumulate)
 
 
+def qsgd_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, levels: int, bucket: int,
+                           seed: int, new_residual: torch.Tensor, scale: float = 1.0):
+    """Error-feedback QSGD in one call: ``c = x*scale + residual*beta`` (fp32, see
+    :func:`compensated`), ``(packed, norms) = qsgd_quantize(c, levels, bucket, seed)``,
+    ``new_residual = c - level_dequantize(packed, norms, ...)``.
+
+    Returns ``(packed, norms, finite)``: ``finite`` (0-dim bool) is False when some norm is not
+    finite (some ``c`` is NaN/inf), and then ``new_residual`` must not be used.  ``residual``
+    (fp32, ``x``'s numel, or ``None`` for zero) and ``new_residual`` (fp32, contiguous, ``x``'s
+    numel) may be the same tensor; ``new_residual`` may be ``x`` itself.
+    """
+    c = compensated(x, residual, beta, scale)
+    packed, norms = qsgd_quantize(c, levels, bucket, seed)
+    dec = level_dequantize(packed, norms, bucket, levels, c.numel())
+    new_residual.view(-1).copy_(c - dec)
+    return packed, norms, torch.isfinite(norms).all()
+
+
+def terngrad_quantize_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, seed: int,
+                               new_residual: torch.Tensor, scale: float = 1.0):
+    """Error-feedback TernGrad in one call: ``c = x*scale + residual*beta`` (fp32, see
+    :func:`compensated`), ``s = max |c|`` (one fp32 scale, NaN when some ``c`` is NaN, 0 when empty),
+    ``packed = level_quantize(c, s, numel, 1, seed)`` (2-bit codes),
+    ``new_residual = c - level_dequantize(packed, s, ...)``.
+
+    Returns ``(packed, s, finite)``: ``finite`` (0-dim bool) is False when ``s`` is not finite
+    (some ``c`` is NaN/inf), and then ``new_residual`` must not be used.  ``residual`` and
+    ``new_residual`` as for :func:`qsgd_quantize_feedback`.
+    """
+    c = compensated(x, residual, beta, scale)
+    n = c.numel()
+    s = block_absmax(c, max(n, 1)).reshape(1) if n else torch.zeros(1, dtype=torch.float32, device=c.device)
+    packed = level_quantize(c, s, max(n, 1), 1, seed)
+    dec = level_dequantize(packed, s, max(n, 1), 1, n)
+    new_residual.view(-1).copy_(c - dec)
+    return packed, s, torch.isfinite(s).all()
+
+
 def sign_pack_feedback(x: torch.Tensor, residual: torch.Tensor, beta: float, chunk: int,
                        new_residual: torch.Tensor):
     """Error-feedback scaled sign in one pass: ``c = x + residual * beta`` (fp32; ``x + residual``
@@ -689,4 +741,5 @@ __all__ = [
     "sign_pack", "sign_unpack",
     "minifloat_codes", "fp8_quantize", "fp8_dequantize", "mx_quantize", "mx_dequantize",
     "bucket_norms", "level_quantize", "qsgd_quantize", "level_dequantize", "sign_pack_feedback", "block_quantize_feedback",
+    "qsgd_quantize_feedback", "terngrad_quantize_feedback",
 ]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from compressor_cases import CASES, DTYPES, IDS, build, dtypes, layouts, make, nbytes_bound, same, shapes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import commpress
 
@@ -192,3 +194,50 @@ def test_decompress_rejects_a_wrong_out(case):
     for bad in (torch.empty(41), torch.empty(40, dtype=torch.float16), torch.empty(80)[::2]):
         with pytest.raises(ValueError, match="out"):
             c.decompress(payload, out=bad)
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+#: Finite fp32 at the extremes: magnitudes up to 3e38, whose squares and sums overflow, subnormals
+#: down to 1e-45, whose squares underflow, and the two mixed in one tensor.
+EXTREME = st.one_of(
+    st.floats(_f32(1e19), _f32(3e38), width=32),
+    st.floats(-_f32(3e38), -_f32(1e19), width=32),
+    st.floats(-_f32(1e-36), _f32(1e-36), width=32),
+    st.floats(-_f32(3e38), _f32(3e38), width=32),
+    st.sampled_from([_f32(3e38), -_f32(3e38), _f32(1.5e30), 1e-45, -1e-45, 0.0, -0.0, 1.0]),
+)
+
+
+def test_every_registered_compressor_has_a_case():
+    assert {name for name, _ in CASES} == set(commpress.available())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@settings(max_examples=20)
+@given(shape=st.one_of(st.tuples(st.integers(0, 70)), st.tuples(st.integers(2, 12), st.integers(2, 40))),
+       data=st.data())
+def test_extreme_finite_input_under_error_feedback(case, shape, data):
+    """Under ErrorFeedback, finite input at fp32's extremes decodes finite and leaves a finite
+    residual: nothing squares or sums a value before scaling it (qsgd's norms, signsgd's means),
+    casts and products saturate instead of overflowing (fp16, randomk's numel/k, sparseloco's
+    bins).  A second step adds the residual (``x + r`` may overflow: then the step is non-finite,
+    its payload says so and the residual keeps its value).  PowerSGD's factors are sums over a
+    row or a column, which no fp32 factor may hold at these magnitudes: its payload may come out
+    non-finite, but then it is flagged and the residual stays finite."""
+    n = math.prod(shape)
+    x = torch.from_numpy(data.draw(hnp.arrays(np.float32, n, elements=EXTREME))).reshape(shape)
+    ef = commpress.ErrorFeedback(make(*case))
+    lowrank = ef.compressor.aggregation == "lowrank"
+    for step in range(2):
+        payload = ef.compress_fixed(x, step=step, key="k", generator=torch.Generator().manual_seed(step))
+        y = ef.decompress(payload)
+        residual = ef.residual("k")
+        assert residual is None or bool(torch.isfinite(residual).all()), f"step {step}: residual"
+        flagged = payload.nonfinite is not None and bool(payload.nonfinite)
+        if step == 0 and not lowrank:
+            assert bool(torch.isfinite(y).all()), "decode"
+        else:
+            assert bool(torch.isfinite(y).all()) or flagged, f"step {step}: an unflagged non-finite decode"

@@ -7,7 +7,8 @@
 * ``scaled_input(key, s)`` is bitwise ``tensor * s`` compressed the old way, for
   s = 1/2, 1/4 (and 1/3 where the path rounds the product on its own), with and without
   momentum correction, and it scales only one compress of that key on this thread;
-* the residual is exactly ``x*s + beta*r`` minus what was sent.
+* the residual is exactly ``x*s + beta*r`` minus what was sent;
+* qsgd, terngrad, signsgd and fp16 with fused error feedback are bitwise the separate passes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import pytest
 import torch
 
 import commpress
+from commpress.compressors.cast import FP16
 from commpress.compressors.dgc import DGC
+from commpress.compressors.qsgd import QSGD
+from commpress.compressors.signsgd import SignSGD
+from commpress.compressors.terngrad import TernGrad
 from commpress.compressors.topk import TopK
 
 
@@ -33,7 +38,9 @@ class UnfusedDGC(DGC):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+    if t.dtype == torch.float32:
+        return t.contiguous().view(torch.int32)
+    return t.contiguous().view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def _same(a, b, what: str) -> None:
@@ -145,3 +152,62 @@ def test_fused_residual_is_exactly_what_was_not_sent(make, n, backend, monkeypat
         padded += int((idx >= n).sum())
         assert int((ef.residual("k")[real] != 0).sum()) == 0
     assert padded > 0 or isinstance(ef.compressor, TopK)   # dgc put slots back below its threshold
+
+
+class UnfusedQSGD(QSGD):
+    fused_feedback = False
+
+
+class UnfusedTernGrad(TernGrad):
+    fused_feedback = False
+
+
+class UnfusedSignSGD(SignSGD):
+    fused_feedback = False
+
+
+class UnfusedFP16(FP16):
+    fused_feedback = False
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kinds", [(lambda: QSGD(), lambda: UnfusedQSGD()),
+                                   (lambda: QSGD(levels=3, bucket=100), lambda: UnfusedQSGD(levels=3, bucket=100)),
+                                   (lambda: TernGrad(), lambda: UnfusedTernGrad()),
+                                   (lambda: SignSGD(chunk=64), lambda: UnfusedSignSGD(chunk=64)),
+                                   (lambda: FP16(), lambda: UnfusedFP16())],
+                         ids=["qsgd", "qsgd-3-100", "terngrad", "signsgd", "fp16"])
+def test_fused_quantizers_equal_compensate_compress_decode(backend, kinds, monkeypatch):
+    """qsgd and terngrad compensate, code and keep the residual in one kernel (numba), signsgd too,
+    fp16 casts in place: the payload (its noise from the same generator, a ``torch.Generator`` or
+    the collectives' int seed), the residual and the verdict are bitwise the separate passes',
+    NaN steps included (the residual then keeps its value)."""
+    if backend == "numba":
+        pytest.importorskip("commpress.ops.numba_backend")
+    monkeypatch.setenv("COMMPRESS_BACKEND", backend)
+    fast_make, slow_make = kinds
+    for seeds in ("generator", "int"):
+        fused = commpress.ErrorFeedback(fast_make())
+        slow = commpress.ErrorFeedback(slow_make())
+        assert fused.compressor.fuses_feedback(torch.ones(3)) and not slow.compressor.fuses_feedback(torch.ones(3))
+        ga, gb = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        for step, x in _steps(n=1500):
+            noise = (ga, gb) if seeds == "generator" else (1000 + step, 1000 + step)
+            a = fused.compress_fixed(x, step=step, key="k", generator=noise[0])
+            b = slow.compress_fixed(x, step=step, key="k", generator=noise[1])
+            _same(a, b, f"{backend} {seeds} step {step}")
+            assert bool(a.nonfinite) == (step == 2)
+            assert torch.equal(_bits(fused.residual("k")), _bits(slow.residual("k"))), f"step {step}"
+
+
+def test_fp16_feedback_saturates_and_keeps_the_rest():
+    """fp16 under error feedback sends a finite value beyond ±65504 as ±65504 (a plain cast would
+    send inf) and the residual keeps the difference; inf still goes out as inf."""
+    ef = commpress.ErrorFeedback(FP16())
+    x = torch.tensor([1e5, -7e4, 1.0, 65519.0, 65520.0])
+    p = ef.compress(x, key="k")
+    assert p.tensors[0].tolist() == [65504.0, -65504.0, 1.0, 65504.0, 65504.0] and not bool(p.nonfinite)
+    assert torch.equal(ef.residual("k"), x - p.tensors[0].float())
+    bad = ef.compress(torch.tensor([float("inf"), 1.0, 0.0, 0.0, 0.0]), key="k")
+    assert bad.tensors[0][0].item() == float("inf") and bool(bad.nonfinite)
+    assert torch.equal(ef.residual("k"), x - p.tensors[0].float())   # kept

@@ -127,6 +127,30 @@ def test_level_quantize_extremes(cb, target):
         assert_bitwise(cb.level_quantize(target.to(part), target.to(scale), part.numel(), 1, 3),
                        R.level_quantize(part, scale, part.numel(), 1, 3), "terngrad")
 
+def test_sign_scale_rescue(cb, target):
+    """Finite chunks whose sum of |x| overflows fp32 get the reference's rescued, finite scale
+    (sign_rescue_kernel after the tree kernels; in place in the fused feedback kernel, chunks of
+    one and several groups of 256, and in the unfused one); a chunk holding inf keeps +inf."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(700, generator=g).clamp(-3, 3) * 1e38
+    x[::3] = 3.4e38
+    x[1::5] *= -1
+    x[650] = float("inf")   # its chunk keeps +inf: no rescue there
+    for chunk in (5, 64, 300, 700, 9000):
+        want = R.sign_pack(x, chunk)
+        finite = torch.isfinite(want[1])
+        assert not bool(finite[650 // chunk]) and int(finite.sum()) == finite.numel() - 1
+        assert_bitwise(cb.sign_pack(target.to(x), chunk), want, f"sign_pack chunk={chunk}")
+    for chunk in (64, 296, 9000):   # fused (whole bytes, <= 8192) and the unfused kernels
+        r = torch.zeros(700)
+        new_ref, new_dev = torch.empty(700), target.to(torch.empty(700))
+        want = R.sign_pack_feedback(x[:600], r[:600], 1.0, chunk, new_ref[:600])
+        got = cb.sign_pack_feedback(target.to(x[:600]), target.to(r[:600]), 1.0, chunk, new_dev[:600])
+        assert bool(want[2]) and bool(torch.isfinite(new_ref[:600]).all())
+        assert_bitwise(got, want, f"sign_pack_feedback chunk={chunk}")
+        assert_bitwise(new_dev[:600], new_ref[:600], f"new residual chunk={chunk}")
+
+
 def test_sign_pack_feedback(cb, target):
     for n in sizes(target):
         x = _x(n)

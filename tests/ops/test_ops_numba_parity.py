@@ -585,3 +585,79 @@ def test_sign_pack_feedback(a, chunk, beta, data):
     assert_bitwise(got, want, "sign_pack_feedback")
     if bool(want[2]):
         assert_bitwise(out_nb, out_ref, "new residual")
+
+
+@settings(max_examples=25)
+@given(a=f32_arrays(), bucket=st.sampled_from([1, 3, 8, 64, 600]), levels=st.sampled_from([1, 2, 7, 8, 127]),
+       beta=st.sampled_from([1.0, 0.5]), scale=st.sampled_from([1.0, 0.25, 1 / 3]),
+       alias=st.sampled_from([None, None, "r", "x"]), seed=st.integers(0, 2**64 - 1), data=st.data())
+def test_level_quantize_feedback(a, bucket, levels, beta, scale, alias, seed, data):
+    """qsgd_quantize_feedback and terngrad_quantize_feedback: codes, scales, the finite flag and the
+    new residual bitwise the reference's (NaN/inf included); ``alias``: the new residual is the
+    residual ("r") or the input ("x") itself."""
+    x = tensor(a)
+    n = x.numel()
+    r = data.draw(st.one_of(st.none(), f32_arrays(n, n).map(tensor)))
+    if r is None and alias == "r":
+        alias = None
+    ops = {"qsgd": lambda m, xs, rs, new: m.qsgd_quantize_feedback(xs, rs, beta, levels, bucket, seed, new, scale),
+           "terngrad": lambda m, xs, rs, new: m.terngrad_quantize_feedback(xs, rs, beta, seed, new, scale)}
+    for name, op in ops.items():
+        outs = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for m in (R, nb):
+                xs, rs = x.clone(), None if r is None else r.clone()
+                new = {"r": rs, "x": xs}.get(alias) if alias else torch.full((n,), 5.0)
+                outs.append((op(m, xs, rs, new), new))
+        (want, new_ref), (got, new_nb) = outs
+        what = f"{name} bucket={bucket} levels={levels} beta={beta} scale={scale} alias={alias}"
+        assert_bitwise(got, want, what)
+        assert_bitwise(new_nb, new_ref, what + " new residual")
+
+
+def test_level_quantize_feedback_several_chunks_and_extremes(monkeypatch):
+    """Several chunks (and threads) of the fused kernels, huge and subnormal buckets (the norm's
+    rescue), a NaN: bitwise the reference; a finite input always gives a finite flag."""
+    monkeypatch.setattr(nb, "MIN_CHUNK", 64)
+    monkeypatch.setattr(nb, "QUANT_CHUNK", 64)
+    x = torch.cat([norm_extremes(), torch.randn(3000, generator=torch.Generator().manual_seed(2))])
+    r = torch.randn(x.numel(), generator=torch.Generator().manual_seed(3))
+    r[:600] = 0.0
+    for threads in (1, 3):
+        with K.use_threads(threads):
+            for bucket in (7, 512):
+                outs = [(m.qsgd_quantize_feedback(x, r, 1.0, 7, bucket, 11, new := torch.empty(x.numel())), new)
+                        for m in (R, nb)]
+                assert_bitwise(outs[1], outs[0], f"qsgd bucket={bucket} threads={threads}")
+                assert bool(outs[0][0][2])
+            outs = [(m.terngrad_quantize_feedback(x, r, 1.0, 11, new := torch.empty(x.numel())), new) for m in (R, nb)]
+            assert_bitwise(outs[1], outs[0], f"terngrad threads={threads}")
+    y = x.clone()
+    y[1234] = float("nan")
+    for m in (R, nb):
+        assert not bool(m.qsgd_quantize_feedback(y, r, 1.0, 7, 64, 1, torch.empty(y.numel()))[2])
+        assert not bool(m.terngrad_quantize_feedback(y, r, 1.0, 1, torch.empty(y.numel()))[2])
+
+
+def test_sign_scale_rescue():
+    """A finite chunk whose sum of |x| overflows gets the rescued, finite scale (the plain and the
+    fused error-feedback kernels, both sums: level by level and streaming); an inf keeps +inf."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(70_000, generator=g).clamp(-3, 3) * 1e38
+    x[::3] = 3.4e38
+    x[1::5] *= -1
+    for chunk in (1, 5, 64, 1024, 70_000):
+        want = R.sign_pack(x, chunk)
+        assert bool(torch.isfinite(want[1]).all())
+        assert_bitwise(nb.sign_pack(x, chunk), want, f"sign_pack chunk={chunk}")
+        if chunk % 8 == 0:
+            new_ref, new_nb = torch.empty(x.numel()), torch.empty(x.numel())
+            r = torch.zeros(x.numel())
+            want = R.sign_pack_feedback(x, r, 1.0, chunk, new_ref)
+            assert bool(want[2]) and bool(torch.isfinite(new_ref).all())
+            assert_bitwise(nb.sign_pack_feedback(x, r, 1.0, chunk, new_nb), want, f"feedback chunk={chunk}")
+            assert_bitwise(new_nb, new_ref, f"new residual chunk={chunk}")
+    y = x[:64].clone()
+    y[3] = float("inf")
+    assert_bitwise(nb.sign_pack(y, 64), R.sign_pack(y, 64), "inf")
+    assert R.sign_pack(y, 64)[1].item() == float("inf")
