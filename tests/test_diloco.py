@@ -44,9 +44,11 @@ def _inner_step(model, rank, step):
     nn.functional.mse_loss(model(x), y).backward()
 
 
-def reference(rank, world, steps, fragments, tau, lr=0.7, momentum=0.9):
+def reference(rank, world, steps, fragments, tau, lr=0.7, momentum=0.9, finish=False):
     """DiLoCo / Streaming DiLoCo written out with torch primitives: AdamW inside, one SGD
-    (Nesterov) per fragment outside, fp32 pseudo-gradients summed by dist.all_reduce."""
+    (Nesterov) per fragment outside, fp32 pseudo-gradients summed by dist.all_reduce.
+    ``finish``: then the end of the run (what ``close()`` does): the exchanges still pending
+    applied, and every parameter set to its global value."""
     model = _model()
     params = list(model.parameters())
     inner = torch.optim.AdamW(params, lr=1e-2)
@@ -75,6 +77,14 @@ def reference(rank, world, steps, fragments, tau, lr=0.7, momentum=0.9):
             with torch.no_grad():
                 for i in frags[f]:
                     params[i].copy_(glob[i])
+    if finish:
+        for _, f, deltas in pending:
+            for i, d in zip(frags[f], deltas):
+                glob[i].grad = d
+            outer[f].step()
+        with torch.no_grad():
+            for p, g in zip(params, glob):
+                p.copy_(g)
     return [p.detach().clone() for p in params]
 
 
@@ -123,6 +133,7 @@ def diloco_worker(rank, world):
     def streaming():
         return dict(fragments=2, overlap=1, outer_momentum=0.5, compressor="sparseloco", ratio=0.2, chunk=16)
     straight, _, dl = _train(rank, 11, **streaming())
+    straight = _params(straight)   # the local replica at step 11 (close() then sets the global one)
     dl.close()
     model, opt, dl = _train(rank, 7, **streaming())
     buf = io.BytesIO()
@@ -141,7 +152,7 @@ def diloco_worker(rank, world):
     opt.load_state_dict(ck["opt"])
     dl.load_state_dict(ck["dl"])
     _train(rank, 11, model, opt, dl, start=7)
-    res["resume bitwise"] = all(torch.equal(a, b) for a, b in zip(_params(model), _params(straight)))
+    res["resume bitwise"] = all(torch.equal(a, b) for a, b in zip(_params(model), straight))
     dl.close()
 
     # 4. NaN in rank 1's pseudo-gradient at the sync of step 2H: skipped everywhere, nothing lost
@@ -171,6 +182,35 @@ def diloco_worker(rank, world):
         res[f"nan {name}"] = (kept, back, skipped, moved, finite, _same_everywhere(model.parameters()))
         dl.close()
 
+    # 4b. the end of a run (overlap on, worker thread): close() or a with block applies the exchange
+    # still in flight (stop at 7: fragment 0 sent at 7) or, with none (stop at 8), the drifted
+    # fragment's global value: one model, bitwise identical on every rank, the reference's
+    for steps, how in ((7, "close"), (8, "with")):
+        want = reference(rank, world, steps, 2, 1, finish=True)
+        if how == "close":
+            model, _, dl = _train(rank, steps, fragments=2, overlap=1)
+            in_flight = len(dl._in_flight)
+            differ = not _same_everywhere(model.parameters())
+            dl.close()
+            dl.close()  # idempotent
+        else:
+            model = _model()
+            with DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, fragments=2,
+                        overlap=1) as dl:
+                _train(rank, steps, model, dl.inner_optimizer, dl)
+                in_flight = len(dl._in_flight)
+                differ = not _same_everywhere(model.parameters())
+        try:
+            dl.step()
+            after = None
+        except RuntimeError as exc:
+            after = str(exc)
+        res[f"end {how}"] = (in_flight, differ, _same_everywhere(model.parameters()),
+                             all(torch.equal(a, b) for a, b in zip(_params(model), want)),
+                             torch.equal(torch.cat([p.reshape(-1) for p in _params(model)]),
+                                         torch.cat(dl.global_parameters())),
+                             after is not None and "closed" in after, dl._executor.group is None)
+
     # 5. bad input on one rank, or configurations that differ, raise on every rank
     for what, kw in (("local", {"sync_every": 0 if rank == 1 else H}),
                      ("differ", {"sync_every": H, "outer_lr": 0.7 if rank == 0 else 0.5}),
@@ -185,6 +225,8 @@ def diloco_worker(rank, world):
     # 6. a failure on one rank (its compressor raises on its data) raises on every rank, from the
     # worker too (the collective sends a zero payload of the right size in its place)
     class Failing(type(commpress.get("fp16"))):
+        fused_feedback = False   # ErrorFeedback calls the compress() below (not a fused path around it)
+
         def compress(self, tensor, **kw):
             if dist.get_rank() == 1 and bool(tensor.abs().sum() > 0):
                 raise RuntimeError("rank 1's codec broke")
@@ -210,6 +252,10 @@ def test_diloco_two_ranks():
         assert 0 < out["sparse bytes"] < out["dense bytes F1"] / 2
         assert out["in flight at save"] == 1
         assert out["resume bitwise"]
+        # in flight at the end, replicas apart before close(), identical after, the reference's end,
+        # the global parameters, closed for good, the worker's group released
+        assert out["end close"] == (1, True, True, True, True, True, True), out["end close"]
+        assert out["end with"] == (0, True, True, True, True, True, True), out["end with"]
         for name in ("dense", "sparseloco"):
             assert out[f"nan {name}"] == (True, True, 1, True, True, True), name
         assert "rank 1" in out["raises local"] and "sync_every" in out["raises local"]

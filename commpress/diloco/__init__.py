@@ -5,6 +5,7 @@
 ...     loss_fn(model(x), y).backward()
 ...     dl.step()          # in place of the inner optimizer's step()
 ...     dl.zero_grad()
+>>> dl.close()             # applies what is in flight: every rank's model holds the global parameters
 
 See :class:`DiLoCo`; SparseLoCo is ``outer_momentum=0`` with
 ``compressor=commpress.ErrorFeedback(commpress.get("sparseloco"), beta=0.95)``.

@@ -11,12 +11,13 @@ raise on every rank together, so every rank raises there.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .._worker import JobThread, seconds
 
 log = logging.getLogger("commpress")
 
@@ -73,14 +74,15 @@ class Inline:
 
 
 class Worker:
-    """One daemon thread, exchanges in submission order, on ``group`` (owned: destroyed by close)."""
+    """One daemon thread, exchanges in submission order, on ``group`` (owned: destroyed by close).
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    The thread (a :class:`~commpress._worker.JobThread`) is joined before the interpreter
+    finalizes when :meth:`close` was never called (an exchange in progress completes there)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float | None = None) -> None:
         self.group = group
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = None
-        self._thread = threading.Thread(target=self._loop, name="commpress-diloco", daemon=True)
-        self._thread.start()
+        self._worker = JobThread("commpress-diloco", self._job, timeout)
 
     def submit(self, item: Exchange, fn: Callable[[], tuple[torch.Tensor, int, int]],
                device: torch.device | None = None) -> None:
@@ -90,37 +92,32 @@ class Worker:
                 self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
             stream = self._stream
-        self._queue.put((item, fn, stream))
+        self._worker.put((item, fn, stream))
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            item, fn, stream = job
-            try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        result, item.bytes_sent, item.bytes_received = fn()
-                        item._event = torch.cuda.Event()
-                        item._event.record(stream)
-                else:
+    @staticmethod
+    def _job(job: tuple) -> None:
+        item, fn, stream = job
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
                     result, item.bytes_sent, item.bytes_received = fn()
-                item.finish(result)
-            except BaseException as exc:  # noqa: BLE001 - raised from step() on every rank
-                item.finish(None, exc)
-            job = item = fn = stream = result = None   # an idle worker holds no exchange (its closure holds the DiLoCo)
+                    item._event = torch.cuda.Event()
+                    item._event.record(stream)
+            else:
+                result, item.bytes_sent, item.bytes_received = fn()
+            item.finish(result)
+        except BaseException as exc:  # noqa: BLE001 - raised from step() on every rank
+            item.finish(None, exc)
 
     def stop(self) -> None:
         """Let the worker finish what is queued and exit; no wait, the group kept (its owner
         collected without ``close()``)."""
-        self._queue.put(None)
+        self._worker.stop()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=60)
+        if not self._worker.close():   # still in a collective after the group's timeout
+            log.warning("commpress diloco: the overlap worker did not stop; its group is kept")
+            return
         if self.group is not None:
             try:
                 dist.destroy_process_group(self.group)
@@ -144,5 +141,6 @@ def make_executor(process_group: dist.ProcessGroup | None, overlap: bool) -> Inl
     from ..hooks.ddp import _group_timeout  # the user's timeout, read the way the DDP hook reads it
 
     ranks = dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=_group_timeout(group))
-    return Worker(own)
+    timeout = _group_timeout(group)
+    own = dist.new_group(ranks=ranks, backend=dist.get_backend(group), timeout=timeout)
+    return Worker(own, seconds(timeout))

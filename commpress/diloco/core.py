@@ -87,6 +87,8 @@ class DiLoCo:
         loss.backward()
         dl.step()        # in place of inner_optimizer.step()
         dl.zero_grad()
+        ...
+        dl.close()       # or the end of ``with DiLoCo(...) as dl:``
 
     Every ``sync_every`` (H) inner steps each fragment of the parameters is
     synchronized: the pseudo-gradient ``Δ = θ_global − θ_local`` (fp32) goes through
@@ -131,6 +133,11 @@ class DiLoCo:
     everywhere (global parameters, momentum and residuals unchanged; every rank's
     local parameters go back to the global ones).  The inner optimizer's own state
     is not touched: keep non-finite gradients out of it (e.g. AMP's GradScaler).
+
+    A run ends with one model: :meth:`close` (or leaving a ``with`` block without an
+    exception) applies the exchanges still in flight and writes the global parameters
+    into every rank's model (:meth:`finish`), so the replicas are bitwise identical;
+    ``step()`` raises afterwards.  Save a checkpoint for resuming before it.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
@@ -210,6 +217,7 @@ class DiLoCo:
         self._skipped: list[torch.Tensor] = []  # 0-d bool per applied exchange, read only by .stats
         self._bytes = [0, 0]
         self._in_flight: list[Exchange] = []
+        self._closed = False
         self._executor: Inline | Worker = make_executor(process_group, self.tau > 0 and self.world_size > 1)
         self._stop_worker = None
         if isinstance(self._executor, Worker):
@@ -222,6 +230,7 @@ class DiLoCo:
     def step(self) -> None:
         """``inner_optimizer.step()``, then the outer work due at this inner step:
         apply the exchanges that arrive now, send the fragments that are due."""
+        self._check_open()
         self.inner_optimizer.step()
         self.inner_steps += 1
         t = self.inner_steps
@@ -359,17 +368,52 @@ class DiLoCo:
                self.world_size, what="loaded state")
 
     # ------------------------------------------------------------------ lifetime
+    def finish(self) -> None:
+        """End the run with one model: apply every exchange still in flight (waited for; with
+        overlap the last one usually is), then set every fragment's local parameters to the
+        global ones.  Afterwards every rank's model holds θ_global, bitwise identical.
+
+        Call it on every rank at the same inner step (:meth:`close` and the end of a ``with``
+        block do).  It issues no collective of its own (the worker's exchanges are already
+        under way on every rank).  The local steps since each fragment's last sync are dropped,
+        as a sync drops them; to keep them, stop right after a sync is applied.  Raises what a
+        failed exchange raised."""
+        self._check_open()
+        while self._in_flight:
+            self._apply(self._in_flight.pop(0))
+        for frag in self._fragments:
+            frag.write_local(frag.global_)
+
     def close(self) -> None:
-        """Stop the worker thread and release its process group (collective-free)."""
+        """:meth:`finish` the run, then stop the worker thread and release its process group.
+        The worker is released even when finishing raises.  Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.finish()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
         self._executor.close()
         if self._stop_worker is not None:
             self._stop_worker.detach()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("commpress diloco: this DiLoCo was closed (its run is finished)")
+
     def __enter__(self) -> "DiLoCo":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        """:meth:`close`; when the block raised, only release the worker (the ranks may
+        be at different steps: nothing is waited for or applied)."""
+        if exc_type is None:
+            self.close()
+        else:
+            self._release()
 
     def __repr__(self) -> str:
         comp = None if self.compressor is None else self.compressor.name
