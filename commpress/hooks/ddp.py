@@ -67,9 +67,7 @@ import gc
 import hashlib
 import logging
 import os
-import queue
 import socket
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -81,6 +79,7 @@ from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .. import collectives
+from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
@@ -705,45 +704,40 @@ class _Inline(_Executor):
 
 class _Overlapped(_Executor):
     """One daemon thread runs the buckets in DDP's order on the hook's own group;
-    errors fail the bucket's future (DDP raises them from ``backward()``)."""
+    errors fail the bucket's future (DDP raises them from ``backward()``).  The thread
+    (a :class:`~commpress._worker.JobThread`) is joined before the interpreter finalizes
+    when :meth:`close` was never called."""
 
     queued = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group = self.config.group    # the hook's own group, released by close()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
-        self._thread.start()
+        self._worker = JobThread("commpress-ddp", self._job, seconds(_group_timeout(self._group)))
+        self._thread = self._worker.thread  # read by benchmarks/cpu.py (the worker's CPU clock)
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         buf = bucket.buffer()
         stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
-        self._queue.put((bucket.index(), buf, bucket.parameters(), bucket.is_last(), fut, stream))
+        self._worker.put((bucket.index(), buf, bucket.parameters(), bucket.is_last(), fut, stream))
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            *args, stream = item
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    self.run(*args, inline=False)
-            else:
+    def _job(self, item: tuple) -> None:
+        *args, stream = item
+        if stream is not None:
+            with torch.cuda.stream(stream):
                 self.run(*args, inline=False)
-            item = args = stream = None   # an idle worker holds no bucket (its tensors, parameters, future)
+        else:
+            self.run(*args, inline=False)
 
     def stop(self) -> None:
         """Let the worker finish what is queued and exit; no wait, the group kept (a state
         collected without :meth:`close`)."""
-        self._queue.put(None)
+        self._worker.stop()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=60)
+        if not self._worker.close():   # still in a collective after the group's timeout
+            log.warning("commpress ddp: the overlap worker did not stop; its group is kept")
+            return
         if self._group is not None:
             try:
                 dist.destroy_process_group(self._group)
@@ -816,9 +810,12 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
 
 
 def _memory_parts(codec: Compressor, layout: ModelLayout) -> dict[str, int]:
-    """Bytes the hook keeps alive between steps, by kind: the codec's (:func:`codec_memory`) and
-    ``scratch``, the plans' and units' buffers."""
-    return codec_memory(codec) | {"scratch": layout.scratch_bytes()}
+    """Bytes the hook keeps alive between steps, by kind: the codec's (:func:`codec_memory`),
+    ``scratch``, the plans' and units' buffers, and ``collectives``, the collectives' reusable
+    buffers and caches (process-wide, :func:`commpress.collectives._comm.cached_bytes`)."""
+    from ..collectives import _comm
+
+    return codec_memory(codec) | {"scratch": layout.scratch_bytes(), "collectives": _comm.cached_bytes()}
 
 
 def _params(layout: ModelLayout) -> int:

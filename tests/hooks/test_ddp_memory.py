@@ -30,7 +30,9 @@ def _run(rank, world, compressor, params, storage, steps, rollback="step"):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train(rank, model, opt, steps)
     mem = state.stats.as_dict()["memory"]
-    counted = storages_bytes(state, exclude=[p for p in model.parameters()] + [p.grad for p in model.parameters()])
+    from commpress.collectives import _comm   # the collectives' reusable buffers: process-wide
+    counted = storages_bytes([state, [c.values() for c in _comm._CACHES]],
+                             exclude=[p for p in model.parameters()] + [p.grad for p in model.parameters()])
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
     # resume from the checkpoint into a new model and hook, then one more step each
@@ -68,12 +70,14 @@ def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compres
             assert 0 < elements <= compressed
         per = bytes_per_element(storage)
         assert per * elements <= mem["by_kind"]["residuals"] <= per * elements + 3 * 132   # int8: 3 padded blocks
-        assert mem["by_kind"]["working"] == 0
+        # lean storage's fp32 work buffers: the largest key's size twice (a unit, or a chunk of one)
+        assert (mem["by_kind"]["working"] == 0) if storage == "fp32" else (0 < mem["by_kind"]["working"] <= 8 * elements)
         # rollback="unit" keeps no pending residual between steps; "step" one per key
         assert mem["by_kind"]["pending"] == (0 if rollback == "unit" else mem["by_kind"]["residuals"])
-        figures[storage, rollback] = mem["bytes"]
-    assert figures["int8", "step"] < 0.6 * figures["fp32", "step"]
-    assert figures["int8", "unit"] < figures["int8", "step"]
+        # what grows with the model (the work buffers are of the largest unit's size, here the model's)
+        figures[storage, rollback] = mem["by_kind"]["residuals"] + mem["by_kind"]["pending"]
+    assert figures["int8", "step"] < 0.3 * figures["fp32", "step"]
+    assert figures["int8", "unit"] < 0.6 * figures["int8", "step"]
 
 
 def test_residual_storage_is_checked():
