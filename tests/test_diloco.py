@@ -323,3 +323,24 @@ def dropped_worker(rank, world):
 def test_a_diloco_dropped_without_close_is_freed_and_stops_its_worker():
     for workers, freed, alive in run(dropped_worker, 2, timeout=50):
         assert workers == 1 and freed and alive == [False]
+
+
+def test_stats_count_what_diloco_keeps():
+    # one process (world size 1): the global copy, outer momentum and pseudo-gradient buffer per
+    # fragment, and the compressor's error feedback, counted from the tensors themselves
+    from memory_walk import storages_bytes
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DiLoCo(model, opt, sync_every=H, compressor="topk", ratio=0.25, overlap=False) as dl:
+        for step in range(2 * H):
+            opt.zero_grad()
+            x, y = _batch(0, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            dl.step()
+        stats = dl.stats
+        n = sum(p.numel() for p in model.parameters())
+        assert stats.memory["global"] == stats.memory["outer_momentum"] == stats.memory["delta"] == 4 * n
+        assert stats.memory_overhead_bytes == sum(stats.memory.values())
+        exclude = [*model.parameters(), *(p.grad for p in model.parameters())]
+        assert stats.memory_overhead_bytes - stats.memory["collectives"] == storages_bytes(dl, exclude=exclude)

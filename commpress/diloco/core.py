@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,11 @@ class DiLoCoStats:
     outer step of the whole model (every fragment once); an *exchange* is one
     fragment's.  ``ddp_bytes_per_step`` is what DDP's fp32 ring all_reduce of the
     same parameters sends per step, and ``reduction`` its ratio to
-    ``bytes_per_inner_step``.
+    ``bytes_per_inner_step``.  ``memory_overhead_bytes``: what DiLoCo keeps beside the model
+    and its inner optimizer, by kind in ``memory``: the fp32 global copy, the outer momentum
+    and the pseudo-gradient buffer of every fragment (12 bytes per parameter), the
+    compressor's state (error-feedback residuals), the exchanges in flight and the
+    collectives' caches.
     """
 
     inner_steps: int
@@ -47,6 +51,8 @@ class DiLoCoStats:
     bytes_per_inner_step: float
     ddp_bytes_per_step: float
     reduction: float
+    memory_overhead_bytes: int = 0
+    memory: dict = field(default_factory=dict)
 
 
 class _Fragment:
@@ -304,11 +310,30 @@ class DiLoCo:
         syncs = self._exchanges / len(self._fragments)
         ddp = 2 * 4 * self._numel * (self.world_size - 1) / self.world_size
         per_step = sent / self.inner_steps if self.inner_steps else 0.0
+        memory = self._memory()
         return DiLoCoStats(
             inner_steps=self.inner_steps, exchanges=self._exchanges, syncs=syncs, skipped_syncs=skipped,
             bytes_sent=sent, bytes_received=received, bytes_per_sync=sent / syncs if syncs else 0.0,
             bytes_per_inner_step=per_step, ddp_bytes_per_step=ddp,
-            reduction=ddp / per_step if per_step else math.inf)
+            reduction=ddp / per_step if per_step else math.inf,
+            memory_overhead_bytes=sum(memory.values()), memory=memory)
+
+    def _memory(self) -> dict[str, int]:
+        """Bytes kept beside the model, by kind (metadata only: no tensor is read)."""
+        from ..collectives import _comm
+        from ..hooks.common import codec_memory, tensor_bytes
+
+        frag = self._fragments
+        out = {"global": tensor_bytes([f.global_ for f in frag]),
+               "outer_momentum": tensor_bytes([f.momentum for f in frag]),
+               "delta": tensor_bytes([f.delta for f in frag]),
+               "in_flight": tensor_bytes([vars(e) for e in self._in_flight]),
+               "flags": tensor_bytes(self._skipped),   # the skipped-sync verdicts, read by stats
+               "collectives": _comm.cached_bytes()}
+        if self.compressor is not None:
+            for kind, n in codec_memory(self.compressor).items():
+                out[f"compressor.{kind}"] = n
+        return out
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The fp32 global parameters θ_global, one flat tensor per fragment (live buffers)."""
