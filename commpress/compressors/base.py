@@ -122,10 +122,17 @@ class Compressor(ABC):
         vectors as they are); decided from the shape alone, so alike on every rank."""
         return True
 
+    #: the devices whose tensors :meth:`compress_feedback` takes (``None``: every device); e.g.
+    #: ``("cpu",)`` where the fused op has no CUDA kernel and a GPU keeps the separate kernels
+    fused_feedback_devices: ClassVar[tuple[str, ...] | None] = None
+
     def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """Whether error feedback runs :meth:`compress_feedback` for ``tensor`` (with the
-        fixed-size wire format when ``fixed``); default: :attr:`fused_feedback` and fp32 input."""
-        return self.fused_feedback and tensor.dtype == torch.float32
+        fixed-size wire format when ``fixed``); default: :attr:`fused_feedback`, fp32 input, on
+        one of :attr:`fused_feedback_devices`."""
+        devices = self.fused_feedback_devices
+        return (self.fused_feedback and tensor.dtype == torch.float32
+                and (devices is None or tensor.device.type in devices))
 
     def fuses_velocity(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
         """Whether :meth:`compress_feedback` also takes momentum correction's velocity

@@ -43,10 +43,8 @@ class TernGrad(Compressor):
 
     fused_feedback = True
 
-    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
-        """fp32 on the CPU: error feedback runs :meth:`compress_feedback` (on a GPU the separate
-        kernels stay: the fused op has no CUDA kernel yet)."""
-        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+    #: fp32 on the CPU (on a GPU the separate kernels stay: the fused op has no CUDA kernel yet)
+    fused_feedback_devices = ("cpu",)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,

@@ -56,10 +56,9 @@ class TopK(SparseCompressor):
     fused_feedback = True
     fused_velocity = True
 
-    def fuses_feedback(self, tensor: torch.Tensor, fixed: bool = True) -> bool:
-        """fp32 CPU input (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
-        compensate-then-select path of its kernels."""
-        return self.fused_feedback and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+    #: fp32 on the CPU (:func:`commpress.ops.topk_compact_feedback`); CUDA keeps the
+    #: compensate-then-select path of its kernels
+    fused_feedback_devices = ("cpu",)
 
     def compress_feedback(self, tensor: torch.Tensor, residual: torch.Tensor | None, beta: float,
                           pending: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
