@@ -1,0 +1,162 @@
+"""commpress.advise: the prediction of whether compression pays (pure arithmetic, no processes
+except one subprocess for ``python -m commpress.advise``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commpress import advise as adv
+
+NS = 2.0   # a fixed codec cost: no timing in the tests but one small measurement
+
+
+def run(**kw):
+    base = dict(params=25_000_000, compute_ms=100.0, world=8, bandwidth="1gbit", codec_ns_per_element=NS)
+    base.update(kw)
+    return adv.advise(**base)
+
+
+def rows(result):
+    return {r["compressor"]: r for r in result["rows"]}
+
+
+def test_json_shape_and_row_names():
+    res = run(compressors=["blockquant(bits=4)", "topk(ratio=0.01)", "powersgd(rank=4)", "fp16", "bf16"])
+    json.loads(json.dumps(res))
+    names = [r["compressor"] for r in res["rows"]]
+    assert names == ["ddp", "blockquant(bits=4)", "topk(ratio=0.01)", "powersgd(rank=4)", "fp16", "bf16"]
+    for r in res["rows"]:
+        assert {"compressor", "step_ms", "bytes", "comm_ms", "codec_ms", "speedup", "pays"} <= set(r)
+        assert r["step_ms"] > 0 and r["bytes"] > 0
+    assert res["codec"].startswith("given")
+    # fp16 sends half of DDP's bytes; blockquant 4-bit about an eighth (plus its scales)
+    r = rows(res)
+    assert r["fp16"]["bytes"] == pytest.approx(r["ddp"]["bytes"] / 2, rel=1e-3)
+    assert r["ddp"]["bytes"] / 9 < r["blockquant(bits=4)"]["bytes"] < r["ddp"]["bytes"] / 6
+
+
+@pytest.mark.parametrize("world,bw,lat_us,overlap", [(8, "1gbit", None, 0.0), (3, "10gbit", 20.0, 0.0),
+                                                     (16, "100mbit", 5.0, 0.4), (2, "2.5gbit", 0.0, 1.0)])
+def test_ddp_row_is_compute_plus_ring_alpha_beta(world, bw, lat_us, overlap):
+    N, C = 25_000_000, 100.0
+    res = run(params=N, compute_ms=C, world=world, bandwidth=bw, latency_us=lat_us, overlap=overlap)
+    bits = {"1gbit": 1e9, "10gbit": 1e10, "100mbit": 1e8, "2.5gbit": 2.5e9}[bw]
+    alpha = (adv.DEFAULT_LATENCY_US if lat_us is None else lat_us) * 1e-6
+    P = world
+    comm = alpha * 2 * (P - 1) + (2 * 4 * N * (P - 1) / P) * 8 / bits   # ring all_reduce of 4N bytes
+    ddp = rows(res)["ddp"]
+    one_byte_ms = 1e3 * 8 / bits   # accounting counts whole bytes (floor of 2n(P-1)/P)
+    assert ddp["step_ms"] == pytest.approx(C + 1e3 * max(0.0, comm - overlap * C / 1e3), rel=0, abs=one_byte_ms)
+    assert ddp["bytes"] == pytest.approx(2 * 4 * N * (P - 1) / P, abs=1)
+    assert res["bound"] == pytest.approx(ddp["step_ms"] / C, rel=1e-9)
+
+
+def test_slower_link_makes_compression_pay_more():
+    fast = rows(run(bandwidth="10gbit", compressors=["blockquant(bits=4)"]))["blockquant(bits=4)"]
+    slow = rows(run(bandwidth="1gbit", compressors=["blockquant(bits=4)"]))["blockquant(bits=4)"]
+    assert slow["speedup"] > fast["speedup"]
+    assert slow["pays"]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bandwidth="100mbit"), dict(bandwidth="400gbit", world=2),
+                                dict(overlap=0.7), dict(codec_ns_per_element=0.0),
+                                dict(gpus_per_node=4, intra_bandwidth="400gbit", world=16),
+                                dict(gpus_per_node=8, intra_bandwidth="2400gbit"), dict(world=1)])
+def test_no_row_beats_the_bound(kw):
+    res = run(**kw)
+    ddp = rows(res)["ddp"]
+    c = res["comm_fraction"]
+    assert 0.0 <= c < 1.0
+    assert res["bound"] == pytest.approx(1.0 / (1.0 - c))
+    for r in res["rows"]:
+        assert r["speedup"] == pytest.approx(ddp["step_ms"] / r["step_ms"])
+        assert r["speedup"] <= res["bound"] * (1 + 1e-12)
+        assert r["pays"] == (r["speedup"] > 1.0)
+
+
+def test_two_level_formula_for_ddp():
+    N, P, G = 10_000_000, 16, 4
+    res = run(params=N, world=P, gpus_per_node=G, intra_bandwidth="400gbit", intra_latency_us=2.0,
+              bandwidth="10gbit", latency_us=20.0, compressors=["fp16"])
+    s, M = -(-N // G), P // G
+    intra = 2 * (2e-6 * (G - 1) + 4 * s * (G - 1) * 8 / 400e9)   # reduce-scatter + all-gather
+    inter = 20e-6 * 2 * (M - 1) + 2 * 4 * s * (M - 1) / M * 8 / 10e9
+    ddp = rows(res)["ddp"]
+    assert ddp["comm_ms"] == pytest.approx(1e3 * (intra + inter), rel=1e-6)
+    assert ddp["inter_node_bytes"] == pytest.approx(2 * 4 * s * (M - 1) / M, abs=1)
+    assert rows(res)["fp16"]["inter_node_bytes"] == pytest.approx(ddp["inter_node_bytes"] / 2, rel=1e-3)
+    assert res["inputs"]["path"] == "two_level"
+
+
+def test_profile_and_override():
+    a = adv.advise(25e6, 100, 8, profile="10gbit-ethernet", codec_ns_per_element=NS, compressors=["bf16"])
+    b = run(bandwidth="10gbit", latency_us=adv.PROFILES["10gbit-ethernet"]["latency_us"], compressors=["bf16"])
+    assert rows(a)["ddp"]["step_ms"] == pytest.approx(rows(b)["ddp"]["step_ms"])
+    c = adv.advise(25e6, 100, 8, "1gbit", profile="10gbit-ethernet", codec_ns_per_element=NS, compressors=["bf16"])
+    assert rows(c)["ddp"]["step_ms"] > rows(a)["ddp"]["step_ms"]   # --bandwidth overrides the profile's
+
+
+def test_powersgd_uses_the_listed_shapes():
+    small = rows(run(compressors=["powersgd(rank=4)"], matrix_side=256))["powersgd(rank=4)"]
+    big = rows(run(compressors=["powersgd(rank=4)"], matrix_side=4096))["powersgd(rank=4)"]
+    assert big["bytes"] < small["bytes"]   # rank r sends 2r/side of a square matrix
+    listed = rows(run(compressors=["powersgd(rank=4)"], tensors="5000x5000"))["powersgd(rank=4)"]
+    assert listed["bytes"] < rows(run(compressors=["powersgd(rank=4)"]))["powersgd(rank=4)"]["bytes"]
+
+
+def test_measured_codec_is_said_so():
+    res = adv.advise(1e6, 10, 4, "1gbit", compressors=["fp16"], device="cpu", probe_elements=1 << 14, reps=1)
+    assert res["codec"].startswith("measured on cpu")
+    assert rows(res)["fp16"]["codec_ms"] > 0
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(bandwidth="25gbps"), "--bandwidth"), (dict(bandwidth="1 gbit"), "--bandwidth"),
+    (dict(bandwidth="0gbit"), "--bandwidth"), (dict(bandwidth=1e9), "--bandwidth"),
+    (dict(bandwidth=None), "--profile"), (dict(profile="wifi"), "--profile"),
+    (dict(world=0), "--world"), (dict(world=2.5), "--world"), (dict(params=0), "--params"),
+    (dict(compute_ms=0), "--compute-ms"), (dict(compute_ms=float("nan")), "--compute-ms"),
+    (dict(overlap=1.5), "--overlap"), (dict(overlap=-0.1), "--overlap"), (dict(latency_us=-1), "--latency-us"),
+    (dict(gpus_per_node=3), "--gpus-per-node"), (dict(gpus_per_node=4), "--intra-bandwidth"),
+    (dict(gpus_per_node=4, intra_bandwidth="fast"), "--intra-bandwidth"),
+    (dict(compressors=["nope"]), "--compressors"), (dict(compressors=["topk(ratio=2)"]), "--compressors"),
+    (dict(compressors=["blockquant(bits=4"]), "--compressors"), (dict(compressors=[]), "--compressors"),
+    (dict(tensors="4096by4096"), "--tensors"), (dict(tensors="10000x10000"), "--tensors"),
+    (dict(codec_ns_per_element=-1), "--codec-ns-per-element"), (dict(matrix_side=0), "--matrix-side"),
+])
+def test_bad_arguments_name_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        run(**kw)
+
+
+def test_cli_bad_argument_exits_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        adv.main(["--params", "25e6", "--compute-ms", "100", "--world", "8", "--bandwidth", "25gbps"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bandwidth" in err and "gbit" in err
+
+
+def test_cli_table(capsys):
+    assert adv.main(["--params", "25e6", "--compute-ms", "100", "--world", "8", "--bandwidth", "1gbit",
+                     "--codec-ns-per-element", "2", "--compressors", "blockquant(bits=4)", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "1 / (1 - c)" in out and "blockquant(bits=4)" in out and "verdict" in out
+
+
+def test_module_runs_as_main_and_prints_json():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "commpress.advise", "--params", "25e6", "--compute-ms", "100",
+                           "--world", "8", "--bandwidth", "1gbit", "--codec-ns-per-element", "2",
+                           "--compressors", "blockquant(bits=4)", "topk(ratio=0.01)", "--json"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [r["compressor"] for r in out["rows"]] == ["ddp", "blockquant(bits=4)", "topk(ratio=0.01)"]
+    assert all(math.isfinite(r["step_ms"]) and r["bytes"] > 0 for r in out["rows"])
