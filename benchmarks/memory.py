@@ -444,7 +444,7 @@ def _release(state: Any) -> int:
     check of the reported figure, free of the baseline's own differences."""
     import torch
 
-    from commpress.collectives import _comm
+    from commpress import collectives
 
     before = _proc_status()["VmRSS"]
     codec = state.codec
@@ -458,8 +458,7 @@ def _release(state: Any) -> int:
         layout.scratch = type(layout.scratch)()
         for plan in layout.plans.values():
             plan.dense_scratch = None
-    for cache in _comm._CACHES:
-        cache.clear()
+    collectives.clear_caches()
     del codec, layout
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -42,11 +42,11 @@ from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
-from ._comm import comm_device, set_fault_hook
+from ._comm import cached_bytes, clear_caches, comm_device, set_fault_hook
 from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferred, unwrap
 
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
-    "calibrate", "carries_dense", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
+    "cached_bytes", "calibrate", "carries_dense", "clear_caches", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
     "reduce_scatter", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
 ]

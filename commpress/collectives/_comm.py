@@ -156,6 +156,12 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
     return buf[:n]
 
 
+def clear_caches() -> None:
+    """Drop every tensor the collectives' caches keep (the next calls allocate them again)."""
+    for cache in _CACHES:
+        cache.clear()
+
+
 def cached_bytes() -> int:
     """Bytes of the tensors the collectives' caches keep alive (process-wide, every thread's): the
     reusable buffers of :func:`scratch`, the sparse collectives' hash domains, ..."""

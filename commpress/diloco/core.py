@@ -320,7 +320,6 @@ class DiLoCo:
 
     def _memory(self) -> dict[str, int]:
         """Bytes kept beside the model, by kind (metadata only: no tensor is read)."""
-        from ..collectives import _comm
         from ..hooks.common import codec_memory, tensor_bytes
 
         frag = self._fragments
@@ -329,7 +328,7 @@ class DiLoCo:
                "delta": tensor_bytes([f.delta for f in frag]),
                "in_flight": tensor_bytes([vars(e) for e in self._in_flight]),
                "flags": tensor_bytes(self._skipped),   # the skipped-sync verdicts, read by stats
-               "collectives": _comm.cached_bytes()}
+               "collectives": collectives.cached_bytes()}
         if self.compressor is not None:
             for kind, n in codec_memory(self.compressor).items():
                 out[f"compressor.{kind}"] = n

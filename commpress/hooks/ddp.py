@@ -812,10 +812,8 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
 def _memory_parts(codec: Compressor, layout: ModelLayout) -> dict[str, int]:
     """Bytes the hook keeps alive between steps, by kind: the codec's (:func:`codec_memory`),
     ``scratch``, the plans' and units' buffers, and ``collectives``, the collectives' reusable
-    buffers and caches (process-wide, :func:`commpress.collectives._comm.cached_bytes`)."""
-    from ..collectives import _comm
-
-    return codec_memory(codec) | {"scratch": layout.scratch_bytes(), "collectives": _comm.cached_bytes()}
+    buffers and caches (process-wide, :func:`commpress.collectives.cached_bytes`)."""
+    return codec_memory(codec) | {"scratch": layout.scratch_bytes(), "collectives": collectives.cached_bytes()}
 
 
 def _params(layout: ModelLayout) -> int:

@@ -366,9 +366,7 @@ class FSDPState(TakeoverMixin, HookState):
         self.step += 1
         # what the codec keeps (residuals per (unit, chunk), pending, velocities): metadata only
         params, sharded = self._param_counts()
-        from ..collectives import _comm
-
-        self.stats.set_memory(codec_memory(self.codec) | {"collectives": _comm.cached_bytes()}, params, sharded)
+        self.stats.set_memory(codec_memory(self.codec) | {"collectives": collectives.cached_bytes()}, params, sharded)
         self.stats.end_step()
 
     def _param_counts(self) -> tuple[int, int]:
