@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
-# The test command: install (scripts/setup.sh), check the CUDA kernels without a GPU
+# The test command: install (scripts/setup.sh), build the docs (mkdocs --strict), check the CUDA kernels without a GPU
 # (kernels/host_check.sh), run the whole suite. Fails when a test fails or when none ran.
 # Arguments go to pytest (and then only what they name runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The docs site (mkdocs.yml): its extra, then a strict build, so that a broken link, a missing anchor
+# or an API object mkdocstrings cannot find fails CI. Not `-q`: under -q mkdocs counts no warnings
+# and --strict passes anything. About 5 s.
+.venv/bin/python -m pip install -q -e ".[docs]" "torch==${TORCH_VERSION:-2.13.0}"
+docs_site=$(mktemp -d)
+docs_log=$(mktemp)
+if ! NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict -d "$docs_site" >"$docs_log" 2>&1; then
+  grep -v '^INFO' "$docs_log" >&2
+  echo "the docs build failed: .venv/bin/python -m mkdocs build --strict" >&2
+  exit 1
+fi
+rm -rf "$docs_site" "$docs_log"
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 export HYPOTHESIS_PROFILE=ci
 # The cost model's calibration (once per process group, hundreds of groups in the suite) with 3

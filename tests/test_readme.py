@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as written.
+"""Every ```python block of README.md and of the docs pages (docs/*.md) runs as written.
 
 A block preceded by ``<!-- readme-test: 2 ranks -->`` runs on 2 gloo ranks (the process
 group already initialized and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``
@@ -19,13 +19,15 @@ import pytest
 
 from distributed import run
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!--\s*readme-test:\s*(\d+)\s+ranks?\s*(?:,\s*needs\s+([\w. ]+?))?\s*-->")
 
 
-def snippets() -> list[tuple[int, int, str, list[str]]]:
-    """``(line, ranks, code, needs)`` of every python block (ranks 1 unless marked)."""
-    lines = README.read_text().splitlines()
+def snippets(page: Path = README) -> list[tuple[int, int, str, list[str]]]:
+    """``(line, ranks, code, needs)`` of every python block of ``page`` (ranks 1 unless marked)."""
+    lines = page.read_text().splitlines()
     out, i = [], 0
     while i < len(lines):
         if lines[i].strip() == "```python":
@@ -42,16 +44,18 @@ def snippets() -> list[tuple[int, int, str, list[str]]]:
     return out
 
 
-def _exec(rank, world, code, line, workdir):
+def _exec(rank, world, code, where, workdir):
     os.environ["COMMPRESS_BACKEND"] = "torch"   # small tensors: the reference ops, no JIT in each rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1")   # what torchrun sets (accelerate reads them)
     os.chdir(os.path.join(workdir, f"rank{rank}"))
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     return True
 
 
 SNIPPETS = snippets()
+ALL = [(f"{page.relative_to(ROOT)}:{line}", ranks, code, needs)
+       for page in PAGES for line, ranks, code, needs in snippets(page)]
 
 
 def test_readme_has_snippets_and_speaks_of_itself():
@@ -59,12 +63,14 @@ def test_readme_has_snippets_and_speaks_of_itself():
     text = README.read_text()
     assert not re.search(r"\bissue \d+", text, re.I)          # no pointers to the tracker
     assert "](../" not in text and "../shared" not in text     # nothing outside the repository
-    assert "## Overhead (hot path)" in text and "benchmarks overhead" in text  # measured, with its command
+    assert len(text.splitlines()) <= 250                          # a newcomer's page; the rest is in docs/
+    overhead = (ROOT / "docs" / "results" / "overhead.md").read_text()
+    assert "# Overhead (hot path)" in overhead and "benchmarks overhead" in overhead  # measured, with its command
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("line,ranks,code,needs", SNIPPETS, ids=[f"line{ln}" for ln, _, _, _ in SNIPPETS])
-def test_readme_snippet_runs(line, ranks, code, needs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where,ranks,code,needs", ALL, ids=[w for w, _, _, _ in ALL])
+def test_readme_snippet_runs(where, ranks, code, needs, tmp_path, monkeypatch):
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (an optional extra)")
@@ -72,6 +78,6 @@ def test_readme_snippet_runs(line, ranks, code, needs, tmp_path, monkeypatch):
         (tmp_path / f"rank{r}").mkdir()
     if ranks == 1:
         monkeypatch.chdir(tmp_path / "rank0")
-        exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
+        exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     else:
-        assert run(_exec, ranks, code, line, str(tmp_path), timeout=150) == [True] * ranks
+        assert run(_exec, ranks, code, where, str(tmp_path), timeout=150) == [True] * ranks
