@@ -35,14 +35,27 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Payload:
     """What one rank sends for one tensor.
 
-    ``tensors`` is exactly what goes on the wire; ``nbytes`` is its true size in
-    bytes after bit packing.  ``shape``, ``dtype`` and ``numel`` describe the
-    original tensor; ``meta`` holds small decode facts (never sent per element,
-    derivable by every rank from the configuration and ``numel``).
-    ``nonfinite``: a 0-d bool set by :class:`~commpress.ErrorFeedback` when the
-    compensated input held a NaN/inf (``None`` when nobody scanned it); the
-    collectives put it in their status word instead of scanning the input again.
-    It is not sent as a tensor of its own.
+    A frozen dataclass made by :meth:`Compressor.compress` (usually through
+    :meth:`Compressor.make_payload`) and read by :meth:`Compressor.decompress`.
+    Only ``tensors`` goes on the wire.
+
+    Attributes:
+        tensors: exactly what goes on the wire; :attr:`nbytes` is its true size in
+            bytes after bit packing.
+        shape: the original tensor's shape.
+        dtype: the original tensor's dtype.
+        numel: the original tensor's number of elements.
+        meta: small decode facts (never sent per element, derivable by every rank
+            from the configuration and ``numel``).
+        nonfinite: a 0-d bool set by :class:`~commpress.ErrorFeedback` when the
+            compensated input held a NaN/inf (``None`` when nobody scanned it); the
+            collectives put it in their status word instead of scanning the input
+            again.  It is not sent as a tensor of its own.
+
+    Example:
+        >>> payload = commpress.get("fp16").compress(torch.randn(4, 8))
+        >>> payload.shape, payload.numel, payload.nbytes
+        (torch.Size([4, 8]), 32, 64)
     """
 
     tensors: tuple[torch.Tensor, ...]
@@ -68,12 +81,32 @@ class Payload:
 
 
 class Compressor(ABC):
-    """Base class of all compressors.
+    """Base class of all compressors: encode a tensor to a :class:`Payload` and back.
 
     Subclasses set :attr:`name` (through :func:`register`), :attr:`aggregation`
     and :attr:`unbiased`, and implement :meth:`compress` / :meth:`decompress`.
     ``compress`` accepts fp32, fp16 and bf16 tensors of any shape (contiguous or
     not, empty included); ``decompress`` returns the input's shape and dtype.
+    What goes on the wire is ``payload.tensors``; how several ranks' payloads are
+    combined is :attr:`aggregation` (see :mod:`commpress.compressors.base`).
+
+    Attributes:
+        name: the registry name (set by :func:`register`).
+        aggregation: ``"sum"``, ``"sparse"``, ``"gather"`` or ``"lowrank"``.
+        unbiased: True when ``E[decompress(compress(x))] == x`` (no error feedback
+            needed).
+        deterministic: True when compress is a deterministic function of
+            ``(tensor, step, key)``.
+        supported_dtypes: the input dtypes :meth:`compress` accepts.
+
+    Example:
+        >>> @commpress.register("half")
+        ... class Half(commpress.Compressor):
+        ...     casts, cast_to = True, torch.float16
+        ...     def compress(self, tensor, *, step=0, key=0, generator=None):
+        ...         return self.make_payload(tensor, (tensor.to(torch.float16),))
+        ...     def decompress(self, payload):
+        ...         return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
     """
 
     name: ClassVar[str] = ""
@@ -294,15 +327,42 @@ def _add_out(cls: type[Compressor]) -> None:
 
 
 def available() -> list[str]:
-    """Names of all registered compressors, sorted."""
+    """Names of all registered compressors, sorted.
+
+    Takes no arguments.
+
+    Returns:
+        The names :func:`get` accepts (each registered with :func:`register`),
+        in sorted order.
+
+    Example:
+        >>> "topk" in commpress.available()
+        True
+    """
     return sorted(_REGISTRY)
 
 
 def get(name: str, **params: Any) -> Compressor:
     """Build the compressor registered as ``name`` with ``params``.
 
-    Raises ``ValueError`` for an unknown name (listing the known ones) or for
-    parameters the compressor does not take (listing the ones it does).
+    Args:
+        name: a registry name (one of :func:`available`), or a :class:`Compressor`
+            instance, which is returned as it is.
+        **params: the compressor's constructor parameters (only with a name).
+
+    Returns:
+        A new instance of the compressor class registered as ``name`` (or ``name``
+        itself when it is a :class:`Compressor`).
+
+    Raises:
+        ValueError: for an unknown name (listing the known ones), for parameters the
+            compressor does not take (listing the ones it does), or for ``params``
+            given with a compressor instance.
+
+    Example:
+        >>> comp = commpress.get("topk", ratio=0.01)
+        >>> payload = comp.compress(grad)
+        >>> dense = comp.decompress(payload)
     """
     if isinstance(name, Compressor):
         if params:

@@ -87,6 +87,47 @@ class _Fragment:
 class DiLoCo:
     """Train a replicated model with rare, compressed synchronizations (DiLoCo family).
 
+    Args:
+        model: the replicated module (a plain ``nn.Module``, not wrapped in DDP); its
+            trainable parameters (``requires_grad``) are synced, all on one device.
+            Rank 0's values are broadcast at construction.
+        inner_optimizer: a ``torch.optim.Optimizer`` over the model's parameters.
+        sync_every: H, inner steps between two syncs of a fragment (>= 1).
+        outer_lr: the outer SGD's learning rate, a finite number > 0 (DiLoCo: 0.7).
+        outer_momentum: the outer SGD's momentum, in [0, 1) (DiLoCo: 0.9).
+            ``outer_momentum=0`` is plain averaging scaled by ``outer_lr`` (SparseLoCo).
+        nesterov: Nesterov momentum in the outer SGD (DiLoCo: ``True``).
+        compressor: ``None`` (dense fp32), a registered name (built with
+            ``compressor_params``), a :class:`~commpress.Compressor` (wrapped in
+            ``ErrorFeedback``), or an :class:`~commpress.ErrorFeedback` used as given
+            (its ``beta`` is SparseLoCo's error-feedback decay).
+        fragments: F, Streaming DiLoCo's fragments: the parameters, in order, cut into F
+            groups of about equal size; fragment ``f`` is sent when the inner step
+            count is ``(f+1)*H//F`` modulo H (staggered; F=1: every H steps).  At most
+            the number of trainable parameters and ``sync_every``.
+        overlap: τ, the inner steps between sending a fragment and applying its
+            outer step (``True`` = 1, or 0 when H = 1; ``False`` = 0; ``0 <= τ < H``).  With τ > 0 and
+            more than one rank the exchange runs on a worker thread with a process
+            group of its own (on a side stream on CUDA) during the next τ inner
+            steps; when applied, the fragment's local parameters are replaced by the
+            new global ones (the τ local steps on that fragment are dropped, so
+            replicas stay bitwise identical).
+        process_group: the data-parallel group (default: the world).
+        **compressor_params: the compressor's parameters, with a registered name.
+
+    Raises:
+        ValueError: for a bad configuration on any rank, or configurations that differ
+            between ranks (on every rank).
+
+    Example:
+        >>> dl = DiLoCo(model, torch.optim.AdamW(model.parameters()), sync_every=100,
+        ...             compressor="topk", ratio=0.01)
+        >>> for batch in loader:
+        ...     model(batch).backward()
+        ...     dl.step()
+        ...     dl.zero_grad()
+        >>> dl.close()
+
     Every rank holds the whole ``model`` (a plain ``nn.Module``, not wrapped in DDP)
     and runs ``inner_optimizer`` on its own data.  The loop is::
 
@@ -106,29 +147,6 @@ class DiLoCo:
     Wire per sync: ``compressor=None`` sends the fp32 pseudo-gradient in one
     ``all_reduce`` (DDP's traffic once per H steps); otherwise what the compressor
     sends for a tensor of the fragment's size (``dl.stats`` counts it).
-
-    Args:
-        model: the replicated module; its trainable parameters (``requires_grad``) are
-            synced, all on one device. Rank 0's values are broadcast at construction.
-        inner_optimizer: a ``torch.optim.Optimizer`` over the model's parameters.
-        sync_every: H, inner steps between two syncs of a fragment (>= 1).
-        outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True).
-            ``outer_momentum=0`` is plain averaging scaled by ``outer_lr`` (SparseLoCo).
-        compressor: ``None`` (dense fp32), a registered name (built with
-            ``compressor_params``), a :class:`~commpress.Compressor` (wrapped in
-            ``ErrorFeedback``), or an :class:`~commpress.ErrorFeedback` used as given
-            (its ``beta`` is SparseLoCo's error-feedback decay).
-        fragments: F, Streaming DiLoCo's fragments: the parameters, in order, cut into F
-            groups of about equal size; fragment ``f`` is sent when the inner step
-            count is ``(f+1)*H//F`` modulo H (staggered; F=1: every H steps).
-        overlap: τ, the inner steps between sending a fragment and applying its
-            outer step (``True`` = 1, or 0 when H = 1; ``False`` = 0; ``0 <= τ < H``).  With τ > 0 and
-            more than one rank the exchange runs on a worker thread with a process
-            group of its own (on a side stream on CUDA) during the next τ inner
-            steps; when applied, the fragment's local parameters are replaced by the
-            new global ones (the τ local steps on that fragment are dropped, so
-            replicas stay bitwise identical).
-        process_group: the data-parallel group (default: the world).
 
     Guarantees: replicas are bitwise identical after every sync; :meth:`state_dict`
     holds the global parameters, outer momentum, residuals, in-flight fragments and

@@ -989,30 +989,56 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              optimizer: torch.optim.Optimizer | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
              rollback: str = "step", **compressor_params: Any) -> DDPState:
-    """Compress ``model``'s gradient averaging: build a :class:`DDPState` and
-    ``model.register_comm_hook(state, hook)``.  Returns the state (``state.stats``,
-    ``state.state_dict()``, ``state.close()``).  Collective: call it on every rank
-    with the same arguments (checked by a fingerprint exchange; ``ValueError`` on
-    every rank otherwise).  ``TypeError`` when ``model`` is not DDP; ``RuntimeError``
-    when a commpress hook is already registered on it; ``ValueError`` for an
-    algorithm the compressor's kind does not have.
+    """Compress ``model``'s gradient averaging with a commpress DDP comm hook.
 
-    ``optimizer=opt`` (a ``torch.optim.SGD`` with momentum): the hook takes over its
-    momentum, DGC's recipe for reaching DDP's step count with a sparsifier (momentum
-    correction here, the optimizer's momentum 0 until ``state.close()``; see
-    :mod:`commpress.hooks.optimizer`).  The sparsifiers' density warm-up
-    (``density_warmup=`` steps from ``density_start=``) is a compressor parameter.
-
-    ``compressor="auto"``: each unit gets its own compressor, chosen at check points from the
-    measured overlap and codec cost and the calibrated network (see :mod:`commpress.auto.runtime`);
-    ``state.stats.as_dict()["auto"]`` shows the choices.
+    Builds a :class:`DDPState` and calls ``model.register_comm_hook(state, hook)``.
+    Collective: call it on every rank with the same arguments (checked by a
+    fingerprint exchange; ``ValueError`` on every rank otherwise).  Each parameter
+    has the meaning it has in :class:`DDPState`, summarized here.
 
     Args:
+        model: the ``DistributedDataParallel`` model (``TypeError`` otherwise).
+        compressor: a :class:`~commpress.Compressor` or a registry name;
+            ``**compressor_params`` are passed to ``commpress.get`` with a name.
+            ``"auto"``: each unit gets its own compressor, chosen at check points from
+            the measured overlap and codec cost and the calibrated network (see
+            :mod:`commpress.auto.runtime`; its options ``candidates``, ``check_every``,
+            ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are keywords
+            here); every choice runs under error feedback, and
+            ``state.stats.as_dict()["auto"]`` shows the choices.
+        error_feedback: ``"auto"`` (on for biased compressors), ``True`` or ``False``.
+        warmup_steps: dense steps at the start (clamped to at least 1).
+        min_numel: parameters with fewer elements go dense.
+        skip: ``skip(name) -> bool`` on the names of ``model.module.named_parameters()``;
+            ``True`` sends that parameter dense.
+        algorithm: passed to :func:`commpress.collectives.allreduce`: ``"auto"`` (cost
+            model, calibrated once at registration) or one of the compressor kind's
+            algorithms (``ValueError`` otherwise).
+        process_group: defaults to the model's process group.
+        verify_every: every N steps hash each synchronized bucket on all ranks and raise
+            :class:`ReplicaMismatchError` naming the bucket on a mismatch; ``None`` reads
+            the environment variable ``COMMPRESS_VERIFY`` (0 = off).  Runs
+            synchronously (no overlap).
+        seed: seeds stochastic rounding: each rank's noise for a unit is a pure function
+            of ``(seed, rank, step, unit)``, so resumed runs draw the same noise.
+        dense_1d: send 1-D parameters (biases, norm weights) dense (default ``True``).
+        overlap: run compression and communication on a worker thread (with a process
+            group of its own) so they overlap the backward pass (default ``True``).
+        hierarchy: ``None`` (flat), an int ``L`` (ranks per node: dense inside a node,
+            compressed only between nodes, see :mod:`commpress.collectives.hierarchy`),
+            or ``"auto"`` (torchrun's ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat
+            or two-level per unit by the intra/inter cost model).  Creates the node
+            groups (collective).
+        optimizer: a ``torch.optim.SGD`` with momentum whose momentum the hook takes
+            over, DGC's recipe for reaching DDP's step count with a sparsifier (momentum
+            correction here, the optimizer's momentum 0 until ``state.close()``; see
+            :mod:`commpress.hooks.optimizer`).  Adam and SGD without momentum are left
+            as they are.
         scaler: AMP's ``torch.amp.GradScaler`` when the loss is scaled (fp16): residuals and
             momentum-correction velocities are then kept in the gradients' own units, unaffected
             by the scale's changes; the buckets handed back stay scaled for ``scaler.step``
             (:meth:`DDPState.attach_scaler`; ``TypeError`` for anything but a GradScaler or
-            ``None``).  The other arguments: :class:`DDPState`.
+            ``None``).
         residual_storage: how error feedback keeps its residuals between steps: ``"fp32"``
             (4 bytes per compressed parameter, plus as much for the pending copy), ``"bf16"``
             (2 + 2) or ``"int8"`` (blockwise with its own scales: about 1.03 + 1.03), rounded
@@ -1024,6 +1050,29 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             step, as GradScaler drops its gradient): each unit commits when its collective
             ends, so pending residuals exist only for the units in flight (about half the
             residual memory).  ``ValueError`` for another value.
+        **compressor_params: the compressor's parameters (with a registry name), e.g.
+            ``ratio=0.01``; the sparsifiers' density warm-up (``density_warmup=`` steps
+            from ``density_start=``) is one.  Also the :class:`DDPState` keywords that
+            are not named here: ``momentum``, ``momentum_masking``, ``join_buckets``
+            and the ``"auto"`` options.
+
+    Returns:
+        The :class:`DDPState` (``state.stats``, ``state.state_dict()``, ``state.close()``).
+
+    Raises:
+        TypeError: when ``model`` is not DDP, or for a bad ``scaler``, ``skip`` or
+            ``overlap``.
+        RuntimeError: when a commpress hook is already registered on ``model``.
+        ValueError: for an algorithm the compressor's kind does not have, a bad
+            ``residual_storage``, ``rollback`` or ``hierarchy``, a negative
+            ``warmup_steps``/``min_numel``/``seed``, or configurations that differ
+            between ranks (on every rank).
+
+    Example:
+        >>> model = DistributedDataParallel(net)
+        >>> state = commpress.ddp.register(model, "topk", ratio=0.01)
+        >>> ...  # train as usual
+        >>> print(state.stats.as_dict())
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,

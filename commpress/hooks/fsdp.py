@@ -612,51 +612,76 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
-    ``module``: a model (or submodule) wrapped with ``fully_shard``; every
-    ``FSDPModule`` with parameters in its tree is handled (only ``module``
-    itself with ``recurse=False``).  ``compressor``: a
-    :class:`~commpress.Compressor` or a registry name with
-    ``**compressor_params``, or ``"auto"``: each unit's compressor chosen and re-chosen
-    from measurements (:mod:`commpress.auto.fsdp`; its options ``candidates``,
-    ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices``, ``remeasure`` as for DDP;
-    not with ``replicate_group`` or ``reduce_scatter=False``; ``state.stats.as_dict()["auto"]``
-    shows the choices).  ``error_feedback``: ``True``, ``False`` or
-    ``"auto"`` (on for biased compressors).  ``all_gather``: ``None`` (dense
-    parameter all-gather) or a fixed-size compressor (name or instance, e.g.
-    ``"blockquant"``) used to all-gather parameters quantized.
-    ``replicate_group``: hybrid sharding with a 1-D shard mesh per replica: the
-    reduce-scatter output is all-reduced across this group compressed (see
-    "Hybrid sharding" in the module doc); then ``reduce_scatter`` (default
-    ``False``; ``True`` without ``replicate_group``) says whether the shard
-    group's reduce-scatter is compressed too.
-    ``optimizer``: a ``torch.optim.SGD`` whose momentum the hook takes over
-    (momentum correction in the error feedback, the optimizer's momentum 0 until
-    ``state.close()``; Adam or SGD without momentum: one log line, nothing changes;
-    see :mod:`commpress.hooks.optimizer`); ``state.attach_optimizer(opt)`` for an
-    optimizer made later.  The sparsifiers' density warm-up (``density_warmup=``,
-    ``density_start=``) is a compressor parameter.
-    ``scaler``: AMP's ``torch.amp.GradScaler`` when the loss is scaled: residuals and velocities
-    are kept in unscaled units, the outputs stay scaled for ``scaler.step``
-    (:meth:`FSDPState.attach_scaler`, also for a scaler made later; ``TypeError`` for anything
-    but a GradScaler or ``None``).
+    Collective: exchanges a configuration fingerprint over the units' process
+    group (compressor, parameters, options, world size, unit names and
+    parameter shapes); a mismatch raises ``ValueError`` on every rank.
+
+    Args:
+        module: a model (or submodule) wrapped with ``fully_shard``; every
+            ``FSDPModule`` with parameters in its tree is handled (only ``module``
+            itself with ``recurse=False``).
+        compressor: a :class:`~commpress.Compressor` or a registry name with
+            ``**compressor_params``, or ``"auto"``: each unit's compressor chosen and
+            re-chosen from measurements (:mod:`commpress.auto.fsdp`; its options
+            ``candidates``, ``check_every``, ``every``, ``margin``, ``drift``,
+            ``critical``, ``prices``, ``remeasure`` as for DDP; not with
+            ``replicate_group`` or ``reduce_scatter=False``;
+            ``state.stats.as_dict()["auto"]`` shows the choices).  A quantizer given by
+            name (``"blockquant"``, ``"fp8"``, ``"mx"``) without ``stochastic=`` rounds
+            stochastically and runs without error feedback (see below).
+        error_feedback: ``True``, ``False`` or ``"auto"`` (on for biased compressors).
+        all_gather: ``None`` (dense parameter all-gather) or a fixed-size compressor
+            (name or instance, e.g. ``"blockquant"``) used to all-gather parameters
+            quantized.
+        recurse: handle every ``FSDPModule`` with parameters in ``module``'s tree
+            (default ``True``); ``False``: only ``module`` itself.
+        replicate_group: hybrid sharding with a 1-D shard mesh per replica: the
+            reduce-scatter output is all-reduced across this group compressed (see
+            "Hybrid sharding" in the module doc).
+        reduce_scatter: with ``replicate_group``, whether the shard group's
+            reduce-scatter is compressed too.  Default (``None``): ``False`` with
+            ``replicate_group``, ``True`` without it.
+        optimizer: a ``torch.optim.SGD`` whose momentum the hook takes over (momentum
+            correction in the error feedback, the optimizer's momentum 0 until
+            ``state.close()``; Adam or SGD without momentum: one log line, nothing
+            changes; see :mod:`commpress.hooks.optimizer`); ``state.attach_optimizer(opt)``
+            for an optimizer made later.
+        scaler: AMP's ``torch.amp.GradScaler`` when the loss is scaled: residuals and
+            velocities are kept in unscaled units, the outputs stay scaled for
+            ``scaler.step`` (:meth:`FSDPState.attach_scaler`, also for a scaler made
+            later; ``TypeError`` for anything but a GradScaler or ``None``).
+        residual_storage: how error feedback keeps its residuals between steps,
+            ``"fp32"``, ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in
+            :func:`commpress.ddp.register`).
+        rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a
+            NaN/inf keeps the residuals of the unit that saw it and of the later
+            ones), as in :func:`commpress.ddp.register`.
+        **compressor_params: the compressor's parameters (with a registry name); the
+            sparsifiers' density warm-up (``density_warmup=``, ``density_start=``) is
+            one, and so are the ``"auto"`` options and ``momentum``.
+
+    Returns:
+        The :class:`FSDPState` (``.stats``, ``.state_dict()``).
+
+    Raises:
+        TypeError: when ``module`` is not an FSDP2 module (and holds none), or for a
+            bad ``scaler``.
+        RuntimeError: when commpress is already registered on one of its units.
+        ValueError: when the configuration differs between ranks (on every rank), for
+            ``"auto"`` with ``replicate_group`` or ``reduce_scatter=False``, for a
+            ``replicate_group`` on a 2-D mesh, a low-rank compressor, or an
+            ``all_gather`` compressor that is not fixed-size.
+
+    Example:
+        >>> fully_shard(model)
+        >>> state = commpress.fsdp.register(model, "blockquant", all_gather="blockquant")
+        >>> ...  # train as usual
+        >>> print(state.stats.as_dict())
 
     A quantizer given by name (``"blockquant"``, ``"fp8"``, ``"mx"``) without ``stochastic=``
     rounds stochastically and runs without error feedback: unbiased, and no rank keeps a residual
     of the whole model (with ``stochastic=False``: error feedback, 8 bytes per parameter of the
     model on every rank in fp32; see the README's FSDP2 memory table).
-
-    ``residual_storage``: how error feedback keeps its residuals between steps, ``"fp32"``,
-    ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in :func:`commpress.ddp.register`).
-    ``rollback``: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a NaN/inf
-    keeps the residuals of the unit that saw it and of the later ones), as in
-    :func:`commpress.ddp.register`.
-
-    Collective: exchanges a configuration fingerprint over the units' process
-    group (compressor, parameters, options, world size, unit names and
-    parameter shapes); a mismatch raises ``ValueError`` on every rank.
-    Raises ``TypeError`` when ``module`` is not an FSDP2 module (and holds
-    none), ``RuntimeError`` when commpress is already registered on one of its
-    units.  Returns the :class:`FSDPState` (``.stats``, ``.state_dict()``).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module wrapped with fully_shard (FSDP2), "

@@ -48,21 +48,38 @@ def register(accelerator: Any, model: torch.nn.Module, compressor: Compressor | 
              **params: Any) -> HookState:
     """Compress the gradient communication of ``model``, prepared by ``accelerator``.
 
-    ``model`` is the object ``accelerator.prepare`` returned: a
-    ``DistributedDataParallel`` (multi-process CPU or GPU) gets the DDP hook
-    (:func:`commpress.ddp.register`, returns a :class:`~commpress.ddp.DDPState`);
-    an FSDP2 model gets the compressed reduce-scatter (:func:`commpress.fsdp.register`,
-    returns an ``FSDPState``).  ``compressor`` and ``**params`` are passed on.
-    Collective: call it on every rank with the same arguments.
+    Collective: call it on every rank with the same arguments.  Also registers the
+    save / load state pre-hooks that put each rank's hook state into
+    ``accelerator.save_state`` folders and restore it in ``load_state``.
 
-    Also registers the save / load state pre-hooks that put each rank's hook
-    state into ``accelerator.save_state`` folders and restore it in ``load_state``.
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: the object ``accelerator.prepare`` returned: a
+            ``DistributedDataParallel`` (multi-process CPU or GPU) gets the DDP hook
+            (:func:`commpress.ddp.register`); an FSDP2 model gets the compressed
+            reduce-scatter (:func:`commpress.fsdp.register`).
+        compressor: a :class:`~commpress.Compressor` or a registry name, passed on to
+            :func:`commpress.ddp.register` / :func:`commpress.fsdp.register`.
+        **params: passed on with ``compressor``: compressor parameters (e.g.
+            ``bits=4``) and the options of the register function used.
 
-    Raises ``RuntimeError`` when the model is not distributed (one process: launch
-    several, and pass ``Accelerator(cpu=True)`` on machines without GPUs);
-    ``TypeError`` for an object that is not an ``Accelerator`` or a model that
-    ``accelerator.prepare`` did not wrap; ``ValueError`` for FSDP1 (use
-    ``fsdp_version=2``) and for a DDP comm hook accelerate already registered.
+    Returns:
+        The hook state: a :class:`~commpress.ddp.DDPState` for a DDP model, an
+        ``FSDPState`` for an FSDP2 model.
+
+    Raises:
+        ImportError: when ``accelerate`` is not installed.
+        RuntimeError: when the model is not distributed (one process: launch
+            several, and pass ``Accelerator(cpu=True)`` on machines without GPUs).
+        TypeError: for an object that is not an ``Accelerator`` or a model that
+            ``accelerator.prepare`` did not wrap.
+        ValueError: for FSDP1 (use ``fsdp_version=2``) and for a DDP comm hook
+            accelerate already registered.
+
+    Example:
+        >>> model, opt, loader = accelerator.prepare(model, opt, loader)
+        >>> state = commpress.integrations.accelerate.register(accelerator, model, "blockquant", bits=4)
+        >>> accelerator.save_state("ckpt")   # carries each rank's residuals
     """
     try:
         from accelerate import Accelerator

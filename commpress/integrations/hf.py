@@ -60,16 +60,38 @@ _ATTR = "_commpress_hf_callback"
 def enable(trainer: Any, compressor: Compressor | str, **params: Any) -> DDPState:
     """Compress the gradient averaging of ``trainer`` (a ``transformers.Trainer``) with commpress.
 
-    ``compressor`` and ``**params`` are those of :func:`commpress.ddp.register`
-    (compressor parameters such as ``bits=4`` and hook options such as
-    ``error_feedback``, ``warmup_steps``, ``overlap``).  Call it on every rank
-    with the same arguments, before ``trainer.train()``.
+    Builds the :class:`~commpress.ddp.DDPState` at once (arguments are checked here,
+    nothing is exchanged) and adds a ``TrainerCallback`` that binds it to the
+    Trainer's DDP model when training starts and saves / loads it with the
+    Trainer's checkpoints.  Call it on every rank with the same arguments, before
+    ``trainer.train()``.  One process (not distributed): logs one line and returns
+    the state unbound.
 
-    Returns the :class:`~commpress.ddp.DDPState`: it binds when training starts;
-    ``state.stats`` holds the bytes sent, ``state.close()`` stops its worker thread
-    when training is over.  Raises ``TypeError`` for an object that is not a
-    Trainer, ``RuntimeError`` when commpress is already enabled on it,
-    ``ValueError`` for DeepSpeed / FSDP Trainers and for bad hook arguments.
+    Args:
+        trainer: the ``transformers.Trainer`` (a DDP one: not DeepSpeed or FSDP).
+        compressor: a :class:`~commpress.Compressor` or a registry name, as in
+            :func:`commpress.ddp.register`.
+        **params: those of :func:`commpress.ddp.register`: compressor parameters
+            such as ``bits=4`` and hook options such as ``error_feedback``,
+            ``warmup_steps``, ``overlap``.
+
+    Returns:
+        The :class:`~commpress.ddp.DDPState`: it binds when training starts;
+        ``state.stats`` holds the bytes sent, ``state.close()`` stops its worker
+        thread when training is over.
+
+    Raises:
+        ImportError: when ``transformers`` is not installed.
+        TypeError: for an object that is not a Trainer (or, when training starts, a
+            distributed Trainer whose model is not wrapped in DDP).
+        RuntimeError: when commpress is already enabled on it.
+        ValueError: for DeepSpeed / FSDP Trainers and for bad hook arguments.
+
+    Example:
+        >>> trainer = Trainer(model=model, args=args, train_dataset=data)
+        >>> state = commpress.integrations.hf.enable(trainer, "blockquant", bits=4)
+        >>> trainer.train()
+        >>> state.close()
     """
     try:
         from transformers import Trainer, TrainerCallback
