@@ -581,6 +581,30 @@ __device__ __forceinline__ float warp_tree256(float* v, int lane) {
     return s;
 }
 
+// The roots of consecutive groups of 256 combined in the reference's order: a stack of complete
+// subtrees (zero padding adds nothing), merged as equal levels meet; total() folds what is left.
+struct RootStack {
+    float stack[64];
+    int level[64];
+    int top = 0;
+
+    __device__ __forceinline__ void push(float s) {
+        int lv = 0;
+        while (top > 0 && level[top - 1] == lv) {
+            s = __fadd_rn(stack[--top], s);
+            ++lv;
+        }
+        stack[top] = s;
+        level[top++] = lv;
+    }
+
+    __device__ __forceinline__ float total() const {
+        float acc = top ? stack[top - 1] : 0.0f;
+        for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+        return acc;
+    }
+};
+
 extern "C" __global__ void tree256_kernel(const float* in, float* out, i64 n, i64 seg, i64 nseg,
                                           int leaf, int finalize, i64 chunk, i64 n_orig) {
     int lane = threadIdx.x & 31;
@@ -619,9 +643,7 @@ extern "C" __global__ void norm_rescue_kernel(const float* x, float* norms, i64 
         for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
         int k = min(max(127 - (m >> 23), -126), 126);
         float f = __int_as_float((127 + k) << 23);
-        float stack[64];
-        int level[64];
-        int top = 0;
+        RootStack roots;
         for (i64 g0 = 0; g0 < len; g0 += 256) {  // warp-uniform
             i64 first = g0 + lane * 8;
             float v[8];
@@ -631,19 +653,10 @@ extern "C" __global__ void norm_rescue_kernel(const float* x, float* norms, i64 
                 v[e] = __fmul_rn(y, y);
             }
             float s = warp_tree256(v, lane);
-            if (lane == 0) {
-                int lv = 0;
-                while (top > 0 && level[top - 1] == lv) {
-                    s = __fadd_rn(stack[--top], s);
-                    ++lv;
-                }
-                stack[top] = s;
-                level[top++] = lv;
-            }
+            if (lane == 0) roots.push(s);
         }
         if (lane == 0) {
-            float acc = top ? stack[top - 1] : 0.0f;
-            for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+            float acc = roots.total();
             double r = sqrt((double)acc) * __longlong_as_double((i64)(1023 - k) << 52);
             if (r > F32_MAX && r < __longlong_as_double(0x7ff0000000000000LL)) r = F32_MAX;
             norms[c] = (float)r;
@@ -673,28 +686,17 @@ extern "C" __global__ void sign_rescue_kernel(const float* x, float* scales, i64
         for (i64 j = lane; j < len; j += 32) m = max(m, __float_as_int(x[base + j]) & ABS_MASK);
         for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
         if (m >= INF_KEY) continue;
-        float stack[64];
-        int level[64];
-        int top = 0;
+        RootStack roots;
         for (i64 g0 = 0; g0 < len; g0 += 256) {  // warp-uniform
             i64 first = g0 + lane * 8;
             float v[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[e] = first + e < len ? __fmul_rn(fabsf(x[base + first + e]), SIGN_DOWN) : 0.0f;
             float s = warp_tree256(v, lane);
-            if (lane == 0) {
-                int lv = 0;
-                while (top > 0 && level[top - 1] == lv) {
-                    s = __fadd_rn(stack[--top], s);
-                    ++lv;
-                }
-                stack[top] = s;
-                level[top++] = lv;
-            }
+            if (lane == 0) roots.push(s);
         }
         if (lane == 0) {
-            float acc = top ? stack[top - 1] : 0.0f;
-            for (int t = top - 2; t >= 0; --t) acc = __fadd_rn(stack[t], acc);
+            float acc = roots.total();
             scales[c] = sign_rescued(acc, len);
         }
     }

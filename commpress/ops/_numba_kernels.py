@@ -1708,6 +1708,20 @@ def _compensate_squares(x, r, beta, scale, how, t, buf):
 
 
 @njit(inline="always", **_SOPTS)
+def _fold_levels(buf, full, half):
+    """The pairwise sum of ``buf[:full]``, zero-padded to ``half`` (a power of two): adjacent
+    pairs level by level, in place (the reference's order)."""
+    for i in range(full, half):
+        buf[i] = _F0
+    w = half
+    while w > 1:
+        w >>= 1
+        for i in range(w):
+            buf[i] = buf[2 * i] + buf[2 * i + 1]
+    return buf[0]
+
+
+@njit(inline="always", **_SOPTS)
 def _pairwise_squares_finish(t, buf):
     """:func:`_pairwise_level_sum` of ``t`` squared (``f = 1``) whose first level is already in
     ``buf[:t.size // 2]`` (:func:`_compensate_squares`)."""
@@ -1722,14 +1736,7 @@ def _pairwise_squares_finish(t, buf):
     if m & 1:
         buf[full] = t[m - 1] * t[m - 1]
         full += 1
-    for i in range(full, half):
-        buf[i] = _F0
-    w = half
-    while w > 1:
-        w >>= 1
-        for i in range(w):
-            buf[i] = buf[2 * i] + buf[2 * i + 1]
-    return buf[0]
+    return _fold_levels(buf, full, half)
 
 
 @njit(inline="always", **_SOPTS)
@@ -1917,14 +1924,7 @@ def _pairwise_level_sum(v, square, buf, f):
     if m & 1:
         buf[full] = (v[m - 1] * f) * (v[m - 1] * f) if square else abs(v[m - 1]) * f
         full += 1
-    for i in range(full, half):
-        buf[i] = _F0
-    w = half
-    while w > 1:
-        w >>= 1
-        for i in range(w):
-            buf[i] = buf[2 * i] + buf[2 * i + 1]
-    return buf[0]
+    return _fold_levels(buf, full, half)
 
 
 @chunked(lambda x, res, beta, use_beta, chunk, new_res, packed, scales, bad: bad.size)
