@@ -55,7 +55,7 @@ from .compressors.base import _REGISTRY, Compressor, Payload
 
 __all__ = [
     "check_compressor", "check_round_trip", "check_wire_size", "check_deterministic",
-    "check_unbiased", "check_error_feedback", "check_state_dict", "check_aggregation",
+    "check_unbiased", "check_error_feedback", "check_state_dict", "check_aggregation", "make_tensor",
 ]
 
 #: A compressor, or a callable with no arguments that builds a fresh one.
@@ -117,8 +117,10 @@ def _factory(compressor: CompressorLike) -> Callable[[], Compressor]:
     return lambda: copy.deepcopy(snapshot)
 
 
-def _build(shape, dtype: torch.dtype, layout: str, seed: int, scale: float = 1.0) -> torch.Tensor:
-    """A standard-normal tensor of ``shape``: contiguous, transposed or strided (every 2nd row)."""
+def make_tensor(shape, dtype: torch.dtype, layout: str, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """A standard-normal tensor of ``shape`` and ``dtype`` drawn from ``seed`` (times ``scale``),
+    laid out ``"contiguous"``, ``"transposed"`` or ``"strided"`` (every 2nd row): the checks'
+    inputs, for a user's own tests too."""
     g = torch.Generator().manual_seed(seed)
     shape = tuple(shape)
     if layout == "transposed" and len(shape) >= 2:
@@ -277,7 +279,7 @@ def check_round_trip(compressor: CompressorLike, *, seed: int = 0, examples: int
 
     def body(shape, dtype, layout, s):
         where = _where(shape, dtype, layout, s)
-        x = _build(shape, dtype, layout, s)
+        x = make_tensor(shape, dtype, layout, s)
         before = x.clone()
         for name in ("compress", "compress_fixed"):
             p = _call(prop, c, where, getattr(c, name), x, step=s % 5, key=("layer", s % 3), generator=s)
@@ -325,8 +327,8 @@ def check_wire_size(compressor: CompressorLike, *, seed: int = 0, examples: int 
 
     def body(shape, dtype, layout, s):
         where = _where(shape, dtype, layout, s)
-        x = _build(shape, dtype, layout, s)
-        other = _build(shape, torch.float32, layout, s + 1, scale=100.0)
+        x = make_tensor(shape, dtype, layout, s)
+        other = make_tensor(shape, torch.float32, layout, s + 1, scale=100.0)
         other = other * (torch.arange(other.numel()).reshape(other.shape) % 2)
         other = other.to(dtype)
         sizes = []
@@ -369,7 +371,7 @@ def check_deterministic(compressor: CompressorLike, *, seed: int = 0, examples: 
 
     def body(shape, dtype, layout, s):
         where = _where(shape, dtype, layout, s)
-        x = _build(shape, dtype, layout, s)
+        x = make_tensor(shape, dtype, layout, s)
         a, b = fresh(), fresh()
         if deterministic:
             gens = [(s, s + 1), (torch.Generator().manual_seed(s), torch.Generator().manual_seed(s + 7))]
@@ -427,7 +429,7 @@ def check_unbiased(compressor: CompressorLike, *, seed: int = 0, samples: int = 
     if not c.unbiased:
         return
     dtype = _main_dtype(c)
-    x = _build(shape, dtype, "contiguous", seed)
+    x = make_tensor(shape, dtype, "contiguous", seed)
     where = _where(shape, dtype, "contiguous", seed)
     ys = []
     for i in range(samples):
@@ -512,7 +514,7 @@ def check_error_feedback(compressor: CompressorLike, *, seed: int = 0, steps: in
         return
     dtype = _main_dtype(c)
     where = _where(shape, dtype, "contiguous", seed)
-    target = _build(shape, torch.float32, "contiguous", seed)
+    target = make_tensor(shape, torch.float32, "contiguous", seed)
     ef = _call(prop, c, where, ErrorFeedback, c)
     x = torch.zeros(shape, dtype=torch.float32)
     f0 = 0.5 * float((x - target).pow(2).sum())
@@ -556,7 +558,7 @@ def check_state_dict(compressor: CompressorLike, *, seed: int = 0, shape: tuple[
     dtype = _main_dtype(a)
     where = _where(shape, dtype, "contiguous", seed)
     for t in range(3):
-        _call(prop, a, where, a.compress, _build(shape, dtype, "contiguous", seed + 10 + t),
+        _call(prop, a, where, a.compress, make_tensor(shape, dtype, "contiguous", seed + 10 + t),
               step=t, key="state", generator=seed + t)
     state = _call(prop, a, where, a.state_dict)
     buf = io.BytesIO()
@@ -569,7 +571,7 @@ def check_state_dict(compressor: CompressorLike, *, seed: int = 0, shape: tuple[
                     f"torch.load(weights_only=True): {type(exc).__name__}: {exc}", where) from exc
     b = fresh()
     _call(prop, b, where, b.load_state_dict, loaded)
-    x = _build(shape, dtype, "contiguous", seed + 20)
+    x = make_tensor(shape, dtype, "contiguous", seed + 20)
     pa = _call(prop, a, where, a.compress, x, step=3, key="state", generator=seed + 3)
     pb = _call(prop, b, where, b.compress, x, step=3, key="state", generator=seed + 3)
     diff = _same_payload(pa, pb)
@@ -609,7 +611,7 @@ def check_aggregation(compressor: CompressorLike, *, seed: int = 0, examples: in
 
     def body(shape, dtype, layout, s):
         where = _where(shape, dtype, layout, s)
-        x = _build(shape, dtype, layout, s)
+        x = make_tensor(shape, dtype, layout, s)
         n = x.numel()
         if kind == "sparse":
             for name in ("compress", "compress_fixed"):
@@ -633,7 +635,7 @@ def check_aggregation(compressor: CompressorLike, *, seed: int = 0, examples: in
                     raise _fail(prop, c, f"{name}: repeated indices", where)
         elif kind == "sum":
             ca, cb = fresh(), fresh()
-            y = _build(shape, dtype, layout, s + 1)
+            y = make_tensor(shape, dtype, layout, s + 1)
             pa = _call(prop, ca, where, ca.compress, x, step=s % 5, key="agg", generator=s)
             pb = _call(prop, cb, where, cb.compress, y, step=s % 5, key="agg", generator=s + 1)
             if len(pa.tensors) != len(pb.tensors) or any(

@@ -15,3 +15,22 @@ def same(a, b) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Copies of every tensor in a nested dict / list / tuple, in a fixed order (dict keys sorted
+    by ``repr``): a hook's ``state_dict()`` as a list to compare bitwise."""
+    out: list[torch.Tensor] = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            out.append(o.detach().clone())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=repr):
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return out

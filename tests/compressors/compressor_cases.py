@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 import commpress
+from commpress.testing import make_tensor
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,17 +57,7 @@ def make(name: str, params: dict) -> commpress.Compressor:
     return commpress.get(name, **params)
 
 
-def build(shape, dtype, layout: str, seed: int, scale: float = 1.0) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype``: contiguous, transposed or strided (every 2nd row)."""
-    g = torch.Generator().manual_seed(seed)
-    shape = tuple(shape)
-    if layout == "transposed" and len(shape) >= 2:
-        base = torch.randn(shape[::-1], generator=g) * scale
-        return base.to(dtype).permute(*reversed(range(len(shape))))
-    if layout == "strided" and len(shape) >= 1:
-        base = torch.randn((2 * shape[0],) + shape[1:], generator=g) * scale
-        return base.to(dtype)[::2]
-    return (torch.randn(shape, generator=g) * scale).to(dtype)
+build = make_tensor   # the inputs of commpress.testing's checks
 
 
 shapes = st.one_of(

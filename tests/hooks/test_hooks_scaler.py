@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import test_ddp_host_reads as host_reads
+from bitwise import tensors_in
 from distributed import run
 from nets import MLP3, fsdp_shard, small_net
 
@@ -36,20 +37,7 @@ def _batch(rank, step, d):
 
 def _state_tensors(state):
     """Every tensor of the hook's state_dict (residuals, velocities, ...), in a fixed order."""
-    out = []
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            out.append(o.detach().clone())
-        elif isinstance(o, dict):
-            for k in sorted(o, key=repr):
-                walk(o[k])
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(state.state_dict())
-    return out
+    return tensors_in(state.state_dict())
 
 
 def _scaler(scaled):

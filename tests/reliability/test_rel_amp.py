@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import commpress
+from bitwise import tensors_in
 from distributed import run
 from faults import torch_kernels
 from relmodels import batch, make_ddp, make_fsdp
@@ -28,20 +29,7 @@ OVERFLOW_AT, STEPS = 3, 5
 
 def _state_tensors(state):
     sd = state.state_dict()
-    out = []
-
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            out.append(o.detach().clone())
-        elif isinstance(o, dict):
-            for k in sorted(o, key=repr):
-                walk(o[k])
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk({"codec": sd["codec"], "extra": sd["extra"]})
-    return out
+    return tensors_in({"codec": sd["codec"], "extra": sd["extra"]})
 
 
 def _local_params(model):
