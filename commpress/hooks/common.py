@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -193,9 +193,8 @@ class Stats:
     dense_bytes: int = 0
     compress_seconds: float = 0.0
     hook_seconds: float = 0.0
-    memory_overhead_bytes: int = 0
-    #: :attr:`memory_overhead_bytes` by kind (see :func:`codec_memory`), set with it by :meth:`set_memory`
-    memory_parts: dict[str, int] = field(default_factory=dict)
+    #: what the hook keeps, by kind (:func:`codec_memory`): read when asked (:meth:`track_memory`)
+    memory_source: Callable[[], dict[str, int]] | None = None
     memory_params: int = 0                 # the model's parameters, for the figures per parameter
     memory_sharded_state: int | None = None  # FSDP2: this rank's sharded params + grads, bytes
     algorithms: dict[str, str] = field(default_factory=dict)
@@ -314,25 +313,38 @@ class Stats:
         mean["steps"] = self.account_steps
         return mean
 
-    def set_memory(self, parts: dict[str, int], params: int, sharded_state: int | None = None) -> None:
-        """Record what the hook keeps alive between steps: ``parts`` (bytes by kind), the model's
-        ``params`` and, under FSDP2, the rank's ``sharded_state`` (parameter + gradient shards, bytes)."""
-        self.memory_parts = {k: int(v) for k, v in parts.items()}
-        self.memory_overhead_bytes = sum(self.memory_parts.values())
+    def track_memory(self, source: Callable[[], dict[str, int]], params: int,
+                     sharded_state: int | None = None) -> None:
+        """Count what the hook keeps alive with ``source`` (bytes by kind, from tensor metadata: no
+        tensor is read), called when a figure is asked for, not every step; ``params``: the model's
+        parameters; ``sharded_state``: under FSDP2 the rank's parameter + gradient shards, bytes."""
+        self.memory_source = source
         self.memory_params = int(params)
         self.memory_sharded_state = sharded_state
+
+    @property
+    def memory_parts(self) -> dict[str, int]:
+        """:attr:`memory_overhead_bytes` by kind (``{}`` before the hook bound)."""
+        return {k: int(v) for k, v in self.memory_source().items()} if self.memory_source else {}
+
+    @property
+    def memory_overhead_bytes(self) -> int:
+        """Every byte the hook's state keeps alive between steps (residuals, pending buffers,
+        velocities, scratch, the collectives' caches, compressor state)."""
+        return sum(self.memory_parts.values())
 
     def memory(self) -> dict[str, Any]:
         """``{"bytes": total, "by_kind": {kind: bytes}, "bytes_per_param": total / params,
         "by_kind_per_param": {...}}``, plus ``"of_sharded_state"`` (the total over the rank's
         sharded parameters + gradients) under FSDP2."""
+        parts = self.memory_parts
+        total = sum(parts.values())
         per = max(1, self.memory_params)
         out: dict[str, Any] = {
-            "bytes": self.memory_overhead_bytes, "by_kind": dict(self.memory_parts), "params": self.memory_params,
-            "bytes_per_param": self.memory_overhead_bytes / per,
-            "by_kind_per_param": {k: v / per for k, v in self.memory_parts.items()}}
+            "bytes": total, "by_kind": parts, "params": self.memory_params, "bytes_per_param": total / per,
+            "by_kind_per_param": {k: v / per for k, v in parts.items()}}
         if self.memory_sharded_state:
-            out["of_sharded_state"] = self.memory_overhead_bytes / self.memory_sharded_state
+            out["of_sharded_state"] = total / self.memory_sharded_state
         return out
 
     @property
@@ -342,6 +354,7 @@ class Stats:
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict (JSON-friendly) of the cumulative and last-step figures."""
+        memory = self.memory()
         return {
             "steps": self.steps,
             "bytes_sent": self.bytes_sent,
@@ -349,8 +362,8 @@ class Stats:
             "compression_ratio": self.compression_ratio,
             "compress_seconds": self.compress_seconds,
             "hook_seconds": self.hook_seconds,
-            "memory_overhead_bytes": self.memory_overhead_bytes,
-            "memory": self.memory(),
+            "memory_overhead_bytes": memory["bytes"],
+            "memory": memory,
             "algorithms": dict(self.algorithms),
             "last_step": dict(self.last_step),
             "account": self.account(),

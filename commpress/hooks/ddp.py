@@ -645,6 +645,8 @@ class _Executor:
 
     def __init__(self, config: HookConfig, layout: ModelLayout, stats: Stats, step: int = 0) -> None:
         self.config, self.layout, self.stats = config, layout, stats
+        # counted when asked (metadata only, no tensor is read), from this executor's codec and layout
+        stats.track_memory(lambda: _memory_parts(self.config.codec, self.layout), _params(layout))
         self.step = step
         self.current: Step | None = None
         self.last_error: BaseException | None = None
@@ -688,8 +690,6 @@ class _Executor:
         if self.config.auto is not None:  # "auto": a check point every check_every steps (collective)
             self.config.auto.end_step(self.step, self.layout, self.config.group)
         self.step += 1
-        # counted each step (metadata only, no tensor is read): lean storage seals and frees buffers
-        self.stats.set_memory(_memory_parts(self.config.codec, self.layout), _params(self.layout))
         self.stats.end_step()
 
 

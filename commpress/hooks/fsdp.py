@@ -364,9 +364,9 @@ class FSDPState(TakeoverMixin, HookState):
         if self.auto:  # a check point every check_every steps (collective: every rank at this step)
             self.codec.end_step(self.step, group=self.process_group)
         self.step += 1
-        # what the codec keeps (residuals per (unit, chunk), pending, velocities): metadata only
-        params, sharded = self._param_counts()
-        self.stats.set_memory(codec_memory(self.codec) | {"collectives": collectives.cached_bytes()}, params, sharded)
+        if self.stats.memory_source is None:   # counted when asked: metadata only, no tensor is read
+            self.stats.track_memory(lambda: codec_memory(self.codec) | {"collectives": collectives.cached_bytes()},
+                                    *self._param_counts())
         self.stats.end_step()
 
     def _param_counts(self) -> tuple[int, int]:
