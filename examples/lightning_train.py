@@ -1,17 +1,18 @@
-"""commpress in PyTorch Lightning: a DDP comm hook passed to ``DDPStrategy``.
+"""commpress in PyTorch Lightning: a DDP comm hook passed to ``DDPStrategy``, bound by a callback.
 
     pip install lightning
     python examples/lightning_train.py --devices 2 --steps 30
 
 On GPUs the strategy is Lightning's own::
 
-    DDPStrategy(ddp_comm_state=commpress.ddp.DDPState("blockquant", bits=8),
-                ddp_comm_hook=commpress.ddp.hook)
+    state = commpress.ddp.DDPState("blockquant", bits=8)
+    DDPStrategy(ddp_comm_state=state, ddp_comm_hook=commpress.ddp.hook)
+    pl.Trainer(..., callbacks=[commpress.integrations.lightning.BindCallback(state)])
 
-The state is built before the model and the process group exist and binds to the
-DDP model at its first gradient bucket.  Lightning (2.6) registers comm hooks only
-when the model is on CUDA; on CPU this example uses :class:`CPUHookDDPStrategy`, which
-calls Lightning's own ``_register_ddp_comm_hook`` for any device.
+The state is built before the model and the process group exist; the callback binds it to
+the DDP model Lightning builds, on every rank before the first step.  Lightning (2.6)
+registers comm hooks only when the model is on CUDA; on CPU the callback registers the hook
+itself (``register_hook=True``).
 """
 
 from __future__ import annotations
@@ -25,20 +26,11 @@ import commpress
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
     from lightning.pytorch.strategies import DDPStrategy
 except ImportError as exc:  # pragma: no cover - the example needs Lightning
     raise SystemExit(f"this example needs Lightning: pip install lightning ({exc})")
 
-
-class CPUHookDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` that registers the comm hook on CPU too (Lightning does on CUDA only)."""
-
-    def _register_ddp_hooks(self) -> None:
-        if self.root_device.type == "cuda":
-            return super()._register_ddp_hooks()
-        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+from commpress.integrations.lightning import BindCallback
 
 
 class Classifier(pl.LightningModule):
@@ -70,10 +62,12 @@ def main() -> None:
 
     state = commpress.ddp.DDPState("blockquant", bits=8)
     cuda = torch.cuda.is_available()
-    strategy_cls = DDPStrategy if cuda else CPUHookDDPStrategy
-    strategy = strategy_cls(process_group_backend="nccl" if cuda else "gloo",
-                            ddp_comm_state=state, ddp_comm_hook=commpress.ddp.hook)
+    if cuda:   # Lightning registers the hook; the callback binds the state
+        strategy = DDPStrategy(process_group_backend="nccl", ddp_comm_state=state, ddp_comm_hook=commpress.ddp.hook)
+    else:      # Lightning registers no comm hook on CPU: the callback binds and registers it
+        strategy = DDPStrategy(process_group_backend="gloo")
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=args.devices, strategy=strategy,
+                         callbacks=[BindCallback(state, register_hook=not cuda)],
                          max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     loader = torch.utils.data.DataLoader(data(), batch_size=64, shuffle=True)

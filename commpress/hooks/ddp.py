@@ -1,8 +1,9 @@
 """DDP communication hook: compressed gradient averaging in one line.
 
 >>> state = commpress.ddp.register(model, "topk", ratio=0.01)   # model is a DDP
->>> # or the PyTorch way (the state binds to the model at its first bucket):
+>>> # or the PyTorch way, a state built before its model and bound to it on every rank:
 >>> state = commpress.ddp.DDPState("topk", ratio=0.01)
+>>> state.bind(model)
 >>> model.register_comm_hook(state, commpress.ddp.hook)
 
 The pieces, each in its own module:
@@ -38,12 +39,13 @@ Binding
 -------
 A state built with its model binds at construction; one built without
 (``DDPState("topk", ratio=0.01)``, as Lightning's ``DDPStrategy(ddp_comm_state=...)``
-needs) binds in the first hook call: the first bucket of the first synchronized
-step, which DDP calls on every rank, in the same order, before any other hook
-collective.  Binding is collective (fingerprint exchange, the overlap group,
-the cost model's calibration), so it is safe there and nowhere later.  The model
-is the ``DistributedDataParallel`` that holds the bucket's parameters (found once
-among the live objects; :meth:`DDPState.bind` names it explicitly).
+needs) is bound by :meth:`DDPState.bind` on every rank before the first step (in
+Lightning by :class:`commpress.integrations.lightning.BindCallback`).  Binding is
+collective (fingerprint exchange, the overlap group, the cost model's calibration).
+Deprecated: a state nobody bound binds in its first hook call (the first bucket of the
+first synchronized step, which DDP calls on every rank in the same order) to the
+``DistributedDataParallel`` found among the live objects holding the bucket's
+parameters, with a ``DeprecationWarning``; that fallback goes away.
 
 Notes
 -----
@@ -68,6 +70,7 @@ import hashlib
 import logging
 import os
 import socket
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -96,6 +99,15 @@ ENV_VERIFY = "COMMPRESS_VERIFY"
 
 _ATTR = "_commpress_ddp_state"
 
+#: What the first bucket of a state that was never bound warns (and, once the fallback goes, raises).
+UNBOUND_DEPRECATION = (
+    "commpress ddp: this DDPState was not bound to its model before the first step, so it looks for "
+    "the DistributedDataParallel holding the bucket's parameters among all live objects "
+    "(gc.get_objects()); that fallback is deprecated and will become an error. Bind explicitly, on "
+    "every rank before the first step: state.bind(ddp_model), or DDPState(ddp_model, ...), or "
+    "commpress.ddp.register(ddp_model, ...); in PyTorch Lightning add the callback "
+    "commpress.integrations.lightning.BindCallback(state)")
+
 
 class ReplicaMismatchError(RuntimeError):
     """The synchronized gradients differ across ranks (found by ``verify_every``)."""
@@ -114,7 +126,7 @@ class DDPState(TakeoverMixin, HookState):
     ----------
     model:
         the ``DistributedDataParallel`` model (``TypeError`` otherwise), or omitted:
-        ``DDPState("topk", ratio=0.01)`` binds at its first bucket (see the module
+        ``DDPState("topk", ratio=0.01)`` is bound later by :meth:`bind` (see the module
         docs); nothing is exchanged before then, so it can be built before
         ``init_process_group``.
     compressor:
@@ -287,12 +299,38 @@ class DDPState(TakeoverMixin, HookState):
             self.bind(model)
 
     def bind(self, model: DistributedDataParallel) -> None:
-        """Attach this state to ``model``: name its parameters, decide the dense policy,
-        exchange the fingerprint, create the overlap group, calibrate the cost model.
+        """Attach this state to ``model``, the DDP model whose gradients it compresses.
 
-        Collective on the model's process group: every rank binds at the same point
-        (at construction with a model, otherwise in the first hook call).  A state
-        dict loaded before binding is checked and restored here.
+        Names the model's parameters, decides which go dense, exchanges the configuration
+        fingerprint (one ``all_gather`` of a hash, on every rank), creates the overlap
+        worker's process group and calibrates the cost model.  A state built with its model
+        (``DDPState(model, ...)``, :func:`register`) is bound at construction; one built
+        without (``DDPState("topk", ratio=0.01)``, as ``register_comm_hook`` and Lightning's
+        ``DDPStrategy(ddp_comm_state=...)`` take it) must be bound with this call before the
+        first step (in Lightning: :class:`commpress.integrations.lightning.BindCallback`).
+        A state dict loaded before binding is checked and restored here.
+
+        Collective on the model's process group: call it on every rank at the same point,
+        outside the backward pass.
+
+        Args:
+            model: the ``torch.nn.parallel.DistributedDataParallel`` model; its hook is this
+                state's (``model.register_comm_hook(state, commpress.ddp.hook)``, before or
+                after binding).
+
+        Raises:
+            TypeError: ``model`` is not a ``DistributedDataParallel``.
+            RuntimeError: this state is already bound, or another commpress state is bound
+                to ``model`` (DDP takes one comm hook per model).
+            ValueError: the configuration differs between ranks (on every rank, naming what
+                differs), or a state dict loaded before binding does not match.
+
+        Example::
+
+            >>> state = commpress.ddp.DDPState("topk", ratio=0.01)   # before the model exists
+            >>> model = DistributedDataParallel(net)
+            >>> state.bind(model)                                      # every rank
+            >>> model.register_comm_hook(state, commpress.ddp.hook)
         """
         if self.bound:
             raise RuntimeError("this DDPState is already bound to a model (one state per model)")
@@ -480,7 +518,13 @@ class DDPState(TakeoverMixin, HookState):
             self.executor.config = self.frozen
 
     def _bind_to_bucket(self, bucket: dist.GradBucket) -> None:
-        """Bind to the DDP model holding ``bucket``'s parameters (the first hook call)."""
+        """The first hook call of a state nobody bound (:meth:`bind`): deprecated.
+
+        The model is then found by scanning the live objects for the DDP model holding
+        ``bucket``'s parameters (:func:`_model_of`), with a ``DeprecationWarning``: that
+        fallback goes away, and an unbound state will raise here.
+        """
+        warnings.warn(UNBOUND_DEPRECATION, DeprecationWarning, stacklevel=3)
         self.bind(_model_of(bucket.parameters()))
 
     # -- lifetime ----------------------------------------------------------
@@ -617,8 +661,9 @@ def _verify_every(value: int | None) -> int:
 def _model_of(params: list[torch.Tensor]) -> DistributedDataParallel:
     """The live DDP model (not bound to another commpress state) holding ``params``.
 
-    One scan of the garbage collector's objects, once per state; every rank finds
-    its own model the same way, so the binding that follows stays collective.
+    Deprecated (the fallback of a state nobody bound, :meth:`DDPState._bind_to_bucket`): one
+    scan of the garbage collector's objects, once per state; every rank finds its own model
+    the same way, so the binding that follows stays collective.
     """
     ids = {id(p) for p in params}
     found = []
@@ -628,9 +673,11 @@ def _model_of(params: list[torch.Tensor]) -> DistributedDataParallel:
                 found.append(obj)
     if len(found) != 1:
         what = "no" if not found else f"{len(found)}"
-        raise RuntimeError(f"commpress ddp: {what} DistributedDataParallel models hold this bucket's "
-                           "parameters; build the state with its model (DDPState(model, ...)) or "
-                           "call state.bind(model) on every rank before the first step")
+        raise RuntimeError(f"commpress ddp: this DDPState is not bound to a model, and {what} "
+                           "DistributedDataParallel models hold this bucket's parameters: call "
+                           "state.bind(ddp_model) on every rank before the first step (or build the "
+                           "state with its model: DDPState(ddp_model, ...), commpress.ddp.register; in "
+                           "Lightning: commpress.integrations.lightning.BindCallback(state))")
     return found[0]
 
 
