@@ -41,6 +41,7 @@ from .costmodel import CostModel, calibrate, get_cost_model, set_cost_model
 from .hierarchy import Hierarchy
 from .lowrank import powersgd_allreduce
 from .quantized import quantized_allreduce, reduce_scatter
+from .rows import ROW_ALGORITHMS, RowsResult, rows_allreduce
 from .sparse import SPARSE_ALGORITHMS, sparse_allreduce
 from ._comm import cached_bytes, clear_caches, comm_device, set_fault_hook
 from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferred, unwrap
@@ -48,5 +49,5 @@ from .wire import CollectiveInputError, cast_message, fingerprint, flush_deferre
 __all__ = [
     "CommStats", "CollectiveInputError", "CostModel", "Hierarchy", "ResidualTransaction", "SPARSE_ALGORITHMS", "all_gather", "allreduce",
     "cached_bytes", "calibrate", "carries_dense", "clear_caches", "cast_message", "comm_device", "fingerprint", "flush_deferred", "get_cost_model", "powersgd_allreduce", "quantized_allreduce",
-    "reduce_scatter", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
+    "ROW_ALGORITHMS", "RowsResult", "reduce_scatter", "rows_allreduce", "set_cost_model", "set_fault_hook", "sparse_allreduce", "unwrap",
 ]

@@ -1,0 +1,451 @@
+"""Lossless sum of row-sparse 2-D tensors (naturally sparse gradients: ZEN's case).
+
+``rows_allreduce(x)`` with ``x`` of shape ``(rows, D)`` returns on every rank the sum over the
+ranks of ``x``, computed from each rank's *nonzero rows* only (a row is sent when any of its
+elements is ``!= 0``; NaN rows are sent and propagate).  The result equals the dense all-reduce
+up to fp32 summation order (exactly where no row is nonzero on two ranks), is **bitwise
+identical on every rank** (every rank applies the same gathered bytes in the same order) and
+deterministic.  fp16 / bf16 rows are summed in fp32 and rounded once.
+
+What goes on the wire (``P`` ranks; an *entry* is an int32 row index, int64 from ``2**31`` rows,
+plus a row of ``D`` values in ``x``'s dtype; every message starts with :mod:`.wire`'s status word
+and a few int64 counts, each part 8-aligned):
+
+``"allgather"``
+    one ``all_gather`` of ``capacity`` entries per rank plus its count of nonzero rows and its
+    rows per hash owner; every rank adds the P ranks' rows in rank order.  Cheapest at P = 2
+    and where the ranks' rows rarely overlap.
+``"hashed"`` (ZEN)
+    rows are routed by ``commpress.ops.hash_owner(row, P)``: one ``all_to_all`` of
+    ``owner_capacity`` entries per (rank, owner), each owner sums what it got in rank order,
+    then one ``all_gather`` of the owners' summed rows, ``union_capacity`` entries per owner.
+    Where the ranks touch the same rows, the all-gather carries each row once, not P times.
+``"auto"``
+    the cheaper of the two for these capacities by the calibrated cost model
+    (:func:`row_costs`, :func:`~.costmodel.get_cost_model`); a pure function of agreed facts,
+    so every rank chooses alike.
+
+**Capacity and overflow.**  The first round carries at most ``capacity`` rows per rank (hashed:
+``owner_capacity`` per owner and ``union_capacity`` summed rows per owner), sizes every rank
+knows without a host read (the caller's, e.g. from previous steps: :mod:`commpress.hooks.sparse_rows`).
+What does not fit goes in **one overflow round** (an ``all_gather`` sized by the largest
+leftover), so no row is ever dropped; :attr:`RowsResult.overflow_rounds` says whether it ran.
+``capacity=0`` is a count round followed by exact sizes.
+
+**Host reads.**  Finding the nonzero rows and filling the fixed-size slots run on ``x``'s device
+(a cumulative count and a scatter, no ``nonzero()``).  One host read remains per call: the
+status words and counts of the *last first-round message* (a few int64 per rank, after the
+all_gather), because whether an overflow round runs is a decision the host makes (it issues the
+collective) and every rank must make it alike.  On CPU tensors that read is free (host memory);
+on CUDA it waits for that all_gather only.  The bytes are judged there too: a bad input or a
+configuration that differs on any rank raises :class:`~.wire.CollectiveInputError` on every rank.
+
+**Static facts** (shape, dtype, capacities, algorithm) are agreed by one header ``all_gather``
+the first time a ``(group, key, facts)`` is seen, as :func:`~.validate.check_once` does; a key
+whose facts change on one rank only must not be used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _comm, costmodel, wire
+from .accounting import CommStats, codec_timer
+from .sparse import acc_dtype, hash_domain, wire_index_dtype
+from .wire import DTYPES, E_DTYPE, E_MISUSE, E_SHAPE, ERRORS, CollectiveInputError, Layout, align8, dtype_code
+
+__all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_costs", "rows_allreduce"]
+
+ROW_ALGORITHMS = ("allgather", "hashed")
+
+
+@dataclass
+class RowsResult:
+    """What :func:`rows_allreduce` returns (the same on every rank).
+
+    Attributes:
+        sum: ``(rows, D)`` tensor, the sum over the ranks, in the input's dtype.
+        algorithm: ``"allgather"``, ``"hashed"`` or ``"local"`` (one rank).
+        counts: nonzero rows of each rank (host ints, read after the first round).
+        owner_counts: ``owner_counts[r][o]``: rank ``r``'s nonzero rows that hash to owner ``o``.
+        union: 0-d int64 tensor on the device, read it lazily: rows nonzero on some rank
+            (``"hashed"``: the rows the owners summed in the first round, a lower bound after
+            an overflow round).
+        overflow_rounds: 0, or 1 when some rank's rows did not fit the capacities.
+    """
+
+    sum: torch.Tensor
+    algorithm: str
+    counts: list[int]
+    owner_counts: list[list[int]]
+    union: torch.Tensor
+    overflow_rounds: int = 0
+
+
+def nonzero_rows(x: torch.Tensor) -> torch.Tensor:
+    """Bool mask ``[rows]`` of the rows of ``x`` with any element ``!= 0`` (NaN counts), on ``x``'s device."""
+    return (x != 0).any(dim=1) if x.shape[1] else torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+
+
+# ---------------------------------------------------------------- cost model
+def _widths(world: int, dim: int, value_bytes: int, index_bytes: int, capacity: int, owner_capacity: int,
+            union_capacity: int) -> dict[str, int]:
+    """Bytes of one message of each round (status word, counts, indices, rows; 8-aligned)."""
+    def slots(c: int, meta: int) -> int:
+        return wire.STATUS_BYTES + align8(8 * meta) + align8(index_bytes * c) + align8(value_bytes * dim * c)
+    return {"allgather": slots(capacity, 1 + world), "a2a": slots(owner_capacity, 1),
+            "owners": slots(union_capacity, 3 + world)}
+
+
+def row_costs(world: int, rows: int, dim: int, capacity: int, owner_capacity: int, union_capacity: int,
+              value_bytes: int, index_bytes: int, model: costmodel.CostModel) -> dict[str, float]:
+    """Predicted seconds of ``"allgather"``, ``"hashed"`` and a dense ring ``"dense"`` all_reduce.
+
+    Bytes are the messages' sizes at these capacities (:mod:`.accounting`'s convention: what one
+    rank sends); entries are the values each rank adds or writes, elements the dense output it
+    zero-fills.
+
+    Args:
+        world: ranks ``P``.
+        rows, dim: the tensor's shape.
+        capacity: rows per rank of ``"allgather"``'s first round.
+        owner_capacity, union_capacity: ``"hashed"``'s slots per (rank, owner) and per owner.
+        value_bytes, index_bytes: bytes of one value and one row index.
+        model: the alpha-beta(-gamma-delta) model.
+    """
+    P = world
+    w = _widths(P, dim, value_bytes, index_bytes, capacity, owner_capacity, union_capacity)
+    n = rows * dim
+    return {
+        "allgather": model.time(P - 1, (P - 1) * w["allgather"], P * capacity * dim, n),
+        "hashed": model.time(2 * (P - 1), (P - 1) * (w["a2a"] + w["owners"]),
+                             P * (owner_capacity + union_capacity) * dim, n + n / P),
+        "dense": model.time(2 * (P - 1), 2 * n * value_bytes * (P - 1) / P, 0, n),
+    }
+
+
+def _choose(world, rows, dim, caps, value_bytes, index_bytes, model) -> str:
+    costs = row_costs(world, rows, dim, *caps, value_bytes, index_bytes, model)
+    return min(ROW_ALGORITHMS, key=lambda a: (costs[a], ROW_ALGORITHMS.index(a)))   # ties: allgather
+
+
+# ---------------------------------------------------------------- agreement on static facts
+_AGREED = _comm.BoundedCache(4096)   # (group key, key, facts) -> algorithm
+_FIELDS = ("rows", "D", "dtype", "capacity", "owner_capacity", "union_capacity", "algorithm")
+_ALGO_CODES = ("auto",) + ROW_ALGORITHMS
+
+
+def _local_check(x, capacity, owner_capacity, union_capacity, algorithm) -> tuple[int, str]:
+    if not isinstance(x, torch.Tensor):
+        return E_DTYPE, f"tensor must be a torch.Tensor, got {type(x).__name__}"
+    if x.dim() != 2:
+        return E_SHAPE, f"tensor must be 2-D (rows x D), got shape {tuple(x.shape)}"
+    if not x.is_floating_point() or x.dtype not in DTYPES:
+        return E_DTYPE, f"tensor must be float32, float16, bfloat16 or float64, got {x.dtype}"
+    for name, c in (("capacity", capacity), ("owner_capacity", owner_capacity), ("union_capacity", union_capacity)):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            return E_MISUSE, f"{name} must be an int >= 0, got {c!r}"
+    if algorithm not in _ALGO_CODES:
+        return E_MISUSE, f"algorithm must be one of {_ALGO_CODES}, got {algorithm!r}"
+    return 0, ""
+
+
+def _agree(group, key, facts: tuple, error: tuple[int, str], device, stats) -> str:
+    """The algorithm for these facts, agreed by a header all_gather the first time they are seen
+    (or whenever this rank has an error); raises on every rank on bad input or a mismatch."""
+    k = (_comm.group_key(group), repr(key), facts)
+    found = _AGREED.get(k)
+    code, msg = error
+    if found is not None and not code:
+        return found
+    world = _comm.world(group)
+    if world == 1:
+        if code:
+            raise CollectiveInputError(f"rows_allreduce: {msg}")
+        return "local"
+    algorithm = facts[-1]
+    h = torch.tensor([code, *facts[:2], dtype_code(facts[2]), *facts[3:6], _ALGO_CODES.index(algorithm)
+                      if algorithm in _ALGO_CODES else -1, costmodel.model_state(group)], dtype=torch.int64)
+    table = _comm.all_gather(h.to(device), group=group, stats=stats).cpu().tolist()
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        detail = ", ".join(sorted({ERRORS.get(table[r][0], "error") for r in bad}))
+        mine = f" (this rank: {msg})" if code else ""
+        raise CollectiveInputError(f"rows_allreduce: bad input on rank(s) {bad}: {detail}{mine}")
+    for i, name in enumerate(_FIELDS):
+        col = [row[1 + i] for row in table]
+        if len(set(col)) > 1:
+            if name == "dtype":
+                col = [str(DTYPES[c]) if 0 <= c < len(DTYPES) else "?" for c in col]
+            elif name == "algorithm":
+                col = [_ALGO_CODES[c] if 0 <= c < len(_ALGO_CODES) else "?" for c in col]
+            raise CollectiveInputError(f"rows_allreduce: {name} differs across ranks: {col}")
+    if algorithm == "auto":
+        model = costmodel.agreed_cost_model([row[-1] for row in table], group)
+        vb = torch.empty((), dtype=facts[2]).element_size()
+        algorithm = _choose(world, facts[0], facts[1], facts[3:6], vb, wire_index_dtype(facts[0] + 1).itemsize,
+                            model)
+    _AGREED.put(k, algorithm)
+    return algorithm
+
+
+# ---------------------------------------------------------------- entry point
+def rows_allreduce(tensor: torch.Tensor, *, capacity: int = 0, owner_capacity: int | None = None,
+                   union_capacity: int | None = None, algorithm: str = "auto", group=None, key="rows",
+                   stats: CommStats | None = None) -> RowsResult:
+    """Sum a row-sparse ``(rows, D)`` tensor over ``group``, sending only its nonzero rows.
+
+    Every rank gets bitwise the same sum; no row is dropped (see the module doc for the wire,
+    the capacities and the one host read per call).
+
+    Args:
+        tensor: 2-D floating tensor (fp32, fp16, bf16 or fp64), the same shape on every rank.
+        capacity: rows per rank in ``"allgather"``'s first round (0: a count round, then exact).
+        owner_capacity: ``"hashed"``: rows per (rank, owner) in the all_to_all;
+            default ``ceil(capacity / P)``.
+        union_capacity: ``"hashed"``: summed rows per owner in the all_gather; default
+            ``owner_capacity``.
+        algorithm: ``"allgather"``, ``"hashed"`` or ``"auto"`` (the cost model).
+        group: the process group (default: the world).
+        key: names the call site for the once-per-facts agreement (e.g. the parameter's name).
+        stats: charged with the bytes, rounds and the algorithm (``calls=1``).
+
+    Returns:
+        :class:`RowsResult`.
+
+    Raises:
+        CollectiveInputError: (a ``ValueError``) on every rank when any rank's tensor is not 2-D or
+            not floating point, a capacity is not an int >= 0, ``algorithm`` is unknown, or the
+            shape, dtype, capacities or algorithm differ across ranks.
+    """
+    world = _comm.world(group)
+    if owner_capacity is None:
+        owner_capacity = -(-capacity // world) if isinstance(capacity, int) and capacity > 0 else 0
+    if union_capacity is None:
+        union_capacity = owner_capacity
+    error = _local_check(tensor, capacity, owner_capacity, union_capacity, algorithm)
+    ok = error[0] == 0
+    device = _comm.comm_device(group, tensor if isinstance(tensor, torch.Tensor) else None)
+    shape = tuple(tensor.shape) if ok else (-1, -1)
+    facts = (shape[0], shape[1], tensor.dtype if ok else None,
+             capacity if ok else -1, owner_capacity if ok else -1, union_capacity if ok else -1, algorithm)
+    chosen = _agree(group, key, facts, error, device, stats)
+    x = tensor.contiguous()
+    if chosen == "local":
+        mask = nonzero_rows(x)
+        count = mask.sum()
+        out = RowsResult(x.clone(), "local", [int(count)], [[int(count)]], count)
+    elif chosen == "allgather":
+        out = _allgather(x, capacity, group, stats)
+    else:
+        out = _hashed(x, owner_capacity, union_capacity, group, stats)
+    if stats is not None:
+        stats.add(calls=1, algorithm=f"rows_{out.algorithm}")
+    return out
+
+
+# ---------------------------------------------------------------- device-side slot filling
+def _slots(mask: torch.Tensor, rank_in: torch.Tensor, rows_of: torch.Tensor, segment: torch.Tensor | None,
+           lo: int, cap: int, segments: int, empty: int) -> torch.Tensor:
+    """Slot table of ``segments * cap`` row indices (``empty`` where unused), on the device:
+    the rows whose rank among the marked rows of their segment lies in ``[lo, lo + cap)``.
+
+    ``mask``: which entries are marked; ``rank_in``: each entry's 0-based rank within its
+    segment; ``rows_of``: the row index each entry stands for; ``segment``: each entry's segment
+    (None: one segment).  One scatter; unused entries go to a spare slot that is cut off."""
+    n = mask.numel()
+    table = torch.full((segments * cap + 1,), empty, dtype=torch.int64, device=mask.device)
+    if n == 0 or cap == 0:
+        return table[:-1]
+    pos = rank_in - lo
+    keep = mask & (pos >= 0) & (pos < cap)
+    target = pos if segment is None else segment * cap + pos
+    target = torch.where(keep, target, torch.full_like(target, segments * cap))
+    table.scatter_(0, target, rows_of)
+    return table[:-1]
+
+
+def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` where ``idx == rows`` (empty slot) gives a row of zeros."""
+    n = x.shape[0]
+    rows = x.index_select(0, idx.clamp(max=max(n - 1, 0))) if n else x.new_zeros((idx.numel(), x.shape[1]))
+    return rows.masked_fill_((idx >= n).unsqueeze(1), 0)
+
+
+_OWNERS = _comm.BoundedCache(4)   # (rows, world, device) -> (hash owner of each row, owner of each sorted slot)
+
+
+def _owners(n: int, world: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Per row its hash owner; the rows grouped by owner (ascending within :func:`~.sparse.hash_domain`),
+    the owner of each grouped position and the group offsets.  Cached per ``(rows, P, device)``."""
+    order, offs = hash_domain(n, world, device)
+    key = (n, world, str(device))
+    found = _OWNERS.get(key)
+    if found is None:
+        sizes = torch.tensor([offs[o + 1] - offs[o] for o in range(world)], device=device)
+        seg = torch.repeat_interleave(torch.arange(world, device=device), sizes)
+        owner = torch.empty(n, dtype=torch.int64, device=device)
+        owner[order] = seg
+        found = (owner, seg)
+        _OWNERS.put(key, found)
+    return found[0], order, found[1], offs
+
+
+def _owner_counts(mask: torch.Tensor, world: int) -> torch.Tensor:
+    """Nonzero rows per hash owner (int64 ``[P]``, on the device)."""
+    owner = _owners(mask.numel(), world, mask.device)[0]
+    return torch.zeros(world, dtype=torch.int64, device=mask.device).index_add_(0, owner, mask.to(torch.int64))
+
+
+def _host_meta(gathered: torch.Tensor, layout: Layout, sig: int, what: str) -> list[list[int]]:
+    """The one host read: every rank's status word (judged: raises on every rank) and counts."""
+    _, _, off, nb = layout.specs[0]
+    head = gathered[:, :off + nb].cpu().numpy()
+    wire.judge_bytes(head[:, :wire.STATUS_BYTES].view("int32"), sig, what)
+    return head[:, off:off + nb].view("int64").tolist()
+
+
+def _message(layout: Layout, parts, sig: int, device, flag: torch.Tensor | None = None) -> torch.Tensor:
+    msg = torch.empty(layout.width, dtype=torch.uint8, device=device)
+    with wire.device_error(flag):
+        layout.write(msg, parts, wire.status_word(device, sig=sig))
+    return msg
+
+
+def _finish(acc: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return acc[:n] if acc.dtype == dtype else acc[:n].to(dtype)
+
+
+# ---------------------------------------------------------------- allgather
+def _allgather(x: torch.Tensor, cap: int, group, stats) -> RowsResult:
+    """Round 1: every rank's first ``cap`` nonzero rows; overflow: the rest, sized by the largest."""
+    n, d = x.shape
+    world, dev = _comm.world(group), x.device
+    idt = wire_index_dtype(n + 1)
+    with codec_timer(stats, "compress"):
+        mask = nonzero_rows(x)
+        rank_in = torch.cumsum(mask, 0) - 1
+        meta = torch.cat([mask.sum().reshape(1), _owner_counts(mask, world)])
+        idx = _slots(mask, rank_in, torch.arange(n, device=dev), None, 0, cap, 1, n)
+        parts = (meta, idx.to(idt), _take_rows(x, idx))
+    layout = Layout.of(parts)
+    sig = wire.signature("rows_allgather", n, d, str(x.dtype), cap)
+    gathered = _comm.all_gather(_message(layout, parts, sig, dev), group=group, stats=stats)
+    metas = _host_meta(gathered, layout, sig, "rows_allreduce")
+    counts = [m[0] for m in metas]
+    with codec_timer(stats, "decompress"):
+        acc = torch.zeros(n + 1, d, dtype=acc_dtype(x.dtype), device=dev)
+        touched = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+        for r in range(world):   # rank order on every rank: bitwise the same sums
+            _, gi, gv = layout.read(gathered[r])
+            acc.index_add_(0, gi.long(), gv.to(acc.dtype))
+            touched[gi.long()] = True
+    extra = max(counts) - cap
+    if extra > 0:
+        with codec_timer(stats, "compress"):
+            idx = _slots(mask, rank_in, torch.arange(n, device=dev), None, cap, extra, 1, n)
+            parts = (idx.to(idt), _take_rows(x, idx))
+        layout = Layout.of(parts)
+        gathered = _comm.all_gather(_message(layout, parts, sig, dev), group=group, stats=stats)
+        with codec_timer(stats, "decompress"):
+            for r in range(world):
+                gi, gv = layout.read(gathered[r])
+                acc.index_add_(0, gi.long(), gv.to(acc.dtype))
+                touched[gi.long()] = True
+    union = touched[:n].sum()
+    return RowsResult(_finish(acc, n, x.dtype), "allgather", counts, [m[1:] for m in metas], union, int(extra > 0))
+
+
+# ---------------------------------------------------------------- hashed (ZEN)
+def _hashed(x: torch.Tensor, s: int, u_cap: int, group, stats) -> RowsResult:
+    """All_to_all of ``s`` rows per owner, owners sum (rank order), all_gather of ``u_cap`` summed
+    rows per owner; one overflow all_gather for the rows that did not fit either."""
+    n, d = x.shape
+    world, me, dev = _comm.world(group), _comm.rank(group), x.device
+    idt = wire_index_dtype(n + 1)
+    sig = wire.signature("rows_hashed", n, d, str(x.dtype), s, u_cap)
+    _, order, seg, offs = _owners(n, world, dev)
+    with codec_timer(stats, "compress"):
+        mask = nonzero_rows(x)
+        sorted_mask = mask[order]
+        run = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(sorted_mask, 0)])
+        starts = run[torch.tensor(offs, device=dev)]                 # [P + 1]
+        per_owner = starts[1:] - starts[:-1]                         # my rows per owner
+        rank_in = run[1:] - 1 - starts[:-1][seg]
+        send_idx = _slots(sorted_mask, rank_in, order, seg, 0, s, world, n).reshape(world, s)
+        rows = _take_rows(x, send_idx.reshape(-1)).reshape(world, s, d)
+        pieces = [(per_owner[o:o + 1], send_idx[o].to(idt), rows[o]) for o in range(world)]
+    a2a = Layout.of(pieces[0])
+    send = torch.empty(world, a2a.width, dtype=torch.uint8, device=dev)
+    for o in range(world):
+        a2a.write(send[o], pieces[o], wire.status_word(dev, sig=sig))
+    recv = _comm.all_to_all_(torch.empty_like(send), send, group=group, stats=stats)
+
+    # the owner: sum what each rank sent, in rank order, over its own rows
+    with codec_timer(stats, "decompress"):
+        members = order[offs[me]:offs[me + 1]]
+        L = members.numel()
+        part = torch.zeros(L + 1, d, dtype=acc_dtype(x.dtype), device=dev)
+        touched = torch.zeros(L + 1, dtype=torch.bool, device=dev)
+        statuses = wire.read_status(recv)
+        forwarded = (((statuses[:, 0] >> 8) & 0xFF) != 0).any() | (statuses[:, 1] != sig).any()
+        for r in range(world):
+            _, gi, gv = a2a.read(recv[r])
+            pos = torch.searchsorted(members, gi.long())              # an empty slot (row n) -> L
+            part.index_add_(0, pos, gv.to(part.dtype))
+            touched[pos] = True
+        touched[L] = False
+        union = touched.sum()
+        urank = torch.cumsum(touched, 0) - 1
+        upos = _slots(touched, urank, torch.arange(L + 1, device=dev), None, 0, u_cap, 1, L)
+        members_pad = torch.cat([members, torch.full((1,), n, dtype=torch.int64, device=dev)])
+        my_over = (per_owner - s).clamp(min=0).sum()
+        meta = torch.cat([mask.sum().reshape(1), union.reshape(1), my_over.reshape(1), per_owner])
+        parts = (meta, members_pad[upos].to(idt), part[upos].to(x.dtype))
+    layout = Layout.of(parts)
+    gathered = _comm.all_gather(_message(layout, parts, sig, dev, forwarded), group=group, stats=stats)
+    metas = _host_meta(gathered, layout, sig, "rows_allreduce")
+    with codec_timer(stats, "decompress"):
+        acc = torch.zeros(n + 1, d, dtype=acc_dtype(x.dtype), device=dev)
+        for o in range(world):   # owners' rows are disjoint: a copy each
+            _, gi, gv = layout.read(gathered[o])
+            acc.index_copy_(0, gi.long(), gv.to(acc.dtype))
+    union_over = [max(m[1] - u_cap, 0) for m in metas]
+    send_over = [m[2] for m in metas]
+    rounds = 0
+    if max(union_over) or max(send_over):
+        rounds = 1
+        _hashed_overflow(x, acc, mask, sorted_mask, rank_in, order, seg, touched, urank, members_pad, part,
+                         s, u_cap, union_over, send_over, sig, group, stats)
+    union_all = torch.tensor(sum(m[1] for m in metas), dtype=torch.int64, device=dev)
+    counts = [m[0] for m in metas]
+    return RowsResult(_finish(acc, n, x.dtype), "hashed", counts, [m[3:] for m in metas], union_all, rounds)
+
+
+def _hashed_overflow(x, acc, mask, sorted_mask, rank_in, order, seg, touched, urank, members_pad, part,
+                     s, u_cap, union_over, send_over, sig, group, stats) -> None:
+    """One all_gather of ``[summed rows beyond union_capacity (as owner) | own rows beyond
+    owner_capacity]``: every rank writes the owners' rows, then adds the senders' in rank order."""
+    n, d = x.shape
+    world, dev = _comm.world(group), x.device
+    idt = wire_index_dtype(n + 1)
+    U, S = max(union_over), max(send_over)
+    L = members_pad.numel() - 1
+    with codec_timer(stats, "compress"):
+        upos = _slots(touched, urank, torch.arange(L + 1, device=dev), None, u_cap, U, 1, L)
+        # rows beyond s in every owner's segment, in one table: segment-major, then compacted
+        big = _slots(sorted_mask, rank_in, order, seg, s, S, world, n)   # [P * S], n where unused
+        keep = big < n
+        kpos = torch.cumsum(keep, 0) - 1
+        send_idx = _slots(keep, kpos, big, None, 0, S, 1, n)
+        parts = (members_pad[upos].to(idt), part[upos].to(x.dtype), send_idx.to(idt), _take_rows(x, send_idx))
+    layout = Layout.of(parts)
+    gathered = _comm.all_gather(_message(layout, parts, sig, dev), group=group, stats=stats)
+    with codec_timer(stats, "decompress"):
+        rows = [layout.read(gathered[r]) for r in range(world)]
+        for ui, uv, _, _ in rows:
+            acc.index_copy_(0, ui.long(), uv.to(acc.dtype))
+        for _, _, si, sv in rows:   # rank order
+            acc.index_add_(0, si.long(), sv.to(acc.dtype))
