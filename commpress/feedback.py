@@ -299,6 +299,7 @@ class ErrorFeedback(Compressor):
         self._pending: dict[Any, Any] = {}
         self._open: dict[Any, torch.Tensor] = {}   # lean storage: fp32 next residuals until sealed
         self._work = BufferPool()   # lean storage's fp32 buffers for the next residuals, until sealed
+        self._borrowed: set = set()   # keys whose open buffer is the caller's scratch input
         self._decoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live one
         self._velocity: dict[Any, torch.Tensor] = {}
         self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
@@ -321,8 +322,7 @@ class ErrorFeedback(Compressor):
             return self._slot(self._pending, key, like)
         buf = self._open.get(key)
         if buf is None or buf.numel() != like.numel() or buf.device != like.device:
-            if buf is not None:
-                self._work.give(buf)
+            self._release_open(key)
             buf = self._open[key] = self._work.take(like.numel(), torch.float32, like.device)
         return buf.view(like.shape)
 
@@ -336,11 +336,16 @@ class ErrorFeedback(Compressor):
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
             pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
         pend.encode(src, self._next_seed(key))
-        self._work.give(src)
+        if key in self._borrowed:   # the caller's scratch input (open_fused(scratch=True)), not ours
+            self._borrowed.discard(key)
+        else:
+            self._work.give(src)
 
     def _release_open(self, key: Any) -> None:
         buf = self._open.pop(key, None)
-        if buf is not None:
+        if key in self._borrowed:
+            self._borrowed.discard(key)
+        elif buf is not None:
             self._work.give(buf)
 
     def _next_seed(self, key: Any) -> int:
@@ -570,14 +575,41 @@ class ErrorFeedback(Compressor):
         return accumulate_velocity(g, scale, live, m, new)
 
     # -- the fused lanes' protocol (collectives/steady*.py run their own kernels) ----------
-    def open_fused(self, tensor: torch.Tensor, key: Any) -> "FusedSlots":
+    def open_fused(self, tensor: torch.Tensor, key: Any, *, scratch: bool = False) -> "FusedSlots":
         """What a kernel that compensates, encodes and writes the next residual in one pass needs
         for ``key``: the input and its folded :meth:`scaled_input` scale, the live residual in fp32
         (``None``: zero), the fp32 buffer for the next residual, and momentum correction's velocity
-        slots (``None`` without).  Close it with :meth:`close_fused`."""
+        slots (``None`` without).  Close it with :meth:`close_fused`.
+
+        Args:
+            tensor: the input (fp32).
+            key: the residual's key.
+            scratch: the caller overwrites ``tensor`` after :meth:`close_fused` (it is the call's
+                output): with a lean ``storage`` the compensation is then done in ``tensor``
+                (the live residual decoded a chunk at a time, momentum correction's velocity
+                added first) and the kernel writes the next residual over it, so no fp32 buffer
+                of the key's size is kept (the slots: scale 1, no live residual, no velocity).
+        """
         x, scale = self._scaled(tensor, key)
+        if scratch and self.storage != "fp32" and x.dtype == torch.float32 and x.is_contiguous():
+            return self._open_in_place(x, key, scale)
         velocity = self._velocity_slots(x, key) if self.momentum else None
         return FusedSlots(x, scale, self._live(key, x), self._pending_buf(key, x), velocity)
+
+    def _open_in_place(self, x: torch.Tensor, key: Any, scale: float) -> "FusedSlots":
+        """:meth:`open_fused` on a scratch input with lean storage: ``x := (m*u +) x*scale +
+        beta*e`` in place; ``x`` is then the buffer of the next residual (sealed from it)."""
+        if self.momentum:
+            x.copy_(self._accumulate(x, key, scale))   # the pending velocity m*u + g
+        elif scale != 1.0:
+            x.mul_(scale)
+        live = self._residuals.get(key)
+        if live is not None and live.numel == x.numel() and live.device == x.device:
+            live.add_to(x.view(-1), self.beta)
+        self._release_open(key)
+        self._open[key] = x
+        self._borrowed.add(key)
+        return FusedSlots(x, 1.0, None, x, None)
 
     def close_fused(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None = None,
                     sent: Any = None, sent_all: bool = False) -> None:
@@ -785,6 +817,7 @@ class ErrorFeedback(Compressor):
         self._residuals.clear()
         self._pending.clear()
         self._open.clear()
+        self._borrowed.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity.clear()
@@ -839,6 +872,7 @@ class ErrorFeedback(Compressor):
         self._velocity = {k: u.float().clone() for k, u in velocities.items()}
         self._pending.clear()
         self._open.clear()
+        self._borrowed.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity_pending.clear()
@@ -856,7 +890,8 @@ class ErrorFeedback(Compressor):
         out: dict[str, int] = {}
         groups = {
             "residuals": self._residuals.values(), "pending": self._pending.values(),
-            "working": [*self._open.values(), *self._work.buffers(), *self._decoded.values()],
+            "working": [*(b for k, b in self._open.items() if k not in self._borrowed), *self._work.buffers(),
+                        *self._decoded.values()],
             "velocities": self._velocity.values(),
             "velocities_pending": self._velocity_pending.values(),
             "dense_momentum": [*self._dense_velocity.values(), *self._dense_pending.values()],

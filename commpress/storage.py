@@ -35,6 +35,8 @@ from . import ops
 STORAGES = ("fp32", "bf16", "int8")
 #: Elements per fp32 scale of the ``int8`` storage.
 INT8_BLOCK = 128
+#: Elements :meth:`LeanTensor.add_to` decodes at a time (a 4 MiB fp32 buffer while it runs).
+DECODE_CHUNK = 1 << 20
 
 
 def check_storage(value: object, name: str = "storage") -> str:
@@ -124,6 +126,36 @@ class LeanTensor:
             if full < blocks:
                 tail = self.numel - full * INT8_BLOCK
                 torch.mul(codes[full, :tail], self.scales[full], out=flat[full * INT8_BLOCK:])
+        return out
+
+    def add_to(self, dst: torch.Tensor, alpha: float = 1.0, chunk: int = DECODE_CHUNK) -> torch.Tensor:
+        """``dst += alpha * value`` (``dst`` flat fp32, contiguous, ``numel`` elements), decoded
+        ``chunk`` elements at a time: no fp32 buffer of the whole residual (a transient one of
+        ``chunk`` elements).  Returns ``dst``."""
+        if dst.numel() != self.numel:
+            raise ValueError(f"LeanTensor.add_to: expected {self.numel} elements, got {dst.numel()}")
+        step = max(INT8_BLOCK, chunk - chunk % INT8_BLOCK)
+        buf = torch.empty(min(step, self.numel), dtype=torch.float32, device=self.device)
+        for lo in range(0, self.numel, step):
+            hi = min(lo + step, self.numel)
+            part = self._decode_range(lo, hi, buf[:hi - lo])
+            if alpha == 1.0:
+                dst[lo:hi].add_(part)
+            else:
+                dst[lo:hi].add_(part, alpha=alpha)
+        return dst
+
+    def _decode_range(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[lo, hi)`` (``lo`` a multiple of :data:`INT8_BLOCK`) decoded into ``out``."""
+        if self.storage == "bf16":
+            return out.copy_(self.codes[lo:hi])
+        b0, full_hi = lo // INT8_BLOCK, hi - (hi - lo) % INT8_BLOCK
+        nfull = (full_hi - lo) // INT8_BLOCK
+        if nfull:
+            torch.mul(self.codes[lo:full_hi].view(nfull, INT8_BLOCK), self.scales[b0:b0 + nfull, None],
+                      out=out[:full_hi - lo].view(nfull, INT8_BLOCK))
+        if full_hi < hi:
+            torch.mul(self.codes[full_hi:hi], self.scales[b0 + nfull], out=out[full_hi - lo:])
         return out
 
     def keep_where(self, bad: torch.Tensor, new: "LeanTensor") -> None:

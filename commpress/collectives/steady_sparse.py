@@ -182,7 +182,9 @@ def _encode(flat: torch.Tensor, ef: ErrorFeedback, k: int, key: Any, idx: np.nda
     new residual staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it
     (committed with the step, or at once without one); returns its NaN/inf verdict (the general
     path's: the fp32 sum of the values sent)."""
-    slots = ef.open_fused(flat, key)   # momentum correction's velocity too, in the same pass
+    # momentum correction's velocity too, in the same pass; the input is the call's output (scratch):
+    # with a lean residual storage the next residual is written over it (no buffer of its size)
+    slots = ef.open_fused(flat, key, scratch=True)
     x, live = slots.x, slots.live
     nb = steady._nb()
     with nb.threads_context(x.numel()):

@@ -51,6 +51,7 @@ the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import zlib
@@ -183,10 +184,9 @@ def unit_input(unit: Unit, pieces: Pieces, packable: bool = False,
     * pieces adjacent in one buffer: that view;
     * ``packable`` (the caller's word that the gaps between the pieces hold nothing but values
       it has saved, the bucket's dense part): the pieces are moved next to their largest run of
-      adjacent pieces, which stays in place, when that moves at most a quarter of the unit
-      (:func:`packing`); the input is then a view and ``store`` moves them back.  The DDP
-      buckets of an MLP (weights between biases) move ~1% of the unit instead of copying it
-      twice;
+      adjacent pieces, which stays in place (:func:`packing`); the input is then a view and
+      ``store`` moves them back.  The DDP buckets of an MLP (weights between biases) move at
+      most half the unit instead of copying it twice into a buffer of its size;
     * else the pieces copied into a buffer of ``pool`` (a new one without); ``store`` copies back
       and returns the buffer to the pool.
     """
@@ -228,8 +228,9 @@ def unit_input(unit: Unit, pieces: Pieces, packable: bool = False,
 def packing(pieces: Pieces) -> tuple[int, list[tuple[int, int, int]]] | None:
     """``(start, moves)`` that make ``pieces`` (one buffer, increasing offsets) one span from
     ``start``: the largest run of adjacent pieces stays, the other runs move next to it in
-    order (``moves``: ``(from, to, numel)``); ``None`` when they are not so laid out or when
-    more than a quarter of the elements would move (the scratch copy is then cheaper)."""
+    order (``moves``: ``(from, to, numel)``); ``None`` when they are not so laid out.  Moving
+    them there and back copies fewer elements than a scratch copy of the unit would (twice
+    the unit) and keeps no buffer of its size (:func:`_move`)."""
     buf = pieces[0][0]
     runs: list[list[int]] = []
     for b, off, n in pieces:
@@ -240,9 +241,6 @@ def packing(pieces: Pieces) -> tuple[int, list[tuple[int, int, int]]] | None:
         else:
             runs.append([off, off + n])
     anchor = max(range(len(runs)), key=lambda i: runs[i][1] - runs[i][0])
-    total = sum(n for _, _, n in pieces)
-    if 4 * (total - (runs[anchor][1] - runs[anchor][0])) > total:
-        return None
     start = runs[anchor][0] - sum(e - s for s, e in runs[:anchor])
     moves, pos = [], start
     for i, (s, e) in enumerate(runs):
@@ -253,9 +251,16 @@ def packing(pieces: Pieces) -> tuple[int, list[tuple[int, int, int]]] | None:
 
 
 def _move(buf: torch.Tensor, src: int, dst: int, n: int) -> None:
-    """``buf[dst:dst+n] = buf[src:src+n]`` (through a copy where the two overlap)."""
+    """``buf[dst:dst+n] = buf[src:src+n]``; where the two overlap, a ``memmove`` on the CPU (no
+    copy of the piece), else through a copy (freed at once)."""
     piece = buf[src:src + n]
-    buf[dst:dst + n].copy_(piece if abs(dst - src) >= n else piece.clone())
+    if abs(dst - src) >= n:
+        buf[dst:dst + n].copy_(piece)
+    elif buf.device.type == "cpu" and buf.is_contiguous():
+        size = buf.element_size()
+        ctypes.memmove(buf.data_ptr() + dst * size, buf.data_ptr() + src * size, n * size)
+    else:
+        buf[dst:dst + n].copy_(piece.clone())
 
 
 def unit_store(pieces: Pieces, result: torch.Tensor) -> None:

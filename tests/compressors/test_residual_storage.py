@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,42 @@ def test_memory_counts_every_storage_the_feedback_keeps(storage, name, params, m
     assert parts["residuals"] <= per * elements + 2 * (INT8_BLOCK + 4)
     # lean storage works in fp32 buffers of the largest key's size (one pooled, one decoded), not per key
     assert parts["working"] == (0 if storage == "fp32" else 2 * 4 * 4096)
+
+
+@pytest.mark.parametrize("storage", LEAN)
+@pytest.mark.parametrize("kind", ["topk", "blockquant"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, momentum):
+    """``open_fused(scratch=True)`` (the CPU lanes: the input is the call's output) compensates in
+    the input and writes the next residual over it: the same payloads and stored residuals as with
+    the fp32 work buffers (bitwise without momentum), and no work buffer kept."""
+    nb = pytest.importorskip("commpress.ops.numba_backend")
+    n, k, bits, block = 5000, 50, 4, 64
+    efs = [commpress.ErrorFeedback(commpress.get(kind, **({"ratio": 0.01} if kind == "topk" else {"bits": bits})),
+                                   storage=storage, momentum=momentum, seed=7) for _ in range(2)]
+    for step in range(3):
+        outs = []
+        for scratch, ef in zip((False, True), efs):
+            x = _x(n, 10 + step) * (step + 1)
+            with ef.scaled_input("w", 0.5):
+                slots = ef.open_fused(x, "w", scratch=scratch)
+            if kind == "topk":
+                idx, bits_ = nb.topk_feedback_arrays(slots.x.numpy(), None if slots.live is None
+                                                     else slots.live.view(-1).numpy(), ef.beta, slots.scale, k,
+                                                     slots.pending.view(-1).numpy(), slots.velocity)
+                payload, sent = (idx.copy(), bits_.copy()), {"sent": torch.from_numpy(idx)}
+            else:
+                codes = np.zeros((n * bits + 7) // 8, np.uint8)
+                scales = np.zeros(-(-n // block), np.float32)
+                nb.quantize_feedback_into(slots.x.numpy(), None if slots.live is None else slots.live.view(-1).numpy(),
+                                          ef.beta, slots.scale, bits, block, slots.pending.view(-1).numpy(), codes,
+                                          scales, slots.velocity)
+                payload, sent = (codes, scales), {"sent_all": False}
+            ef.close_fused("w", torch.tensor(False), **sent)
+            outs.append((payload, ef.residual("w")))
+        (p0, r0), (p1, r1) = outs
+        if momentum:   # the velocity added by torch first rather than inside the kernel: one rounding apart
+            assert torch.allclose(r0, r1, rtol=1e-5, atol=1e-6)
+        else:
+            assert all(np.array_equal(a, b) for a, b in zip(p0, p1)) and torch.equal(r0, r1), step
+    assert efs[1].memory()["working"] == 0

@@ -39,7 +39,6 @@ def test_packing_moves_the_small_runs_next_to_the_largest():
 @pytest.mark.parametrize("pieces", [
     [(0, 0, 10), (1, 20, 10)],                     # two buffers
     [(0, 50, 10), (0, 0, 10)],                     # not in increasing order
-    [(0, 0, 30), (0, 40, 20), (0, 70, 20)],        # 40 of 70 would move
 ])
 def test_packing_declines(pieces):
     bufs = [torch.zeros(100), torch.zeros(100)]
@@ -91,3 +90,19 @@ def test_packed_units_train_bitwise_as_copied_ones(name, kw):
     for a, b in zip(packed, copied):
         assert a["replicas"] and b["replicas"] and a["packed_calls"] >= 3 and b["packed_calls"] >= 3, (a, b)
         assert torch.equal(a["flat"].view(torch.int32), b["flat"].view(torch.int32))
+
+
+def test_packing_moves_overlapping_runs_in_place():
+    """Runs that overlap their destination (a weight shifted past a small bias) move in place (a
+    memmove on the CPU), however much of the unit moves; and back, bitwise."""
+    buf = torch.arange(100, dtype=torch.float32)
+    before = buf.clone()
+    pieces = [(buf, 0, 30), (buf, 33, 40), (buf, 75, 25)]   # gaps of 3 and 2 (a bias each)
+    start, moves = packing(pieces)
+    assert start == 3 and moves == [(0, 3, 30), (75, 73, 25)]   # 55 of 95 elements move
+    want = torch.cat([before[o:o + n] for _, o, n in pieces])
+    t, store = unit_input(_unit(pieces), pieces, packable=True)
+    assert torch.equal(t, want) and t.data_ptr() == buf[3:].data_ptr()   # a view, no scratch
+    store(t * 2)
+    for _, o, n in pieces:
+        assert torch.equal(buf[o:o + n], 2 * before[o:o + n])
