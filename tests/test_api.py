@@ -58,3 +58,54 @@ def test_error_feedback_keeps_its_constructor_and_protocol():
     torch.testing.assert_close(sent + ef.residual("k"), x, rtol=0, atol=0)
     for method in ("compensate", "stage", "commit", "rollback"):
         assert callable(getattr(ef, method)), method
+
+
+def test_ddp_register_takes_typed_options_and_only_compressor_parameters_in_its_bag():
+    import commpress.ddp
+
+    sig = inspect.signature(commpress.ddp.register)
+    for name in ("join_buckets", "momentum", "momentum_masking", "auto", "residual_storage", "rollback",
+                 "scaler", "optimizer"):
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert sig.parameters[name].annotation != inspect.Parameter.empty, name
+    assert list(sig.parameters)[:2] == ["model", "compressor"]
+    assert _params(commpress.ddp.DDPState) >= {"join_buckets", "momentum", "momentum_masking", "auto"}
+
+
+def test_auto_options_are_typed_and_the_keyword_spelling_warns():
+    import warnings
+
+    import pytest
+
+    from commpress.auto.runtime import AutoSpec
+    from commpress.ddp import DDPState
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # the typed spellings never warn
+        typed = DDPState("auto", auto=AutoSpec(candidates=[("topk", 0.01)], check_every=5), min_numel=64)
+        DDPState("topk", ratio=0.01, momentum=0.9, momentum_masking=True, join_buckets=True).close()
+    with pytest.warns(DeprecationWarning, match=r"auto=commpress\.auto\.runtime\.AutoSpec\(candidates=\.\.\., "
+                                                r"check_every=\.\.\.\)"):
+        old = DDPState("auto", candidates=[("topk", 0.01)], check_every=5, min_numel=64)
+    assert old.config() == typed.config()           # the same fingerprint: ranks may mix the spellings
+    with pytest.raises(ValueError, match="given twice"):
+        DDPState("auto", auto=AutoSpec(), check_every=5)
+    with pytest.raises(ValueError, match="auto= .*only with it.*'topk'"):
+        DDPState("topk", ratio=0.01, auto=AutoSpec())
+    with pytest.raises(TypeError, match="auto must be a commpress.auto.runtime.AutoSpec"):
+        DDPState("auto", auto={"check_every": 5})
+    with pytest.raises(ValueError, match="ratio"):
+        DDPState("auto", auto=AutoSpec(), ratio=0.01)
+    with pytest.raises(ValueError, match="check_every"):
+        AutoSpec(check_every=0)                      # validated in one place, when built
+    for s in (typed, old):
+        s.close()
+
+
+def test_ddp_state_momentum_is_a_typed_keyword():
+    from commpress.ddp import DDPState
+
+    state = DDPState("topk", ratio=0.01, momentum=0.9)
+    assert state.config()["momentum"] == 0.9 and state.config()["momentum_masking"] is False
+    assert DDPState("topk", ratio=0.01, momentum=0.9, momentum_masking=True).config()["momentum"] == 0.9
+    state.close()

@@ -70,9 +70,10 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,9 @@ from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
 from .optimizer import TakeoverMixin
+
+if TYPE_CHECKING:   # imported when used: "auto" is optional
+    from ..auto.runtime import AutoSpec
 
 log = logging.getLogger("commpress")
 
@@ -120,100 +124,110 @@ class HookError(RuntimeError):
 
 
 class DDPState(TakeoverMixin, HookState):
-    """State of the commpress DDP hook (pass it with :func:`hook` to ``register_comm_hook``).
+    """State of the commpress DDP comm hook: pass it with :func:`hook` to ``register_comm_hook``.
 
-    Parameters
-    ----------
-    model:
-        the ``DistributedDataParallel`` model (``TypeError`` otherwise), or omitted:
-        ``DDPState("topk", ratio=0.01)`` is bound later by :meth:`bind` (see the module
-        docs); nothing is exchanged before then, so it can be built before
-        ``init_process_group``.
-    compressor:
-        a :class:`~commpress.Compressor` or a registry name; ``**compressor_params``
-        are passed to ``commpress.get`` with a name.  ``"auto"``: a compressor per unit,
-        chosen and re-chosen from measurements (:mod:`commpress.auto.runtime`; its options
-        ``candidates``, ``check_every``, ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are
-        keywords here); every choice runs under error feedback.  With ``hierarchy`` each
-        unit also chooses its path, flat or two-level, by the intra/inter-node models (not
-        with momentum correction: then every unit stays flat, logged).
-    error_feedback:
-        ``"auto"`` (on for biased compressors), ``True`` or ``False``.
-    warmup_steps:
-        dense steps at the start (clamped to at least 1).
-    min_numel:
-        parameters with fewer elements go dense.
-    skip:
-        ``skip(name) -> bool`` on the names of ``model.module.named_parameters()``;
-        ``True`` sends that parameter dense.
-    algorithm:
-        passed to :func:`commpress.collectives.allreduce`: ``"auto"`` (cost model,
-        calibrated once at registration) or one of the compressor kind's
-        algorithms (``ValueError`` otherwise).
-    process_group:
-        defaults to the model's process group.
-    verify_every:
-        every N steps hash each synchronized bucket on all ranks and raise
-        :class:`ReplicaMismatchError` naming the bucket on a mismatch (one
-        ``all_gather`` of an int64 per bucket, read on the host); ``None`` reads
-        the environment variable ``COMMPRESS_VERIFY`` (0 = off).  Runs
-        synchronously (no overlap).
-    seed:
-        seeds stochastic rounding: each rank's noise for a unit is a pure function of
-        ``(seed, rank, step, unit)``, so resumed runs draw the same noise.
-    dense_1d:
-        send 1-D parameters (biases, norm weights) dense (default ``True``).
-    overlap:
-        run compression and communication on a worker thread (with a process
-        group of its own) so they overlap the backward pass (default ``True``).
-    momentum:
-        (a keyword passed with the compressor parameters) DGC momentum correction
-        in the error feedback (``ErrorFeedback(..., momentum=)``); the parameters
-        that go dense get plain momentum on their averaged gradient.  Pair it with
-        ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
-    momentum_masking:
-        (a keyword, with ``momentum`` or ``optimizer``) DGC's momentum factor masking:
-        zero the velocity where a coordinate was sent.  Off by default (see
-        :mod:`commpress.hooks.optimizer` for why).
-    optimizer:
-        a ``torch.optim.SGD`` whose momentum the hook takes over (DGC's recipe): its
-        momentum ``m`` turns on ``momentum=m`` here and is set to 0 in the optimizer
-        until :meth:`close`; Adam and SGD without momentum are left as they are (one
-        log line); see :mod:`commpress.hooks.optimizer`.  An optimizer made after
-        the hook: :meth:`attach_optimizer`.
-    hierarchy:
-        ``None`` (flat), an int ``L`` (ranks per node: every unit reduces densely
-        inside its node and compresses only between nodes, see
-        :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
-        ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
-        intra/inter cost model; flat otherwise).  Creates the node groups (collective).
-        With ``"auto"`` as the compressor the hook's choice per unit includes the path
-        (flat or two-level, from the intra/inter models calibrated at binding).
-        Residuals of two-level units are kept per node shard (in :meth:`state_dict`);
-        :meth:`residuals_by_param` has no per-parameter view of them and leaves those units out.
-    join_buckets:
-        hold each bucket's compressed message until a later bucket's collective carries it
-        (:mod:`commpress.collectives.joint`): one round per step instead of one per bucket, the
-        values bitwise the same.  ``None`` (default): on where the backward pass keeps a rank's
-        cores busy (a CPU rank whose cores its threads fill, agreed across ranks), where each
-        round costs CPU time the backward needs (measured on the digits MLP: README, "Joined
-        rounds" under "DDP in one line"); off on GPUs, where the first buckets' flights overlap
-        the backward.  ``True`` / ``False``: always / never.  A message is held only while the
-        held ones spend at most :data:`~commpress.collectives.joint.HOLD_MAX_WIRE_S` on the wire
-        by the calibrated link, or, where ``join_buckets`` is a float, that many seconds (always
-        on; ``math.inf``: no limit, one round a step however large the messages).  Units that take
-        the general path (not a steady lane) or a hierarchy send at once.
-    scaler:
-        AMP's ``torch.amp.GradScaler`` (``TypeError`` for anything else but ``None``): the hook
-        divides each compressed step's buckets by the loss scale before compressing and
-        multiplies the averages back, so residuals and velocities stay in unscaled units while
-        the scale changes (see :meth:`attach_scaler`, also for a scaler made later).
+    What users need of it: :attr:`stats` (bytes sent against dense, ratio, step-time account,
+    memory), :meth:`state_dict` / :meth:`load_state_dict` (one file per rank), :meth:`close`,
+    :meth:`bind`, :meth:`attach_optimizer`, :meth:`attach_scaler`, and :meth:`config`, the
+    configuration every rank agreed on at binding.  Everything else is the hook's.
 
-    Binding exchanges a configuration fingerprint (compressor, parameters,
-    options, world size, parameter names/shapes/policy): ``ValueError`` on every
-    rank when they differ (from ``backward()`` when the state binds at its first
-    bucket).  It is the only cross-rank check of the configuration; steps send
-    their payloads only.
+    What goes on the wire: during the first ``warmup_steps`` steps each bucket is one dense
+    ``all_reduce``, as DDP does; afterwards each unit of compressed parameters sends its
+    compressor's payload through the collective its aggregation kind needs
+    (:func:`commpress.collectives.allreduce`), the dense parameters riding in the same message
+    where that costs no more bytes.  Binding exchanges a configuration fingerprint (compressor,
+    parameters, options, world size, parameter names/shapes/policy), the only cross-rank check
+    of the configuration; steps send their payloads only.
+
+    Attributes:
+        stats: a :class:`~commpress.hooks.common.Stats`: per step and cumulative bytes, ratio,
+            algorithm per unit, step-time account, ``memory_overhead_bytes``
+            (``stats.as_dict()``).
+        step: steps synchronized so far (dense warm-up steps included); checkpointed.
+        bound: whether :meth:`bind` has run.
+        last_error: the original exception of the last failed bucket, or ``None``.
+
+    Args:
+        model: the ``DistributedDataParallel`` model, or omitted: ``DDPState("topk", ratio=0.01)``
+            is bound later by :meth:`bind` on every rank before the first step (in Lightning by
+            :class:`commpress.integrations.lightning.BindCallback`); nothing is exchanged before
+            then, so it can be built before ``init_process_group``.
+        compressor: a :class:`~commpress.Compressor` or a registry name (``commpress.available()``);
+            ``**compressor_params`` are passed to ``commpress.get`` with a name.  ``"auto"``: a
+            compressor per unit, chosen and re-chosen from measurements
+            (:mod:`commpress.auto.runtime`, its options in ``auto``); every choice runs under
+            error feedback.  With ``hierarchy`` each unit also chooses its path, flat or
+            two-level (not with momentum correction: then every unit stays flat, logged).
+        error_feedback: ``"auto"`` (on for biased compressors), ``True`` or ``False``.
+        warmup_steps: dense steps at the start (clamped to at least 1).
+        min_numel: parameters with fewer elements go dense.
+        skip: ``skip(name) -> bool`` on the names of ``model.module.named_parameters()``;
+            ``True`` sends that parameter dense.
+        algorithm: passed to :func:`commpress.collectives.allreduce`: ``"auto"`` (cost model,
+            calibrated once at binding) or one of the compressor kind's algorithms.
+        process_group: defaults to the model's process group.
+        verify_every: every N steps hash each synchronized bucket on all ranks and raise
+            :class:`ReplicaMismatchError` naming the bucket on a mismatch (one ``all_gather`` of
+            an int64 per bucket, read on the host; runs without overlap); ``None`` reads the
+            environment variable ``COMMPRESS_VERIFY`` (0 = off).
+        seed: seeds stochastic rounding: each rank's noise for a unit is a pure function of
+            ``(seed, rank, step, unit)``, so resumed runs draw the same noise.
+        dense_1d: send 1-D parameters (biases, norm weights) dense.
+        overlap: run compression and communication on a worker thread (with a process group of
+            its own) so they overlap the backward pass.
+        hierarchy: ``None`` (flat), an int ``L`` (ranks per node: every unit reduces densely
+            inside its node and compresses only between nodes, see
+            :mod:`commpress.collectives.hierarchy`), or ``"auto"`` (torchrun's
+            ``LOCAL_WORLD_SIZE`` when ``1 < L < world``, flat or two-level per unit by the
+            intra/inter cost model; flat otherwise).  Creates the node groups (collective).
+            Residuals of two-level units are kept per node shard (in :meth:`state_dict`).
+        optimizer: a ``torch.optim.SGD`` whose momentum the hook takes over (DGC's recipe): its
+            momentum ``m`` turns on ``momentum=m`` here and is set to 0 in the optimizer until
+            :meth:`close`; Adam and SGD without momentum are left as they are (one log line).
+            An optimizer made after the hook: :meth:`attach_optimizer`.
+        join_buckets: hold each bucket's compressed message until a later bucket's collective
+            carries it (:mod:`commpress.collectives.joint`): one round per step instead of one
+            per bucket, the values bitwise the same.  ``None``: on where the backward pass keeps
+            a rank's cores busy (a CPU rank whose cores its threads fill, agreed across ranks),
+            off on GPUs; ``True`` / ``False``: always / never; a float: on, holding messages while
+            the held ones spend at most that many seconds on the wire (``math.inf``: one round a
+            step).  Units on the general path or a hierarchy send at once.
+        scaler: AMP's ``torch.amp.GradScaler``: the hook divides each compressed step's buckets
+            by the loss scale before compressing and multiplies the averages back, so residuals
+            and velocities stay in unscaled units (:meth:`attach_scaler`, also for a scaler made
+            later).
+        residual_storage: how error feedback keeps its residuals between steps: ``"fp32"``,
+            ``"bf16"`` or ``"int8"`` (blockwise with its own scales, rounded stochastically;
+            :mod:`commpress.storage`).
+        rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (a
+            pending copy of each between steps), ``"unit"`` the residuals of the first unit that
+            saw it and of every unit after it (pending copies only for units in flight).
+        momentum: DGC momentum correction in the error feedback
+            (``commpress.ErrorFeedback(..., momentum=)``), in ``[0, 1)``; the parameters that go
+            dense get plain momentum on their averaged gradient.  Pair it with
+            ``torch.optim.SGD(..., momentum=0)``: the momentum now lives here.
+        momentum_masking: DGC's momentum factor masking (with ``momentum`` or ``optimizer``):
+            zero the velocity where a coordinate was sent (see :mod:`commpress.hooks.optimizer`).
+        auto: the options of compressor ``"auto"`` (candidates, check points, hysteresis,
+            prices, ...), a :class:`commpress.auto.runtime.AutoSpec`; only with
+            ``compressor="auto"``.  Giving them as keywords (``check_every=...``) is deprecated.
+        **compressor_params: the compressor's own parameters (with a registry name), as
+            ``commpress.get`` takes them, e.g. ``ratio=0.01``.
+
+    Raises:
+        TypeError: ``model`` is not a DDP model, or a bad ``skip``, ``overlap``, ``scaler``,
+            ``join_buckets`` or ``auto``.
+        ValueError: an algorithm the compressor's kind does not have; a negative
+            ``warmup_steps``/``min_numel``/``seed``; a bad ``hierarchy``, ``residual_storage``,
+            ``rollback`` or ``join_buckets``; ``auto`` without ``compressor="auto"``; at binding,
+            configurations that differ between ranks (on every rank, naming what differs).
+
+    Example::
+
+        >>> state = commpress.ddp.DDPState("topk", ratio=0.01)
+        >>> state.bind(ddp_model)                              # every rank
+        >>> ddp_model.register_comm_hook(state, commpress.ddp.hook)
+        >>> state.stats.compression_ratio
     """
 
     kind = "ddp"
@@ -227,7 +241,8 @@ class DDPState(TakeoverMixin, HookState):
                  overlap: bool = True, hierarchy: int | str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
                  scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-                 rollback: str = "step", **compressor_params: Any) -> None:
+                 rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
+                 auto: AutoSpec | None = None, **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
         if model is not None and not isinstance(model, DistributedDataParallel):
@@ -251,15 +266,18 @@ class DDPState(TakeoverMixin, HookState):
         if isinstance(join_buckets, float) and not join_buckets > 0:   # (a bool is not a float)
             raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)
-        auto = isinstance(compressor, str) and compressor == "auto"
+        options, auto = auto, isinstance(compressor, str) and compressor == "auto"
+        if options is not None and not auto:
+            raise ValueError(f"auto= holds the options of compressor 'auto' and is given only with it, "
+                             f"got compressor {getattr(compressor, 'name', compressor)!r}")
         if auto:  # a compressor per unit, chosen from measurements (commpress.auto)
-            compressor = _auto_spec(compressor_params, algorithm=algorithm, hierarchy=hierarchy,
-                                    error_feedback=error_feedback)
+            compressor = _auto_spec(compressor_params, options, algorithm=algorithm, error_feedback=error_feedback)
         if not (hierarchy is None or hierarchy == "auto"
                 or (isinstance(hierarchy, int) and not isinstance(hierarchy, bool) and hierarchy >= 1)):
             raise ValueError(f"hierarchy must be None, 'auto' or a positive int (ranks per node), got {hierarchy!r}")
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         residual_storage=residual_storage, rollback=rollback, **compressor_params)
+                         residual_storage=residual_storage, rollback=rollback, momentum=momentum,
+                         momentum_masking=momentum_masking, **compressor_params)
         self.auto = auto
         if auto:
             self._new_auto_codec()
@@ -524,7 +542,7 @@ class DDPState(TakeoverMixin, HookState):
         ``bucket``'s parameters (:func:`_model_of`), with a ``DeprecationWarning``: that
         fallback goes away, and an unbound state will raise here.
         """
-        warnings.warn(UNBOUND_DEPRECATION, DeprecationWarning, stacklevel=3)
+        deprecated(UNBOUND_DEPRECATION)
         self.bind(_model_of(bucket.parameters()))
 
     # -- lifetime ----------------------------------------------------------
@@ -632,10 +650,12 @@ class DDPState(TakeoverMixin, HookState):
         return sum(_memory_parts(self.codec, self.layout).values())
 
 
-def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_feedback: Any) -> Compressor:
-    """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", **params)`` (its
-    options are taken out of ``params``; ``ValueError`` for what "auto" cannot do)."""
-    from ..auto.runtime import auto_spec
+def _auto_spec(params: dict[str, Any], options: AutoSpec | None, *, algorithm: str,
+               error_feedback: Any) -> AutoSpec:
+    """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", auto=options)``:
+    ``options`` itself (validated when it was built), or, deprecated, one built from the options
+    given as keywords (taken out of ``params``).  ``ValueError`` for what "auto" cannot do."""
+    from ..auto.runtime import AUTO_OPTIONS, AutoSpec, auto_spec
 
     if algorithm != "auto":
         raise ValueError(f"algorithm must be 'auto' with compressor 'auto' (each unit's kind picks its "
@@ -643,7 +663,36 @@ def _auto_spec(params: dict[str, Any], *, algorithm: str, hierarchy: Any, error_
     if error_feedback is False:
         raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice runs "
                          "under error feedback so that a switch loses no residual")
-    return auto_spec(params, where="the DDP hook")
+    given = [k for k in AUTO_OPTIONS if k in params]
+    if options is None:
+        if given:
+            shown = ", ".join(f"{k}=..." for k in given)
+            deprecated(f"commpress.ddp: the options of compressor 'auto' as keywords ({', '.join(given)}) "
+                       f"are deprecated: pass auto=commpress.auto.runtime.AutoSpec({shown})")
+        return auto_spec(params, where="the DDP hook")
+    if not isinstance(options, AutoSpec):
+        raise TypeError(f"auto must be a commpress.auto.runtime.AutoSpec (the options of compressor 'auto') "
+                        f"or None, got {type(options).__name__}")
+    if given:
+        raise ValueError(f"the options of compressor 'auto' are given twice: {given} as keywords and auto=; "
+                         "give them in auto= only")
+    auto_spec(dict(params), where="the DDP hook")   # ValueError for anything else given as a keyword
+    return options
+
+
+#: Frames in these folders are skipped when a deprecation is attributed to its caller.
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def deprecated(message: str) -> None:
+    """``warnings.warn(message, DeprecationWarning)`` attributed to the first frame outside commpress
+    and torch: the user's line (``register(...)``, ``DDPState(...)``, ``loss.backward()``), so
+    Python's default filters show it where that line is in ``__main__``."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level + 1)
 
 
 def _verify_every(value: int | None) -> int:
@@ -1033,9 +1082,10 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              algorithm: str = "auto", process_group: dist.ProcessGroup | None = None,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
              overlap: bool = True, hierarchy: int | str | None = None,
-             optimizer: torch.optim.Optimizer | None = None,
+             optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-             rollback: str = "step", **compressor_params: Any) -> DDPState:
+             rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
+             auto: AutoSpec | None = None, **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging with a commpress DDP comm hook.
 
     Builds a :class:`DDPState` and calls ``model.register_comm_hook(state, hook)``.
@@ -1049,10 +1099,8 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             ``**compressor_params`` are passed to ``commpress.get`` with a name.
             ``"auto"``: each unit gets its own compressor, chosen at check points from
             the measured overlap and codec cost and the calibrated network (see
-            :mod:`commpress.auto.runtime`; its options ``candidates``, ``check_every``,
-            ``every``, ``margin``, ``drift``, ``critical``, ``prices`` are keywords
-            here); every choice runs under error feedback, and
-            ``state.stats.as_dict()["auto"]`` shows the choices.
+            :mod:`commpress.auto.runtime`; its options in ``auto``); every choice runs
+            under error feedback, and ``state.stats.as_dict()["auto"]`` shows the choices.
         error_feedback: ``"auto"`` (on for biased compressors), ``True`` or ``False``.
         warmup_steps: dense steps at the start (clamped to at least 1).
         min_numel: parameters with fewer elements go dense.
@@ -1081,6 +1129,11 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             correction here, the optimizer's momentum 0 until ``state.close()``; see
             :mod:`commpress.hooks.optimizer`).  Adam and SGD without momentum are left
             as they are.
+        join_buckets: hold each bucket's compressed message until a later bucket's collective
+            carries it: one round per step instead of one per bucket, bitwise the same values.
+            ``None`` (default): on where the backward keeps a CPU rank's cores busy, off on
+            GPUs; ``True`` / ``False``: always / never; a float: a wire-time limit in seconds
+            for the held messages (``math.inf``: none).  See :class:`DDPState`.
         scaler: AMP's ``torch.amp.GradScaler`` when the loss is scaled (fp16): residuals and
             momentum-correction velocities are then kept in the gradients' own units, unaffected
             by the scale's changes; the buckets handed back stay scaled for ``scaler.step``
@@ -1097,35 +1150,48 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             step, as GradScaler drops its gradient): each unit commits when its collective
             ends, so pending residuals exist only for the units in flight (about half the
             residual memory).  ``ValueError`` for another value.
-        **compressor_params: the compressor's parameters (with a registry name), e.g.
-            ``ratio=0.01``; the sparsifiers' density warm-up (``density_warmup=`` steps
-            from ``density_start=``) is one.  Also the :class:`DDPState` keywords that
-            are not named here: ``momentum``, ``momentum_masking``, ``join_buckets``
-            and the ``"auto"`` options.
+        momentum: DGC momentum correction in the error feedback, in ``[0, 1)`` (0: off); the
+            dense parameters get plain momentum on their average.  Pair it with
+            ``torch.optim.SGD(..., momentum=0)`` (or pass ``optimizer=``, which sets it).
+        momentum_masking: DGC's momentum factor masking: zero the velocity where a coordinate
+            was sent (with ``momentum`` or ``optimizer``; off by default).
+        auto: the options of compressor ``"auto"``, a :class:`commpress.auto.runtime.AutoSpec`
+            (``candidates``, ``check_every``, ``every``, ``margin``, ``drift``, ``critical``,
+            ``prices``, ``remeasure``, ``revert``), validated when it is built; only with
+            ``compressor="auto"``.  The same options as keywords of ``register`` still work
+            and warn (``DeprecationWarning``).
+        **compressor_params: the compressor's own parameters (with a registry name), as
+            ``commpress.get`` takes them, e.g. ``ratio=0.01``; the sparsifiers' density
+            warm-up (``density_warmup=`` steps from ``density_start=``) is one.
 
     Returns:
         The :class:`DDPState` (``state.stats``, ``state.state_dict()``, ``state.close()``).
 
     Raises:
-        TypeError: when ``model`` is not DDP, or for a bad ``scaler``, ``skip`` or
-            ``overlap``.
+        TypeError: when ``model`` is not DDP, or for a bad ``scaler``, ``skip``,
+            ``overlap``, ``join_buckets`` or ``auto``.
         RuntimeError: when a commpress hook is already registered on ``model``.
         ValueError: for an algorithm the compressor's kind does not have, a bad
-            ``residual_storage``, ``rollback`` or ``hierarchy``, a negative
-            ``warmup_steps``/``min_numel``/``seed``, or configurations that differ
-            between ranks (on every rank).
+            ``residual_storage``, ``rollback``, ``hierarchy`` or ``momentum``, a negative
+            ``warmup_steps``/``min_numel``/``seed``, ``auto`` without
+            ``compressor="auto"``, or configurations that differ between ranks (on every
+            rank).
 
     Example:
         >>> model = DistributedDataParallel(net)
         >>> state = commpress.ddp.register(model, "topk", ratio=0.01)
         >>> ...  # train as usual
         >>> print(state.stats.as_dict())
+        >>> # or a compressor per bucket, chosen from measurements, with its options:
+        >>> from commpress.auto.runtime import AutoSpec
+        >>> state = commpress.ddp.register(model, "auto", auto=AutoSpec(check_every=50))
     """
     state = DDPState(model, compressor, error_feedback=error_feedback, warmup_steps=warmup_steps,
                      min_numel=min_numel, skip=skip, algorithm=algorithm, process_group=process_group,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
-                     hierarchy=hierarchy, optimizer=optimizer, scaler=scaler,
-                     residual_storage=residual_storage, rollback=rollback, **compressor_params)
+                     hierarchy=hierarchy, optimizer=optimizer, join_buckets=join_buckets, scaler=scaler,
+                     residual_storage=residual_storage, rollback=rollback, momentum=momentum,
+                     momentum_masking=momentum_masking, auto=auto, **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 
