@@ -63,7 +63,15 @@ def group_key(group=None) -> tuple:
 
 
 def comm_device(group=None, like: torch.Tensor | None = None) -> torch.device:
-    """Device for small bookkeeping tensors: ``like``'s device, else CUDA for NCCL, else CPU."""
+    """The device for the collectives' small bookkeeping tensors (headers, status words).
+
+    Args:
+        group: the process group (``None``: the default group).
+        like: a tensor whose device wins when given.
+
+    Returns:
+        ``like``'s device, else the current CUDA device for an NCCL group, else the CPU.
+    """
     if like is not None and isinstance(like, torch.Tensor):
         return like.device
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
@@ -82,11 +90,18 @@ _FAULT_HOOK: Callable[[str], None] | None = None
 
 
 def set_fault_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
-    """For tests: call ``hook(name)`` before every torch.distributed call of the
-    collectives (``name`` is the wrapper's: ``"all_gather"``, ``"all_gather_into"``,
-    ``"all_reduce_"``, ``"all_to_all_bytes"``, ``"all_to_all_"``, ``"exchange"``), in this
-    process; ``hook`` may raise, block or end the process.  ``None`` removes it.  Returns
-    the previous hook."""
+    """For tests: call ``hook(name)`` before every torch.distributed call of the collectives.
+
+    ``name`` is the wrapper's: ``"all_gather"``, ``"all_gather_into"``, ``"all_reduce_"``,
+    ``"all_to_all_bytes"``, ``"all_to_all_"``, ``"exchange"``; in this process only.
+
+    Args:
+        hook: a callable of the name; it may raise, block or end the process.  ``None``
+            removes it.
+
+    Returns:
+        The previous hook (or ``None``).
+    """
     global _FAULT_HOOK
     previous, _FAULT_HOOK = _FAULT_HOOK, hook
     return previous
@@ -157,14 +172,24 @@ def scratch(tag: str, n: int, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def clear_caches() -> None:
-    """Drop every tensor the collectives' caches keep (the next calls allocate them again)."""
+    """Drop every tensor the collectives' caches keep (the next calls allocate them again).
+
+    Process-wide; nothing is sent.  The hooks' ``stats`` count these bytes
+    (:func:`cached_bytes`).
+    """
     for cache in _CACHES:
         cache.clear()
 
 
 def cached_bytes() -> int:
-    """Bytes of the tensors the collectives' caches keep alive (process-wide, every thread's): the
-    reusable buffers of :func:`scratch`, the sparse collectives' hash domains, ..."""
+    """Bytes of the tensors the collectives' caches keep alive (process-wide, every thread's).
+
+    The reusable buffers of the collectives' scratch, the sparse collectives' hash domains, ...;
+    each storage counted once.  :func:`clear_caches` drops them.
+
+    Returns:
+        The number of bytes.
+    """
     seen: set[int] = set()
     total = 0
     stack = [v for cache in _CACHES for v in cache.values()]

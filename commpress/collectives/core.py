@@ -68,21 +68,12 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
               passengers: wire.Passengers | None = None, _error: tuple[int, str] | None = None) -> torch.Tensor:
     """Compressed sum of ``tensor`` over the ranks of ``group``, identical on every rank.
 
-    ``key`` names the tensor (bucket, parameter) for per-tensor state: error-feedback
-    residuals, PowerSGD warm starts, shared random seeds; ``step`` is the training
-    step.  ``algorithm`` is ``"auto"`` or one of the kind's algorithms
-    (:data:`ALLREDUCE_ALGORITHMS`).  ``validate=False`` skips the first-call header
-    exchange (the caller guarantees equal static facts on every rank, as the hooks
-    do after registration).  ``transaction`` collects the residual updates of several
-    calls (a training step) for one commit by the caller.  ``shapes`` (lowrank only):
-    ``tensor`` is the flat concatenation of tensors of these shapes, all sent in one
-    batched PowerSGD protocol.  Returns a tensor of ``tensor``'s shape and dtype;
-    with ``out`` (same shape and dtype; may be ``tensor`` itself) the result is
-    written there and ``out`` is returned.  ``hierarchy`` (a
-    :class:`~commpress.collectives.hierarchy.Hierarchy`): dense inside each node,
-    compressed between nodes (:mod:`.hierarchy`).  ``prescale``: reduce ``tensor *
-    prescale`` instead (``tensor`` is not changed); identity / fp16 / bf16 fold it into
-    their cast, which is how the DDP hook averages at no extra pass.
+    Compress, run the collective the compressor's aggregation kind needs (the module's table:
+    one ``all_reduce`` for ``"sum"``, one fixed-size ``all_gather`` or one ``all_reduce`` for
+    ``"sparse"``, ``all_to_all`` + ``all_gather`` or one ``all_gather`` for ``"gather"``, two
+    ``all_reduce`` for ``"lowrank"``), decompress.  On the wire: the payload's tensors and an
+    8-byte status word (:mod:`.wire`), nothing else in steady state; the first call per ``key``
+    adds a header exchange when ``validate``.  Returns the **sum**, not the mean.
 
     ``dense``: a contiguous floating tensor (any numel, ``tensor``'s device) summed over the
     ranks **exactly**, written back in place: the DDP hook's dense part (1-D and small
@@ -90,20 +81,65 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     all_reduce (:func:`carries_dense`: the sparse ``"allgather"`` and the quantized
     ``"gather_all"`` message at P <= 2, and there also a sparsifier's whole compensated
     tensor with error feedback, sent as one all_gather; the quantized ``"two_phase"``
-    phases at any P) it
-    rides raw in the payload's messages, no round of its own, and the P contributions are
-    added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the same on every rank;
-    its NaN/inf joins this rank's status (with error feedback: the result all-NaN and the
-    residuals kept, as for the payload),
-    and an error anywhere raises on every rank.  Otherwise it takes one ``all_reduce`` of
-    its own after the payload's collective (with error feedback a NaN/inf in it is the call's
-    verdict alike).  Checked before anything is sent (``TypeError`` / ``ValueError``).
+    phases at any P) it rides raw in the payload's messages, no round of its own, and the P
+    contributions are added in rank order (fp32 for fp16 / bf16), so the sum is bitwise the
+    same on every rank; its NaN/inf joins this rank's status (with error feedback: the result
+    all-NaN and the residuals kept, as for the payload), and an error anywhere raises on every
+    rank.  Otherwise it takes one ``all_reduce`` of its own after the payload's collective
+    (with error feedback a NaN/inf in it is the call's verdict alike).
 
-    ``passengers`` (:class:`~.wire.Passengers`): messages of calls held earlier
-    (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a steady
-    lane; ``passengers.carried`` tells, and the rows reach ``passengers.landing`` as soon as they
-    arrive (each held call's :meth:`~.joint.Held.land`) or, uncarried, the caller gathers them
-    itself (:func:`~.joint.gather_held`).
+    Args:
+        tensor: the floating tensor to sum (any shape; the compressor's supported dtypes).
+        compressor: a :class:`~commpress.Compressor`, or a :class:`~commpress.ErrorFeedback`
+            around one (its residual updates are staged in ``transaction``).
+        group: the process group (``None``: the default group).
+        key: names the tensor (bucket, parameter) for per-tensor state: error-feedback
+            residuals, PowerSGD warm starts, shared random seeds.
+        step: the training step (sparsifiers' density schedules, shared seeds).
+        algorithm: ``"auto"`` (the calibrated cost model, the same choice on every rank) or one
+            of the kind's algorithms (:data:`ALLREDUCE_ALGORITHMS`).
+        stats: a :class:`~commpress.collectives.CommStats` that counts this rank's bytes,
+            messages and algorithm.
+        generator: the random generator of a stochastic compressor (default: one seeded from
+            ``key`` and ``step``).
+        validate: ``False`` skips the first-call header exchange (the caller guarantees equal
+            static facts on every rank, as the hooks do after registration).
+        transaction: a :class:`~commpress.collectives.ResidualTransaction` that collects the
+            residual updates of several calls (a training step) for one commit by the caller;
+            without one the call commits its own, on the device, with its verdict: when any
+            rank's input held a NaN/inf the result is all-NaN and every residual keeps its value.
+        shapes: (``"lowrank"`` only) ``tensor`` is the flat concatenation of tensors of these
+            shapes, all sent in one batched PowerSGD protocol.
+        out: a tensor of ``tensor``'s shape and dtype (may be ``tensor`` itself) written and
+            returned.
+        hierarchy: a :class:`~commpress.collectives.Hierarchy`: dense inside each node,
+            compressed between nodes (:mod:`.hierarchy`).
+        prescale: reduce ``tensor * prescale`` instead (``tensor`` is not changed); identity /
+            fp16 / bf16 fold it into their cast (how the DDP hook averages at no extra pass).
+        dense: a part summed exactly beside the payload (above).
+        passengers: (:class:`~.wire.Passengers`) messages of calls held earlier
+            (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a
+            steady lane; ``passengers.carried`` tells, and the rows reach ``passengers.landing``
+            as soon as they arrive (each held call's :meth:`~.joint.Held.land`) or, uncarried,
+            the caller gathers them itself (:func:`~.joint.gather_held`).
+
+    Returns:
+        The sum over ranks, of ``tensor``'s shape and dtype (``out`` when given), bitwise the
+        same on every rank.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor, ``compressor`` not a compressor, or ``dense``
+            not a tensor (before anything is sent).
+        ValueError: an algorithm the kind does not have, a bad ``out``, ``dense`` or
+            ``prescale`` (before anything is sent).
+        CollectiveInputError: bad input on any rank (a compress error, an unsupported dtype,
+            static facts that differ), raised on every rank together.
+
+    Example::
+
+        >>> c = commpress.get("blockquant", bits=4)
+        >>> total = commpress.collectives.allreduce(grad, c, key="layer1", step=step)
+        >>> mean = total / dist.get_world_size()
     """
     if dense is not None:
         _check_dense(dense, tensor)
@@ -176,15 +212,26 @@ def _dense_round(dense, compressor, group, stats, transaction, out) -> None:
 
 
 def carries_dense(compressor: Compressor, *, world: int, algorithm: str = "auto", hierarchy=None) -> bool:
-    """Whether ``allreduce(..., dense=)`` with these settings sends the dense part inside the
-    payload's messages (no round of its own), no hierarchy, ``world > 1``: a gather kind
+    """Whether ``allreduce(..., dense=)`` sends the dense part inside the payload's messages.
+
+    True (no round of its own) with no hierarchy and ``world > 1`` for a gather kind
     (``"two_phase"``: in its two phases, any P; ``"gather_all"``: P <= 2; ``"auto"``: either)
     or, at P <= 2, a sparse kind (``"auto"`` / ``"allgather"``, and with error feedback
     ``"dense"`` and ``"whole_blockquant"``, the label of ``"auto"``'s whole-tensor send: the whole
-    compensated tensor then goes in one all_gather with the dense part).
-    With ``"auto"`` a call may still pick an algorithm that cannot carry it (a sparse
-    ``"dense"`` all_reduce without error feedback, ``"gather_all"`` at P > 2); the dense part
-    then takes an all_reduce of its own."""
+    compensated tensor then goes in one all_gather with the dense part).  With ``"auto"`` a call
+    may still pick an algorithm that cannot carry it (a sparse ``"dense"`` all_reduce without
+    error feedback, ``"gather_all"`` at P > 2); the dense part then takes an all_reduce of its
+    own.  Nothing is sent.
+
+    Args:
+        compressor: the compressor (or :class:`~commpress.ErrorFeedback`) ``allreduce`` gets.
+        world: the number of ranks P.
+        algorithm: the ``algorithm`` ``allreduce`` gets.
+        hierarchy: the ``hierarchy`` ``allreduce`` gets (with one, never).
+
+    Returns:
+        ``True`` when the dense part rides in the payload's messages.
+    """
     kind = getattr(unwrap(compressor), "aggregation", None)
     if hierarchy is not None or world < 2:
         return False
@@ -286,9 +333,10 @@ def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key:
                stats: CommStats | None = None, out: torch.Tensor | None = None,
                generator: torch.Generator | int | None = None, validate: bool = True,
                transaction: ResidualTransaction | None = None) -> torch.Tensor:
-    """Every rank's ``tensor``, compressed on the wire, decoded: a ``[P, *tensor.shape]`` tensor
-    of ``tensor``'s dtype, row ``r`` from rank ``r`` (this rank's own row decoded too, so every
-    rank holds the same values).  FSDP2's quantized parameter all-gather is this call.
+    """Every rank's ``tensor``, compressed on the wire, decoded, in a ``[P, *tensor.shape]`` tensor.
+
+    Row ``r`` comes from rank ``r`` (this rank's own row decoded too, so every rank holds the
+    same values).  FSDP2's quantized parameter all-gather is this call.
 
     Wire: ONE ``all_gather`` of ``w`` bytes per rank: the 8-byte status word of :mod:`.wire`
     (error code, signature of the static facts) and the fixed-size payload
@@ -300,13 +348,37 @@ def all_gather(tensor: torch.Tensor, compressor: Compressor, *, group=None, key:
     0 (:class:`~commpress.compressors._sparse.SparseCompressor`), so ``w`` follows from ``numel``
     and ``step`` alone and row ``r`` is ``decompress(compress_fixed(x_r))``: the kept entries,
     zeros elsewhere.  A rank whose compress fails sends a zero payload of the same size, and every
-    rank raises :class:`~commpress.collectives.wire.CollectiveInputError` together.  ``validate``
-    agrees on ``(numel, dtype, compressor)`` with one header exchange the first time a key is seen.
-    ``compressor``: a fixed-size kind (``"gather"``, ``"sum"`` or ``"sparse"``), or a
-    :class:`~commpress.ErrorFeedback` around one: its residual update (what this rank's row did
-    not carry) is staged in ``transaction`` (a new one per call when not given, committed when
-    the call returns and dropped when it raises).  ``out``: ``P * numel`` elements of ``tensor``'s
-    dtype (any shape, contiguous), written and returned viewed as ``[P, *tensor.shape]``.
+    rank raises :class:`~commpress.collectives.wire.CollectiveInputError` together.
+
+    Args:
+        tensor: this rank's floating tensor (the same numel and dtype on every rank).
+        compressor: a fixed-size kind (``"gather"``, ``"sum"`` or ``"sparse"``), or a
+            :class:`~commpress.ErrorFeedback` around one: its residual update (what this rank's
+            row did not carry) is staged in ``transaction``.
+        group: the process group (``None``: the default group).
+        key: names the tensor for per-tensor state (residuals, seeds, the header check).
+        step: the training step (a sparsifier's capacity, stochastic rounding's seed).
+        stats: a :class:`~commpress.collectives.CommStats` that counts this rank's bytes.
+        out: ``P * numel`` elements of ``tensor``'s dtype (any shape, contiguous), written and
+            returned viewed as ``[P, *tensor.shape]``.
+        generator: a ``torch.Generator`` or an int seed for stochastic rounding.
+        validate: agree on ``(numel, dtype, compressor)`` with one header exchange the first time
+            a key is seen (``False``: the caller guarantees it).
+        transaction: collects the residual update for the caller's commit (a new one per call
+            when not given, committed when the call returns and dropped when it raises).
+
+    Returns:
+        A ``[P, *tensor.shape]`` tensor of ``tensor``'s dtype (``out`` viewed so when given).
+
+    Raises:
+        TypeError: ``compressor`` is not of a fixed-size kind.
+        CollectiveInputError: a compress error or static facts that differ on any rank, on every
+            rank together.
+
+    Example::
+
+        >>> rows = commpress.collectives.all_gather(shard, commpress.get("blockquant", bits=8))
+        >>> rows.shape == (dist.get_world_size(), *shard.shape)
     """
     inner = unwrap(compressor)
     if getattr(inner, "aggregation", None) not in ("gather", "sum", "sparse"):

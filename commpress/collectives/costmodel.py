@@ -82,7 +82,24 @@ _OVERRIDE: CostModel | None = None
 
 def set_cost_model(alpha: float | None, beta: float | None = None, gamma: float = 1e-8,
                    delta: float = 5e-10) -> None:
-    """Use fixed numbers for every group (``set_cost_model(None)`` goes back to calibration)."""
+    """Use fixed numbers for every group instead of calibrating (``set_cost_model(None)`` goes back).
+
+    The model is what ``algorithm="auto"`` and the hooks' choices read; every rank must set the
+    same numbers (the header exchange carries their fingerprint).  Nothing is sent.
+
+    Args:
+        alpha: seconds per message, or ``None`` to go back to calibration.
+        beta: seconds per byte.
+        gamma: seconds per sparse entry (sort + scatter-add).
+        delta: seconds per dense element (fill + add).
+
+    Raises:
+        ValueError: a number that is negative, infinite or missing (``beta``).
+
+    Example::
+
+        >>> commpress.collectives.set_cost_model(20e-6, 1 / 1.25e9)   # 20 µs, 10 Gbit/s
+    """
     global _OVERRIDE
     if alpha is None:
         _OVERRIDE = None
@@ -124,10 +141,17 @@ def agreed_cost_model(states: list[int], group=None) -> CostModel:
 
 
 def get_cost_model(group=None) -> CostModel:
-    """The model for ``group``: the override, the cached calibration, or a new calibration.
+    """The cost model for ``group``: the :func:`set_cost_model` override, the cached calibration,
+    or a new calibration.
 
-    A new calibration is a collective: every rank of ``group`` must call this together
-    (the collectives only do so from ``"auto"``, after the header exchange).
+    A new calibration (:func:`calibrate`) is a collective: every rank of ``group`` must call this
+    together (the collectives only do so from ``"auto"``, after the header exchange).
+
+    Args:
+        group: the process group (``None``: the default group).
+
+    Returns:
+        The :class:`~commpress.collectives.CostModel`, identical on every rank.
     """
     if _OVERRIDE is not None:
         return _OVERRIDE
@@ -198,7 +222,20 @@ def _fit(rows: list[list[float]], times: list[float]) -> tuple[float, float]:
 
 
 def calibrate(group=None, sizes: tuple[int, ...] = (256, 16384, 262144, 1048576)) -> CostModel:
-    """Measure alpha, beta, gamma, delta on ``group`` (a collective; identical result on all ranks)."""
+    """Measure the cost model's alpha, beta, gamma and delta on ``group``.
+
+    A collective: a few timed ``all_reduce`` and ``all_gather`` of each size, the best of
+    ``COMMPRESS_CALIBRATION_REPS`` repetitions each, a local sort + scatter-add and fill + add,
+    then one ``all_reduce`` (max) of the timings, so every rank fits the same numbers.  About
+    150 ms on loopback.  :func:`get_cost_model` caches it per group.
+
+    Args:
+        group: the process group (``None``: the default group).
+        sizes: the message sizes timed, in bytes.
+
+    Returns:
+        The :class:`~commpress.collectives.CostModel`, identical on every rank.
+    """
     world = _comm.world(group)
     dev = _comm.comm_device(group)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)

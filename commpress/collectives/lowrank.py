@@ -42,11 +42,34 @@ def powersgd_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, key
                        algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                        transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
                        model=None, shapes: list[tuple[int, ...]] | None = None) -> torch.Tensor:
-    """Summed rank-r approximation of ``tensor`` over ranks (see the module doc).
+    """Summed rank-r approximation of ``tensor`` over ranks (PowerSGD; see the module doc).
 
-    ``shapes``: ``tensor`` is the flat concatenation of tensors of these shapes, each
-    treated as its own matrix (warm start key ``(key, i)``; ``key`` alone without ``shapes``).  Returns ``tensor``'s
-    shape and dtype, identical on every rank.
+    Called by :func:`commpress.collectives.allreduce` for ``"lowrank"`` compressors.  Wire: two
+    ``all_reduce`` per call, of the P factors then of the Q factors of every matrix (batched
+    over ``shapes``), each with the status slots of :mod:`.wire`.
+
+    Args:
+        tensor: the floating tensor (a matrix, or the flat concatenation of ``shapes``).
+        compressor: a ``"lowrank"`` compressor (powersgd) or a :class:`~commpress.ErrorFeedback`
+            around one.
+        group: the process group (``None``: the default group).
+        key: the warm start's key (``(key, i)`` per matrix with ``shapes``).
+        step: the training step.
+        algorithm: ``"auto"`` or ``"powersgd"`` (the same protocol).
+        stats: a :class:`~commpress.collectives.CommStats` that counts this rank's bytes.
+        generator: the random generator of the first Q factors.
+        transaction: collects the residual updates for the caller's commit.
+        error: ``(code, message)`` of a local check already failed on this rank.
+        model: unused (the protocol has one algorithm); accepted like the other kinds'.
+        shapes: ``tensor`` is the flat concatenation of tensors of these shapes, each treated as
+            its own matrix.
+
+    Returns:
+        The sum of the ranks' approximations, of ``tensor``'s shape and dtype, identical on
+        every rank.
+
+    Raises:
+        CollectiveInputError: bad input on any rank, raised on every rank together.
     """
     world = _comm.world(group)
     inner = unwrap(compressor)

@@ -241,20 +241,45 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         ) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
-    ``algorithm``: ``"two_phase"`` (all-to-all, owner decode+sum+re-encode,
-    all-gather), ``"gather_all"`` (all-gather of every rank's payload, decode and
-    sum everything locally) or ``"auto"`` (the cost model).  Returns ``tensor``'s
-    shape and dtype.  Called by :func:`commpress.collectives.allreduce`, which checks
-    the arguments and owns the transaction.  ``out`` (fp32, ``tensor``'s shape,
-    contiguous; may be ``tensor``): the sum is decoded straight into it and it is returned.
-    ``dense`` (:class:`~.wire.Rider`): rides raw where that costs no more bytes than its own
-    ring all_reduce, its NaN/inf in this rank's status flag: ``"two_phase"`` sends chunk ``r``
-    to owner ``r`` after the payload, the owner sums it in rank order and sends the sum
-    with its own (a reduce-scatter then an all-gather: ring bytes); ``"gather_all"`` (P <= 2
-    only) sends it whole and every rank sums in rank order.  Left uncarried otherwise
-    (``"gather_all"`` at P > 2: the caller all-reduces it).  ``passengers``
-    (:class:`~.wire.Passengers`): held messages that ride in the first ``all_gather`` on the steady
-    lane (:mod:`.steady`); left uncarried elsewhere.
+    Called by :func:`commpress.collectives.allreduce`, which checks the arguments and owns the
+    transaction; call that one unless you need this kind's options.  Wire: ``"two_phase"``, one
+    ``all_to_all`` (chunk ``r``'s payload to its owner ``r``) then one ``all_gather`` (each owner's
+    re-encoded sum); ``"gather_all"``, one ``all_gather`` of every rank's whole payload, decoded
+    and summed on every rank; each message behind the 8-byte status word of :mod:`.wire`.
+
+    ``dense`` (:class:`~.wire.Rider`) rides raw where that costs no more bytes than its own ring
+    all_reduce, its NaN/inf in this rank's status flag: ``"two_phase"`` sends chunk ``r`` to
+    owner ``r`` after the payload, the owner sums it in rank order and sends the sum with its own
+    (a reduce-scatter then an all-gather: ring bytes); ``"gather_all"`` (P <= 2 only) sends it
+    whole and every rank sums in rank order.  Left uncarried otherwise (``"gather_all"`` at
+    P > 2: the caller all-reduces it).
+
+    Args:
+        tensor: the floating tensor to sum.
+        compressor: a ``"gather"`` compressor (blockquant, fp8, mx, ...) or a
+            :class:`~commpress.ErrorFeedback` around one.
+        group: the process group (``None``: the default group).
+        key: names the tensor for per-tensor state (residuals per chunk, seeds).
+        step: the training step (stochastic rounding's seed).
+        algorithm: ``"two_phase"``, ``"gather_all"`` or ``"auto"`` (the cost model ``model``).
+        stats: a :class:`~commpress.collectives.CommStats` that counts this rank's bytes.
+        generator: the random generator of stochastic rounding.
+        transaction: collects the residual updates (error feedback) for the caller's commit.
+        error: ``(code, message)`` of a local check already failed on this rank: it travels in
+            the status so every rank raises together.
+        model: the :class:`~commpress.collectives.CostModel` behind ``"auto"``.
+        out: fp32, ``tensor``'s shape, contiguous (may be ``tensor``): the sum is decoded
+            straight into it and it is returned.
+        dense: a part summed exactly beside the payload (above).
+        passengers: (:class:`~.wire.Passengers`) held messages that ride in the first
+            ``all_gather`` on the steady lane (:mod:`.steady`); left uncarried elsewhere.
+
+    Returns:
+        The sum over ranks, of ``tensor``'s shape and dtype (``out`` when given).
+
+    Raises:
+        CollectiveInputError: a compress error or mismatched static facts on any rank, raised
+            on every rank together.
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
@@ -467,24 +492,48 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
                    stats: CommStats | None = None, generator: torch.Generator | None = None,
                    validate: bool = True, transaction: ResidualTransaction | None = None,
                    algorithm: str = "auto") -> torch.Tensor:
-    """Compressed reduce-scatter: ``tensor`` (numel divisible by P) is P equal shards; rank ``r``
-    gets the sum over ranks of shard ``r`` (1-D, ``tensor``'s dtype).
+    """Compressed reduce-scatter: rank ``r`` gets the sum over ranks of shard ``r`` of ``tensor``.
 
-    ``algorithm="two_phase"``: shard ``r`` is compressed with ``key=(key, r)``
-    (fixed-size payload) and sent to rank ``r`` behind the status word (one
-    ``all_to_all_single``); rank ``r`` decodes the P pieces and sums them in fp32 in
-    rank order.  Works for ``"gather"``, ``"sum"`` and ``"sparse"`` compressors
-    (everything whose payload decodes on its own).  ``algorithm="reduce_scatter"``
-    (``"sum"`` compressors only, whose payloads add elementwise: fp16, bf16,
-    shared-seed random-k): ONE ``reduce_scatter`` (sum) of the P shards' payloads,
-    each followed by the status slots of :mod:`.wire`, summed on the wire in the
-    payload's dtype, then decoded.  ``"auto"``: ``"reduce_scatter"`` for a ``"sum"``
-    compressor without error feedback, else ``"two_phase"``.  Bad input on any rank
-    (a compress that fails included) raises on every rank; with error feedback a
-    NaN/inf on any rank makes every shard all-NaN and keeps the residuals of
-    ``transaction`` (committed here when not given); without, it travels in the
-    payload.  ``validate`` agrees on the static facts with one header exchange the
-    first time a key is seen.  With one rank: compress + decompress of the whole tensor.
+    ``tensor`` (numel divisible by P) is P equal shards.  Wire, ``algorithm="two_phase"``:
+    shard ``r`` is compressed with ``key=(key, r)`` (fixed-size payload) and sent to rank ``r``
+    behind the status word (one ``all_to_all_single``); rank ``r`` decodes the P pieces and sums
+    them in fp32 in rank order.  Works for ``"gather"``, ``"sum"`` and ``"sparse"`` compressors
+    (everything whose payload decodes on its own).  ``algorithm="reduce_scatter"`` (``"sum"``
+    compressors only, whose payloads add elementwise: fp16, bf16, shared-seed random-k): ONE
+    ``reduce_scatter`` (sum) of the P shards' payloads, each followed by the status slots of
+    :mod:`.wire`, summed on the wire in the payload's dtype, then decoded.  With error feedback
+    a NaN/inf on any rank makes every shard all-NaN and keeps the residuals of ``transaction``
+    (committed here when not given); without, it travels in the payload.  With one rank:
+    compress + decompress of the whole tensor.  FSDP2's compressed reduce-scatter is this call.
+
+    Args:
+        tensor: the floating tensor of P equal shards (numel divisible by P).
+        compressor: a ``"gather"``, ``"sum"`` or ``"sparse"`` compressor, or a
+            :class:`~commpress.ErrorFeedback` around one.
+        group: the process group (``None``: the default group).
+        key: names the tensor for per-tensor state (each shard's under ``(key, r)``).
+        step: the training step.
+        stats: a :class:`~commpress.collectives.CommStats` that counts this rank's bytes.
+        generator: the random generator of a stochastic compressor.
+        validate: agree on the static facts with one header exchange the first time a key is
+            seen (``False``: the caller guarantees them).
+        transaction: collects the residual updates for the caller's commit (committed here when
+            not given).
+        algorithm: ``"two_phase"``, ``"reduce_scatter"`` or ``"auto"`` (``"reduce_scatter"`` for
+            a ``"sum"`` compressor without error feedback, else ``"two_phase"``).
+
+    Returns:
+        This rank's shard of the sum: 1-D, ``numel / P`` elements of ``tensor``'s dtype.
+
+    Raises:
+        TypeError: a compressor of another kind (``"lowrank"``).
+        CollectiveInputError: (a ``ValueError``) bad input on any rank, raised on every rank
+            together: a numel not divisible by P, an algorithm the compressor cannot run, an
+            unsupported dtype, a compress that fails.
+
+    Example::
+
+        >>> shard = commpress.collectives.reduce_scatter(flat_grads, commpress.get("bf16"))
     """
     world = _comm.world(group)
     inner = unwrap(compressor)
