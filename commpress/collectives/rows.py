@@ -47,7 +47,7 @@ whose facts change on one rank only must not be used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,6 +74,8 @@ class RowsResult:
             (``"hashed"``: the rows the owners summed in the first round, a lower bound after
             an overflow round).
         overflow_rounds: 0, or 1 when some rank's rows did not fit the capacities.
+        owner_unions: ``"hashed"``: the rows each owner summed in the first round (host ints);
+            empty otherwise.
     """
 
     sum: torch.Tensor
@@ -82,6 +84,7 @@ class RowsResult:
     owner_counts: list[list[int]]
     union: torch.Tensor
     overflow_rounds: int = 0
+    owner_unions: list[int] = field(default_factory=list)
 
 
 def nonzero_rows(x: torch.Tensor) -> torch.Tensor:
@@ -421,7 +424,8 @@ def _hashed(x: torch.Tensor, s: int, u_cap: int, group, stats) -> RowsResult:
                          s, u_cap, union_over, send_over, sig, group, stats)
     union_all = torch.tensor(sum(m[1] for m in metas), dtype=torch.int64, device=dev)
     counts = [m[0] for m in metas]
-    return RowsResult(_finish(acc, n, x.dtype), "hashed", counts, [m[3:] for m in metas], union_all, rounds)
+    return RowsResult(_finish(acc, n, x.dtype), "hashed", counts, [m[3:] for m in metas], union_all, rounds,
+                      [m[1] for m in metas])
 
 
 def _hashed_overflow(x, acc, mask, sorted_mask, rank_in, order, seg, touched, urank, members_pad, part,
