@@ -80,12 +80,14 @@ def test_ddp_example_trains_and_resumes_bitwise(tmp_path):
         for p in half_ranks:
             if p.poll() is None:
                 p.kill()
-    assert (ckpt / "hook-rank0.pt").exists() and (ckpt / "hook-rank1.pt").exists()
+    assert (ckpt / "step00000004-rank0.pt").exists() and (ckpt / "step00000004-rank1.pt").exists()
     resumed = _result(run_ranks("ddp_train.py", ["--steps", "8", "--ckpt", str(ckpt)], tmp_path))
     assert float(whole["ratio"].rstrip("x")) > 2.0          # blockquant 8-bit went compressed
     assert half["params-crc32"] != whole["params-crc32"]
     assert resumed["params-crc32"] == whole["params-crc32"]  # resume continues bitwise
     assert resumed["loss"] == whole["loss"]
+    assert resumed["opt-crc32"] == whole["opt-crc32"] and resumed["hook-crc32"] == whole["hook-crc32"]
+    assert whole["replicas-identical"] == "True"
 
 
 @pytest.mark.timeout(300)
