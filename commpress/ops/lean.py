@@ -62,37 +62,59 @@ def _numba_impls() -> dict:
         return {}
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _int8(x, noise, codes, scales, block):   # pragma: no cover - compiled
+    def _int8_block_slow(x, noise, codes, lo, hi, s):   # pragma: no cover - compiled
+        """A block holding a NaN/inf: the reference's conversions, element by element."""
+        f127 = np.float32(INT8_MAX)
+        half = np.float32(0.5)
+        step = np.float32(1.0 / 256)
+        inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
+        for i in range(lo, hi):
+            v = x[i] * inv + (np.float32(noise[i]) + half) * step
+            if v != v:   # NaN: the platform's conversion, as the reference's
+                codes[i] = np.int8(v)
+                continue
+            if v >= f127:
+                t = 127
+            elif v <= -f127:
+                t = -127
+            else:
+                t = np.int32(v)   # floor without a libm call
+                if t > v:
+                    t -= 1
+            codes[i] = np.int8(t)
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _int8(x, xi, noise, codes, scales, block):   # pragma: no cover - compiled
+        """Branch-free inner loops (slices, so that they vectorize: 6x a memcpy became ~1.5x on one core): the
+        block's largest magnitude as the max of the sign-cleared bit patterns (ordered like the
+        values; a NaN's above inf's), then ``floor(clamp(v))``, which equals the reference's
+        ``clamp(floor(v))`` for finite ``v``."""
         n = x.size
         f127 = np.float32(INT8_MAX)
         half = np.float32(0.5)
         step = np.float32(1.0 / 256)
         one = np.float32(1.0)
+        bits = np.empty(1, np.int32)
+        as_float = bits.view(np.float32)
         for b in range(scales.size):
             lo = b * block
             hi = min(lo + block, n)
-            amax = np.float32(0.0)
-            for i in range(lo, hi):
-                a = abs(x[i])
-                if a > amax or a != a:
-                    amax = a
-            s = amax / f127
+            m = np.int32(0)
+            xib = xi[lo:hi]   # slices: indices provably >= 0, no wraparound check (the loops vectorize)
+            for j in range(xib.size):
+                a = xib[j] & np.int32(0x7FFFFFFF)
+                m = a if a > m else m
+            bits[0] = m
+            s = as_float[0] / f127   # NaN for a NaN anywhere in the block (as torch.amax)
             scales[b] = s
-            inv = one / s if s > 0 else np.float32(0.0)
-            for i in range(lo, hi):
-                v = x[i] * inv + (np.float32(noise[i]) + half) * step
-                if v != v:   # NaN: the platform's conversion, as the reference's
-                    codes[i] = np.int8(v)
-                    continue
-                if v >= f127:
-                    t = 127
-                elif v <= -f127:
-                    t = -127
-                else:
-                    t = np.int32(v)   # floor without a libm call
-                    if t > v:
-                        t -= 1
-                codes[i] = np.int8(t)
+            if m >= np.int32(0x7F800000):   # a NaN/inf: the reference's conversions
+                _int8_block_slow(x, noise, codes, lo, hi, s)
+            else:
+                inv = one / s if s > 0 else np.float32(0.0)
+                xb, ub, cb = x[lo:hi], noise[lo:hi], codes[lo:hi]
+                for j in range(xb.size):
+                    v = xb[j] * inv + (np.float32(ub[j]) + half) * step
+                    cb[j] = np.int8(np.int32(np.floor(min(max(v, -f127), f127))))
             for i in range(hi, lo + block):
                 codes[i] = 0
 
@@ -104,7 +126,8 @@ def _numba_impls() -> dict:
     def int8_numba(x, noise, codes, scales, block):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return int8_block_encode(x, noise, codes, scales, block)
-        _int8(x.numpy(), noise.numpy(), codes.numpy(), scales.numpy(), block)
+        xf = x.numpy()
+        _int8(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
 
     def bf16_numba(x, noise, codes):
         if x.dtype != torch.float32 or not x.is_contiguous():
