@@ -109,3 +109,18 @@ def test_ddp_state_momentum_is_a_typed_keyword():
     assert state.config()["momentum"] == 0.9 and state.config()["momentum_masking"] is False
     assert DDPState("topk", ratio=0.01, momentum=0.9, momentum_masking=True).config()["momentum"] == 0.9
     state.close()
+
+
+def test_ddp_state_internals_are_private_and_their_old_names_warn():
+    import pytest
+
+    from commpress.ddp import DDPState
+
+    state = DDPState("topk", ratio=0.01, hierarchy=None)
+    for name in ("executor", "layout", "lowrank", "hierarchy_arg"):
+        with pytest.warns(DeprecationWarning, match=rf"DDPState\.{name} is internal"):
+            assert getattr(state, name) is getattr(state, "_" + name)
+    for name in ("bind", "stats", "state_dict", "load_state_dict", "close", "attach_optimizer", "attach_scaler",
+                 "config", "step", "last_error", "bound"):
+        assert hasattr(state, name), name
+    state.close()

@@ -148,3 +148,19 @@ def _fsdp2_through_accelerate(rank, world, ckpt):
 @pytest.mark.timeout(180)
 def test_accelerate_register_gives_fsdp2_models_the_fsdp_hook_and_checkpoints_it(tmp_path):
     assert run(_fsdp2_through_accelerate, 2, str(tmp_path / "ckpt"), timeout=150) == [True, True]
+
+
+def test_lightning_callback_imports_with_or_without_lightning_and_import_commpress_leaves_it_out():
+    import subprocess
+
+    code = ("import sys, commpress, commpress.integrations; "
+            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules); "
+            "from commpress.integrations.lightning import BindCallback; "
+            "base = BindCallback.__mro__[1]; "
+            "print(base.__module__.split('.')[0] if base is not object else 'object')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    has_lightning = importlib.util.find_spec("lightning") is not None
+    # where Lightning runs the callback it is Lightning's Callback; without it, a plain object
+    assert out.stdout.strip() == ("lightning" if has_lightning else "object") or (
+        not has_lightning and out.stdout.strip() == "pytorch_lightning")

@@ -123,6 +123,16 @@ class HookError(RuntimeError):
     every rank: a failure inside a collective is judged on every rank alike."""
 
 
+def _private(name: str) -> property:
+    """A read-only alias of the private ``_<name>``, deprecated: internals are not part of the API."""
+    def get(self: Any) -> Any:
+        deprecated(f"commpress.ddp: DDPState.{name} is internal and private now (DDPState._{name}); "
+                   "users need stats, state_dict/load_state_dict, close, bind, attach_optimizer, "
+                   "attach_scaler and config()")
+        return getattr(self, "_" + name)
+    return property(get, doc=f"Deprecated: internal (``_{name}``).")
+
+
 class DDPState(TakeoverMixin, HookState):
     """State of the commpress DDP comm hook: pass it with :func:`hook` to ``register_comm_hook``.
 
@@ -292,18 +302,18 @@ class DDPState(TakeoverMixin, HookState):
         self.verify_every = verify_every
         self.seed = seed
         self.dense_1d = bool(dense_1d)
-        self.lowrank = self.inner.aggregation == "lowrank"
+        self._lowrank = self.inner.aggregation == "lowrank"
         self._skip = skip
         self._want_overlap = overlap and not verify_every
         self.join_buckets = join_buckets
         self._worker_own_core = True     # agreed at binding (world > 1)
-        self.hierarchy_arg = hierarchy
+        self._hierarchy_arg = hierarchy
         self.hierarchy = None
         self.dense_param_names: list[str] = []
         self.compressed_param_names: list[str] = []
-        self.layout = ModelLayout({}, {}, set())
+        self._layout = ModelLayout({}, {}, set())
         self.frozen: HookConfig | None = None          # decided at binding, then never changed
-        self.executor: _Executor | None = None         # created at binding; owns the per-step state
+        self._executor: _Executor | None = None         # created at binding; owns the per-step state
         self.overlap = False
         self.bound = False
         self._pending_load: dict[str, Any] | None = None
@@ -372,12 +382,12 @@ class DDPState(TakeoverMixin, HookState):
             dense = goes_dense(name, p, self.inner, dense_1d=self.dense_1d, min_numel=self.min_numel,
                                uses_error_feedback=self.uses_error_feedback, skip=self._skip)
             (self.dense_param_names if dense else self.compressed_param_names).append(name)
-        self.layout = ModelLayout(names, shapes, set(self.dense_param_names))
+        self._layout = ModelLayout(names, shapes, set(self.dense_param_names))
         self._take_pending_optimizer()  # its momentum is part of the configuration
         self.check_config()
         # After the fingerprint check (a collective on the model's group): the hook's own group.
         self.process_group, overlapped = _executor_group(self.process_group, self._want_overlap)
-        self.hierarchy = _hierarchy(self.hierarchy_arg, self.process_group, self.world_size)
+        self.hierarchy = _hierarchy(self._hierarchy_arg, self.process_group, self.world_size)
         if self.world_size > 1 and (self.auto or self.join_buckets is None):
             # whether an overlap worker could run beside the backward pass (agreed: every rank decides alike)
             local = _ranks_on_this_host(self.process_group)
@@ -387,13 +397,13 @@ class DDPState(TakeoverMixin, HookState):
             self._worker_own_core = own == 1.0
         self.frozen = self._freeze()
         executor_cls = _Overlapped if overlapped else _Inline
-        self.executor = executor_cls(self.frozen, self.layout, self.stats, step=self._step_count)
+        self._executor = executor_cls(self.frozen, self._layout, self.stats, step=self._step_count)
         self.overlap = overlapped
         if overlapped:
             # a state dropped without close() (with its model) stops its worker: the thread holds the
             # executor, never this state; its group stays until the process ends (a group's shutdown
             # may be collective on some backends, and a finalizer runs at no agreed point)
-            self._stop_worker = weakref.finalize(self, self.executor.stop)
+            self._stop_worker = weakref.finalize(self, self._executor.stop)
             self._stop_worker.atexit = False
         if self.world_size > 1:
             from ..collectives import get_cost_model
@@ -472,7 +482,7 @@ class DDPState(TakeoverMixin, HookState):
             group=self.process_group, world_size=self.world_size, rank=self.rank, algorithm=self.algorithm,
             hierarchy=self.hierarchy, seed=self.seed, scale=1.0 / self.world_size,
             fold_scale=cast and self.hierarchy is None, cast_to=self.inner.cast_to if cast else None,
-            feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self.lowrank,
+            feedback=self.uses_error_feedback, momentum=bool(self.momentum), lowrank=self._lowrank,
             verify_every=self.verify_every, auto=self.codec if self.auto else None,
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
@@ -484,36 +494,42 @@ class DDPState(TakeoverMixin, HookState):
         step reads it; a step in progress keeps its own)."""
         if self.frozen is not None:
             self.frozen = self._freeze()
-            self.executor.config = self.frozen
+            self._executor.config = self.frozen
 
     # -- what the executor owns, seen from here -------------------------------
     @property
     def step(self) -> int:
         """Steps synchronized so far (dense warm-up steps included); checkpointed."""
-        return self.executor.step if self.executor is not None else self._step_count
+        return self._executor.step if self._executor is not None else self._step_count
 
     @step.setter
     def step(self, value: int) -> None:
         self._step_count = int(value)
-        if getattr(self, "executor", None) is not None:
-            self.executor.step = int(value)
+        if getattr(self, "_executor", None) is not None:
+            self._executor.step = int(value)
 
     @property
     def last_error(self) -> BaseException | None:
         """The original exception of the last failed bucket (the overlap worker's), or ``None``."""
-        return self.executor.last_error if self.executor is not None else None
+        return self._executor.last_error if self._executor is not None else None
+
+    # internals that were public before issue 51: read-only, deprecated
+    executor = _private("executor")
+    layout = _private("layout")
+    lowrank = _private("lowrank")
+    hierarchy_arg = _private("hierarchy_arg")
 
     @property
     def units(self):
-        return self.layout.units
+        return self._layout.units
 
     @property
     def unit_of(self) -> dict[str, int]:
-        return self.layout.unit_of
+        return self._layout.unit_of
 
     @property
     def _plans(self) -> dict[int, Plan]:
-        return self.layout.plans
+        return self._layout.plans
 
     @property
     def dense_momentum(self):
@@ -523,7 +539,7 @@ class DDPState(TakeoverMixin, HookState):
     # -- the optimizer's momentum (commpress.hooks.optimizer) -------------------
     def _covered_parameter_ids(self) -> set[int] | None:
         """The parameters whose momentum the hook takes over (``None`` before binding)."""
-        return set(self.layout.names) if (self.bound or self.layout.names) else None
+        return set(self._layout.names) if (self.bound or self._layout.names) else None
 
     def _codec_changed(self) -> None:
         """The codec's configuration changed after construction (a momentum taken over, ``"auto"``'s
@@ -533,7 +549,7 @@ class DDPState(TakeoverMixin, HookState):
             self._new_auto_codec()   # the per-unit codecs get the momentum, the decider the candidates
         if self.frozen is not None:
             self.frozen = self._freeze()
-            self.executor.config = self.frozen
+            self._executor.config = self.frozen
 
     def _bind_to_bucket(self, bucket: dist.GradBucket) -> None:
         """The first hook call of a state nobody bound (:meth:`bind`): deprecated.
@@ -549,8 +565,8 @@ class DDPState(TakeoverMixin, HookState):
     def close(self) -> None:
         """Stop the overlap worker and release its process group (the hook must not run afterwards);
         give a taken-over optimizer its momentum back."""
-        if self.executor is not None:
-            self.executor.close()
+        if self._executor is not None:
+            self._executor.close()
         if self._stop_worker is not None:
             self._stop_worker.detach()
         if self._forward_hook is not None:
@@ -569,15 +585,23 @@ class DDPState(TakeoverMixin, HookState):
 
     # -- layout --------------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        """The configuration every rank agreed on at binding (fingerprinted; saved in :meth:`state_dict`).
+
+        Returns:
+            A JSON-able dict: the compressor and its parameters, error feedback, momentum,
+            world size, the hook's options (``warmup_steps``, ``min_numel``, ``algorithm``,
+            ``verify_every``, ``seed``, ``dense_1d``, ``hierarchy``, ``join_buckets``), the
+            parameters' shapes and which go dense (after binding).
+        """
         cfg = super().config()
         cfg.update(
             warmup_steps=self.warmup_steps, min_numel=self.min_numel, algorithm=self.algorithm,
             verify_every=self.verify_every, seed=self.seed, dense_1d=self.dense_1d,
-            params={n: list(s) for n, s in self.layout.shapes.items()},
+            params={n: list(s) for n, s in self._layout.shapes.items()},
             dense_params=sorted(self.dense_param_names),
         )
-        if self.hierarchy_arg is not None:  # absent when flat: older checkpoints still load
-            cfg["hierarchy"] = self.hierarchy_arg
+        if self._hierarchy_arg is not None:  # absent when flat: older checkpoints still load
+            cfg["hierarchy"] = self._hierarchy_arg
         if self.join_buckets is not None:   # absent by default, likewise (ranks must agree: fingerprinted)
             cfg["join_buckets"] = self.join_buckets
         return cfg
@@ -617,6 +641,19 @@ class DDPState(TakeoverMixin, HookState):
 
     # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """This rank's hook state: step counter, error-feedback residuals (and velocities),
+        PowerSGD factors, the units' layout and the configuration.
+
+        Only tensors, numbers, strings, lists and dicts: it loads with
+        ``torch.load(path, weights_only=True)``.  Residuals are per rank: save one file per rank.
+        Before binding, a state dict loaded then is returned as it was.
+
+        Returns:
+            The state dict.
+
+        Raises:
+            RuntimeError: the state is not bound yet and nothing was loaded.
+        """
         if not self.bound:
             if self._pending_load is not None:
                 return self._pending_load
@@ -625,20 +662,28 @@ class DDPState(TakeoverMixin, HookState):
         return super().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; before binding the state is kept and checked at binding."""
+        """Restore :meth:`state_dict`; before binding it is kept, and checked and applied at binding.
+
+        Args:
+            state: what :meth:`state_dict` returned on this rank (one file per rank).
+
+        Raises:
+            ValueError: not a commpress DDP hook state, or one saved by another world size,
+                another rank or another configuration (naming what differs).
+        """
         if not self.bound:
             self._pending_load = state
             return
         super().load_state_dict(state)
 
     def _extra_state_dict(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"units": self.layout.units_state()}
+        extra: dict[str, Any] = {"units": self._layout.units_state()}
         if self.momentum:
             extra["dense_velocity"] = encode_keyed(self.codec.dense_velocities())
         return extra
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
-        self.layout.load_units(extra.get("units", []))
+        self._layout.load_units(extra.get("units", []))
         if self.momentum:
             saved = decode_keyed(extra.get("dense_velocity", {"keys": [], "tensors": []}), "dense velocity")
             self.codec.load_dense_velocities(saved)
@@ -647,7 +692,7 @@ class DDPState(TakeoverMixin, HookState):
     def memory_bytes(self) -> int:
         """Bytes the hook keeps alive: residuals (live and pending), velocities, scratch,
         compressor state (by kind: ``stats.as_dict()["memory"]``)."""
-        return sum(_memory_parts(self.codec, self.layout).values())
+        return sum(_memory_parts(self.codec, self._layout).values())
 
 
 def _auto_spec(params: dict[str, Any], options: AutoSpec | None, *, algorithm: str,
@@ -1007,7 +1052,7 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
         raise TypeError(f"commpress.ddp.hook needs a commpress.ddp.DDPState, got {type(state).__name__}")
     if not state.bound:  # the first bucket of the first step, on every rank: bind (collective)
         state._bind_to_bucket(bucket)
-    executor, cfg = state.executor, state.frozen
+    executor, cfg = state._executor, state.frozen
     if cfg.auto is not None and executor.step >= 1:  # "auto" times the backward (host clock, no sync)
         index, last = bucket.index(), bucket.is_last()
         t0 = cfg.auto.arrive(index, last)

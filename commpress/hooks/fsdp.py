@@ -209,26 +209,61 @@ class _Unit:
 
 
 class FSDPState(TakeoverMixin, HookState):
-    """What :func:`register` returns: codec, units, step counter, :class:`~.common.Stats`.
+    """State of the commpress FSDP2 hooks: what :func:`register` returns (build it through that).
 
-    ``state.stats`` counts, per step (one backward pass) and cumulatively, the
-    bytes this rank handed to ``torch.distributed`` in the reduce-scatters (and
-    the all-gathers when ``all_gather`` is set) against what FSDP2's dense
-    collectives would have sent, by the direct model of
-    :mod:`commpress.collectives.accounting` (a reduce-scatter of ``n`` bytes
-    sends ``n·(P−1)/P``; an all-gather of ``s`` bytes per rank sends
-    ``s·(P−1)``).  ``state.transaction`` holds the current step's staged
-    residual updates (committed by :meth:`end_step`).  ``state_dict()`` /
-    ``load_state_dict()`` save and restore the step counter and the residuals (the
-    stochastic rounding's noise is a function of rank, step and unit: nothing to save).
+    What users need of it: :attr:`stats`, :meth:`state_dict` / :meth:`load_state_dict` (one file
+    per rank), :meth:`close`, :meth:`attach_optimizer`, :meth:`attach_scaler`, and
+    :meth:`config`, the configuration every rank agreed on at registration.  Everything else is
+    the hooks'.
+
+    What goes on the wire: each unit's gradient reduce-scatter sends the compressor's payloads
+    (:func:`commpress.collectives.reduce_scatter`: one ``all_to_all`` of fixed-size payloads, or
+    one ``reduce_scatter`` for a ``"sum"`` compressor without error feedback), and with
+    ``all_gather`` each parameter all-gather one ``all_gather`` of fixed-size payloads
+    (:func:`commpress.collectives.all_gather`).  ``stats`` counts, per step (one backward pass)
+    and cumulatively, the bytes this rank handed to ``torch.distributed`` against what FSDP2's
+    dense collectives would have sent, by the direct model of
+    :mod:`commpress.collectives.accounting` (a reduce-scatter of ``n`` bytes sends
+    ``n·(P−1)/P``; an all-gather of ``s`` bytes per rank sends ``s·(P−1)``).  The step's staged
+    residual updates are committed at the end of each backward pass (:meth:`end_step`), unless
+    some rank saw a NaN/inf.  The stochastic rounding's noise is a function of rank, step and
+    unit: nothing to save.
+
+    Attributes:
+        stats: a :class:`~commpress.hooks.common.Stats` (``stats.as_dict()``: bytes, ratio,
+            algorithm per unit, ``memory_overhead_bytes``).
+        step: backward passes synchronized so far; checkpointed.
 
     Args:
-        scaler: AMP's ``torch.amp.GradScaler`` (or ``None``; ``TypeError`` otherwise): the
-            compressed reduce-scatter (and replica all-reduce) divides its input by the loss
-            scale and multiplies its output back, so residuals and velocities stay in unscaled
-            units while the scale changes (:meth:`attach_scaler`, also for a scaler made later).
-            The unscaled values are held in the reduce dtype: with an fp16 reduce dtype the
-            smallest gradients may underflow there (an fp32 or bf16 reduce dtype does not).
+        compressor: a :class:`~commpress.Compressor` or a registry name with
+            ``**compressor_params``, or ``"auto"`` (each unit's compressor chosen from
+            measurements, :mod:`commpress.auto.fsdp`).  A quantizer given by name without
+            ``stochastic=`` rounds stochastically and runs without error feedback.
+        error_feedback: ``"auto"`` (on for biased compressors), ``True`` or ``False``.
+        all_gather: ``None`` (dense parameter all-gather) or a fixed-size compressor (name or
+            instance, aggregation ``"gather"`` or ``"sum"``) for the parameter all-gather.
+        process_group: the reduce-scatter's process group.
+        units: ``(name, FSDPModule)`` pairs, the units the hooks serve.
+        scaler: AMP's ``torch.amp.GradScaler``: the compressed reduce-scatter (and replica
+            all-reduce) divides its input by the loss scale and multiplies its output back, so
+            residuals and velocities stay in unscaled units (:meth:`attach_scaler`).  The
+            unscaled values are held in the reduce dtype: with an fp16 reduce dtype the smallest
+            gradients may underflow there (an fp32 or bf16 reduce dtype does not).
+        residual_storage: ``"fp32"``, ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`).
+        rollback: ``"step"`` or ``"unit"``, as in :func:`commpress.ddp.register`.
+        **compressor_params: the compressor's parameters (with a registry name); also, for
+            now, ``momentum``, ``momentum_masking`` and the ``"auto"`` options.
+
+    Raises:
+        TypeError: a bad ``scaler`` or compressor.
+        ValueError: a low-rank compressor (not supported with FSDP2), an ``all_gather``
+            compressor that is not fixed-size, ``error_feedback=False`` with ``"auto"``.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> state = commpress.fsdp.register(model, "blockquant", bits=4)   # an FSDPState
+        >>> torch.save(state.state_dict(), f"hook-rank{rank}.pt")
     """
 
     kind = "fsdp"
@@ -324,6 +359,13 @@ class FSDPState(TakeoverMixin, HookState):
 
     # -- configuration ------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        """The configuration every rank agreed on at registration (fingerprinted; in :meth:`state_dict`).
+
+        Returns:
+            A JSON-able dict: the compressor and its parameters, error feedback, momentum, world
+            size, the ``all_gather`` compressor, each unit's parameter names and shapes, the
+            replica count.
+        """
         cfg = super().config()
         ag = self.all_gather_compressor
         cfg["all_gather"] = None if ag is None else {"compressor": ag.name, "params": ag.config()}
