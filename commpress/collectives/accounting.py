@@ -45,7 +45,21 @@ from typing import Any, Iterator
 
 @dataclass
 class CommStats:
-    """Bytes and messages this rank sent and received, accumulated over calls."""
+    """Bytes and messages this rank sent and received, accumulated over calls.
+
+    Pass one as ``stats=`` to the collectives; bytes are counted by the convention of this
+    module (what this rank hands to ``torch.distributed``).
+
+    Attributes:
+        bytes_sent: bytes this rank sent.
+        bytes_received: bytes this rank received.
+        messages: messages sent.
+        calls: collective calls finished.
+        last_algorithm: the algorithm the last call used.
+        rounds: collective rounds issued.
+        comm_seconds: host seconds spent inside the collectives.
+        codec_seconds: host seconds in compress / decompress, by name.
+    """
 
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -65,7 +65,17 @@ log = logging.getLogger("commpress")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per message, per byte, per sparse entry and per dense element."""
+    """The alpha-beta cost model: seconds per message, per byte, per sparse entry and per dense element.
+
+    What ``algorithm="auto"`` and the hooks' choices read (:func:`get_cost_model`); measured by
+    :func:`calibrate` or fixed with :func:`set_cost_model`.
+
+    Attributes:
+        alpha: seconds per message.
+        beta: seconds per byte.
+        gamma: seconds per sparse entry (sort + scatter-add).
+        delta: seconds per dense element (fill + add).
+    """
 
     alpha: float
     beta: float

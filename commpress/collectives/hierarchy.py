@@ -60,12 +60,38 @@ MODES = ("two_level", "auto")
 class Hierarchy:
     """The node layout of ``group`` and its intra-node / inter-node process groups.
 
-    Collective: every rank of the default group constructs it, in the same
-    order relative to other group creations (``dist.new_group``'s rule); it
-    creates ``P / L`` intra groups then ``L`` inter groups.  ``local_size`` must
-    be a positive int dividing ``P`` and equal on every rank: otherwise
-    ``ValueError`` on every rank together (one small ``all_gather`` decides).
-    ``mode``: ``"two_level"`` always, or ``"auto"`` (per tensor, cost model).
+    Ranks ``[n·L, (n+1)·L)`` form node ``n``.  ``allreduce(..., hierarchy=h)`` then sums densely
+    inside each node (a reduce-scatter by one ``all_to_all_single`` on the intra group),
+    compresses only between nodes (each local rank's shard, on its inter group) and all-gathers
+    inside the node: what crosses nodes is a payload of ``numel / L`` elements among ``P / L``
+    ranks (the module doc).
+
+    Collective: every rank of the default group constructs it, in the same order relative to
+    other group creations (``dist.new_group``'s rule); it creates ``P / L`` intra groups then
+    ``L`` inter groups, after one small ``all_gather`` that checks ``local_size``.
+
+    Attributes:
+        local_size: ranks per node ``L``.
+        nodes: the number of nodes ``P / L``.
+        local_rank: this rank's index inside its node.
+        node: this rank's node.
+        intra: this rank's intra-node process group.
+        inter: this rank's inter-node process group (the ranks of the same local rank).
+
+    Args:
+        local_size: ranks per node ``L``: a positive int dividing ``P``, equal on every rank.
+        group: the process group (``None``: the default group).
+        mode: ``"two_level"`` (always) or ``"auto"`` (flat or two-level per tensor, by the
+            intra/inter cost models).
+
+    Raises:
+        ValueError: a bad ``mode``, or a ``local_size`` that is not a positive int dividing
+            ``P`` or differs across ranks (on every rank together).
+
+    Example::
+
+        >>> h = commpress.collectives.Hierarchy.from_env()        # torchrun's LOCAL_WORLD_SIZE
+        >>> total = commpress.collectives.allreduce(grad, c, hierarchy=h)
     """
 
     def __init__(self, local_size: int, group=None, *, mode: str = "two_level") -> None:

@@ -151,7 +151,11 @@ E_RANGE, E_DUPLICATE, E_LENGTH, E_DTYPE, E_SHAPE, E_MISUSE, E_CONFIG = 1, 2, 3, 
 
 
 class CollectiveInputError(ValueError):
-    """Bad input or a configuration that differs across ranks (raised on every rank)."""
+    """Bad input or a configuration that differs across ranks, raised on every rank together.
+
+    A ``ValueError``.  Its cause travels in the status word of the call's messages, so no rank
+    is left waiting; the message names the argument and what differs.
+    """
 
 
 def signature(*facts: Any) -> int:
