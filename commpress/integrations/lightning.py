@@ -40,7 +40,8 @@ class BindCallback(_Base):
 
     Lightning (2.6) registers a comm hook only on CUDA; ``register_hook=True`` makes the
     callback register :func:`commpress.ddp.hook` itself (then do not pass the state to
-    ``DDPStrategy``).
+    ``DDPStrategy``).  A state binds to one DDP model: a second ``trainer.fit`` (which wraps the
+    module again) needs a new state and callback.
 
     Args:
         state: the :class:`~commpress.ddp.DDPState`, built without a model
