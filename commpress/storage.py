@@ -134,6 +134,8 @@ class LeanTensor:
         ``chunk`` elements).  Returns ``dst``."""
         if dst.numel() != self.numel:
             raise ValueError(f"LeanTensor.add_to: expected {self.numel} elements, got {dst.numel()}")
+        if self.storage == "int8" and alpha == 1.0:   # one op (numba on the CPU: one pass)
+            return ops.int8_block_add(dst, self.codes, self.scales, INT8_BLOCK)
         step = max(INT8_BLOCK, chunk - chunk % INT8_BLOCK)
         buf = torch.empty(min(step, self.numel), dtype=torch.float32, device=self.device)
         for lo in range(0, self.numel, step):

@@ -1,10 +1,12 @@
 """The lean residual stores' encoders (:mod:`commpress.storage`): torch reference and numba kernels.
 
-Two ops, dispatched like every op of :mod:`commpress.ops`:
+Three ops, dispatched like every op of :mod:`commpress.ops`:
 
 * :func:`int8_block_encode` — ``scales[b] = max|x_b| / 127``; ``codes = clamp(floor(x / scale + u),
   -127, 127)`` with ``u = (noise + 0.5) / 256`` (noise: one random byte per element), so
   ``E[codes * scale] == x`` up to the noise's 1/256 resolution;
+* :func:`int8_block_add` — ``dst += codes * scales`` (a stored residual added to the compensation
+  in place, without decoding it into a buffer of its size);
 * :func:`bf16_stochastic_encode` — the fp32 bit pattern plus 16 random low bits, truncated to its
   top 16 bits (bf16): rounds the magnitude up with probability (dropped bits) / 2**16.
 
@@ -51,7 +53,32 @@ def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Te
     codes.view(torch.int16).copy_(bits.bitwise_right_shift_(16))
 
 
-REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode}
+#: Elements :func:`int8_block_add` decodes at a time (a transient fp32 buffer of this size).
+ADD_CHUNK = 1 << 20
+
+
+def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``dst += codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of ``n``
+    elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``), decoded
+    :data:`ADD_CHUNK` elements at a time (``block`` divides it): no buffer of ``dst``'s size."""
+    n = dst.numel()
+    step = ADD_CHUNK - ADD_CHUNK % block
+    buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        b0, full_hi = lo // block, hi - (hi - lo) % block
+        nfull, out = (full_hi - lo) // block, buf[:hi - lo]
+        if nfull:
+            torch.mul(codes[lo:full_hi].view(nfull, block), scales[b0:b0 + nfull, None],
+                      out=out[:full_hi - lo].view(nfull, block))
+        if full_hi < hi:
+            torch.mul(codes[full_hi:hi], scales[b0 + nfull], out=out[full_hi - lo:])
+        dst[lo:hi].add_(out)
+    return dst
+
+
+REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
+             "int8_block_add": int8_block_add}
 
 
 def _numba_impls() -> dict:
@@ -123,6 +150,25 @@ def _numba_impls() -> dict:
         for i in range(bits.size):
             out[i] = np.int16((bits[i] + (np.int32(noise[i]) & 0xFFFF)) >> 16)
 
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
+        n = dst.size
+        for b in range(scales.size):
+            lo = b * block
+            hi = min(lo + block, n)
+            if lo >= hi:
+                break
+            s = scales[b]
+            db, cb = dst[lo:hi], codes[lo:hi]   # slices: the loop vectorizes
+            for j in range(db.size):
+                db[j] = db[j] + np.float32(cb[j]) * s
+
+    def int8_add_numba(dst, codes, scales, block):
+        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
+            return int8_block_add(dst, codes, scales, block)
+        _int8_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
+        return dst
+
     def int8_numba(x, noise, codes, scales, block):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return int8_block_encode(x, noise, codes, scales, block)
@@ -134,9 +180,9 @@ def _numba_impls() -> dict:
             return bf16_stochastic_encode(x, noise, codes)
         _bf16(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
-    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba}
+    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba}
 
 
 NUMBA = _numba_impls()
 
-__all__ = ["INT8_MAX", "bf16_stochastic_encode", "int8_block_encode"]
+__all__ = ["INT8_MAX", "bf16_stochastic_encode", "int8_block_add", "int8_block_encode"]

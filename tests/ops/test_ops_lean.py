@@ -56,3 +56,15 @@ def test_bf16_stochastic_encode_numba_is_bitwise_the_reference(name, x):
         ops.bf16_stochastic_encode(x, noise, codes, backend=backend)
         out.append(codes)
     assert torch.equal(_bits(out[0]), _bits(out[1]))
+
+
+@pytest.mark.parametrize("n", [1, INT8_BLOCK - 1, INT8_BLOCK, 3 * INT8_BLOCK + 7, (1 << 20) + 300])
+def test_int8_block_add_numba_is_bitwise_the_reference(n):
+    g = torch.Generator().manual_seed(n)
+    blocks = -(-n // INT8_BLOCK)
+    codes = torch.randint(-127, 128, (blocks * INT8_BLOCK,), dtype=torch.int8, generator=g)
+    scales = torch.rand(blocks, generator=g) * 0.01
+    dst = torch.randn(n, generator=g)
+    want = dst + (codes.float().view(blocks, INT8_BLOCK) * scales[:, None]).view(-1)[:n]
+    out = [ops.int8_block_add(dst.clone(), codes, scales, INT8_BLOCK, backend=b) for b in ("torch", "numba")]
+    assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
