@@ -232,7 +232,17 @@ class Prices:
     whose norm moves most; gating it there had "auto" alternate between 4 and 8 bits on digits (the
     last layer's norm rose 84% in 20 steps, then fell) for no steps saved.
 
+    * under momentum correction (the hook took over the optimizer's SGD momentum, ``optimizer=``):
+      powersgd's price times ``powersgd_mc_factor`` (1.6).  The velocity ``u = m u + g`` is what the
+      low-rank kind approximates then, and the digits MLP at 100 Mbit/s (2 ranks, seed 0, 200 steps)
+      reached its target at 1.94x DDP's steps with rank 1 under momentum correction against 1.22x with
+      the optimizer's own momentum (docs/results/auto.md); the 2.2M-parameter MLP of issue 55 did not
+      reach it in 200 steps (0.78 accuracy, every other fixed config in 70-100).  The runtime also
+      leaves powersgd out of the default candidates there (:func:`~commpress.auto.candidates.under_momentum`).
+
     They are priors, not measurements of the user's model: override any field.
+    ``momentum_correction``: the run applies the momentum in the hook (set by the runtime,
+    :meth:`with_momentum_correction`).
     """
 
     bf16: float = 1.0
@@ -245,9 +255,16 @@ class Prices:
     powersgd_per_halving: float = 0.2
     #: in a critical regime, a candidate priced at most this stays allowed (:func:`critical_candidates`)
     critical_max: float = 1.05
+    #: powersgd's price is multiplied by this under momentum correction
+    powersgd_mc_factor: float = 1.6
+    momentum_correction: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.momentum_correction, bool):
+            raise ValueError(f"Prices: momentum_correction must be a bool, got {self.momentum_correction!r}")
         for name in self.__dataclass_fields__:
+            if name == "momentum_correction":
+                continue
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"Prices: {name} must be a finite number >= 0, got {v!r}")
@@ -264,7 +281,13 @@ class Prices:
             p = self.topk_base + self.topk_per_decade * math.log10(0.1 / c.param)
         else:
             p = self.powersgd_base + self.powersgd_per_halving * math.log2(4.0 / c.param)
+            if self.momentum_correction:
+                p *= self.powersgd_mc_factor
         return max(1.0, p)
+
+    def with_momentum_correction(self) -> "Prices":
+        """These prices for a run whose hook applies the momentum (``optimizer=`` taken over)."""
+        return replace(self, momentum_correction=True)
 
 
 def critical_candidates(candidates: tuple[Candidate, ...] | list[Candidate], prices: Prices) -> tuple[Candidate, ...]:

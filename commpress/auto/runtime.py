@@ -102,7 +102,7 @@ from ..collectives.quantized import alignment, chunk_bounds
 from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
-from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
+from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype, under_momentum
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
                      comm_seconds, window_tolerance)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
@@ -120,6 +120,19 @@ NORM_EVERY = 8
 SWITCHES_KEPT = 16
 #: the second check point comes this many steps after the first (:meth:`AutoCodec.is_check`)
 EARLY_CHECK = 4
+
+
+def first_window_change(critical: float) -> float:
+    """The gradient-norm change a check point with no window before it reads (the first): ``critical``,
+    so that the start of training is a critical regime (Accordion's rule for the first epochs).  The
+    early steps are where an aggressive kind loses most: powersgd rank 1, chosen at step 1 on the
+    digits MLP at 100 Mbit/s, trailed DDP by 0.12 accuracy at step 45 and by 0.03 at step 90
+    (docs/results/auto.md).
+
+    Args:
+        critical: the decider's ``critical`` threshold.
+    """
+    return float(critical)
 
 
 def _candidate(c: Any) -> Candidate:
@@ -318,7 +331,14 @@ class AutoCodec:
         self.momentum = float(momentum)
         self.masking = masking
         self.home = ErrorFeedback(_registry.get("identity"), momentum=self.momentum, masking=masking)
-        self.decider = Decider(candidates=spec.candidates, prices=spec.prices, **spec.decider_args)
+        #: what the decider chooses among, at what price: with momentum correction (the hook applies the
+        #: optimizer's momentum) without powersgd by default, and powersgd priced for it
+        self.candidates = under_momentum(spec.candidates, spec.user_candidates) if self.momentum else spec.candidates
+        self.prices = spec.prices.with_momentum_correction() if self.momentum else spec.prices
+        if len(self.candidates) < len(spec.candidates):
+            log.info("commpress auto: momentum correction (the optimizer's momentum taken over): %s left out of "
+                     "the candidates", ", ".join(describe(c) for c in spec.candidates if c not in self.candidates))
+        self.decider = Decider(candidates=self.candidates, prices=self.prices, **spec.decider_args)
         self.codecs: dict[Any, ErrorFeedback] = {}
         self.choices: dict[Any, Choice] = {}
         # set at binding
@@ -574,7 +594,7 @@ class AutoCodec:
     def check(self, step: int, group: Any) -> tuple[int, ...]:
         """One check point (collective: every rank at the same step); returns the switched units."""
         units = self._units
-        cands = self.spec.candidates
+        cands = self.candidates
         error = None
         try:
             if self.network is None:
@@ -582,7 +602,8 @@ class AutoCodec:
             for key in [k for k, c in self._carry.items() if not bool(c.any())]:
                 del self._carry[key]   # sent (a device-side commit left zeros)
             norms = self._read_norms(units)
-            change = norm_change(self._prev_norms, norms) if self._prev_norms is not None else [0.0] * len(units)
+            change = (norm_change(self._prev_norms, norms) if self._prev_norms is not None
+                      else [first_window_change(self.spec.decider_args["critical"])] * len(units))
             self._prev_norms = norms
             hidden = self.recorder.mean_hidden()
             measures = []

@@ -74,10 +74,12 @@ def auto_worker(rank, world):
         moved.append((choice.candidate.kind, all(torch.equal(a, b) for a, b in zip(before, after)),
                       float(before[0].abs().sum() + before[1].abs().sum())))
     auto.switch = spy
-    _train(model, opt, rank, range(3))          # the first check at the end of step 1: compress
+    # the check points at the end of steps 1 and 3 compress (the first is a critical regime: a gentle
+    # plan of modest gain waits for the second, which has the all-dense step measured)
+    _train(model, opt, rank, range(4))
     history.append(sorted(state.stats.as_dict()["auto"].items()))
-    auto.network = Network(world, FAST)         # the network moved: re-decided at step 3
-    _train(model, opt, rank, range(3, 6))
+    auto.network = Network(world, FAST)         # the network moved: re-decided at step 5
+    _train(model, opt, rank, range(4, 6))
     history.append(sorted(state.stats.as_dict()["auto"].items()))
     out["history"], out["moved"] = history, moved
     saved = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
@@ -174,13 +176,13 @@ def test_register_auto_on_two_ranks():
     first, second = ([e["choice"] for _, e in h] for h in a["history"])
     assert any(c != "dense" for c in first), first          # the slow network: compressed
     assert any(c != f for c, f in zip(second, first)), (first, second)  # the fast one: switched back
-    # the report keeps each unit's switches: (check point, choice), the first at the end of step 1
+    # the report keeps each unit's switches: (check point, choice), the first at the end of step 1 or 3
     for (_, e0), (_, e1) in zip(a["history"][0], a["history"][1]):
-        assert e0["switches"] == ([[1, e0["choice"]]] if e0["choice"] != "dense" else []), e0
+        assert e0["switches"] in (([[1, e0["choice"]]], [[3, e0["choice"]]]) if e0["choice"] != "dense" else ([],)), e0
         assert e1["switches"][:len(e0["switches"])] == e0["switches"], (e0, e1)
         if e1["choice"] != e0["choice"]:                  # switched again at a later check point
             assert len(e1["switches"]) == len(e0["switches"]) + 1 and e1["switches"][-1][1] == e1["choice"], e1
-            assert e1["switches"][-1][0] > 1, e1
+            assert e1["switches"][-1][0] > 3, e1
     for _, e in a["history"][0]:
         assert e["predicted_ms"] is not None and e["predicted_ms"] > 0 and e["params"]
     # every switch carried the residual and velocity bitwise, including non-zero ones
