@@ -128,6 +128,11 @@ STUDY: list[Config] = [
     # "auto" told the optimizer (optimizer=): SGD's momentum taken over; an adaptive one (the LM's
     # AdamW) leaves the sparsifiers out of the candidates
     Config("auto-opt", "commpress", "auto", {"check_every": 20, "every": 100}, takeover=True),
+    # "auto" as a user registers it (its default check points) with optimizer=, and powersgd rank 1
+    # fixed with and without momentum correction (issue 55.8: what "auto" chose at 100 Mbit/s)
+    Config("auto-opt-defaults", "commpress", "auto", {}, takeover=True),
+    Config("powersgd-r1", "commpress", "powersgd", {"rank": 1}),
+    Config("powersgd-r1-mc", "commpress", "powersgd", {"rank": 1}, takeover=True),
     # lean error feedback (issue 50): residuals in 8 bits (stochastic rounding), committed per unit
     # (rollback="unit": no pending copy between steps), against the fp32 default
     Config("blockquant-4bit-int8res", "commpress", "blockquant",
