@@ -306,7 +306,6 @@ class ErrorFeedback(Compressor):
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._dense_velocity: dict[str, torch.Tensor] = {}   # plain momentum of dense tensors
         self._dense_pending: dict[str, torch.Tensor] = {}
-        self._input_scales: dict[tuple[int, Any], float] = {}  # (thread, key) -> scale, see scaled_input
 
     # -- buffers -----------------------------------------------------------
     def residual(self, key: Any) -> torch.Tensor | None:
@@ -362,59 +361,42 @@ class ErrorFeedback(Compressor):
             r = table[key] = r.view(like.shape)
         return r
 
-    def compensate(self, tensor: torch.Tensor, key: Any) -> torch.Tensor:
+    def compensate(self, tensor: torch.Tensor, key: Any, *, scale: float = 1.0) -> torch.Tensor:
         """``x + beta * residual(key)`` in fp32, shaped like ``tensor``, where ``x`` is
-        ``tensor`` (times the :meth:`scaled_input` scale, when one is set for ``key``) or,
-        with momentum correction, the pending velocity ``m·u + clip(tensor)``.
+        ``tensor * scale`` or, with momentum correction, the pending velocity
+        ``m·u + clip(tensor * scale)``.
 
         Written into the key's pending buffer (no allocation after the first call):
         valid until the next ``compensate`` / ``compress`` of the same key.  Pair it
         with :meth:`stage` (the residual of what was sent) and a commit.
+
+        Args:
+            tensor: the input.
+            key: the residual's key.
+            scale: the input's factor, folded into the compensation pass (as in :meth:`compress`).
         """
-        tensor, scale = self._scaled(tensor, key)
+        tensor, scale = self._scaled(tensor, scale)
         if self.momentum:
             return self._add_residual(self._accumulate(tensor, key, scale), key)
         return self._add_residual(tensor, key, scale)
 
     # -- the input scale (a hook's 1/P), folded into the first pass -----------
-    @contextlib.contextmanager
-    def scaled_input(self, key: Any, scale: float, *, chunks: int = 0) -> Iterator[None]:
-        """Within the block, compress (or :meth:`compensate`) ``tensor * scale`` for ``key``
-        on this thread, the multiplication folded into the compensation pass instead of a
-        pass of its own (the DDP hook's averaging ``1/P``).  ``chunks=P``: for each of the
-        keys ``(key, 0) .. (key, P-1)`` instead, the chunks a quantized collective compresses
-        (:func:`commpress.collectives.quantized.quantized_allreduce`).
+    def _scaled(self, tensor: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+        """``(tensor, scale)`` to compensate: ``scale`` folded into the compensation pass for fp32
+        input, applied at once (an allocating multiply) for other dtypes and with ``clip``.
 
-        ``scale`` is rounded to fp32 and ``tensor * scale`` is rounded on its own before
-        the residual is added: fp32 results are bitwise those of ``tensor.mul_(scale)``
-        followed by the compress, except on the generic (unfused) path with a scale that is
-        not a power of two, which keeps that separate multiplication (so it costs the
-        same pass as before), and except for subnormal products where the generic path
-        folds a power-of-two scale into one ``torch.add``.  Other dtypes multiply first,
-        as before.  Only the first compression (or compensation) of ``key`` itself in the
-        block is scaled.
-        """
-        me = threading.get_ident()
-        slots = [(me, (key, r)) for r in range(chunks)] if chunks else [(me, key)]
-        for slot in slots:
-            self._input_scales[slot] = float(scale)
-        try:
-            yield
-        finally:
-            for slot in slots:
-                self._input_scales.pop(slot, None)
-
-    def _scaled(self, tensor: torch.Tensor, key: Any) -> tuple[torch.Tensor, float]:
-        """``(tensor, scale)`` to compensate: the :meth:`scaled_input` scale of ``key`` is
-        folded (returned) for fp32 input and applied at once (an allocating multiply) otherwise."""
-        if not self._input_scales:
-            return tensor, 1.0
-        scale = self._input_scales.pop((threading.get_ident(), key), 1.0)  # once: the next compress
+        The folded ``scale`` is rounded to fp32 and ``tensor * scale`` is rounded on its own before
+        the residual is added: fp32 results are bitwise those of ``tensor.mul_(scale)`` followed by
+        the compress, except on the generic (unfused) path with a scale that is not a power of two,
+        which keeps that separate multiplication, and except for subnormal products where the
+        generic path folds a power-of-two scale into one ``torch.add``."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
         if scale == 1.0:
             return tensor, 1.0
         if tensor.dtype != torch.float32 or (self.momentum and self.clip is not None):
             return tensor * scale, 1.0
-        return tensor, scale
+        return tensor, float(scale)
 
     def _live(self, key: Any, like: torch.Tensor) -> torch.Tensor | None:
         """The live residual of ``key`` in fp32 shaped like ``like`` (decoded into a new tensor
@@ -575,9 +557,10 @@ class ErrorFeedback(Compressor):
         return accumulate_velocity(g, scale, live, m, new)
 
     # -- the fused lanes' protocol (collectives/steady*.py run their own kernels) ----------
-    def open_fused(self, tensor: torch.Tensor, key: Any, *, scratch: bool = False) -> "FusedSlots":
+    def open_fused(self, tensor: torch.Tensor, key: Any, *, scratch: bool = False,
+                   scale: float = 1.0) -> "FusedSlots":
         """What a kernel that compensates, encodes and writes the next residual in one pass needs
-        for ``key``: the input and its folded :meth:`scaled_input` scale, the live residual in fp32
+        for ``key``: the input and its folded ``scale``, the live residual in fp32
         (``None``: zero), the fp32 buffer for the next residual, and momentum correction's velocity
         slots (``None`` without).  Close it with :meth:`close_fused`.
 
@@ -589,8 +572,9 @@ class ErrorFeedback(Compressor):
                 (the live residual decoded a chunk at a time, momentum correction's velocity
                 added first) and the kernel writes the next residual over it, so no fp32 buffer
                 of the key's size is kept (the slots: scale 1, no live residual, no velocity).
+            scale: the input's factor (the hook's ``1/P``), folded into the kernel's pass.
         """
-        x, scale = self._scaled(tensor, key)
+        x, scale = self._scaled(tensor, scale)
         if scratch and self.storage != "fp32" and x.dtype == torch.float32 and x.is_contiguous():
             return self._open_in_place(x, key, scale)
         velocity = self._velocity_slots(x, key) if self.momentum else None
@@ -650,17 +634,28 @@ class ErrorFeedback(Compressor):
 
     # -- compress ----------------------------------------------------------
     def compress(self, tensor, *, step=0, key=0, generator=None,
-                 transaction: ResidualTransaction | None = None) -> Payload:
-        return self._compress(tensor, step, key, generator, transaction, fixed=False)
+                 transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
+        """The payload of ``tensor * scale`` plus the residual of ``key`` (see the class).
+
+        Args:
+            tensor: the input.
+            step: the training step (seeds).
+            key: names the tensor's residual.
+            generator: a stochastic inner compressor's randomness.
+            transaction: stages the residual update for a later commit (else committed at once).
+            scale: the input's factor, folded into the compensation pass (a DDP hook's ``1/P``):
+                no pass of its own for fp32 input.
+        """
+        return self._compress(tensor, step, key, generator, transaction, fixed=False, scale=scale)
 
     def compress_fixed(self, tensor, *, step=0, key=0, generator=None,
-                       transaction: ResidualTransaction | None = None) -> Payload:
+                       transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
         """As :meth:`compress` with the inner compressor's fixed-size wire format
         (:meth:`Compressor.compress_fixed`): what the collectives send."""
-        return self._compress(tensor, step, key, generator, transaction, fixed=True)
+        return self._compress(tensor, step, key, generator, transaction, fixed=True, scale=scale)
 
     def compress_whole(self, tensor: torch.Tensor, codec: Compressor, *, step: int = 0, key: Any = 0,
-                       transaction: ResidualTransaction | None = None) -> Payload:
+                       transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
         """The whole compensated tensor (``x + beta * residual(key)``, with momentum correction as
         in :meth:`compensate`) compressed by ``codec``, a deterministic ``"gather"`` compressor
         other than this one's (a sparsifier's warm-up sends it block-quantized rather than a
@@ -671,11 +666,12 @@ class ErrorFeedback(Compressor):
         local NaN/inf flag."""
         if getattr(codec, "aggregation", None) != "gather" or not getattr(codec, "deterministic", False):
             raise TypeError(f"compress_whole: codec must be a deterministic gather compressor, got {codec!r}")
-        return self._compress(tensor, step, key, None, transaction, fixed=True, inner=codec)
+        return self._compress(tensor, step, key, None, transaction, fixed=True, inner=codec, scale=scale)
 
-    def _compress(self, tensor, step, key, generator, transaction, fixed: bool, inner=None) -> Payload:
+    def _compress(self, tensor, step, key, generator, transaction, fixed: bool, inner=None,
+                  scale: float = 1.0) -> Payload:
         self.check_input(tensor)
-        x, scale = self._scaled(tensor, key)
+        x, scale = self._scaled(tensor, scale)
         whole = inner is not None   # another codec over every coordinate (:meth:`compress_whole`)
         inner = inner if whole else self.compressor
         velocity = {}
@@ -725,7 +721,7 @@ class ErrorFeedback(Compressor):
         return dataclasses.replace(payload, nonfinite=local_bad)
 
     def send_whole(self, tensor: torch.Tensor, key: Any, out: torch.Tensor,
-                   transaction: ResidualTransaction | None = None) -> torch.Tensor:
+                   transaction: ResidualTransaction | None = None, scale: float = 1.0) -> torch.Tensor:
         """Write the whole compensated tensor ``x + beta * residual(key)`` (``x`` with momentum
         correction as in :meth:`compensate`) into ``out`` (``tensor.numel()`` elements), for a
         caller that sends it uncompressed.  ``out`` in fp32: the key's pending residual is zero
@@ -737,7 +733,7 @@ class ErrorFeedback(Compressor):
         self.check_input(tensor)
         if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"send_whole: out must be fp32, fp16 or bf16, got {out.dtype}")
-        tensor, scale = self._scaled(tensor, key)
+        tensor, scale = self._scaled(tensor, scale)
         exact = out.dtype == torch.float32
         dst = out if exact else None   # narrower: compensate into the pending slot, then round
         if self.momentum:

@@ -115,7 +115,9 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
         hierarchy: a :class:`~commpress.collectives.Hierarchy`: dense inside each node,
             compressed between nodes (:mod:`.hierarchy`).
         prescale: reduce ``tensor * prescale`` instead (``tensor`` is not changed); identity /
-            fp16 / bf16 fold it into their cast (how the DDP hook averages at no extra pass).
+            fp16 / bf16 fold it into their cast, error feedback around a sparsifier or a gather
+            kind into its compensation pass (:func:`folds_scale`): how the DDP hook averages at
+            no extra pass.
         dense: a part summed exactly beside the payload (above).
         passengers: (:class:`~.wire.Passengers`) messages of calls held earlier
             (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a
@@ -143,7 +145,7 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     """
     if dense is not None:
         _check_dense(dense, tensor)
-    if prescale is not None and (hierarchy is not None or not _casts(compressor)):
+    if prescale is not None and (hierarchy is not None or not (_casts(compressor) or folds_scale(compressor))):
         tensor, prescale = tensor * prescale, None
     if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
         out = hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
@@ -187,10 +189,10 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
         out = _sum_path(tensor, compressor, out=result, prescale=prescale, **args)
     elif kind == "sparse":
         out = sparse.fixed_sparse_allreduce(tensor, compressor, out=result, dense=rider, passengers=passengers,
-                                            **args)
+                                            scale=1.0 if prescale is None else prescale, **args)
     elif kind == "gather":
         out = quantized.quantized_allreduce(tensor, compressor, out=result, dense=rider, passengers=passengers,
-                                            **args)
+                                            scale=1.0 if prescale is None else prescale, **args)
     else:
         out = lowrank.powersgd_allreduce(tensor, compressor, shapes=shapes, **args)
     if result is not None and out is not result:
@@ -251,6 +253,13 @@ def _check_dense(dense, tensor) -> None:
                          f"{'' if dense.is_contiguous() else ' (not contiguous)'}")
     if isinstance(tensor, torch.Tensor) and dense.device != tensor.device:
         raise ValueError(f"allreduce: dense must be on tensor's device {tensor.device}, got {dense.device}")
+
+
+def folds_scale(compressor) -> bool:
+    """Whether :func:`allreduce` folds ``prescale`` into ``compressor``'s first pass: error feedback
+    around a sparsifier or a gather kind (its compensation pass, :meth:`ErrorFeedback.compress`);
+    the casts fold it into their cast (:func:`_casts`)."""
+    return has_feedback(compressor) and getattr(unwrap(compressor), "aggregation", None) in ("sparse", "gather")
 
 
 def _casts(compressor) -> bool:

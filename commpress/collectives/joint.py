@@ -65,12 +65,13 @@ class Held:
 
 def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, algorithm: str,
          stats: CommStats | None, transaction, dense: torch.Tensor | None = None, held_bytes: int = 0,
-         max_wire_s: float = math.inf) -> Held | None:
+         max_wire_s: float = math.inf, scale: float = 1.0) -> Held | None:
     """Encode ``allreduce(tensor, compressor, ..., out=tensor, dense=dense)`` for a later flight,
     where it takes a steady lane in one message and the held messages (``held_bytes`` already,
     this one added) spend at most ``max_wire_s`` on the wire by the calibrated cost model;
     ``None`` otherwise (nothing done: run the call).  The sum lands in ``tensor`` (and ``dense``)
-    at :meth:`Held.land`.  ``transaction`` (the step's) stages the residual."""
+    at :meth:`Held.land`.  ``transaction`` (the step's) stages the residual.  ``scale``: encode
+    ``tensor * scale``, folded into error feedback's pass (as ``allreduce(prescale=)``)."""
     world = _comm.world(group)
     kind = getattr(wire.unwrap(compressor), "aggregation", None)
     if world < 2 or transaction is None or kind not in ("gather", "sparse"):
@@ -83,20 +84,20 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
         plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=None,
                                out=tensor, dense=rider, world=world, bounds=bounds)  # one message: unpipelined
         return _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
-                            max_wire_s)
+                            max_wire_s, scale)
     error = wire.local_check(tensor, compressor, algorithm, ("auto",) + sparse.SPARSE_ALGORITHMS)
     if (algorithm == "auto" and wire.has_feedback(compressor)
             and sparse.whole_choice(tensor, wire.unwrap(compressor), step, world) == "blockquant"):
         plan = steady.whole_plan_for(flat, compressor, codec=sparse.WHOLE_CODEC, group=group, error=error, out=tensor,
                                      dense=rider, world=world)
         return _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
-                            max_wire_s)
+                            max_wire_s, scale)
     splan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
                                    out=tensor, dense=rider, world=world, whole_choice=sparse.whole_choice)
     if splan is None or not _fits(group, world, held_bytes + splan.width, max_wire_s):
         return None
     buf, msg = steady_sparse.encode(splan, flat, compressor, key=key, stats=stats, transaction=transaction,
-                                    dense=rider)
+                                    dense=rider, scale=scale)
 
     def land_sparse(rows: torch.Tensor) -> None:
         steady_sparse.land(splan, rows, flat, msg=msg, dense=rider, stats=stats, transaction=transaction)
@@ -104,7 +105,7 @@ def hold(tensor: torch.Tensor, compressor: Any, *, group, key: Any, step: int, a
 
 
 def _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, group, world, held_bytes,
-                 max_wire_s) -> Held | None:
+                 max_wire_s, scale: float = 1.0) -> Held | None:
     """A call on the quantized lane (:mod:`.steady`: blockquant's chunks, or a sparsifier's whole send)
     held, when its plan is one message that fits the wire limit."""
     if plan is None or len(plan.messages) != 1 or not _fits(group, world, held_bytes + plan.messages[0].width,
@@ -112,7 +113,7 @@ def _hold_steady(plan, flat, compressor, key, step, stats, transaction, rider, g
         return None
     message = plan.messages[0]
     buf, _, msg = steady.encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
-                                transaction=transaction, dense=rider)
+                                transaction=transaction, dense=rider, scale=scale)
 
     def land(rows: torch.Tensor) -> None:
         steady.finish(plan, [steady.land(plan, message, rows, flat, dense=rider, stats=stats)], msg, flat,

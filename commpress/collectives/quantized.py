@@ -66,7 +66,8 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
     return Payload(tuple(tensors), template.shape, template.dtype, template.numel, template.meta)
 
 
-def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
+def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction, error, stats=None,
+                    scale: float = 1.0):
     """Chunk by chunk, ``(payload, NaN/inf flag or None, code, message)``: chunk ``r`` compressed
     with ``key=(key, r)``, or, once a local error is known (``error``, or a compress that raised:
     :data:`~.wire.E_MISUSE`), the zeros payload of its size, so the message sizes stay right.
@@ -80,7 +81,7 @@ def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
             try:
                 with codec_timer(stats, "compress"):
                     p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
-                                       key=(key, r), generator=generator, transaction=transaction)
+                                       key=(key, r), generator=generator, transaction=transaction, scale=scale)
             except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
                 code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
         if p is None:
@@ -90,14 +91,15 @@ def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
             yield p, p.nonfinite, code, msg
 
 
-def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None):
+def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None,
+                     scale: float = 1.0):
     """Every chunk's fixed-size payload (all zeros-payloads after a local error, so the
     message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
     inner = unwrap(compressor)
     payloads, bad = [], None
     code, msg = error
     for p, flag, code, msg in _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
-                                              error, stats):
+                                              error, stats, scale):
         payloads.append(p)
         if flag is not None:
             bad = flag if bad is None else bad | flag
@@ -237,8 +239,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                         generator: torch.Generator | None = None,
                         transaction: ResidualTransaction | None = None, error: tuple[int, str] = (0, ""),
                         model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
-                        dense: wire.Rider | None = None, passengers: wire.Passengers | None = None
-                        ) -> torch.Tensor:
+                        dense: wire.Rider | None = None, passengers: wire.Passengers | None = None,
+                        scale: float = 1.0) -> torch.Tensor:
     """Sum of ``tensor`` over ranks through a ``"gather"`` compressor; identical on every rank.
 
     Called by :func:`commpress.collectives.allreduce`, which checks the arguments and owns the
@@ -273,6 +275,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
         dense: a part summed exactly beside the payload (above).
         passengers: (:class:`~.wire.Passengers`) held messages that ride in the first
             ``all_gather`` on the steady lane (:mod:`.steady`); left uncarried elsewhere.
+        scale: sum ``tensor * scale`` instead: each chunk's factor, folded into error feedback's
+            compensation pass (a multiplication of its own without error feedback).
 
     Returns:
         The sum over ranks, of ``tensor``'s shape and dtype (``out`` when given).
@@ -290,13 +294,13 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     n = flat.numel()
     if world == 1:
         return _local("allreduce", error, compressor, flat, key, step, stats, generator,
-                      tx).to(tensor.dtype).reshape(tensor.shape)
+                      tx, scale).to(tensor.dtype).reshape(tensor.shape)
     bounds = chunk_bounds(n, world, alignment(compressor))
     plan = steady.plan_for(flat, compressor, group=group, algorithm=algorithm, error=error, model=model,
                            out=out, dense=dense, world=world, bounds=bounds, min_wire_s=PIPELINE_MIN_WIRE_S)
     if plan is not None:   # the steady-state lane (blockquant + error feedback on the CPU): the same bytes
         steady.run(plan, flat, compressor, group=group, key=key, step=step, stats=stats, transaction=tx,
-                   dense=dense, passengers=passengers)
+                   dense=dense, passengers=passengers, scale=scale)
         return out
     direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
               and out.shape == tensor.shape)
@@ -312,12 +316,13 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                 dense = None
             base = wire.signature("gather", n, str(tensor.dtype), algorithm)
             results, msg = _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator, tx, error,
-                                                 base, group, stats, dst, dense)
+                                                 base, group, stats, dst, dense, scale)
             _verdict(results, "allreduce", msg, dst, compressor, tx)
             if stats is not None:
                 stats.add(calls=1, algorithm=algorithm)
             return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
-    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error, stats)
+    payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error, stats,
+                                                scale)
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
@@ -344,11 +349,12 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
 
 
-def _local(caller, err, compressor, flat, key, step, stats, generator, transaction) -> torch.Tensor:
+def _local(caller, err, compressor, flat, key, step, stats, generator, transaction, scale: float = 1.0) -> torch.Tensor:
     """One rank: raise the input error, else compress and decode locally (nothing is sent)."""
     if err[0]:
         raise wire.CollectiveInputError(f"{caller}: {err[1]}")
-    p = compress_fixed(compressor, flat, step=step, key=(key, 0), generator=generator, transaction=transaction)
+    p = compress_fixed(compressor, flat, step=step, key=(key, 0), generator=generator, transaction=transaction,
+                       scale=scale)
     if stats is not None:
         stats.add(calls=1, algorithm="local")
     return unwrap(compressor).decompress(p).reshape(-1)
@@ -442,7 +448,7 @@ def _chunk_bytes(inner, flat, bounds) -> list[int] | None:
 
 
 def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator, tx, error, base, group, stats,
-                          out, dense=None):
+                          out, dense=None, scale: float = 1.0):
     """``"gather_all"`` as a pipeline: one ``all_gather`` per chunk, started as soon as the chunk
     is compressed, so chunk ``r`` travels while chunk ``r+1`` is compressed and while the
     chunks before it are decoded (on a GPU the compression runs on the current stream, the
@@ -454,7 +460,7 @@ def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator,
     world = len(bounds) - 1
     code, msg = error
     payloads, flights = [], []
-    chunks = _chunk_payloads(flat, compressor, bounds, key, step, generator, tx, error, stats)
+    chunks = _chunk_payloads(flat, compressor, bounds, key, step, generator, tx, error, stats, scale)
     for r, (p, bad, code, msg) in enumerate(chunks):
         payloads.append(p)
         tensors = list(p.tensors)

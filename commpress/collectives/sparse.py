@@ -474,8 +474,8 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
                            algorithm: str = "auto", stats: CommStats | None = None, generator=None,
                            transaction: ResidualTransaction, error: tuple[int, str] = (0, ""),
                            model: costmodel.CostModel | None = None, out: torch.Tensor | None = None,
-                           dense: wire.Rider | None = None, passengers: wire.Passengers | None = None
-                           ) -> torch.Tensor:
+                           dense: wire.Rider | None = None, passengers: wire.Passengers | None = None,
+                           scale: float = 1.0) -> torch.Tensor:
     """Sum over ranks of a sparsifier's payload of ``tensor``, shaped like ``tensor``.
 
     Every rank sends ``capacity(numel)`` slots (:meth:`SparseCompressor.compress_fixed`):
@@ -490,38 +490,41 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     alike at P <= 2 (:func:`_whole_quantized`, :func:`_whole_dense`).  Left uncarried
     otherwise (the caller all-reduces it).  ``passengers`` (:class:`~.wire.Passengers`): held
     messages that ride in the message on the steady lane (:mod:`.steady_sparse`); left uncarried
-    elsewhere.
+    elsewhere.  ``scale``: sum ``tensor * scale`` instead, the factor folded into error feedback's
+    compensation pass (a multiplication of its own without error feedback).
     """
     inner = unwrap(compressor)
     world = _comm.world(group)
     n = tensor.numel()
     if algorithm not in ("auto",) + FIXED_ALGORITHMS and world > 1 and not error[0]:
-        return _variable(tensor, compressor, group, key, step, algorithm, stats, generator, transaction)
+        return _variable(tensor if scale == 1.0 else tensor * scale, compressor, group, key, step, algorithm,
+                         stats, generator, transaction)
     flat = tensor.reshape(-1)
     plan = steady_sparse.plan_for(flat, compressor, group=group, algorithm=algorithm, step=step, error=error,
                                   out=out, dense=dense, world=world, whole_choice=whole_choice)
     if plan is not None:   # the steady-state lane (topk + error feedback on the CPU): the same bytes
         steady_sparse.run(plan, flat, compressor, group=group, key=key, stats=stats, transaction=transaction,
-                          dense=dense, passengers=passengers)
+                          dense=dense, passengers=passengers, scale=scale)
         return out
     if world > 1 and has_feedback(compressor):
         if algorithm == "dense":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out, torch.float32,
-                                dense)
+                                dense, scale=scale)
         send = whole_choice(tensor, inner, step, world) if algorithm == "auto" else "selection"
         if send == "blockquant":
             wplan = steady.whole_plan_for(flat, compressor, codec=WHOLE_CODEC, group=group, error=error, out=out,
                                           dense=dense, world=world)
             if wplan is not None:   # the steady-state lane of the whole send (CPU, numba): the same bytes
                 steady.run(wplan, flat, compressor, group=group, key=key, step=step, stats=stats,
-                           transaction=transaction, dense=dense, passengers=passengers)
+                           transaction=transaction, dense=dense, passengers=passengers, scale=scale)
                 return out
-            return _whole_quantized(tensor, compressor, group, key, step, stats, transaction, error, out, dense)
+            return _whole_quantized(tensor, compressor, group, key, step, stats, transaction, error, out, dense,
+                                    scale=scale)
         if send == "bf16":
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,
-                                whole_wire_dtype(tensor.dtype), dense)
+                                whole_wire_dtype(tensor.dtype), dense, scale=scale)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=transaction, error=error, stats=stats)
+                                            transaction=transaction, error=error, stats=stats, scale=scale)
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
         cap = inner.capacity(n, step)
@@ -644,7 +647,7 @@ def _selection_bytes(inner, n: int, step: int | None, dtype: torch.dtype) -> int
 
 
 def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transaction, error, out,
-                     dense: wire.Rider | None = None) -> torch.Tensor:
+                     dense: wire.Rider | None = None, scale: float = 1.0) -> torch.Tensor:
     """One ``all_gather`` of ``[status word | the whole compensated tensor in WHOLE_CODEC | the
     dense part raw (P <= 2)]`` (:meth:`ErrorFeedback.compress_whole`: the residual keeps the
     quantization error, momentum masking counts every coordinate as sent); every rank decodes
@@ -657,7 +660,7 @@ def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transac
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                payload = ef.compress_whole(tensor, codec, step=step, key=key, transaction=transaction)
+                payload = ef.compress_whole(tensor, codec, step=step, key=key, transaction=transaction, scale=scale)
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     bad_local = payload.nonfinite if payload is not None else None
@@ -705,7 +708,7 @@ def _judged(out, statuses, transaction, stats, algorithm: str) -> torch.Tensor:
 
 
 def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
-                 wire_dtype: torch.dtype, dense: wire.Rider | None = None) -> torch.Tensor:
+                 wire_dtype: torch.dtype, dense: wire.Rider | None = None, scale: float = 1.0) -> torch.Tensor:
     """One all_reduce of the whole compensated tensor (``x + beta * e``) instead of a selection.
 
     ``"dense"`` with error feedback sends it in fp32: the bytes of the densified selection, an
@@ -716,7 +719,7 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
     PyTorch's fp16/bf16 hooks do.  With a ``dense`` part at P <= 2: one all_gather that carries
     it too (:func:`_whole_gathered`)."""
     if dense is not None and wire.Rider.free(_comm.world(group)):
-        return _whole_gathered(tensor, ef, group, key, stats, transaction, error, out, wire_dtype, dense)
+        return _whole_gathered(tensor, ef, group, key, stats, transaction, error, out, wire_dtype, dense, scale)
     n, world = tensor.numel(), _comm.world(group)
     code, msg = error
     buf = _comm.scratch("sparse_whole", n + 1 + wire.SUM_SLOTS, wire_dtype, tensor.device)
@@ -724,7 +727,7 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                bad_local = ef.send_whole(tensor, key, buf[:n], transaction)
+                bad_local = ef.send_whole(tensor, key, buf[:n], transaction, scale=scale)
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if code:
@@ -747,7 +750,7 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
 
 
 def _whole_gathered(tensor, ef: ErrorFeedback, group, key, stats, transaction, error, out,
-                    wire_dtype: torch.dtype, dense: wire.Rider) -> torch.Tensor:
+                    wire_dtype: torch.dtype, dense: wire.Rider, scale: float = 1.0) -> torch.Tensor:
     """:func:`_whole_dense` carrying the bucket's dense part, at P <= 2: one ``all_gather`` of
     ``[status word | whole compensated tensor in wire_dtype | dense part raw]`` instead of the
     whole tensor's ring all_reduce plus the dense part's own (at P=2 an all_gather sends what a
@@ -767,7 +770,7 @@ def _whole_gathered(tensor, ef: ErrorFeedback, group, key, stats, transaction, e
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                bad_local = ef.send_whole(tensor, key, whole, transaction)  # straight into the message
+                bad_local = ef.send_whole(tensor, key, whole, transaction, scale=scale)  # straight into the message
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if code:

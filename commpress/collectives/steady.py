@@ -227,7 +227,7 @@ def _message(sig: int, chunks: list[tuple[int, tuple[int, int]]], rider) -> Mess
 
 def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key: Any, step: int,
         stats: CommStats | None, transaction, dense: wire.Rider | None,
-        passengers: wire.Passengers | None = None) -> None:
+        passengers: wire.Passengers | None = None, scale: float = 1.0) -> None:
     """The call on the lane: every chunk encoded into its message, the messages gathered, every
     chunk's pieces decoded into ``flat`` (the output) in rank order, then judged and counted
     (:func:`finish`).  A chunk whose kernel raises sends a zeros payload with
@@ -238,7 +238,7 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
     for j, message in enumerate(plan.messages):
         extra = passengers.width if j == 0 and passengers is not None else 0
         buf, code, msg = encode(plan, message, flat, compressor, key=key, step=step, stats=stats,
-                                transaction=transaction, dense=dense, error=(code, msg), extra=extra)
+                                transaction=transaction, dense=dense, error=(code, msg), extra=extra, scale=scale)
         if extra:
             passengers.board(buf, message.width)
         if plan.pipelined:
@@ -265,7 +265,7 @@ def finish(plan: Plan, results: list[tuple[torch.Tensor, int]], msg: str, flat: 
 
 def encode(plan: Plan, message: Message, flat: torch.Tensor, compressor: ErrorFeedback, *, key: Any, step: int,
            stats: CommStats | None, transaction, dense: wire.Rider | None, error: tuple[int, str] = (0, ""),
-           extra: int = 0) -> tuple[torch.Tensor, int, str]:
+           extra: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, int, str]:
     """``message``'s bytes (``extra`` more bytes after them, left for passengers), its chunks encoded
     under error feedback, the riding dense part and the status word in; returns ``(buffer, code,
     local message)``: ``error`` or, when a chunk's kernel raised, :data:`~.wire.E_MISUSE` (its payload
@@ -278,7 +278,7 @@ def encode(plan: Plan, message: Message, flat: torch.Tensor, compressor: ErrorFe
     bad = False   # this message's NaN/inf verdict: host memory on this CPU-only lane
     for piece in message.pieces:
         try:
-            bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats) or bad
+            bad = _encode(plan, flat, compressor, piece, raw, key, step, transaction, stats, scale) or bad
         except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
             raw[piece.codes_at:piece.scales_at + piece.scales_bytes] = 0
             if not code:
@@ -361,7 +361,7 @@ def _sum_dense(d: torch.Tensor, gathered: torch.Tensor, got: np.ndarray, at: int
 
 
 def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw: np.ndarray, key: Any, step: int,
-            transaction, stats: CommStats | None) -> bool:
+            transaction, stats: CommStats | None, scale: float = 1.0) -> bool:
     """Chunk ``piece.chunk`` under error feedback into ``raw`` (the message's bytes), its new residual
     staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it (committed with the
     step, or at once without one); returns its NaN/inf verdict."""
@@ -370,7 +370,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     k = key if plan.whole else (key, r)
     # momentum correction's velocity too, in the same pass; the input is the call's output (scratch):
     # with a lean residual storage the next residual is written over it (no buffer of its size)
-    slots = ef.open_fused(chunk, k, scratch=True)
+    slots = ef.open_fused(chunk, k, scratch=True, scale=scale)
     x, live = slots.x, slots.live
     codes = raw[piece.codes_at:piece.codes_at + piece.codes_bytes]
     scales = raw[piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32)

@@ -104,16 +104,17 @@ def _make_plan(flat: torch.Tensor, inner: TopK, step: int, world: int, k: int, a
 
 
 def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key: Any, stats: CommStats | None,
-        transaction, dense: wire.Rider | None, passengers: wire.Passengers | None = None) -> torch.Tensor:
+        transaction, dense: wire.Rider | None, passengers: wire.Passengers | None = None,
+        scale: float = 1.0) -> torch.Tensor:
     """The call on the lane: the selection encoded into the message, the messages gathered and
     judged (an error anywhere raises on every rank), every rank's entries added into ``flat`` (the
     output) in rank order; a NaN/inf anywhere poisons ``flat`` and keeps the residuals.  A
     selection that raises sends padding (index ``numel``, value 0) with :data:`~.wire.E_MISUSE`.
     ``passengers``: held messages that ride after this one (:class:`~.wire.Passengers`; landed as
-    soon as they arrive)."""
+    soon as they arrive).  ``scale``: ``flat``'s factor, folded into error feedback's pass."""
     extra = passengers.width if passengers is not None else 0
     buf, msg = encode(plan, flat, compressor, key=key, stats=stats, transaction=transaction, dense=dense,
-                      extra=extra)
+                      extra=extra, scale=scale)
     if extra:
         passengers.board(buf, plan.width)
     gathered = _comm.all_gather(buf, group=group, stats=stats)
@@ -123,7 +124,7 @@ def run(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, group, key
 
 
 def encode(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, key: Any, stats: CommStats | None,
-           transaction, dense: wire.Rider | None, extra: int = 0) -> tuple[torch.Tensor, str]:
+           transaction, dense: wire.Rider | None, extra: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, str]:
     """The message's bytes (``extra`` more after them, left for passengers): the selection under
     error feedback, the riding dense part, the status word; returns ``(buffer, local error message)``."""
     k, n = plan.k, plan.numel
@@ -136,7 +137,7 @@ def encode(plan: Plan, flat: torch.Tensor, compressor: ErrorFeedback, *, key: An
     code, msg, bad = 0, "", False
     try:
         with codec_timer(stats, "compress"):
-            bad = _encode(flat, compressor, k, key, idx, val, transaction)
+            bad = _encode(flat, compressor, k, key, idx, val, transaction, scale)
     except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
         idx[:] = n
         val[:] = 0
@@ -177,14 +178,14 @@ def land(plan: Plan, gathered: torch.Tensor, flat: torch.Tensor, *, msg: str, de
 
 
 def _encode(flat: torch.Tensor, ef: ErrorFeedback, k: int, key: Any, idx: np.ndarray, val: np.ndarray,
-            transaction) -> bool:
+            transaction, scale: float = 1.0) -> bool:
     """The selection of ``flat`` under error feedback into ``idx`` / ``val`` (message views), its
     new residual staged in ``transaction`` as :meth:`ErrorFeedback.compress_fixed` stages it
     (committed with the step, or at once without one); returns its NaN/inf verdict (the general
     path's: the fp32 sum of the values sent)."""
     # momentum correction's velocity too, in the same pass; the input is the call's output (scratch):
     # with a lean residual storage the next residual is written over it (no buffer of its size)
-    slots = ef.open_fused(flat, key, scratch=True)
+    slots = ef.open_fused(flat, key, scratch=True, scale=scale)
     x, live = slots.x, slots.live
     nb = steady._nb()
     with nb.threads_context(x.numel()):

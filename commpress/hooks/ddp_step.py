@@ -50,9 +50,7 @@ the first iteration, nor on a resumed run's other ``bucket_cap_mb``.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -62,10 +60,11 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import CommStats, allreduce, carries_dense, joint
+from ..collectives.core import folds_scale
 from .._pool import BufferPool
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
-from ..feedback import ErrorFeedback, ResidualTransaction, nonfinite_flag
+from ..feedback import ResidualTransaction, nonfinite_flag
 from .common import Stats, Timer, all_reduce_bytes, loss_scales
 
 log = logging.getLogger("commpress")
@@ -404,18 +403,17 @@ class HookConfig:
         return mix_seed(self.seed, self.rank, step, stable_hash(key))
 
 
-def _scale_in_feedback(cfg: HookConfig, codec: Any = None, hierarchy: Any = None) -> int | None:
-    """How the unit's ``1/P`` is folded into error feedback (:meth:`ErrorFeedback.scaled_input`)
-    instead of a ``mul_`` pass, without a hierarchy (which compresses the node's sum): 0 for a
-    sparsifier (the collective compresses the unit's key exactly once), ``P`` for a gather kind
-    (its P chunk keys, each compressed once); ``None``: not folded.  ``codec`` / ``hierarchy``:
-    the unit's own with ``"auto"`` (else the configuration's)."""
+def _scale_in_feedback(cfg: HookConfig, codec: Any = None, hierarchy: Any = None) -> float | None:
+    """The unit's ``1/P`` when it is folded into error feedback's compensation pass (passed as
+    ``allreduce(prescale=)``: :func:`~commpress.collectives.core.folds_scale`) instead of a
+    ``mul_`` pass: a sparsifier or a gather kind under error feedback, without a hierarchy (which
+    compresses the node's sum); ``None``: not folded.  ``codec`` / ``hierarchy``: the unit's own
+    with ``"auto"`` (else the configuration's)."""
     if codec is None:
         codec, hierarchy = cfg.codec, cfg.hierarchy
-    if not isinstance(codec, ErrorFeedback) or hierarchy is not None:
+    if hierarchy is not None or not folds_scale(codec):
         return None
-    kind = getattr(codec.compressor, "aggregation", None)
-    return 0 if kind == "sparse" else cfg.world_size if kind == "gather" else None
+    return cfg.scale
 
 
 @dataclass
@@ -584,8 +582,7 @@ class Step:
         packable = plan is not None and [nm for nm, _, _ in plan.compressed] == unit.names
         t, store = unit_input(unit, pieces, packable, self.ctx.layout.scratch)
         cs.last_algorithm = ""
-        prescale = None
-        scaled = contextlib.nullcontext   # a new context per use (a generator's cannot be entered twice)
+        prescale = None   # the 1/P folded into the call's first pass (a cast's, error feedback's)
         codec, lowrank, hierarchy = cfg.codec, cfg.lowrank, cfg.hierarchy
         if cfg.auto is not None:  # "auto": the unit's own codec and path, chosen at the last check point
             codec, hierarchy = cfg.auto.in_force(unit), cfg.auto.hierarchy_of(unit)
@@ -593,22 +590,20 @@ class Step:
         if cfg.world_size > 1:
             if cfg.fold_scale:
                 prescale = cfg.scale
-            elif codec is not None and (chunks := _scale_in_feedback(cfg, codec, hierarchy)) is not None:
-                scaled = functools.partial(codec.scaled_input, unit.key, cfg.scale,   # rides in error feedback's pass
-                                           chunks=chunks)
-                folded = cfg.scale
+            elif codec is not None and _scale_in_feedback(cfg, codec, hierarchy) is not None:
+                prescale = folded = cfg.scale   # rides in error feedback's compensation pass
             else:
                 t.mul_(cfg.scale)
         if cfg.auto is not None:
             codec = cfg.auto.codec(unit, t, self._bucket, self.transaction, scale=folded, step=self.ctx.step)
             lowrank = codec.aggregation == "lowrank"
-        if hold and cfg.joins and prescale is None and hierarchy is None:
-            with Timer() as timer, scaled():
+        if hold and cfg.joins and not cfg.fold_scale and hierarchy is None:
+            with Timer() as timer:
                 held = joint.hold(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                                   algorithm=cfg.algorithm, stats=cs, transaction=self.transaction, dense=dense,
                                   held_bytes=sum(h.call.message.numel() for h in self.held),
                                   max_wire_s=(joint.HOLD_MAX_WIRE_S if cfg.hold_max_wire_s is None
-                                              else cfg.hold_max_wire_s))
+                                              else cfg.hold_max_wire_s), scale=folded)
             if held is not None:
                 bucket = (plan, self._buf, dense) if dense is not None else None
                 self.held.append(HeldUnit(i, held, t, store, bucket, timer.seconds,
@@ -617,7 +612,7 @@ class Step:
         # the held units ride in this call, and land as soon as their rows arrive
         riders = joint.passengers([h.call for h in self.held], self._land_held) if self.held else None
         in_comm, self._landing_s = cs.comm_seconds, 0.0
-        with Timer() as timer, scaled():
+        with Timer() as timer:
             out = allreduce(t, codec, group=cfg.group, key=unit.key, step=self.ctx.step,
                             algorithm=cfg.algorithm, stats=cs, generator=cfg.noise_seed(self.ctx.step, unit.key),
                             validate=False, transaction=self.transaction,

@@ -64,9 +64,9 @@ def _calls(lane: bool, world: int, pipelined: bool, rider: bool, bits: int, nan_
             if dense_nan and step == 2 and rank == 1:   # the riding dense part's NaN: the status carries it
                 dense[5] = float("inf")
             tx = ResidualTransaction()
-            with ef.scaled_input("unit", 1.0 / world, chunks=world):   # the hook's 1/P, folded
-                out = allreduce(t, ef, key="unit", step=step, validate=False, transaction=tx, out=t,
-                                dense=dense, stats=CommStats())
+            # the hook's 1/P, folded into error feedback's pass (each chunk's)
+            out = allreduce(t, ef, key="unit", step=step, validate=False, transaction=tx, out=t,
+                            dense=dense, stats=CommStats(), prescale=1.0 / world)
             tx.commit()
             results.append(out.clone())
             dense_sums.append(None if dense is None else dense.clone())

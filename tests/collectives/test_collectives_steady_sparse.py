@@ -63,9 +63,9 @@ def _calls(lane: bool, world: int, rider: bool, n: int = N, momentum: float = 0.
                 dense[5] = float("inf")
             k = ef.compressor.capacity(n, step)
             tx = ResidualTransaction()
-            with ef.scaled_input("b", 1.0 / world):   # the hook's 1/P, folded
-                out = allreduce(t, ef, key="b", step=step, validate=False, transaction=tx, out=t, dense=dense,
-                                stats=CommStats())
+            # the hook's 1/P, folded into error feedback's pass
+            out = allreduce(t, ef, key="b", step=step, validate=False, transaction=tx, out=t, dense=dense,
+                            stats=CommStats(), prescale=1.0 / world)
             tx.commit()
             # the selection's message, its meaningful bytes; a whole-tensor send's, its width
             sent[-1] = (_meaningful(sent[-1], k, dense) if sent[-1].numel() == _selection_width(k, dense)

@@ -133,7 +133,7 @@ def test_unsaveable_key_is_a_type_error():
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_send_whole_is_the_compensation_and_empties_the_residual(momentum, scale):
-    """send_whole writes what compensate returns (the scaled_input scale included) and leaves a
+    """send_whole writes what compensate returns (the input's scale included) and leaves a
     zero residual; with masking, a zero velocity."""
     import commpress
 
@@ -144,11 +144,9 @@ def test_send_whole_is_the_compensation_and_empties_the_residual(momentum, scale
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     a, b = fresh(), fresh()
-    with a.scaled_input("k", scale):
-        want = a.compensate(x, "k").clone()
+    want = a.compensate(x, "k", scale=scale).clone()
     out = torch.empty(1000)
-    with b.scaled_input("k", scale):
-        bad = b.send_whole(x, "k", out)
+    bad = b.send_whole(x, "k", out, scale=scale)
     assert not bool(bad) and torch.equal(out, want)
     assert torch.count_nonzero(b.residual("k")) == 0
     if momentum:
@@ -229,8 +227,7 @@ def test_blockquant_fused_feedback_is_the_separate_passes(monkeypatch, momentum,
             x = torch.randn(1000, generator=torch.Generator().manual_seed(step))
             if step == 2:
                 x[5] = float("nan")
-            with ef.scaled_input("k", scale):
-                p = ef.compress_fixed(x, key="k", step=step)
+            p = ef.compress_fixed(x, key="k", step=step, scale=scale)
             seen.append((p.tensors, bool(p.nonfinite), ef.residual("k").clone()))
         monkeypatch.undo()
         return seen

@@ -1,12 +1,12 @@
 """topk's error feedback in one pass (``TopK.compress_feedback`` ->
 ``ops.topk_compact_feedback``) and the input scale folded into it
-(``ErrorFeedback.scaled_input``, the DDP hook's ``1/P``).
+(``ErrorFeedback.compress(..., scale=)``, the DDP hook's ``1/P``).
 
 * the fused path is bitwise the compensate-then-select path (payload, residual, verdict),
   on the numba and the torch backend, NaN/inf steps included;
-* ``scaled_input(key, s)`` is bitwise ``tensor * s`` compressed the old way, for
+* ``compress(tensor, scale=s)`` is bitwise ``tensor * s`` compressed the old way, for
   s = 1/2, 1/4 (and 1/3 where the path rounds the product on its own), with and without
-  momentum correction, and it scales only one compress of that key on this thread;
+  momentum correction;
 * the residual is exactly ``x*s + beta*r`` minus what was sent;
 * qsgd, terngrad, signsgd and fp16 with fused error feedback are bitwise the separate passes.
 """
@@ -89,8 +89,7 @@ def test_fused_numba_equals_fused_torch_with_beta_and_scale(monkeypatch):
         ef = commpress.ErrorFeedback(TopK(0.05, density_warmup=0), beta=0.7)
         out = []
         for step, x in _steps():
-            with ef.scaled_input("k", 1 / 3):
-                p = ef.compress_fixed(x, step=step, key="k")
+            p = ef.compress_fixed(x, step=step, key="k", scale=1 / 3)
             out.append((p, ef.residual("k").clone()))
         runs[backend] = out
     for (pa, ra), (pb, rb) in zip(runs["numba"], runs["torch"]):
@@ -105,28 +104,27 @@ def test_fused_numba_equals_fused_torch_with_beta_and_scale(monkeypatch):
     (lambda: UnfusedDGC(0.02, density_warmup=0), (0.5, 0.25)),
 ])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_scaled_input_is_bitwise_the_multiplied_input(compressor, scales, momentum):
+def test_scale_is_bitwise_the_multiplied_input(compressor, scales, momentum):
     for s in scales:
         folded = commpress.ErrorFeedback(compressor(), momentum=momentum)
         before = commpress.ErrorFeedback(compressor(), momentum=momentum)
         for step, x in _steps(poison_at=-1):
-            with folded.scaled_input("k", s):
-                a = folded.compress_fixed(x, step=step, key="k")
+            a = folded.compress_fixed(x, step=step, key="k", scale=s)
             b = before.compress_fixed(x.clone().mul_(s), step=step, key="k")  # the hook's old mul_
             _same(a, b, f"scale {s} step {step} momentum {momentum}")
             assert torch.equal(_bits(folded.residual("k")), _bits(before.residual("k")))
 
 
-def test_scaled_input_scales_one_compress_of_its_key():
+def test_scale_is_an_argument_of_one_call():
     ef = commpress.ErrorFeedback(TopK(0.5, density_warmup=0))
     ref = commpress.ErrorFeedback(TopK(0.5, density_warmup=0))
     x = torch.randn(64, generator=torch.Generator().manual_seed(1))
-    with ef.scaled_input("a", 0.5):
-        _same(ef.compress(x, key="b"), ref.compress(x, key="b"), "another key is not scaled")
-        _same(ef.compress(x, key="a"), ref.compress(x * 0.5, key="a"), "the key is scaled")
-        _same(ef.compress(x, key="a"), ref.compress(x, key="a"), "only once")
-    _same(ef.compress(x, key="a"), ref.compress(x, key="a"), "not after the block")
-    assert not ef._input_scales
+    _same(ef.compress(x, key="a", scale=0.5), ref.compress(x * 0.5, key="a"), "the call is scaled")
+    _same(ef.compress(x, key="a"), ref.compress(x, key="a"), "the next one is not")
+    _same(ef.compress(x.half(), key="h", scale=0.5), ref.compress(x.half() * 0.5, key="h"), "fp16: multiplied first")
+    for bad in (float("nan"), float("inf"), True, "0.5"):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            ef.compress(x, key="a", scale=bad)
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
@@ -143,8 +141,7 @@ def test_fused_residual_is_exactly_what_was_not_sent(make, n, backend, monkeypat
     for step, x in _steps(n=n, poison_at=-1):
         r = ef.residual("k")
         r = torch.zeros_like(x) if r is None else r.clone()
-        with ef.scaled_input("k", 0.25):
-            p = ef.compress_fixed(x, step=step, key="k")
+        p = ef.compress_fixed(x, step=step, key="k", scale=0.25)
         sent = ef.decompress(p)
         assert torch.equal(sent + ef.residual("k"), x * 0.25 + r)
         idx = p.tensors[0].long()

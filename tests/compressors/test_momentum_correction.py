@@ -217,8 +217,7 @@ def test_the_velocity_joins_the_fused_pass(name, params, monkeypatch):
     for t, g in enumerate(_grads(4, (3000,))):
         half = g * 0.5
         u = half if u is None else torch.add(half, u, alpha=m)
-        with ef.scaled_input("k", 0.5):
-            ef.compress(g, step=t, key="k")
+        ef.compress(g, step=t, key="k", scale=0.5)
         assert torch.equal(ef.velocity("k"), u), t
 
 
@@ -237,8 +236,7 @@ def test_dgc_fuses_the_velocity_into_its_fixed_wire_and_its_sample(monkeypatch):
         out = []
         for t, g in enumerate(_grads(5, (20_000,)) + _grads(3, (300,), seed=1)):
             key = "big" if g.numel() > 1000 else "small"
-            with ef.scaled_input(key, 0.5):
-                p = ef.compress_fixed(g, step=t, key=key)
+            p = ef.compress_fixed(g, step=t, key=key, scale=0.5)
             out.append([x.clone() for x in p.tensors] + [ef.residual(key).clone(), ef.velocity(key).clone()])
         runs[fused] = out
     for a, b in zip(runs[True], runs[False]):

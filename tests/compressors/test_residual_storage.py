@@ -158,8 +158,7 @@ def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, m
         outs = []
         for scratch, ef in zip((False, True), efs):
             x = _x(n, 10 + step) * (step + 1)
-            with ef.scaled_input("w", 0.5):
-                slots = ef.open_fused(x, "w", scratch=scratch)
+            slots = ef.open_fused(x, "w", scratch=scratch, scale=0.5)
             if kind == "topk":
                 idx, bits_ = nb.topk_feedback_arrays(slots.x.numpy(), None if slots.live is None
                                                      else slots.live.view(-1).numpy(), ef.beta, slots.scale, k,
