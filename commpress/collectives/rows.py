@@ -41,6 +41,10 @@ collective) and every rank must make it alike.  On CPU tensors that read is free
 on CUDA it waits for that all_gather only.  The bytes are judged there too: a bad input or a
 configuration that differs on any rank raises :class:`~.wire.CollectiveInputError` on every rank.
 
+**In place.**  ``out=tensor`` writes the sum into the input (a DDP bucket's view): only the rows
+this rank sent are zeroed before the others' land, so no pass over the whole tensor beyond
+finding its nonzero rows.
+
 **Static facts** (shape, dtype, capacities, algorithm) are agreed by one header ``all_gather``
 the first time a ``(group, key, facts)`` is seen, as :func:`~.validate.check_once` does; a key
 whose facts change on one rank only must not be used.
@@ -57,7 +61,7 @@ from .accounting import CommStats, codec_timer
 from .sparse import acc_dtype, hash_domain, wire_index_dtype
 from .wire import DTYPES, E_DTYPE, E_MISUSE, E_SHAPE, ERRORS, CollectiveInputError, Layout, align8, dtype_code
 
-__all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_costs", "rows_allreduce"]
+__all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_bytes", "row_costs", "rows_allreduce"]
 
 ROW_ALGORITHMS = ("allgather", "hashed")
 
@@ -106,6 +110,23 @@ def _widths(world: int, dim: int, value_bytes: int, index_bytes: int, capacity: 
         return wire.STATUS_BYTES + align8(8 * meta) + align8(index_bytes * c) + align8(value_bytes * dim * c)
     return {"allgather": slots(capacity, 1 + world), "a2a": slots(owner_capacity, 1),
             "owners": slots(union_capacity, 3 + world)}
+
+
+def row_bytes(world: int, rows: int, dim: int, dtype: torch.dtype, capacity: int, owner_capacity: int,
+              union_capacity: int) -> dict[str, float]:
+    """Bytes one rank sends in a call without overflow: ``"allgather"``, ``"hashed"`` and a dense
+    ring ``"dense"`` all_reduce of the same tensor (:mod:`.accounting`'s convention).
+
+    Args:
+        world: ranks ``P``.
+        rows, dim, dtype: the tensor.
+        capacity: rows per rank of ``"allgather"``'s first round.
+        owner_capacity, union_capacity: ``"hashed"``'s slots per (rank, owner) and per owner.
+    """
+    vb = torch.empty((), dtype=dtype).element_size()
+    w = _widths(world, dim, vb, wire_index_dtype(rows + 1).itemsize, capacity, owner_capacity, union_capacity)
+    return {"allgather": (world - 1) * w["allgather"], "hashed": (world - 1) * (w["a2a"] + w["owners"]),
+            "dense": 2 * rows * dim * vb * (world - 1) / world}
 
 
 def row_costs(world: int, rows: int, dim: int, capacity: int, owner_capacity: int, union_capacity: int,

@@ -29,7 +29,7 @@ Typical use by a hook, each step::
     plan.begin_step()
     for name, p in plan.items():
         if plan.path(name) == "rows":
-            result = rows_allreduce(p.grad, key=name, group=group, **plan.capacities(name))
+            result = rows_allreduce(p.grad, key=name, group=group, out=p.grad, **plan.capacities(name))
             plan.record(name, result)
         else:
             plan.observe(name, p.grad)          # measured on measuring steps only
@@ -48,8 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives.rows import RowsResult, _widths, nonzero_rows
-from ..collectives.sparse import wire_index_dtype
+from ..collectives.rows import RowsResult, nonzero_rows, row_bytes
 
 __all__ = ["SparseRows", "RowPlan", "capacity_ladder", "check_no_sparse_embeddings", "rows_cheaper"]
 
@@ -97,10 +96,8 @@ def rows_cheaper(world: int, rows: int, dim: int, dtype: torch.dtype, capacity: 
         capacity, owner_capacity, union_capacity: the capacities the rows call would use.
         margin: the fraction of the dense bytes the rows must stay under.
     """
-    vb = torch.empty((), dtype=dtype).element_size()
-    w = _widths(world, dim, vb, wire_index_dtype(rows + 1).itemsize, capacity, owner_capacity, union_capacity)
-    rows_bytes = (world - 1) * min(w["allgather"], w["a2a"] + w["owners"])
-    dense_bytes = 2 * rows * dim * vb * (world - 1) / world
+    b = row_bytes(world, rows, dim, dtype, capacity, owner_capacity, union_capacity)
+    rows_bytes, dense_bytes = min(b["allgather"], b["hashed"]), b["dense"]
     return rows_bytes < margin * dense_bytes
 
 

@@ -18,7 +18,7 @@ from distributed import run
 from commpress.collectives import CollectiveInputError, CommStats, set_cost_model
 from commpress.ops import hash_owner
 from commpress.collectives.costmodel import CostModel
-from commpress.collectives.rows import ROW_ALGORITHMS, nonzero_rows, row_costs, rows_allreduce
+from commpress.collectives.rows import ROW_ALGORITHMS, nonzero_rows, row_bytes, row_costs, rows_allreduce
 
 ROWS, D = 101, 6
 #: how the ranks' rows relate: none shared, some shared, all the same rows
@@ -183,6 +183,7 @@ def test_rows_half_nan_zero_rounds_bytes_and_auto(world):
     rounds, sent, calls, algo, over = first[("stats", "allgather", 9)]
     assert (rounds, calls, algo, over) == (1, 1, "rows_allgather", 0)
     assert sent == (world - 1) * _width(world, 9, 1 + world)
+    assert sent == row_bytes(world, ROWS, D, torch.float32, 9, 0, 0)["allgather"]
     rounds, sent, calls, algo, over = first[("stats", "allgather", 2)]
     assert (rounds, over) == (2, 1)
     extra = max(counts) - 2
@@ -191,6 +192,7 @@ def test_rows_half_nan_zero_rounds_bytes_and_auto(world):
     assert (rounds, algo, over) == (2, "rows_hashed", 0)
     ocap = -(-36 // world)   # the default owner and union capacities: ceil(capacity / P)
     assert sent == (world - 1) * (_width(world, ocap, 1) + _width(world, ocap, 3 + world))
+    assert sent == row_bytes(world, ROWS, D, torch.float32, 36, ocap, ocap)["hashed"]
     assert first[("stats", "hashed", 4)][0] == 3 and first[("stats", "hashed", 4)][4] == 1
     assert all(v for k, v in first.items() if k[0] == "out"), {k: v for k, v in first.items() if k[0] == "out"}
     model = CostModel(1e-5, 1e-9, 1e-9, 1e-10)
