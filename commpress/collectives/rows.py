@@ -58,7 +58,8 @@ import torch
 
 from . import _comm, costmodel, wire
 from .accounting import CommStats, codec_timer
-from .sparse import acc_dtype, hash_domain, wire_index_dtype
+from ..ops import reference
+from .sparse import acc_dtype, wire_index_dtype
 from .wire import DTYPES, E_DTYPE, E_MISUSE, E_SHAPE, ERRORS, CollectiveInputError, Layout, align8, dtype_code
 
 __all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_bytes", "row_costs", "rows_allreduce"]
@@ -311,23 +312,26 @@ def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill_((idx >= n).unsqueeze(1), 0)
 
 
-_OWNERS = _comm.BoundedCache(4)   # (rows, world, device) -> (hash owner of each row, owner of each sorted slot)
+_OWNERS = _comm.BoundedCache(4)   # (rows, world, device) -> _owners(...)
 
 
 def _owners(n: int, world: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Per row its hash owner; the rows grouped by owner (ascending within :func:`~.sparse.hash_domain`),
-    the owner of each grouped position and the group offsets.  Cached per ``(rows, P, device)``."""
-    order, offs = hash_domain(n, world, device)
+    """Per row its hash owner (:func:`commpress.ops.hash_owner`, as the element-level ``"hashed"``
+    sum); the rows grouped by owner, ascending within a group; the owner of each grouped position;
+    the group offsets.  Computed once per ``(rows, P, device)`` and cached, with the torch reference
+    of the hash (a sort of the rows: no kernel compiled in every rank process for a one-off)."""
     key = (n, world, str(device))
     found = _OWNERS.get(key)
     if found is None:
-        sizes = torch.tensor([offs[o + 1] - offs[o] for o in range(world)], device=device)
-        seg = torch.repeat_interleave(torch.arange(world, device=device), sizes)
-        owner = torch.empty(n, dtype=torch.int64, device=device)
-        owner[order] = seg
-        found = (owner, seg)
+        owner = reference.hash_owner(torch.arange(n, device=device), world)
+        seg, order = torch.sort(owner, stable=True)
+        sizes = torch.bincount(owner, minlength=world).tolist()
+        offs = [0]
+        for c in sizes:
+            offs.append(offs[-1] + c)
+        found = (owner, order, seg, offs)
         _OWNERS.put(key, found)
-    return found[0], order, found[1], offs
+    return found
 
 
 def _owner_counts(mask: torch.Tensor, world: int) -> torch.Tensor:

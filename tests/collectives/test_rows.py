@@ -16,7 +16,7 @@ import torch.distributed as dist
 from distributed import run
 
 from commpress.collectives import CollectiveInputError, CommStats, set_cost_model
-from commpress.ops import hash_owner
+from commpress.ops.reference import hash_owner
 from commpress.collectives.costmodel import CostModel
 from commpress.collectives.rows import ROW_ALGORITHMS, nonzero_rows, row_bytes, row_costs, rows_allreduce
 
