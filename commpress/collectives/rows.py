@@ -344,7 +344,12 @@ def _host_meta(gathered: torch.Tensor, layout: Layout, sig: int, what: str) -> l
     """The one host read: every rank's status word (judged: raises on every rank) and counts."""
     _, _, off, nb = layout.specs[0]
     head = gathered[:, :off + nb].cpu().numpy()
-    wire.judge_bytes(head[:, :wire.STATUS_BYTES].view("int32"), sig, what)
+    status = head[:, :wire.STATUS_BYTES].view("int32")
+    sigs = status[:, 1].tolist()
+    if len(set(sigs)) > 1:   # first: a hashed owner forwards a sender's mismatch as an error flag
+        raise CollectiveInputError(f"{what}: shape, dtype, capacities or algorithm differ across ranks "
+                                   f"(signatures {sigs})")
+    wire.judge_bytes(status, sig, what)
     return head[:, off:off + nb].view("int64").tolist()
 
 

@@ -242,6 +242,14 @@ def _bad(rank: int, world: int) -> dict:
         out["steady"] = None
     except CollectiveInputError as exc:
         out["steady"] = str(exc)
+    for cap in (1, 2):   # the same for the hashed path: its all_to_all pieces carry the status too
+        rows_allreduce(narrow, owner_capacity=cap, union_capacity=cap, algorithm="hashed", key="steady-hashed")
+    try:
+        cap = 1 + (rank == world - 1)
+        rows_allreduce(narrow, owner_capacity=cap, union_capacity=cap, algorithm="hashed", key="steady-hashed")
+        out["steady-hashed"] = None
+    except CollectiveInputError as exc:
+        out["steady-hashed"] = str(exc)
     out["after"] = rows_allreduce(_data(rank, "disjoint", 0), algorithm="allgather", key="after").sum
     return out
 
@@ -251,7 +259,8 @@ def test_bad_input_raises_on_every_rank():
     world = 3
     results = run(_bad, world, timeout=80)
     expect = {"1-D": "bad shape", "int": "unsupported dtype", "shape": "rows differs", "dtype": "dtype differs",
-              "capacity": "compressor misuse", "algorithm": "compressor misuse", "steady": "configuration differs"}
+              "capacity": "compressor misuse", "algorithm": "compressor misuse", "steady": "capacities or algorithm differ",
+              "steady-hashed": "capacities or algorithm differ"}
     for rank, res in enumerate(results):
         for name, text in expect.items():
             assert res[name] is not None and text in res[name], (rank, name, res[name])
