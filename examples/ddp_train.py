@@ -85,20 +85,17 @@ def newest_complete(folder: str, world: int) -> int | None:
     return max(done, default=None)
 
 
-def save(folder: str, step: int, model: DDP, opt: torch.optim.Optimizer, state: Any) -> None:
-    """Write this rank's checkpoint at ``step`` atomically, then (once every rank has) drop older ones.
+def write_checkpoint(folder: str, step: int, blob: dict[str, Any]) -> None:
+    """Write this rank's ``blob`` as its checkpoint at ``step`` atomically, then (once every rank
+    has written its own) delete this rank's older ones.  Collective (a barrier).
 
     Args:
         folder: the checkpoint folder (shared by every node).
         step: steps done.
-        model: the DDP model.
-        opt: its optimizer.
-        state: the commpress hook state (``state_dict()`` per rank).
+        blob: what to save (tensors, numbers, strings, lists, dicts: ``weights_only`` loads it).
     """
     rank = dist.get_rank()
     os.makedirs(folder, exist_ok=True)
-    blob = {"step": step, "model": model.module.state_dict(), "opt": opt.state_dict(),
-            "commpress": state.state_dict(), "rng": torch.get_rng_state()}
     path = ckpt_file(folder, step, rank)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -113,6 +110,33 @@ def save(folder: str, step: int, model: DDP, opt: torch.optim.Optimizer, state: 
             os.remove(os.path.join(folder, name))
 
 
+def agreed_newest(folder: str) -> int | None:
+    """The newest checkpoint step of ``folder`` complete for every rank, the same on every rank
+    (an ``all_reduce`` MIN); None when there is none.  Collective.
+
+    Args:
+        folder: the checkpoint folder.
+    """
+    newest = newest_complete(folder, dist.get_world_size())
+    agreed = torch.tensor([-1 if newest is None else newest])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return None if int(agreed) < 0 else int(agreed)
+
+
+def save(folder: str, step: int, model: DDP, opt: torch.optim.Optimizer, state: Any) -> None:
+    """This rank's checkpoint at ``step``: model, optimizer, hook state, RNG state, the step.
+
+    Args:
+        folder: the checkpoint folder (shared by every node).
+        step: steps done.
+        model: the DDP model.
+        opt: its optimizer.
+        state: the commpress hook state (``state_dict()`` per rank).
+    """
+    write_checkpoint(folder, step, {"step": step, "model": model.module.state_dict(), "opt": opt.state_dict(),
+                                    "commpress": state.state_dict(), "rng": torch.get_rng_state()})
+
+
 def resume(folder: str, model: DDP, opt: torch.optim.Optimizer, state: Any) -> int:
     """Load the newest complete checkpoint of ``folder`` (agreed by every rank); the step to start at.
 
@@ -122,13 +146,10 @@ def resume(folder: str, model: DDP, opt: torch.optim.Optimizer, state: Any) -> i
         opt: its optimizer.
         state: the commpress hook state (its own rank's state is loaded; applied when it binds).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    newest = newest_complete(folder, world)
-    agreed = torch.tensor([-1 if newest is None else newest])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)      # every rank resumes the same step
-    if int(agreed) < 0:
+    step = agreed_newest(folder)
+    if step is None:
         return 0
-    ckpt = torch.load(ckpt_file(folder, int(agreed), rank), weights_only=True)
+    ckpt = torch.load(ckpt_file(folder, step, dist.get_rank()), weights_only=True)
     model.module.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     # per rank; applied (and checked against this run's configuration) when the state binds

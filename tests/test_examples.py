@@ -90,11 +90,25 @@ def test_ddp_example_trains_and_resumes_bitwise(tmp_path):
     assert whole["replicas-identical"] == "True"
 
 
-@pytest.mark.timeout(300)
-def test_fsdp_example_trains_compressed(tmp_path):
-    res = _result(run_ranks("fsdp_train.py", ["--steps", "6", "--all-gather"], tmp_path))
+@pytest.mark.timeout(600)
+def test_fsdp_example_trains_compressed_and_resumes_bitwise(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    whole_ranks = start_ranks("fsdp_train.py", ["--steps", "6", "--all-gather"], tmp_path)
+    half_ranks = start_ranks("fsdp_train.py", ["--steps", "3", "--all-gather", "--ckpt", str(ckpt)], tmp_path)
+    try:
+        res = _result(finish_ranks(whole_ranks, "fsdp_train.py"))
+        half = _result(finish_ranks(half_ranks, "fsdp_train.py"))
+    finally:
+        for p in half_ranks:
+            if p.poll() is None:
+                p.kill()
     assert float(res["ratio"].rstrip("x")) > 2.0
     assert float(res["loss"]) == float(res["loss"])   # finite, not NaN
+    assert (ckpt / "step00000003-rank0.pt").exists() and (ckpt / "step00000003-rank1.pt").exists()
+    resumed = _result(run_ranks("fsdp_train.py", ["--steps", "6", "--all-gather", "--ckpt", str(ckpt)], tmp_path))
+    assert half["params-crc32"] != res["params-crc32"]
+    for key in ("params-crc32", "opt-crc32", "hook-crc32", "loss"):   # every rank's shards, bitwise
+        assert resumed[key] == res[key], key
 
 
 @pytest.mark.timeout(300)
