@@ -46,8 +46,11 @@ this rank sent are zeroed before the others' land, so no pass over the whole ten
 finding its nonzero rows.
 
 **Static facts** (shape, dtype, capacities, algorithm) are agreed by one header ``all_gather``
-the first time a ``(group, key, facts)`` is seen, as :func:`~.validate.check_once` does; a key
-whose facts change on one rank only must not be used.
+the first time a ``(group, key, facts)`` is seen, as :func:`~.validate.check_once` does.  Later,
+facts that differ across ranks (say one rank's capacity) are caught by the status words' signature
+on every rank where the messages have the same size; where they do not, gloo aborts the rank that
+receives more than it expected ("Received data size doesn't match"), so every rank must pass the
+same capacities (:class:`~commpress.hooks.sparse_rows.SparseRows` derives them from gathered counts).
 """
 
 from __future__ import annotations
