@@ -5,7 +5,8 @@ ranks of ``x``, computed from each rank's *nonzero rows* only (a row is sent whe
 elements is ``!= 0``; NaN rows are sent and propagate).  The result equals the dense all-reduce
 up to fp32 summation order (exactly where no row is nonzero on two ranks), is **bitwise
 identical on every rank** (every rank applies the same gathered bytes in the same order) and
-deterministic.  fp16 / bf16 rows are summed in fp32 and rounded once.
+deterministic.  fp16 / bf16 rows are summed in fp32 and rounded once (``"hashed"``: the owners'
+sums travel in the input's dtype, so rounded once more where an overflow round adds to them).
 
 What goes on the wire (``P`` ranks; an *entry* is an int32 row index, int64 from ``2**31`` rows,
 plus a row of ``D`` values in ``x``'s dtype; every message starts with :mod:`.wire`'s status word

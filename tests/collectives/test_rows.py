@@ -146,6 +146,7 @@ def _special(rank: int, world: int) -> dict:
         into = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=key, out=other).sum
         inplace = rows_allreduce(x, capacity=cap, algorithm=algorithm, key=key, out=x).sum
         out[key] = (torch.equal(fresh, into) and into is other and torch.equal(fresh, inplace) and inplace is x)
+    out["calibrated"] = rows_allreduce(x, capacity=9, key="calibrated").algorithm   # "auto", measured model
     set_cost_model(1e-5, 1e-9, 1e-9, 1e-10)
     for cap, ocap, ucap in ((40, 10, 10), (40, 40, 160), (9, 3, 3)):
         res = rows_allreduce(x, capacity=cap, owner_capacity=ocap, union_capacity=ucap, key=("auto", cap, ocap, ucap))
@@ -195,6 +196,8 @@ def test_rows_half_nan_zero_rounds_bytes_and_auto(world):
     assert sent == row_bytes(world, ROWS, D, torch.float32, 36, ocap, ocap)["hashed"]
     assert first[("stats", "hashed", 4)][0] == 3 and first[("stats", "hashed", 4)][4] == 1
     assert all(v for k, v in first.items() if k[0] == "out"), {k: v for k, v in first.items() if k[0] == "out"}
+    if world == 2:   # the hashed path's messages, bytes and sums are all more at P=2: any model agrees
+        assert first["calibrated"] == "allgather"
     model = CostModel(1e-5, 1e-9, 1e-9, 1e-10)
     for (cap, ocap, ucap) in ((40, 10, 10), (40, 40, 160), (9, 3, 3)):
         costs = row_costs(world, ROWS, D, cap, ocap, ucap, 4, 4, model)
