@@ -370,7 +370,7 @@ def _target(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, bo
     adt = acc_dtype(x.dtype)
     if out is None or out.dtype != adt:
         return torch.zeros(x.shape, dtype=adt, device=x.device), False
-    if out.data_ptr() == x.data_ptr():
+    if out.data_ptr() == x.data_ptr() and out.stride() == x.stride():
         return out, True
     return out.zero_(), False
 
