@@ -25,6 +25,7 @@ SUITES = {
               "or one per bucket",
     "memory": "bytes per parameter the hooks keep: stats.memory_overhead_bytes against the RSS slope over "
               "two model sizes, DDP and FSDP2 vs plain and PyTorch's PowerSGD (--configs, --sizes 1024,2048)",
+    "advisecheck": "python -m commpress.advise's predicted step times against measured ones on emulated clusters",
     "multinode": "torchrun across emulated nodes (namespaces, c10d rendezvous), SIGKILL + elastic bitwise resume",
     "sweep": "training sweep: every compression config on digits + a char LM, time to accuracy "
              "(--quick, --net 1gbit)",
