@@ -634,7 +634,8 @@ class ErrorFeedback(Compressor):
 
     # -- compress ----------------------------------------------------------
     def compress(self, tensor, *, step=0, key=0, generator=None,
-                 transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
+                 transaction: ResidualTransaction | None = None, scale: float = 1.0,
+                 scratch: bool = False) -> Payload:
         """The payload of ``tensor * scale`` plus the residual of ``key`` (see the class).
 
         Args:
@@ -645,17 +646,24 @@ class ErrorFeedback(Compressor):
             transaction: stages the residual update for a later commit (else committed at once).
             scale: the input's factor, folded into the compensation pass (a DDP hook's ``1/P``):
                 no pass of its own for fp32 input.
+            scratch: the caller does not read ``tensor`` after the call (a collective whose
+                output overwrites it, FSDP2's reduce-scatter input): with a lean ``storage``
+                the compensation and the next residual are computed in it, so no fp32 buffer
+                of the key's size is kept (gather kinds still decode the payload into one).
         """
-        return self._compress(tensor, step, key, generator, transaction, fixed=False, scale=scale)
+        return self._compress(tensor, step, key, generator, transaction, fixed=False, scale=scale,
+                              scratch=scratch)
 
     def compress_fixed(self, tensor, *, step=0, key=0, generator=None,
-                       transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
+                       transaction: ResidualTransaction | None = None, scale: float = 1.0,
+                       scratch: bool = False) -> Payload:
         """As :meth:`compress` with the inner compressor's fixed-size wire format
         (:meth:`Compressor.compress_fixed`): what the collectives send."""
-        return self._compress(tensor, step, key, generator, transaction, fixed=True, scale=scale)
+        return self._compress(tensor, step, key, generator, transaction, fixed=True, scale=scale, scratch=scratch)
 
     def compress_whole(self, tensor: torch.Tensor, codec: Compressor, *, step: int = 0, key: Any = 0,
-                       transaction: ResidualTransaction | None = None, scale: float = 1.0) -> Payload:
+                       transaction: ResidualTransaction | None = None, scale: float = 1.0,
+                       scratch: bool = False) -> Payload:
         """The whole compensated tensor (``x + beta * residual(key)``, with momentum correction as
         in :meth:`compensate`) compressed by ``codec``, a deterministic ``"gather"`` compressor
         other than this one's (a sparsifier's warm-up sends it block-quantized rather than a
@@ -666,14 +674,19 @@ class ErrorFeedback(Compressor):
         local NaN/inf flag."""
         if getattr(codec, "aggregation", None) != "gather" or not getattr(codec, "deterministic", False):
             raise TypeError(f"compress_whole: codec must be a deterministic gather compressor, got {codec!r}")
-        return self._compress(tensor, step, key, None, transaction, fixed=True, inner=codec, scale=scale)
+        return self._compress(tensor, step, key, None, transaction, fixed=True, inner=codec, scale=scale,
+                              scratch=scratch)
 
     def _compress(self, tensor, step, key, generator, transaction, fixed: bool, inner=None,
-                  scale: float = 1.0) -> Payload:
+                  scale: float = 1.0, scratch: bool = False) -> Payload:
         self.check_input(tensor)
         x, scale = self._scaled(tensor, scale)
         whole = inner is not None   # another codec over every coordinate (:meth:`compress_whole`)
         inner = inner if whole else self.compressor
+        if (scratch and self.storage != "fp32" and x is tensor and x.dtype == torch.float32
+                and x.is_contiguous()):   # compensated in the caller's input, the next residual over it
+            return self._compress_generic(self._open_in_place(x, key, scale).x, inner, step, key, generator,
+                                          transaction, fixed, whole)
         velocity = {}
         if self.momentum:
             if self.clip is None and inner.fuses_velocity(x, fixed):   # the velocity joins the fused pass
@@ -686,8 +699,14 @@ class ErrorFeedback(Compressor):
                                                       step=step, key=key, fixed=fixed, scale=scale, **velocity,
                                                       **({} if inner.deterministic else {"generator": generator}))
             return self._stage(key, payload, ~finite, transaction, whole)
-        c = self._add_residual(x, key, scale)
-        if isinstance(inner, SparseCompressor) and tensor.dtype == torch.float32:
+        return self._compress_generic(self._add_residual(x, key, scale), inner, step, key, generator, transaction,
+                                      fixed, whole, tensor.dtype)
+
+    def _compress_generic(self, c, inner, step, key, generator, transaction, fixed: bool, whole: bool,
+                          dtype: torch.dtype = torch.float32) -> Payload:
+        """Compress the compensated ``c`` (fp32; ``dtype``: the input's) with ``inner``, leave the
+        next residual in ``c`` and stage it."""
+        if isinstance(inner, SparseCompressor) and dtype == torch.float32:
             # one fused pass: the selection leaves c with the kept entries zeroed (the residual)
             run = inner.compress_fixed_with_residual if fixed else inner.compress_with_residual
             # a selection that always keeps NaN/inf first (topk) shows them in its values:
@@ -698,7 +717,7 @@ class ErrorFeedback(Compressor):
                 local_bad = nonfinite_flag(payload.tensors[1])
         else:
             local_bad = nonfinite_flag(c)
-            src = c if tensor.dtype == torch.float32 else c.to(tensor.dtype)
+            src = c if dtype == torch.float32 else c.to(dtype)
             run = inner.compress_fixed if fixed else inner.compress
             payload = run(src, step=step, key=key, generator=generator)
             payload = _detach_from(payload, c)
@@ -721,7 +740,8 @@ class ErrorFeedback(Compressor):
         return dataclasses.replace(payload, nonfinite=local_bad)
 
     def send_whole(self, tensor: torch.Tensor, key: Any, out: torch.Tensor,
-                   transaction: ResidualTransaction | None = None, scale: float = 1.0) -> torch.Tensor:
+                   transaction: ResidualTransaction | None = None, scale: float = 1.0,
+                   scratch: bool = False) -> torch.Tensor:
         """Write the whole compensated tensor ``x + beta * residual(key)`` (``x`` with momentum
         correction as in :meth:`compensate`) into ``out`` (``tensor.numel()`` elements), for a
         caller that sends it uncompressed.  ``out`` in fp32: the key's pending residual is zero
@@ -729,12 +749,23 @@ class ErrorFeedback(Compressor):
         sent).  ``out`` in a narrower float dtype (bf16, fp16): ``out`` gets the compensated
         tensor rounded to it and the pending residual keeps the rounding error, as for any
         other compressor.  Staged in ``transaction`` when given, else committed at once; a
-        non-finite input keeps the old residual.  Returns the local non-finite flag (0-d bool)."""
+        non-finite input keeps the old residual.  Returns the local non-finite flag (0-d bool).
+        ``scale`` and ``scratch`` as for :meth:`compress`; with a lean ``storage`` no fp32 buffer of
+        the key's size is kept for fp32 ``out`` (nor for a narrower one with ``scratch``)."""
         self.check_input(tensor)
         if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"send_whole: out must be fp32, fp16 or bf16, got {out.dtype}")
-        tensor, scale = self._scaled(tensor, scale)
+        x, scale = self._scaled(tensor, scale)
         exact = out.dtype == torch.float32
+        lean = (self.storage != "fp32" and x.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()
+                and (exact or (scratch and x is tensor)))
+        if lean:   # compensated in out (exact) or in the input (scratch): no buffer of the key's size
+            c = self._open_in_place(out.view(x.shape).copy_(x) if exact else x, key, scale).x
+            if not exact:
+                out.view(c.shape).copy_(c)   # the rounded message
+                c.sub_(out.view(c.shape))    # the next residual: compensated - what was sent
+            return self._stage_whole(key, nonfinite_flag(c if exact else out), transaction, zero=exact)
+        tensor = x
         dst = out if exact else None   # narrower: compensate into the pending slot, then round
         if self.momentum:
             dst = self._add_residual(self._accumulate(tensor, key, scale), key, out=dst)
@@ -745,8 +776,23 @@ class ErrorFeedback(Compressor):
         else:
             out.view(dst.shape).copy_(dst)           # the rounded message
             dst.sub_(out.view(dst.shape))            # pending := compensated - what was sent
-        bad = nonfinite_flag(dst if exact else out)
-        self._seal(key)
+        return self._stage_whole(key, nonfinite_flag(dst if exact else out), transaction)
+
+    def _stage_whole(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None,
+                     zero: bool = False) -> torch.Tensor:
+        """:meth:`send_whole`'s end: seal (``zero``: a lean store of zeros, nothing owed) and stage
+        (or commit) the next residual, every coordinate sent (masking zeroes the pending velocity);
+        returns ``bad``."""
+        if zero:
+            src = self._open[key]
+            self._release_open(key)
+            pend = self._pending.get(key)
+            if pend is None or pend.numel != src.numel() or pend.device != src.device:
+                pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
+            for t in pend.tensors():
+                t.zero_()
+        else:
+            self._seal(key)
         if self.momentum and self.masking:
             self._velocity_pending[key].zero_()
         if transaction is not None:

@@ -67,7 +67,7 @@ def _piece(tensors: list[torch.Tensor], template: Payload) -> Payload:
 
 
 def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction, error, stats=None,
-                    scale: float = 1.0):
+                    scale: float = 1.0, scratch: bool = False):
     """Chunk by chunk, ``(payload, NaN/inf flag or None, code, message)``: chunk ``r`` compressed
     with ``key=(key, r)``, or, once a local error is known (``error``, or a compress that raised:
     :data:`~.wire.E_MISUSE`), the zeros payload of its size, so the message sizes stay right.
@@ -81,7 +81,8 @@ def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
             try:
                 with codec_timer(stats, "compress"):
                     p = compress_fixed(compressor, flat[bounds[r]:bounds[r + 1]], step=step,
-                                       key=(key, r), generator=generator, transaction=transaction, scale=scale)
+                                       key=(key, r), generator=generator, transaction=transaction, scale=scale,
+                                       scratch=scratch)
             except Exception as exc:  # noqa: BLE001 - raised on every rank through the status
                 code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
         if p is None:
@@ -92,14 +93,14 @@ def _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
 
 
 def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction, error, stats=None,
-                     scale: float = 1.0):
+                     scale: float = 1.0, scratch: bool = False):
     """Every chunk's fixed-size payload (all zeros-payloads after a local error, so the
     message sizes stay right); returns ``(payloads, code, message, NaN/inf flag or None)``."""
     inner = unwrap(compressor)
     payloads, bad = [], None
     code, msg = error
     for p, flag, code, msg in _chunk_payloads(flat, compressor, bounds, key, step, generator, transaction,
-                                              error, stats, scale):
+                                              error, stats, scale, scratch):
         payloads.append(p)
         if flag is not None:
             bad = flag if bad is None else bad | flag
@@ -305,6 +306,8 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
     direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
               and out.shape == tensor.shape)
     dst = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=flat.device)
+    # out is the input itself (the hooks' out=t): error feedback may work in each chunk (read once)
+    scratch = direct and out.data_ptr() == flat.data_ptr()
     sizes = _chunk_bytes(inner, flat, bounds) if algorithm == "auto" else None
     if sizes is not None:  # payload sizes are static: the choice is made before compressing
         model = model if model is not None else costmodel.get_cost_model(group)
@@ -316,13 +319,13 @@ def quantized_allreduce(tensor: torch.Tensor, compressor: Any, *, group=None, ke
                 dense = None
             base = wire.signature("gather", n, str(tensor.dtype), algorithm)
             results, msg = _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator, tx, error,
-                                                 base, group, stats, dst, dense, scale)
+                                                 base, group, stats, dst, dense, scale, scratch)
             _verdict(results, "allreduce", msg, dst, compressor, tx)
             if stats is not None:
                 stats.add(calls=1, algorithm=algorithm)
             return out if direct else dst.to(tensor.dtype).reshape(tensor.shape)
     payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, error, stats,
-                                                scale)
+                                                scale, scratch)
     if algorithm == "auto":
         total = sum(p.nbytes for p in payloads)
         model = model if model is not None else costmodel.get_cost_model(group)
@@ -448,7 +451,7 @@ def _chunk_bytes(inner, flat, bounds) -> list[int] | None:
 
 
 def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator, tx, error, base, group, stats,
-                          out, dense=None, scale: float = 1.0):
+                          out, dense=None, scale: float = 1.0, scratch: bool = False):
     """``"gather_all"`` as a pipeline: one ``all_gather`` per chunk, started as soon as the chunk
     is compressed, so chunk ``r`` travels while chunk ``r+1`` is compressed and while the
     chunks before it are decoded (on a GPU the compression runs on the current stream, the
@@ -460,7 +463,7 @@ def _gather_all_pipelined(flat, compressor, inner, bounds, key, step, generator,
     world = len(bounds) - 1
     code, msg = error
     payloads, flights = [], []
-    chunks = _chunk_payloads(flat, compressor, bounds, key, step, generator, tx, error, stats, scale)
+    chunks = _chunk_payloads(flat, compressor, bounds, key, step, generator, tx, error, stats, scale, scratch)
     for r, (p, bad, code, msg) in enumerate(chunks):
         payloads.append(p)
         tensors = list(p.tensors)
@@ -497,7 +500,7 @@ REDUCE_SCATTER_ALGORITHMS = ("auto", "two_phase", "reduce_scatter")
 def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: Any = 0, step: int = 0,
                    stats: CommStats | None = None, generator: torch.Generator | None = None,
                    validate: bool = True, transaction: ResidualTransaction | None = None,
-                   algorithm: str = "auto") -> torch.Tensor:
+                   algorithm: str = "auto", scratch: bool = False) -> torch.Tensor:
     """Compressed reduce-scatter: rank ``r`` gets the sum over ranks of shard ``r`` of ``tensor``.
 
     ``tensor`` (numel divisible by P) is P equal shards.  Wire, ``algorithm="two_phase"``:
@@ -527,6 +530,9 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
             not given).
         algorithm: ``"two_phase"``, ``"reduce_scatter"`` or ``"auto"`` (``"reduce_scatter"`` for
             a ``"sum"`` compressor without error feedback, else ``"two_phase"``).
+        scratch: the caller does not read ``tensor`` after the call (FSDP2's reduce-scatter
+            input): error feedback with a lean residual storage compensates in it, keeping no
+            fp32 buffer of a shard's size.
 
     Returns:
         This rank's shard of the sum: 1-D, ``numel / P`` elements of ``tensor``'s dtype.
@@ -584,7 +590,8 @@ def reduce_scatter(tensor: torch.Tensor, compressor: Any, *, group=None, key: An
         decoder = sparse.WHOLE_CODEC  # each chunk whole, block-quantized: its selection would be no smaller
         payloads, code, msg, bad = _whole_chunks(flat, compressor, bounds, key, step, tx, err, stats)
     else:
-        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats)
+        payloads, code, msg, bad = _compress_chunks(flat, compressor, bounds, key, step, generator, tx, err, stats,
+                                                    scratch=scratch and not err[0])
     sig = wire.signature("reduce_scatter", flat.numel(), str(flat.dtype), [p.nbytes for p in payloads],
                          decoder is not inner)
     received, layout = _phase1(flat, payloads, code, sig, bad, group, stats)

@@ -524,7 +524,8 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
             return _whole_dense(tensor, compressor, group, key, stats, transaction, error, out,
                                 whole_wire_dtype(tensor.dtype), dense, scale=scale)
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=transaction, error=error, stats=stats, scale=scale)
+                                            transaction=transaction, error=error, stats=stats, scale=scale,
+                                            scratch=_is_scratch(tensor, out))
     vdtype = tensor.dtype if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     if payload is None:
         cap = inner.capacity(n, step)
@@ -597,6 +598,12 @@ def fixed_sparse_allreduce(tensor: torch.Tensor, compressor, *, group=None, key=
     return out
 
 
+def _is_scratch(tensor: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether ``out`` is ``tensor`` itself (the hooks' ``out=t``): nothing reads the input after its
+    compress, so error feedback may work in it (``compress(scratch=True)``)."""
+    return out is not None and out.data_ptr() == tensor.data_ptr() and out.is_contiguous()
+
+
 def whole_wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``"auto"`` sends a whole compensated tensor in: bf16 for fp32/fp64 input (error
     feedback keeps the rounding error), the input's own for fp16/bf16."""
@@ -660,7 +667,8 @@ def _whole_quantized(tensor, ef: ErrorFeedback, group, key, step, stats, transac
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                payload = ef.compress_whole(tensor, codec, step=step, key=key, transaction=transaction, scale=scale)
+                payload = ef.compress_whole(tensor, codec, step=step, key=key, transaction=transaction, scale=scale,
+                                            scratch=_is_scratch(tensor, out))
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     bad_local = payload.nonfinite if payload is not None else None
@@ -727,7 +735,8 @@ def _whole_dense(tensor, ef: ErrorFeedback, group, key, stats, transaction, erro
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                bad_local = ef.send_whole(tensor, key, buf[:n], transaction, scale=scale)
+                bad_local = ef.send_whole(tensor, key, buf[:n], transaction, scale=scale,
+                                          scratch=_is_scratch(tensor, out))
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if code:
@@ -770,7 +779,8 @@ def _whole_gathered(tensor, ef: ErrorFeedback, group, key, stats, transaction, e
     if not code:
         try:
             with codec_timer(stats, "compress"):
-                bad_local = ef.send_whole(tensor, key, whole, transaction, scale=scale)  # straight into the message
+                bad_local = ef.send_whole(tensor, key, whole, transaction, scale=scale,   # straight into the message
+                                          scratch=_is_scratch(tensor, out))
         except Exception as exc:  # noqa: BLE001 - reported through the status word on every rank
             code, msg = wire.E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     if code:

@@ -220,17 +220,18 @@ def fingerprint(compressor: Any) -> int:
 
 def compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
                    generator: torch.Generator | None, transaction: ResidualTransaction | None,
-                   scale: float = 1.0) -> Payload:
+                   scale: float = 1.0, scratch: bool = False) -> Payload:
     """The fixed-size payload of ``tensor * scale``; an error-feedback residual update is staged in
     ``transaction`` (committed by the caller once every rank's status is known).  An int
     ``generator`` (a seed) is mixed with ``key``, so the chunks of one call draw
     independent noise.  ``scale``: folded into error feedback's compensation pass
-    (:meth:`~commpress.ErrorFeedback.compress_fixed`), a multiplication of its own otherwise."""
+    (:meth:`~commpress.ErrorFeedback.compress_fixed`), a multiplication of its own otherwise;
+    ``scratch``: ``tensor`` is not read after the call (error feedback may work in it)."""
     if isinstance(generator, int) and not isinstance(generator, bool):
         generator = mix_seed(generator, stable_hash(key))
     if isinstance(compressor, ErrorFeedback):
         return compressor.compress_fixed(tensor, step=step, key=key, generator=generator, scale=scale,
-                                         transaction=transaction)
+                                         transaction=transaction, scratch=scratch)
     if scale != 1.0:
         tensor = tensor * scale
     return compressor.compress_fixed(tensor, step=step, key=key, generator=generator)
@@ -279,7 +280,7 @@ def size_step(inner: Compressor, step: int) -> int:
 
 def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: int, key: Any,
                        generator, transaction: ResidualTransaction | None, error: tuple[int, str],
-                       stats=None, scale: float = 1.0) -> tuple[Payload | None, int, str]:
+                       stats=None, scale: float = 1.0, scratch: bool = False) -> tuple[Payload | None, int, str]:
     """:func:`compress_fixed` unless ``error`` is already set; a compress that raises
     becomes an error code (raised on every rank through the status, never here).
     ``stats`` (a :class:`~.accounting.CommStats`): its ``"compress"`` pass is charged."""
@@ -289,7 +290,7 @@ def try_compress_fixed(compressor: Compressor, tensor: torch.Tensor, *, step: in
     t0 = time.perf_counter()
     try:
         return compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                              transaction=transaction, scale=scale), 0, ""
+                              transaction=transaction, scale=scale, scratch=scratch), 0, ""
     except Exception as exc:  # noqa: BLE001 - reported through the status word
         return None, E_MISUSE, f"compress failed: {type(exc).__name__}: {exc}"
     finally:

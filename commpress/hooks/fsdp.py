@@ -532,7 +532,8 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         summed = collectives.reduce_scatter(inp, st.codec if codec is None else codec, group=group, key=self.unit,
                                             step=st.step, stats=cs,
                                             generator=st.noise_seed(self.unit), validate=unit.validated != facts,
-                                            transaction=st.transaction, algorithm=algorithm)
+                                            transaction=st.transaction, algorithm=algorithm,
+                                            scratch=True)   # FSDP2 frees its input after the call
         unit.validated = facts
         if st.rollback == "unit":   # judged on every rank: the unit's residual updates commit now
             st.transaction.commit_through(st.transaction.position())

@@ -179,3 +179,63 @@ def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, m
         else:
             assert all(np.array_equal(a, b) for a, b in zip(p0, p1)) and torch.equal(r0, r1), step
     assert efs[1].memory()["working"] == 0
+
+
+@pytest.mark.parametrize("storage", LEAN)
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.02}), ("blockquant", {"bits": 4}),
+                                         ("qsgd", {"levels": 4})])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_compress_on_a_scratch_input_matches_the_buffered_path(storage, name, params, momentum, backend, monkeypatch):
+    """``compress_fixed(scratch=True)`` (a collective whose output overwrites the input, FSDP2's
+    reduce-scatter input) compensates in the input: the same payloads and residuals as the buffered
+    path (bitwise without momentum), no work buffer kept, and the input overwritten."""
+    if backend == "numba":
+        pytest.importorskip("commpress.ops.numba_backend")
+    monkeypatch.setenv("COMMPRESS_BACKEND", backend)
+    efs = [commpress.ErrorFeedback(commpress.get(name, **params), storage=storage, momentum=momentum, seed=3)
+           for _ in range(2)]
+    for step in range(3):
+        outs = []
+        for scratch, ef in zip((False, True), efs):
+            x = _x(4000, 20 + step) * (step + 1)
+            keep = x.clone()
+            p = ef.compress_fixed(x, step=step, key="w", scale=0.5, scratch=scratch, generator=step)
+            if not scratch:   # the buffered path leaves its input as it was
+                assert torch.equal(x, keep)
+            outs.append((p, ef.residual("w")))
+        (p0, r0), (p1, r1) = outs
+        if momentum:
+            assert torch.allclose(r0, r1, rtol=1e-5, atol=1e-6)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(p0.tensors, p1.tensors)) and torch.equal(r0, r1), step
+    assert efs[1].memory()["working"] == 0 and efs[0].memory()["working"] > 0
+
+
+@pytest.mark.parametrize("storage", LEAN)
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_send_whole_with_lean_storage_keeps_no_buffer_of_the_key(storage, wire, momentum):
+    """A whole send (a sparsifier's dense round) with a lean residual: fp32 ``out`` gets exactly the
+    compensation (``x*s + e``, the velocity first) and leaves a zero residual; a narrower ``out`` on a
+    scratch input gives the buffered path's message and residual; no work buffer kept."""
+    make = lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.05), storage=storage,  # noqa: E731
+                                           momentum=momentum, seed=1)
+    a, b = make(), make()
+    for ef in (a, b):   # a residual (and a velocity) to carry
+        ef.compress(_x(3000, 1), key="k", scratch=True)
+    e = a.residual("k").clone()
+    u = a.velocity("k").clone() if momentum else None
+    x = _x(3000, 2)
+    outs = []
+    for ef, scratch in ((a, False), (b, True)):
+        out = torch.empty(3000, dtype=wire)
+        bad = ef.send_whole(x.clone(), "k", out, scale=0.5, scratch=scratch)
+        assert not bool(bad)
+        outs.append((out, ef.residual("k")))
+    (o0, r0), (o1, r1) = outs
+    assert torch.equal(o0, o1) and torch.equal(r0, r1)
+    if wire == torch.float32:
+        want = (x * 0.5 if u is None else u * 0.9 + x * 0.5) + e
+        assert torch.allclose(o0, want, rtol=1e-6, atol=1e-7) and torch.count_nonzero(r0) == 0
+    assert b.memory()["working"] == 0

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import os
 
 import pytest
 import torch
@@ -61,7 +59,6 @@ def _run(rank, world, compressor, params, storage, steps, rollback="step"):
 @pytest.mark.parametrize("compressor,params", [("topk", {"ratio": 0.05}), ("blockquant", {"bits": 4})])
 def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compressor, params):
     figures = {}
-    lanes = importlib.util.find_spec("numba") is not None and os.environ.get("COMMPRESS_BACKEND") != "torch"
     for storage, rollback in (("fp32", "step"), ("int8", "step"), ("int8", "unit")):
         res = run(_run, 2, compressor, params, storage, 4, rollback, timeout=180)
         (mem, counted, resumed, w0, compressed), (_, _, _, w1, _) = res
@@ -73,13 +70,10 @@ def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compres
             assert 0 < elements <= compressed
         per = bytes_per_element(storage)
         assert per * elements <= mem["by_kind"]["residuals"] <= per * elements + 3 * 132   # int8: 3 padded blocks
-        # the fused CPU lanes compensate in the unit's own input and write the next residual over it
-        # (open_fused(scratch=True)): no fp32 work buffer of a key's size; the general path (torch
-        # backend) keeps at most the largest key's size twice
-        if lanes:
-            assert mem["by_kind"]["working"] == 0, mem
-        else:
-            assert (mem["by_kind"]["working"] == 0) if storage == "fp32" else (0 < mem["by_kind"]["working"] <= 8 * elements)
+        # the fused CPU lanes (open_fused(scratch=True)) and the general path (compress(scratch=True):
+        # the unit's input is the call's output) compensate in the unit's own input and write the next
+        # residual over it: no fp32 work buffer of a key's size
+        assert mem["by_kind"]["working"] == 0, mem
         # rollback="unit" keeps no pending residual between steps; "step" one per key
         assert mem["by_kind"]["pending"] == (0 if rollback == "unit" else mem["by_kind"]["residuals"])
         # what grows with the model (the work buffers are of the largest unit's size, here the model's)
