@@ -112,26 +112,6 @@ def describe(choice: Choice | Candidate) -> str:
     return text
 
 
-#: the kinds left out of the default candidates under momentum correction (:func:`under_momentum`)
-MC_EXCLUDED = ("powersgd",)
-
-
-def under_momentum(candidates: tuple[Candidate, ...], user: bool) -> tuple[Candidate, ...]:
-    """The candidates of a run whose hook applies the momentum (``optimizer=`` took over SGD's):
-    the default set without :data:`MC_EXCLUDED` (the low-rank kind then approximates the velocity and
-    needed 1.9x DDP's steps at rank 1 where it needed 1.2x with the optimizer's momentum, and on a
-    2.2M-parameter MLP did not reach the target in 200 steps: see
-    :class:`~commpress.auto.decide.Prices`); candidates the user gave stay (priced for it).
-
-    Args:
-        candidates: the run's candidates.
-        user: whether the user gave them (``candidates=``).
-    """
-    if user:
-        return tuple(candidates)
-    return tuple(c for c in candidates if c.kind not in MC_EXCLUDED)
-
-
 def gentlest(candidates: tuple[Candidate, ...] | list[Candidate]) -> tuple[Candidate, ...]:
     """The candidates left in a critical regime: dense, bf16, and the least aggressive
     member of each compressing family (order kept)."""

@@ -232,13 +232,13 @@ class Prices:
     whose norm moves most; gating it there had "auto" alternate between 4 and 8 bits on digits (the
     last layer's norm rose 84% in 20 steps, then fell) for no steps saved.
 
-    * under momentum correction (the hook took over the optimizer's SGD momentum, ``optimizer=``):
-      powersgd's price times ``powersgd_mc_factor`` (1.6).  The velocity ``u = m u + g`` is what the
-      low-rank kind approximates then, and the digits MLP at 100 Mbit/s (2 ranks, seed 0, 200 steps)
-      reached its target at 1.94x DDP's steps with rank 1 under momentum correction against 1.22x with
-      the optimizer's own momentum (docs/results/auto.md); the 2.2M-parameter MLP of issue 55 did not
-      reach it in 200 steps (0.78 accuracy, every other fixed config in 70-100).  The runtime also
-      leaves powersgd out of the default candidates there (:func:`~commpress.auto.candidates.under_momentum`).
+    * under momentum correction (the hook took over the optimizer's SGD momentum, ``optimizer=``) the
+      velocity ``u = m u + g`` is what the low-rank kind approximates, and each halving of the rank
+      below 4 costs ``powersgd_mc_per_halving`` (1.0) more: 1.7 at rank 4, 2.9 at 2, 4.1 at 1.  On the
+      2.2M-parameter digits MLP at 100 Mbit/s (2 ranks, seed 0; docs/results/auto.md) rank 1 reached
+      the target at 2.4x DDP's steps under momentum correction against 1.2x with the optimizer's own
+      momentum (issue 55: at rank 1 in one bucket it did not reach it in 200 steps), while rank 4 on
+      the large layer under momentum correction reached it at 1.2x.
 
     They are priors, not measurements of the user's model: override any field.
     ``momentum_correction``: the run applies the momentum in the hook (set by the runtime,
@@ -255,8 +255,8 @@ class Prices:
     powersgd_per_halving: float = 0.2
     #: in a critical regime, a candidate priced at most this stays allowed (:func:`critical_candidates`)
     critical_max: float = 1.05
-    #: powersgd's price is multiplied by this under momentum correction
-    powersgd_mc_factor: float = 1.6
+    #: under momentum correction, powersgd's price per halving of the rank below 4, on top
+    powersgd_mc_per_halving: float = 1.0
     momentum_correction: bool = False
 
     def __post_init__(self) -> None:
@@ -280,9 +280,10 @@ class Prices:
         elif c.kind == "topk":
             p = self.topk_base + self.topk_per_decade * math.log10(0.1 / c.param)
         else:
-            p = self.powersgd_base + self.powersgd_per_halving * math.log2(4.0 / c.param)
+            halvings = math.log2(4.0 / c.param)
+            p = self.powersgd_base + self.powersgd_per_halving * halvings
             if self.momentum_correction:
-                p *= self.powersgd_mc_factor
+                p += self.powersgd_mc_per_halving * max(0.0, halvings)
         return max(1.0, p)
 
     def with_momentum_correction(self) -> "Prices":

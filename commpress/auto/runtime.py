@@ -70,6 +70,11 @@ check point decides on the flat network.  Codec seconds on the two-level path ar
 (``1/L``); the per-round cost measured from call times is charged whole, plus the path's two
 intra-node rounds.
 
+**Momentum correction** (``optimizer=`` took over SGD's momentum): every choice then runs with the
+hook's velocity, which the sparsifiers need and powersgd's low ranks stand badly: they are priced for
+it (:meth:`~commpress.auto.decide.Prices.with_momentum_correction`).  The first check point has no norm
+window before it and is a critical regime (:func:`first_window_change`): the first plan is a gentle one.
+
 **Checkpoints**: :meth:`AutoCodec.state_dict` holds each unit's choice and its codec's state
 (residuals, velocities, PowerSGD warm starts), the decider (plan, when decided, what it
 watches), the norm windows and the carries still to send.  A resume is bitwise until the
@@ -102,7 +107,7 @@ from ..collectives.quantized import alignment, chunk_bounds
 from ..compressors import base as _registry
 from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
-from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype, under_momentum
+from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
                      comm_seconds, window_tolerance)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
@@ -332,12 +337,9 @@ class AutoCodec:
         self.masking = masking
         self.home = ErrorFeedback(_registry.get("identity"), momentum=self.momentum, masking=masking)
         #: what the decider chooses among, at what price: with momentum correction (the hook applies the
-        #: optimizer's momentum) without powersgd by default, and powersgd priced for it
-        self.candidates = under_momentum(spec.candidates, spec.user_candidates) if self.momentum else spec.candidates
+        #: optimizer's momentum) the low ranks of powersgd cost more (:meth:`Prices.with_momentum_correction`)
+        self.candidates = spec.candidates
         self.prices = spec.prices.with_momentum_correction() if self.momentum else spec.prices
-        if len(self.candidates) < len(spec.candidates):
-            log.info("commpress auto: momentum correction (the optimizer's momentum taken over): %s left out of "
-                     "the candidates", ", ".join(describe(c) for c in spec.candidates if c not in self.candidates))
         self.decider = Decider(candidates=self.candidates, prices=self.prices, **spec.decider_args)
         self.codecs: dict[Any, ErrorFeedback] = {}
         self.choices: dict[Any, Choice] = {}
