@@ -349,6 +349,13 @@ class FSDPState(TakeoverMixin, HookState):
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
         self._report_auto()
 
+    def _takeover_memory_note(self) -> str | None:
+        """FSDP2 shards the optimizer's momentum (4/P bytes per parameter); momentum correction's
+        velocity is of every unit's whole gradient, on every rank."""
+        return ("commpress.fsdp: optimizer= keeps momentum correction's velocity of every unit's whole "
+                "gradient on every rank: 4 bytes per parameter of the model, where the optimizer's own "
+                "momentum was sharded (4/P); without optimizer= the optimizer keeps its momentum")
+
     def _codec_changed(self) -> None:
         if self.auto:
             self._new_auto_codec()   # the per-unit codecs get the momentum, the decider the candidates

@@ -230,7 +230,15 @@ class TakeoverMixin:
         self._takeover.apply()
         log.info("commpress: took over the optimizer's momentum %g (momentum correction in the hook; "
                  "the optimizer's momentum is 0 until close())", m)
+        note = self._takeover_memory_note()
+        if note:
+            log.warning(note)
         return m
+
+    def _takeover_memory_note(self) -> str | None:
+        """What taking over the momentum costs in memory, when a user should hear it (one log line;
+        ``None``: nothing to say).  FSDP2 overrides it: the velocity is not sharded."""
+        return None
 
     def _codec_changed(self) -> None:
         """Rebuild what depends on the codec's configuration (a host class overrides it)."""

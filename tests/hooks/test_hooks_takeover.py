@@ -164,17 +164,22 @@ def fsdp_worker(rank, world):
             fully_shard(layer, mesh=mesh)
         return model
 
+    from loglines import capture
+
     a, b = sharded(), sharded()
     opt_a, opt_b = _sgd(a), _sgd(b, momentum=0.0)
+    lines = capture()
     st_a = commpress.fsdp.register(a, "topk", ratio=0.05, density_warmup=2, optimizer=opt_a)
+    told = [ln for ln in lines.lines if "velocity of every unit's whole gradient" in ln]
     st_b = commpress.fsdp.register(b, "topk", ratio=0.05, density_warmup=2, momentum=0.9)
-    out = {"taken": (st_a.momentum, opt_a.param_groups[0]["momentum"])}
+    out = {"taken": (st_a.momentum, opt_a.param_groups[0]["momentum"]), "told": told}
     for step in range(4):
         _step(a, opt_a, rank, step)
         _step(b, opt_b, rank, step)
     out["equal"] = all(torch.equal(x.full_tensor(), y.full_tensor())
                        for x, y in zip(a.parameters(), b.parameters()))
     st_a.close()
+    st_b.close()
     out["restored"] = opt_a.param_groups[0]["momentum"]
     return out
 
@@ -183,6 +188,7 @@ def fsdp_worker(rank, world):
 def test_takeover_through_fsdp2():
     for out in run(fsdp_worker, 2, timeout=110):
         assert out["taken"] == (0.9, 0.0)
+        assert len(out["told"]) == 1 and "4 bytes per parameter" in out["told"][0]   # its memory, said
         assert out["equal"]
         assert out["restored"] == 0.9
 
