@@ -13,6 +13,11 @@ A configuration is one of
   (``bucket_cap_mb=10000``); every other configuration keeps DDP's default buckets;
 * ``auto`` — ``commpress.ddp.register(model, "auto", check_every=20, every=100)``: a compressor per bucket
   (:mod:`commpress.auto`); the rows carry each bucket's choice (``auto``);
+* ``sparse-rows`` / ``sparse-rows+<compressor>-<setting>`` — ``commpress.ddp.register(model,
+  "identity" or compressor, sparse_rows="auto", **params)`` (issue 52): the gradients found
+  row-sparse (the embedding tables of the ``rec`` task) are summed exactly as (row indices, rows),
+  the rest goes dense (identity: losses equal DDP's up to summation order) or through the
+  compressor; skipped, saying so, while ``register`` has no ``sparse_rows=``;
 * ``<compressor>-<setting>`` — ``commpress.ddp.register(model, compressor, **params)``; the
   sparsifiers (topk, dgc, randomk) also pass ``optimizer=`` (the hook takes over the
   optimizer's SGD momentum: DGC's momentum correction; nothing changes for AdamW) and keep
@@ -142,7 +147,14 @@ STUDY: list[Config] = [
     # no residual at all: unbiased stochastic rounding instead of error feedback (ZeRO++ qgZ's choice)
     Config("blockquant-4bit-sr", "commpress", "blockquant", {"bits": 4, "stochastic": True}),
 ]
-BY_NAME = {c.name: c for c in ALL + STUDY}
+#: Issue 52's lossless row-sparse path (the ``rec`` task's embedding tables), alone and beside a lossy
+#: compressor on the rest of the model: by name or the "sparse" group, not in "all" (on a model
+#: without row-sparse gradients they are identity / the compressor, with a check each step).
+SPARSE: list[Config] = [
+    Config("sparse-rows", "commpress", "identity", {"sparse_rows": "auto"}),
+    Config("sparse-rows+blockquant-4bit", "commpress", "blockquant", {"bits": 4, "sparse_rows": "auto"}),
+]
+BY_NAME = {c.name: c for c in ALL + STUDY + SPARSE}
 QUICK = ["ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "torch-powersgd-r4", "topk-1%",
          "blockquant-4bit", "powersgd-r4"]
 GROUPS = {
@@ -151,6 +163,7 @@ GROUPS = {
     "torch": [c.name for c in ALL if c.kind != "commpress"],
     "commpress": [c.name for c in ALL if c.kind == "commpress"],
     "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY if c.compressor == "topk"],
+    "sparse": ["ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "auto"] + [c.name for c in SPARSE],
     "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-int8res", "blockquant-4bit-sr", "topk-1%",
                "topk-1%-int8res"],
 }
@@ -166,7 +179,7 @@ def resolve(spec: str | None, quick: bool) -> list[Config]:
         group = GROUPS.get(item)
         if group is None and item not in BY_NAME:
             raise ValueError(f"unknown config {item!r}; choose from groups {sorted(GROUPS)} "
-                             f"or configs {[c.name for c in ALL + STUDY]}")
+                             f"or configs {[c.name for c in ALL + STUDY + SPARSE]}")
         for n in group or [item]:
             if n not in names:
                 names.append(n)
@@ -200,7 +213,31 @@ def unavailable_reason(cfg: Config) -> str | None:
         return "commpress.ddp.register is not available in this checkout"
     if cfg.compressor not in commpress.available() and cfg.compressor != "auto":
         return f"compressor {cfg.compressor!r} is not registered"
+    if "sparse_rows" in cfg.params and not has_sparse_rows():
+        return ("commpress.ddp.register has no sparse_rows= in this checkout (issue 52 item 1: the lossless "
+                "row-sparse path is not wired into the DDP hook yet)")
     return None
+
+
+def has_sparse_rows() -> bool:
+    """Whether commpress's ``register`` takes ``sparse_rows=`` (issue 52)."""
+    import inspect
+
+    mod = ddp_module()
+    if mod is None:
+        return False
+    try:
+        return "sparse_rows" in inspect.signature(mod.register).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def row_sparse(grad: torch.Tensor, max_density: float = 0.5) -> bool:
+    """A 2-D gradient with at most ``max_density`` of its rows nonzero (what ``sparse_rows="auto"``
+    would send as rows; used to leave such gradients out of the codec's measure)."""
+    if grad.dim() != 2 or grad.shape[0] < 2:
+        return False
+    return float((grad != 0).any(1).float().mean()) <= max_density
 
 
 # ---------------------------------------------------------------------------

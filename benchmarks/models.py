@@ -1,4 +1,5 @@
-"""Models for the training sweep: an MLP for digits and a small causal transformer LM."""
+"""Models for the training sweep: an MLP for digits, a small causal transformer LM and a
+recommendation-style model with large embedding tables."""
 
 from __future__ import annotations
 
@@ -43,6 +44,33 @@ class CharLM(nn.Module):
         h = self.tok(x) + self.pos(torch.arange(t, device=x.device))[None]
         h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
+
+
+class RecModel(nn.Module):
+    """A click-through model in the style of DLRM / neural collaborative filtering.
+
+    A user table (``n_users x dim``) and an item table (``n_items x dim``), the pair's two rows
+    and their elementwise product into an MLP ``3·dim -> hidden -> hidden/2 -> 1`` (a logit).
+    Almost all parameters are embedding rows, and a batch touches few of them: the gradient of
+    each table is mostly zero rows (``nn.Embedding(sparse=False)``: a dense tensor DDP averages
+    whole).  Tables start at ``N(0, 0.1²)``.
+    """
+
+    def __init__(self, n_users: int = 100_000, n_items: int = 20_000, dim: int = 32, hidden: int = 128) -> None:
+        super().__init__()
+        self.user = nn.Embedding(n_users, dim)
+        self.item = nn.Embedding(n_items, dim)
+        nn.init.normal_(self.user.weight, std=0.1)
+        nn.init.normal_(self.item.weight, std=0.1)
+        self.mlp = nn.Sequential(nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden // 2), nn.ReLU(),
+                                 nn.Linear(hidden // 2, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, v = self.user(x[:, 0]), self.item(x[:, 1])
+        return self.mlp(torch.cat([u, v, u * v], 1)).squeeze(-1)
+
+    def embedding_params(self) -> list[nn.Parameter]:
+        return [self.user.weight, self.item.weight]
 
 
 def n_params(model: nn.Module) -> int:

@@ -7,7 +7,11 @@ under every configuration with the same seeds:
 
 * ``digits``: an MLP classifier on scikit-learn's digits (metric: test accuracy);
 * ``lm``: a causal character transformer on the Python standard library's own
-  source (metric: validation loss).
+  source (metric: validation loss);
+* ``rec`` (by ``--tasks rec``): a click model with large embedding
+  tables on a synthetic click log (metric: validation loss), whose embedding gradients are
+  mostly zero rows: issue 52's lossless row-sparse path (configs ``sparse``) against DDP,
+  PyTorch's fp16 hook and the lossy compressors.
 
 Per configuration it records bytes sent per rank per step, compression ratio,
 step time split into compute / compression / communication, the final metric
@@ -47,7 +51,8 @@ LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
 NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
 
-DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40}, "quick": {"digits": 100, "lm": 120}}
+DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40, "rec": 150}, "quick": {"digits": 100, "lm": 120, "rec": 150}}
+TASKS = ("digits", "lm", "rec")
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--net", default=None, help="emulated link RATE[,DELAY], e.g. 1gbit or 1gbit,0.5ms "
                    "(needs root + iproute2; loopback otherwise)")
     p.add_argument("--configs", default=None, help="comma-separated config names or groups (default: all; quick: quick)")
-    p.add_argument("--tasks", default="digits,lm", help="comma-separated tasks: digits, lm")
+    p.add_argument("--tasks", default="digits,lm", help="comma-separated tasks: digits, lm, rec (default: "
+                   "digits,lm)")
     p.add_argument("--steps", default=None, help="N for every task, or task=N,... (default full: digits=150,lm=40; "
                    "quick and demo: digits=100,lm=120)")
     p.add_argument("--equal-steps", action="store_true",
@@ -415,7 +421,7 @@ def leg_goals(leg: Leg, rows: list[dict], summary: dict[str, dict] | None = None
     """Every goal line of a leg (:func:`check_goals`, :func:`check_auto_goals`) from its rows
     (``summary``: their :func:`summarize_configs`, when already made)."""
     summary = summary if summary is not None else summarize_configs(rows)
-    return check_goals(leg, summary, rows) + check_auto_goals(leg, rows)
+    return check_goals(leg, summary, rows) + check_auto_goals(leg, rows) + check_sparse_goals(leg, rows, summary)
 
 
 def check_goals(leg: Leg, summary: dict[str, dict], runs: list[dict] | None = None) -> list[str]:
@@ -571,6 +577,90 @@ def check_step_goals(leg: Leg, summary: dict[str, dict]) -> list[str]:
     return lines
 
 
+#: Issue 52's goals for the lossless row-sparse path (``sparse-rows``): time to target against each
+#: baseline (``ddp``: at least 3x; 1.0: ahead), and its bytes at most 1.25x the touched rows' own.
+SPARSE_GOALS = {"ddp": 3.0, "torch-fp16": 1.0, "best lossy commpress": 1.0}
+SPARSE_BYTES_GOAL = 1.25
+
+
+def _sparse(name: str) -> bool:
+    cfg = C.BY_NAME.get(name)
+    return cfg is not None and "sparse_rows" in cfg.params
+
+
+def loss_match(a: list[float], b: list[float]) -> dict[str, Any]:
+    """How two runs' per-step training losses compare over the steps both ran: ``steps``, ``equal``
+    (bitwise), ``max_abs`` and ``max_rel`` differences, the first step that differs."""
+    n = min(len(a), len(b))
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    first = next((i + 1 for i, d in enumerate(diffs) if d != 0.0), None)
+    rel = [d / max(abs(y), 1e-12) for d, y in zip(diffs, b[:n])]
+    return {"steps": n, "equal": first is None, "max_abs": max(diffs, default=0.0),
+            "max_rel": max(rel, default=0.0), "first_diff": first}
+
+
+def check_sparse_goals(leg: Leg, rows: list[dict], summary: dict[str, dict] | None = None) -> list[str]:
+    """Issue 52's goals for ``sparse-rows`` in a leg that ran it: per seed, its training losses
+    against DDP's (equal up to summation order), the step at which it reaches the target against
+    DDP's; its time to target against DDP (>= 3x), torch fp16 and the best lossy commpress config
+    (ahead); its bytes against the touched rows' own size (the rows and their int32 indices that
+    every other rank receives, from the task's measured rows per batch) plus the dense rest."""
+    runs = [r for r in rows if "curve" in r]
+    mine = [r for r in runs if r["config"] == "sparse-rows"]
+    if not mine:
+        return []
+    summary = summary if summary is not None else summarize_configs(rows)
+    lines = [f"- {leg.key}, lossless row-sparse path (sparse-rows):"]
+    ddp_by_seed = {r.get("seed", 0): r for r in runs if r["config"] == "ddp"}
+    for r in mine:
+        seed = r.get("seed", 0)
+        d = ddp_by_seed.get(seed)
+        if d is None or not r.get("train_losses") or not d.get("train_losses"):
+            lines.append(f"  - seed {seed}: no DDP run (or no per-step losses) to compare with")
+            continue
+        m = loss_match(r["train_losses"], d["train_losses"])
+        same = ("bitwise identical" if m["equal"] else
+                f"max |difference| {m['max_abs']:.2e} ({m['max_rel']:.1e} relative), first at step {m['first_diff']}")
+        lines.append(f"  - seed {seed}: training losses over the {m['steps']} steps both ran: {same}; "
+                     f"target reached at step {r.get('ttt_step') or 'never'} against DDP's {d.get('ttt_step') or 'never'}")
+    me = summary.get("sparse-rows")
+    lossy = [c for c in summary.values() if c["kind"] == "commpress" and not _sparse(c["config"])]
+    best_lossy = _best({c["config"]: c for c in lossy}, "commpress", reached_only=False) if lossy else None
+    for base_name, factor in SPARSE_GOALS.items():
+        base = best_lossy if base_name == "best lossy commpress" else summary.get(base_name)
+        label = f"{base_name} ({base['config']})" if base is not None and base_name.startswith("best") else base_name
+        if base is None:
+            lines.append(f"  - vs {base_name}: not run")
+            continue
+        t_base = _on_seeds(base, me) if me else None
+        want = f">= {factor:g}x" if factor > 1 else "ahead"
+        if not me or not me["ttt_s"]:
+            lines.append(f"  - vs {label}: sparse-rows did not reach the target: MISSED")
+        elif not t_base:
+            lines.append(f"  - vs {label}: met, it did not reach the target in DDP's training time")
+        else:
+            sp = t_base / me["ttt_s"]
+            ok = sp >= factor if factor > 1 else sp > 1.0
+            lines.append(f"  - vs {label} ({t_base:.1f} s): {me['ttt_s']:.1f} s, {sp:.2f}x, goal {want}: "
+                         + ("met" if ok else "MISSED"))
+    for r in mine[:1]:
+        info = r.get("task_info", {})
+        touched, row_b = info.get("rows_touched_per_rank"), info.get("row_bytes")
+        if not touched or not row_b or not r.get("bytes_sent"):
+            break
+        world = leg.world_size
+        rows_b = (touched["users"] + touched["items"]) * (row_b + 4) * (world - 1)
+        rest_b = C.ring_all_reduce_bytes(4 * (info["params"] - info["embedding_params"]), world)
+        x = (r["bytes_sent"] - rest_b) / rows_b
+        lines.append(f"  - bytes: {_fmt_bytes(r['bytes_sent'])} a step, of which the dense rest "
+                     f"{_fmt_bytes(rest_b)}; the rows' part is {x:.2f}x the touched rows' own "
+                     f"{_fmt_bytes(rows_b)} ({touched['users']:.0f} user + {touched['items']:.0f} item rows "
+                     f"of {row_b} B + a 4 B index, to {world - 1} other rank(s)), goal <= {SPARSE_BYTES_GOAL:g}x: "
+                     + ("met" if x <= SPARSE_BYTES_GOAL else "MISSED")
+                     + f"; DDP sends {_fmt_bytes(r.get('dense_bytes') or None) or '?'}")
+    return lines
+
+
 # ---------------------------------------------------------------------------- main
 def _pin(mode: str, world_size: int) -> bool:
     if mode == "auto":
@@ -583,9 +673,9 @@ def plan(args) -> list[Leg]:
     if args.demo:
         return list(DEMO_LEGS)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in ("digits", "lm")]
+    bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
-        raise SystemExit(f"--tasks must be from digits, lm; got {args.tasks!r}")
+        raise SystemExit(f"--tasks must be from {', '.join(TASKS)}; got {args.tasks!r}")
     try:
         names = tuple(c.name for c in C.resolve(args.configs, args.quick))
     except ValueError as exc:
@@ -744,7 +834,7 @@ def finalize(out: Path, rows_by_leg: dict[str, list[dict]], meta: dict[str, Any]
     """Write results.json / results.csv / plots / summary.md into ``out``; returns the summary."""
     all_rows = [r for rows in rows_by_leg.values() for r in rows]
     write_results(out, all_rows, meta)
-    _write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("curve", "task_info")}
+    _write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("curve", "task_info", "train_losses")}
                                      for r in all_rows])
     from . import plots
 

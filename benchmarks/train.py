@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import configs as C
-from .data import digits, lm_batch, stdlib_text
-from .models import CharLM, DigitsMLP, n_params
+from .data import Clicks, digits, lm_batch, stdlib_text
+from .models import CharLM, DigitsMLP, RecModel, n_params
 
 LM_SIZES = {
     "full": dict(d_model=256, n_layers=4, n_heads=4, context=64),
@@ -51,8 +51,30 @@ def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def _bce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(model(x), y)
+
+
+#: The ``rec`` task's sizes (the same in 'full' and 'quick', like digits): 3.84M embedding parameters
+#: (15.4 MB of fp32 gradient a step, about 123 ms of a 1 Gbit/s link for DDP's all_reduce at P = 2)
+#: against about 21k in the MLP; 256 pairs per rank touch about 200 user rows and 100 item rows.
+REC_SIZE = dict(n_users=100_000, n_items=20_000, dim=32, hidden=128)
+REC_BATCH = 256
+#: SGD with momentum 0.9; the tables' rows, each seen by a few pairs of the batch mean, need a large lr
+REC_LR = {"embeddings": 50.0, "mlp": 0.2}
+
+
+def rows_touched(data: Clicks, batch: int, seed: int, n: int = 32) -> dict[str, float]:
+    """Mean distinct user and item ids in one rank's batch (the embedding rows its gradient has)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [data.sample(batch, gen)[0] for _ in range(n)]
+    return {"users": statistics.fmean(len(torch.unique(x[:, 0])) for x in xs),
+            "items": statistics.fmean(len(torch.unique(x[:, 1])) for x in xs)}
+
+
 def make_task(name: str, size: str, seed: int) -> Task:
-    """``digits`` (MLP, SGD+momentum) or ``lm`` (char transformer, AdamW); ``size`` is 'full'/'quick'."""
+    """``digits`` (MLP, SGD+momentum), ``lm`` (char transformer, AdamW) or ``rec`` (a click model
+    with large embedding tables, SGD+momentum); ``size`` is 'full'/'quick'."""
     torch.manual_seed(seed)
     if name == "digits":
         xtr, ytr, xte, yte = digits(seed)
@@ -105,7 +127,42 @@ def make_task(name: str, size: str, seed: int) -> Task:
                     {"model": "char transformer d{d_model} L{n_layers} H{n_heads} ctx{context}".format(**arch),
                      "params": n_params(model), "batch_per_rank": bs, "optimizer": "AdamW lr 2e-3",
                      "train_bytes": len(train), "val_tokens": ey.numel()})
-    raise ValueError(f"task must be 'digits' or 'lm', got {name!r}")
+    if name == "rec":
+        # issue 52: embedding tables whose gradient is mostly zero rows (a batch touches few ids)
+        data = Clicks(REC_SIZE["n_users"], REC_SIZE["n_items"])
+        model = RecModel(**REC_SIZE)
+        bs = REC_BATCH
+        emb = model.embedding_params()
+        rest = [p for p in model.parameters() if all(p is not e for e in emb)]
+
+        def make_opt(params):
+            params = list(params)
+            assert len(params) == len(emb) + len(rest), "rec's optimizer takes the model's own parameters"
+            return torch.optim.SGD([{"params": emb, "lr": REC_LR["embeddings"]},
+                                    {"params": rest, "lr": REC_LR["mlp"]}], momentum=0.9)
+
+        def batch(gen):
+            return data.sample(bs, gen)
+
+        @torch.no_grad()
+        def evaluate(m, rank, world):
+            xs, ys = data.val_x[rank::world], data.val_y[rank::world]
+            s = nn.functional.binary_cross_entropy_with_logits(m(xs), ys, reduction="sum")
+            tot = torch.stack([s, torch.tensor(float(ys.numel()))])
+            dist.all_reduce(tot)
+            return float(tot[0] / tot[1])
+
+        touched = rows_touched(data, bs, seed + 777)
+        n_emb = sum(p.numel() for p in emb)
+        return Task("rec", "val_loss", model, make_opt, batch, _bce, evaluate,
+                    {"model": "click model: user table {n_users}x{dim}, item table {n_items}x{dim}, "
+                              "MLP {h3}-{hidden}-{h2}-1".format(h3=3 * REC_SIZE["dim"], h2=REC_SIZE["hidden"] // 2,
+                                                                 **REC_SIZE),
+                     "params": n_params(model), "embedding_params": n_emb, "batch_per_rank": bs,
+                     "optimizer": "SGD momentum 0.9, lr {embeddings:g} (tables) / {mlp:g} (MLP)".format(**REC_LR),
+                     "rows_touched_per_rank": touched, "row_bytes": 4 * REC_SIZE["dim"],
+                     "val": len(data.val_y), "bayes_val_loss": data.bayes_loss})
+    raise ValueError(f"task must be 'digits', 'lm' or 'rec', got {name!r}")
 
 
 def _bucket_numels(ddp: DDP) -> list[int]:
@@ -166,9 +223,17 @@ def codec_cost(cfg: C.Config, grads: list[torch.Tensor], buckets: list[int]) -> 
         return {"compression_s": _median_time(psgd)}
     if cfg.compressor == "auto":  # a codec per bucket, chosen at run time: taken from the hook's account
         return {"compression_s": 0.0}
+    if "sparse_rows" in cfg.params:
+        # the row-sparse gradients go as rows (no codec) and their payload depends on the batch:
+        # the codec is measured on the rest, and the payload is left unstated
+        rest = [g for g in grads if not C.row_sparse(g)]
+        cost = codec_cost(C.Config(cfg.name, cfg.kind, cfg.compressor,
+                                   {k: v for k, v in cfg.params.items() if k != "sparse_rows"}), rest, buckets)
+        return {"compression_s": cost["compression_s"]}
     import commpress
 
-    hook_only = ("momentum", "momentum_masking", "residual_storage", "rollback")   # the hook's, not the compressor's
+    hook_only = ("momentum", "momentum_masking", "residual_storage", "rollback",
+                 "sparse_rows")   # the hook's, not the compressor's
     comp = commpress.get(cfg.compressor, **{k: v for k, v in cfg.params.items() if k not in hook_only})
     # Mirror the hook's split: 1-D and small (< min_numel) gradients go dense (4 bytes/element); the
     # rest is one compressed unit (the whole model here; the hook does one per bucket), or one per
@@ -262,6 +327,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
                 "total": steps if time_budget is None else None})
     curve = [curve_point(0, 0.0)]
     step_times, opt_times, cpu_times, train_time, last_loss = [], [], [], 0.0, float("nan")
+    train_losses: list[float] = []   # rank 0's loss each step (a lossless config's equal DDP's)
     step, stop = 0, False
     sent_per_step: list[int] = []
     accounts: list[dict | None] = []  # the hook's step-time account per step (commpress only)
@@ -280,6 +346,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         opt_times.append(t2 - t1)
         train_time += t2 - t0
         last_loss = float(loss.detach())
+        train_losses.append(last_loss)
         if state is not None and hasattr(state, "stats"):
             sent_per_step.append(int((state.stats.last_step or {}).get("bytes_sent", 0)))
             accounts.append((state.stats.last_step or {}).get("account"))
@@ -314,7 +381,7 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
         "steps": step, "time_budget_s": time_budget, "metric": task.metric, "final": curve[-1][task.metric],
         "final_train_loss": last_loss, "train_time_s": train_time, "step_s": step_s, "cpu_s": cpu_s,
         "compute_s": fb_s + opt_s, "compression_s": codec["compression_s"],
-        "task_info": task.info, "curve": curve,
+        "task_info": task.info, "curve": curve, "train_losses": train_losses,
     }
     if cfg.kind == "commpress":
         st = state.stats.as_dict()
