@@ -65,11 +65,11 @@ def test_ddp_register_takes_typed_options_and_only_compressor_parameters_in_its_
 
     sig = inspect.signature(commpress.ddp.register)
     for name in ("join_buckets", "momentum", "momentum_masking", "auto", "residual_storage", "rollback",
-                 "scaler", "optimizer"):
+                 "scaler", "optimizer", "sparse_rows"):
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
         assert sig.parameters[name].annotation != inspect.Parameter.empty, name
     assert list(sig.parameters)[:2] == ["model", "compressor"]
-    assert _params(commpress.ddp.DDPState) >= {"join_buckets", "momentum", "momentum_masking", "auto"}
+    assert _params(commpress.ddp.DDPState) >= {"join_buckets", "momentum", "momentum_masking", "auto", "sparse_rows"}
 
 
 def test_auto_options_are_typed_and_the_keyword_spelling_warns():

@@ -220,6 +220,9 @@ class Stats:
     #: with ``"auto"``: returns ``as_dict()["auto_network"]`` (the link the last decision priced:
     #: :meth:`commpress.auto.runtime.AutoCodec.network_report`)
     auto_network: Any = None
+    #: with ``sparse_rows``: returns ``as_dict()["sparse_rows"]``, per parameter its density seen,
+    #: path, capacities, overflow rounds and algorithm (:meth:`~.sparse_rows.SparseRows.as_dict`)
+    sparse_rows_report: Any = None
 
     def record(self, unit: Any, *, bytes_sent: int, dense_bytes: int, algorithm: str,
                compress_seconds: float = 0.0, hook_seconds: float = 0.0, rounds: int = 0,
@@ -370,7 +373,8 @@ class Stats:
             # process-wide: which backend (torch / numba / cuda) ran each op's last call
             "backends": ops.backends_used(),
         } | ({"auto": self.auto_report()} if self.auto_report is not None else {}) | (
-            {"auto_network": self.auto_network()} if self.auto_network is not None else {})
+            {"auto_network": self.auto_network()} if self.auto_network is not None else {}) | (
+            {"sparse_rows": self.sparse_rows_report()} if self.sparse_rows_report is not None else {})
 
 
 def _ratio(dense: int, sent: int) -> float:

@@ -73,7 +73,7 @@ import socket
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,7 @@ from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
+from .sparse_rows import SparseRows, check_no_sparse_embeddings
 from .optimizer import TakeoverMixin
 
 if TYPE_CHECKING:   # imported when used: "auto" is optional
@@ -221,16 +222,29 @@ class DDPState(TakeoverMixin, HookState):
         auto: the options of compressor ``"auto"`` (candidates, check points, hysteresis,
             prices, ...), a :class:`commpress.auto.runtime.AutoSpec`; only with
             ``compressor="auto"``.  Giving them as keywords (``check_every=...``) is deprecated.
+        sparse_rows: parameters whose gradients are naturally row-sparse (an ``nn.Embedding``
+            weight), sent losslessly as their nonzero rows and summed exactly
+            (:func:`commpress.collectives.rows_allreduce`; the path and capacities from
+            :class:`~commpress.hooks.sparse_rows.SparseRows`): a list of 2-D parameters of the
+            model (or their names), ``"auto"`` (every 2-D parameter measured in the first steps
+            and re-checked every 100 steps; those found dense at the first compressed step stay
+            with the compressor) or ``None``.  Such a parameter is in no compressed unit (never
+            compressed lossily, by ``"auto"`` neither); where its rows stop being sparse it goes
+            in its bucket's dense part.  ``stats.as_dict()["sparse_rows"]`` shows each one's
+            density, path, capacities, overflow rounds and algorithm.
         **compressor_params: the compressor's own parameters (with a registry name), as
             ``commpress.get`` takes them, e.g. ``ratio=0.01``.
 
     Raises:
         TypeError: ``model`` is not a DDP model, or a bad ``skip``, ``overlap``, ``scaler``,
-            ``join_buckets`` or ``auto``.
+            ``join_buckets``, ``auto`` or ``sparse_rows`` (neither a list nor ``"auto"``).
         ValueError: an algorithm the compressor's kind does not have; a negative
             ``warmup_steps``/``min_numel``/``seed``; a bad ``hierarchy``, ``residual_storage``,
             ``rollback`` or ``join_buckets``; ``auto`` without ``compressor="auto"``; at binding,
-            configurations that differ between ranks (on every rank, naming what differs).
+            configurations that differ between ranks (on every rank, naming what differs), a
+            ``sparse_rows`` entry that is not a 2-D parameter of the model (named), or an
+            ``nn.Embedding(sparse=True)`` in the model (its sparse gradient cannot go through a
+            comm hook: build it dense and name its weight in ``sparse_rows``).
 
     Example::
 
@@ -252,7 +266,9 @@ class DDPState(TakeoverMixin, HookState):
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
                  scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
-                 auto: AutoSpec | None = None, **compressor_params: Any) -> None:
+                 auto: AutoSpec | None = None,
+                 sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
+                 **compressor_params: Any) -> None:
         if compressor is None and isinstance(model, (str, Compressor)):
             model, compressor = None, model  # DDPState("topk", ratio=0.01): bind later
         if model is not None and not isinstance(model, DistributedDataParallel):
@@ -276,6 +292,13 @@ class DDPState(TakeoverMixin, HookState):
         if isinstance(join_buckets, float) and not join_buckets > 0:   # (a bool is not a float)
             raise ValueError(f"join_buckets: a wire limit must be > 0 seconds (math.inf: none), got {join_buckets!r}")
         verify_every = _verify_every(verify_every)
+        if isinstance(sparse_rows, str) and sparse_rows != "auto":
+            raise ValueError(f"sparse_rows must be a list of parameters (or their names), 'auto' or None, "
+                             f"got {sparse_rows!r}")
+        if not (sparse_rows is None or isinstance(sparse_rows, str)
+                or (isinstance(sparse_rows, (list, tuple, set)) and not isinstance(sparse_rows, torch.Tensor))):
+            raise TypeError(f"sparse_rows must be a list of parameters (or their names), 'auto' or None, "
+                            f"got {type(sparse_rows).__name__}")
         options, auto = auto, isinstance(compressor, str) and compressor == "auto"
         if options is not None and not auto:
             raise ValueError(f"auto= holds the options of compressor 'auto' and is given only with it, "
@@ -309,6 +332,9 @@ class DDPState(TakeoverMixin, HookState):
         self._worker_own_core = True     # agreed at binding (world > 1)
         self._hierarchy_arg = hierarchy
         self.hierarchy = None
+        self._sparse_rows_arg = list(sparse_rows) if isinstance(sparse_rows, (list, tuple, set)) else sparse_rows
+        self._sparse_rows: SparseRows | None = None     # built at binding
+        self._sparse_rows_config: dict[str, Any] | None = None
         self.dense_param_names: list[str] = []
         self.compressed_param_names: list[str] = []
         self._layout = ModelLayout({}, {}, set())
@@ -372,6 +398,13 @@ class DDPState(TakeoverMixin, HookState):
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(self.process_group)
             self.rank = dist.get_rank(self.process_group)
+        # an nn.Embedding(sparse=True) cannot go through a comm hook; a bad sparse_rows is named
+        # (the same model on every rank: every rank raises, before any collective)
+        check_no_sparse_embeddings(model.module)
+        tracker = SparseRows(model.module, self._sparse_rows_arg) if self._sparse_rows_arg else None
+        self._sparse_rows = tracker if tracker is not None and len(tracker) else None
+        # fingerprinted as declared (what "auto" settles later is in the state dict, not the config)
+        self._sparse_rows_config = self._sparse_rows.config() if self._sparse_rows is not None else None
         names, shapes = {}, {}          # from scratch: a failed binding may be retried
         self.dense_param_names, self.compressed_param_names = [], []
         for name, p in model.module.named_parameters():
@@ -383,11 +416,21 @@ class DDPState(TakeoverMixin, HookState):
                                uses_error_feedback=self.uses_error_feedback, skip=self._skip)
             (self.dense_param_names if dense else self.compressed_param_names).append(name)
         self._layout = ModelLayout(names, shapes, set(self.dense_param_names))
+        if self._sparse_rows is not None:
+            # declared ones and those the compressor sends dense anyway are out of the units now;
+            # "auto"'s others are settled at the first compressed step (_settle_rows)
+            tracked = {n for n, _ in self._sparse_rows.items()}
+            declared = {n for n in tracked if self._sparse_rows.plans[n].declared}
+            self._layout.rows = declared | (tracked & set(self.dense_param_names))
+            self._layout.rows_settled = self._layout.rows == tracked
         self._take_pending_optimizer()  # its momentum is part of the configuration
         self.check_config()
         # After the fingerprint check (a collective on the model's group): the hook's own group.
         self.process_group, overlapped = _executor_group(self.process_group, self._want_overlap)
         self.hierarchy = _hierarchy(self._hierarchy_arg, self.process_group, self.world_size)
+        if self._sparse_rows is not None:   # its counts' all_reduce runs where the steps run
+            self._sparse_rows.group = self.process_group
+            self.stats.sparse_rows_report = self._sparse_rows.as_dict
         if self.world_size > 1 and (self.auto or self.join_buckets is None):
             # whether an overlap worker could run beside the backward pass (agreed: every rank decides alike)
             local = _ranks_on_this_host(self.process_group)
@@ -487,7 +530,7 @@ class DDPState(TakeoverMixin, HookState):
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
             hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None,
-            scaler=self.scaler, unit_commits=self.rollback == "unit")
+            scaler=self.scaler, unit_commits=self.rollback == "unit", sparse_rows=self._sparse_rows)
 
     def _scaler_changed(self) -> None:
         """A scaler attached (or detached) after binding: freeze the configuration again (the next
@@ -604,6 +647,8 @@ class DDPState(TakeoverMixin, HookState):
             cfg["hierarchy"] = self._hierarchy_arg
         if self.join_buckets is not None:   # absent by default, likewise (ranks must agree: fingerprinted)
             cfg["join_buckets"] = self.join_buckets
+        if self._sparse_rows_config is not None:   # likewise
+            cfg["sparse_rows"] = self._sparse_rows_config
         return cfg
 
     def noise_seed(self, key: Any) -> int:
@@ -678,11 +723,21 @@ class DDPState(TakeoverMixin, HookState):
 
     def _extra_state_dict(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"units": self._layout.units_state()}
+        if self._sparse_rows is not None:
+            extra["sparse_rows"] = self._sparse_rows.state_dict()
+            extra["rows_params"] = sorted(self._layout.rows) if self._layout.rows_settled else None
         if self.momentum:
             extra["dense_velocity"] = encode_keyed(self.codec.dense_velocities())
         return extra
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
+        if self._sparse_rows is not None:
+            settled = extra.get("rows_params")
+            if settled is not None:   # "auto" settled before the save: the same parameters go as rows
+                self._layout.units, self._layout.unit_of = [], {}
+                self._layout.set_rows(set(settled))
+                self._sparse_rows.drop([n for n, _ in list(self._sparse_rows.items()) if n not in settled])
+            self._sparse_rows.load_state_dict(extra.get("sparse_rows", {}))
         self._layout.load_units(extra.get("units", []))
         if self.momentum:
             saved = decode_keyed(extra.get("dense_velocity", {"keys": [], "tensors": []}), "dense velocity")
@@ -692,7 +747,7 @@ class DDPState(TakeoverMixin, HookState):
     def memory_bytes(self) -> int:
         """Bytes the hook keeps alive: residuals (live and pending), velocities, scratch,
         compressor state (by kind: ``stats.as_dict()["memory"]``)."""
-        return sum(_memory_parts(self.codec, self._layout).values())
+        return sum(_memory_parts(self.codec, self._layout, self._sparse_rows).values())
 
 
 def _auto_spec(params: dict[str, Any], options: AutoSpec | None, *, algorithm: str,
@@ -787,10 +842,15 @@ class _Executor:
     def __init__(self, config: HookConfig, layout: ModelLayout, stats: Stats, step: int = 0) -> None:
         self.config, self.layout, self.stats = config, layout, stats
         # counted when asked (metadata only, no tensor is read), from this executor's codec and layout
-        stats.track_memory(lambda: _memory_parts(self.config.codec, self.layout), _params(layout))
+        stats.track_memory(lambda: _memory_parts(self.config.codec, self.layout, self.config.sparse_rows),
+                           _params(layout))
         self.step = step
         self.current: Step | None = None
         self.last_error: BaseException | None = None
+        #: ``sparse_rows``: whether this step's first bucket began it (:func:`_begin_rows`), and
+        #: whether some rows parameter takes the rows path in it (the step then runs here)
+        self.rows_begun = False
+        self.rows_active = False
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -816,6 +876,7 @@ class _Executor:
         except BaseException as exc:
             waiting = self.current.abort() if self.current is not None else []
             self.current = None
+            self.rows_begun = False
             self.last_error = exc
             err = hook_error(exc, index, self.config.compressor_name, self.layout.plans.get(index))
             for f in {id(f): f for f in [fut, *waiting]}.values():
@@ -827,11 +888,18 @@ class _Executor:
     def _end_step(self) -> None:
         self.current.commit()
         self.current = None
+        self.end_rows()
         collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
         if self.config.auto is not None:  # "auto": a check point every check_every steps (collective)
             self.config.auto.end_step(self.step, self.layout, self.config.group)
         self.step += 1
         self.stats.end_step()
+
+    def end_rows(self) -> None:
+        """``sparse_rows``: start the max over the ranks of this step's measurements (not waited for)."""
+        if self.config.sparse_rows is not None and self.rows_begun:
+            self.config.sparse_rows.end_step()
+        self.rows_begun = False
 
 
 class _Inline(_Executor):
@@ -950,11 +1018,13 @@ def hook_error(exc: BaseException, index: int, compressor: str, plan: Plan | Non
     return typed(msg)
 
 
-def _memory_parts(codec: Compressor, layout: ModelLayout) -> dict[str, int]:
+def _memory_parts(codec: Compressor, layout: ModelLayout, rows: SparseRows | None = None) -> dict[str, int]:
     """Bytes the hook keeps alive between steps, by kind: the codec's (:func:`codec_memory`),
-    ``scratch``, the plans' and units' buffers, and ``collectives``, the collectives' reusable
-    buffers and caches (process-wide, :func:`commpress.collectives.cached_bytes`)."""
-    return codec_memory(codec) | {"scratch": layout.scratch_bytes(), "collectives": collectives.cached_bytes()}
+    ``scratch``, the plans' and units' buffers, ``collectives``, the collectives' reusable
+    buffers and caches (process-wide, :func:`commpress.collectives.cached_bytes`: the rows'
+    hash-owner tables among them), and with ``sparse_rows`` its counts still to be read."""
+    return codec_memory(codec) | {"scratch": layout.scratch_bytes(), "collectives": collectives.cached_bytes()} | (
+        {"sparse_rows": rows.memory_bytes()} if rows is not None else {})
 
 
 def _params(layout: ModelLayout) -> int:
@@ -1066,18 +1136,45 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
 
 def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    if executor.step < state.warmup_steps or not state.compressed_param_names:
+    rows = cfg.sparse_rows is not None and _begin_rows(state, executor, cfg)   # a rows parameter goes as rows
+    if not rows and (executor.step < state.warmup_steps or not state.compressed_param_names):
         return _dense_async(executor, bucket)
-    fast = cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every else None
+    fast = cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every and not rows else None
     if fast is not None:   # "auto" chose dense (or bf16) everywhere: DDP's own path (PyTorch's bf16 hook's)
         return _dense_async(executor, bucket, cast=torch.bfloat16 if fast == "bf16" else None)
-    if cfg.fold_scale and not cfg.verify_every:
+    if cfg.fold_scale and not cfg.verify_every and not rows:
         return _dense_async(executor, bucket, cast=cfg.cast_to)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     executor.submit(bucket, fut)
     # A Python future's exception is only a value to DDP's C++ side ("Unable to cast ... to
     # Tensor"); raised from a callback it becomes the child future's error, which DDP raises.
     return fut.then(_value) if executor.queued else fut
+
+
+def _begin_rows(state: DDPState, executor: _Executor, cfg: HookConfig) -> bool:
+    """``sparse_rows``, at each bucket: whether this step sends some parameter as rows.  The step's
+    first bucket applies what the last one measured (:meth:`SparseRows.begin_step`: counts long
+    gathered), settles ``"auto"``'s parameters at the first compressed step (:func:`_settle_rows`),
+    and decides for the whole step (every rank alike: paths are functions of gathered counts)."""
+    if not executor.rows_begun:
+        tracker = cfg.sparse_rows
+        tracker.begin_step()
+        executor.rows_begun = True
+        compressed = executor.step >= state.warmup_steps
+        if compressed and not executor.layout.rows_settled:
+            _settle_rows(tracker, executor.layout)
+        executor.rows_active = compressed and cfg.world_size > 1 and tracker.any_rows(executor.layout.rows)
+    return executor.rows_active
+
+
+def _settle_rows(tracker: SparseRows, layout: ModelLayout) -> None:
+    """``sparse_rows="auto"`` at the first compressed step: the parameters measured sparse (on the
+    rows path now) join the rows parameters for good; the others the compressor would compress
+    stay with it (in its units) and are no longer tracked.  Units stay stable from then on."""
+    keep = layout.rows | {n for n, _ in tracker.items() if tracker.path(n) == "rows"}
+    tracker.drop([n for n, _ in list(tracker.items()) if n not in keep])
+    layout.set_rows(keep)
+    log.info("commpress ddp: sparse_rows='auto' settled: %s as rows", sorted(keep) or "none")
 
 
 # DDP inspects the annotations (which `from __future__ import annotations` turns into strings).
@@ -1097,6 +1194,11 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
         plan = executor.layout.plan(bucket.index(), bucket.parameters())
+        tracker = cfg.sparse_rows
+        if tracker is not None and executor.rows_begun and tracker.measuring():   # count their rows (device)
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                if p in tracker:
+                    tracker.observe(p, g.view(p.shape[0], -1))
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
         sent, algorithm = dense_bytes, "dense"
         if cfg.world_size > 1 and cast is not None:
@@ -1116,6 +1218,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
                           compress_seconds=0.0, hook_seconds=total.seconds, rounds=int(cfg.world_size > 1),
                           hook_cpu_seconds=total.cpu_seconds)
     if bucket.is_last():
+        executor.end_rows()
         executor.step += 1
         executor.stats.end_step()
     return fut
@@ -1130,7 +1233,9 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
-             auto: AutoSpec | None = None, **compressor_params: Any) -> DDPState:
+             auto: AutoSpec | None = None,
+             sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
+             **compressor_params: Any) -> DDPState:
     """Compress ``model``'s gradient averaging with a commpress DDP comm hook.
 
     Builds a :class:`DDPState` and calls ``model.register_comm_hook(state, hook)``.
@@ -1205,6 +1310,18 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             ``prices``, ``remeasure``, ``revert``), validated when it is built; only with
             ``compressor="auto"``.  The same options as keywords of ``register`` still work
             and warn (``DeprecationWarning``).
+        sparse_rows: parameters whose gradients are naturally row-sparse (an ``nn.Embedding``
+            weight a batch touches a few rows of): a list of the model's 2-D parameters (or their
+            names), or ``"auto"`` (every 2-D parameter, measured in the first steps and
+            re-checked every 100; those found dense at the first compressed step stay with the
+            compressor).  Each is sent as its nonzero rows and summed exactly
+            (:func:`commpress.collectives.rows_allreduce`: all-gather or ZEN's hashed
+            all-to-all, one overflow round when the rows outgrow the capacity, nothing dropped),
+            bitwise the same on every rank and equal to DDP's average up to fp32 summation
+            order; when its rows stop being sparse it goes dense in its bucket, and back to rows
+            when a re-check finds them sparse.  Never in a compressed unit (``"auto"``'s neither).
+            ``ValueError`` naming the tensor for one that is not a 2-D parameter of the model;
+            see :class:`DDPState`.
         **compressor_params: the compressor's own parameters (with a registry name), as
             ``commpress.get`` takes them, e.g. ``ratio=0.01``; the sparsifiers' density
             warm-up (``density_warmup=`` steps from ``density_start=``) is one.
@@ -1219,8 +1336,9 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
         ValueError: for an algorithm the compressor's kind does not have, a bad
             ``residual_storage``, ``rollback``, ``hierarchy`` or ``momentum``, a negative
             ``warmup_steps``/``min_numel``/``seed``, ``auto`` without
-            ``compressor="auto"``, or configurations that differ between ranks (on every
-            rank).
+            ``compressor="auto"``, a bad ``sparse_rows`` entry (named), an
+            ``nn.Embedding(sparse=True)`` in the model, or configurations that differ between
+            ranks (on every rank).
 
     Example:
         >>> model = DistributedDataParallel(net)
@@ -1236,7 +1354,8 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
                      verify_every=verify_every, seed=seed, dense_1d=dense_1d, overlap=overlap,
                      hierarchy=hierarchy, optimizer=optimizer, join_buckets=join_buckets, scaler=scaler,
                      residual_storage=residual_storage, rollback=rollback, momentum=momentum,
-                     momentum_masking=momentum_masking, auto=auto, **compressor_params)
+                     momentum_masking=momentum_masking, auto=auto, sparse_rows=sparse_rows,
+                     **compressor_params)
     model.register_comm_hook(state, hook)
     return state
 

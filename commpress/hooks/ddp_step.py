@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import CommStats, allreduce, carries_dense, joint
+from ..collectives.rows import rows_allreduce
 from ..collectives.core import folds_scale
 from .._pool import BufferPool
 from ..compressors import Compressor
@@ -99,6 +100,12 @@ class Plan:
     compressed: list[tuple[str, int, int]]           # (name, offset, numel)
     dense_names: list[str] = field(default_factory=list)   # the parameters of dense_slices
     dense_scratch: torch.Tensor | None = None
+    #: the parameters tracked by ``sparse_rows`` (:class:`~.sparse_rows.SparseRows`): in no unit,
+    #: summed as rows or, on their "dense" path, in this step's dense part
+    rows: list[tuple[str, int, int]] = field(default_factory=list)   # (name, offset, numel)
+    #: this step's dense part: ``dense_slices`` and the rows parameters on their dense path
+    live_slices: list[tuple[int, int]] = field(default_factory=list)
+    live_names: list[str] = field(default_factory=list)
 
 
 def unit_key(names: list[str]) -> str:
@@ -128,9 +135,10 @@ def goes_dense(name: str, p: torch.Tensor, inner: Compressor, *, dense_1d: bool,
 
 
 def make_plan(index: int, params: list[torch.Tensor], names_by_id: dict[int, str],
-              dense_names: set[str]) -> Plan:
-    """The plan of a bucket holding ``params`` (in DDP's order)."""
-    names, dense, compressed = [], [], []
+              dense_names: set[str], rows_names: set[str] | frozenset = frozenset()) -> Plan:
+    """The plan of a bucket holding ``params`` (in DDP's order): ``rows_names`` (the
+    ``sparse_rows`` parameters) go in neither the dense part nor a unit."""
+    names, dense, compressed, rows = [], [], [], []
     offset = 0
     for p in params:
         name = names_by_id.get(id(p))
@@ -138,13 +146,16 @@ def make_plan(index: int, params: list[torch.Tensor], names_by_id: dict[int, str
             raise RuntimeError(f"bucket {index} holds a parameter of shape {tuple(p.shape)} "
                                "that the model did not have at registration")
         names.append(name)
-        if name in dense_names:
+        if name in rows_names:
+            rows.append((name, offset, p.numel()))
+        elif name in dense_names:
             dense.append((offset, p.numel()))
         else:
             compressed.append((name, offset, p.numel()))
         offset += p.numel()
     return Plan(index=index, param_ids=tuple(id(p) for p in params), names=names, dense_slices=dense,
-                compressed=compressed, dense_names=[nm for nm in names if nm in dense_names])
+                compressed=compressed, dense_names=[nm for nm in names if nm in dense_names and nm not in rows_names],
+                rows=rows)
 
 
 def new_unit(plan: Plan, assigned: dict[str, int], shapes: dict[str, torch.Size]) -> Unit | None:
@@ -282,6 +293,10 @@ class ModelLayout:
         self.names = names
         self.shapes = shapes
         self.dense = dense
+        #: the ``sparse_rows`` parameters kept out of the units for good (:meth:`set_rows`)
+        self.rows: set[str] = set()
+        #: whether :attr:`rows` is final (``sparse_rows="auto"``: at the first compressed step)
+        self.rows_settled = True
         self.plans: dict[int, Plan] = {}
         self.units: list[Unit] = []
         self.unit_of: dict[str, int] = {}
@@ -295,8 +310,16 @@ class ModelLayout:
         if plan is None or plan.param_ids != tuple(id(p) for p in params):
             if plan is not None:
                 log.info("commpress ddp: bucket %d changed layout (DDP bucket rebuild)", index)
-            plan = self.plans[index] = make_plan(index, params, self.names, self.dense)
+            plan = self.plans[index] = make_plan(index, params, self.names, self.dense, self.rows)
         return plan
+
+    def set_rows(self, names: set[str]) -> None:
+        """Keep ``names`` out of the units for good (before any unit holds them); plans are rebuilt."""
+        taken = sorted(nm for nm in names if nm in self.unit_of)
+        if taken:
+            raise ValueError(f"sparse_rows: {taken} are already in compressed units")
+        self.rows, self.rows_settled = set(names), True
+        self.plans = {}
 
     def assign_units(self, plan: Plan) -> None:
         """Give the compressible parameters of ``plan`` that have no unit yet one new unit."""
@@ -320,7 +343,7 @@ class ModelLayout:
         for u in saved:
             names, sizes = [str(n) for n in u["names"]], [int(n) for n in u["sizes"]]
             for nm, n in zip(names, sizes):
-                if nm not in self.shapes or self.shapes[nm].numel() != n or nm in self.dense:
+                if nm not in self.shapes or self.shapes[nm].numel() != n or nm in self.dense or nm in self.rows:
                     raise ValueError(f"checkpoint unit for parameter {nm!r} ({n} elements) does not "
                                      "match this model's compressed parameters")
             units.append(Unit(key=u["key"], names=names, sizes=sizes,
@@ -376,6 +399,9 @@ class HookConfig:
     #: ``rollback="unit"``: each unit's residual updates commit as soon as its collective judged
     #: them (under the step's bad flag so far), not at the step's end
     unit_commits: bool = False
+    #: ``sparse_rows``: the :class:`~.sparse_rows.SparseRows` plan (the path and capacities of
+    #: each rows parameter, updated by the steps); ``None``: none
+    sparse_rows: Any = None
 
     @property
     def dense_rides(self) -> bool:
@@ -482,6 +508,7 @@ class Step:
                 buf.mul_(scales[1])
             plan = layout.plan(index, params)
             dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), world)
+            as_rows, dense_rows = self._rows_paths(plan, buf) if plan.rows else ([], [])
             layout.assign_units(plan)
             for nm, off, n in plan.compressed:
                 self.ready[nm] = (buf, off, n)
@@ -491,7 +518,7 @@ class Step:
                               and all(nm in self.ready for nm in layout.units[i].names))
             rides = (bool(runnable) and cfg.unit_rides(layout.units[runnable[0]])  # no round of its own
                      and not (world == 2 and layout.units[runnable[0]].declines_dense))
-            dense, work = self._start_dense(plan, buf, send=not rides)
+            dense, work = self._start_dense(plan, buf, send=not rides, extra=dense_rows)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if work is not None else 0
             algorithms = []
             cs = CommStats()  # rounds, time in collectives and codec passes, for the step's account
@@ -505,6 +532,8 @@ class Step:
                     held_dense = held_dense or (carried is not None and i not in self.done_units)
                 if last and self.held:   # nothing ran after them: a flight of their own
                     self._fly_held(cs)
+                for name, off, n in as_rows:   # after the units' and the dense part's collectives started
+                    algorithms.append(self._run_rows(name, buf, off, n, cs))
             sent += cs.bytes_sent
             if work is not None:
                 with Timer() as t_w:
@@ -535,16 +564,57 @@ class Step:
             self._scales_read = True
         return self._scales
 
-    def _start_dense(self, plan: Plan, buf: torch.Tensor, send: bool = True):
-        """Pack and scale the dense part and, with ``send``, start its all_reduce (``None`` when
-        the bucket has none); without, it rides in a unit's message (:meth:`_run_unit`)."""
-        n = sum(k for _, k in plan.dense_slices)
+    def _rows_paths(self, plan: Plan, buf: torch.Tensor) -> tuple[list[tuple[str, int, int]],
+                                                                   list[tuple[int, int, str]]]:
+        """The bucket's ``sparse_rows`` parameters by this step's path: ``(name, offset, numel)`` of
+        those summed as rows, ``(offset, numel, name)`` of those in the dense part (counted on the
+        device on a measuring step: :meth:`~.sparse_rows.SparseRows.observe`)."""
+        tracker, shapes = self.ctx.config.sparse_rows, self.ctx.layout.shapes
+        as_rows, dense = [], []
+        for name, off, n in plan.rows:
+            if tracker.path(name) == "rows":
+                as_rows.append((name, off, n))
+            else:
+                tracker.observe(name, buf[off:off + n].view(shapes[name][0], -1))
+                dense.append((off, n, name))
+        return as_rows, dense
+
+    def _run_rows(self, name: str, buf: torch.Tensor, off: int, n: int, cs: CommStats) -> str:
+        """Sum one ``sparse_rows`` parameter's slice of the bucket in place as rows
+        (:func:`~commpress.collectives.rows_allreduce`: lossless, bitwise the same on every rank),
+        averaged as DDP does (``1/P`` before the sum); a NaN/inf in the sum marks the step bad."""
+        cfg = self.ctx.config
+        tracker = cfg.sparse_rows
+        flat = buf[off:off + n]
+        view = flat.view(self.ctx.layout.shapes[name][0], -1)
+        if cfg.world_size > 1:
+            view.mul_(cfg.scale)
+        result = rows_allreduce(view, out=view, key=f"ddp-rows:{name}", group=cfg.group, stats=cs,
+                                **tracker.capacities(name))
+        tracker.record(name, result)
+        if cfg.feedback:
+            self.transaction.mark_bad(nonfinite_flag(flat))
+        if cfg.momentum:   # plain momentum, as every parameter the compressor does not send
+            cfg.codec.dense_momentum(flat, name, self.transaction)
+        return "rows_" + result.algorithm
+
+    def _start_dense(self, plan: Plan, buf: torch.Tensor, send: bool = True,
+                     extra: list[tuple[int, int, str]] | None = None):
+        """Pack and scale the dense part (with ``extra``: the rows parameters on their dense path
+        this step) and, with ``send``, start its all_reduce (``None`` when the bucket has none);
+        without, it rides in a unit's message (:meth:`_run_unit`)."""
+        if extra:
+            live = sorted([(off, k, nm) for (off, k), nm in zip(plan.dense_slices, plan.dense_names)] + extra)
+            plan.live_slices, plan.live_names = [(o, k) for o, k, _ in live], [nm for _, _, nm in live]
+        else:
+            plan.live_slices, plan.live_names = plan.dense_slices, plan.dense_names
+        n = sum(k for _, k in plan.live_slices)
         if n == 0:
             return None, None
         if (plan.dense_scratch is None or plan.dense_scratch.dtype != buf.dtype
-                or plan.dense_scratch.device != buf.device):
+                or plan.dense_scratch.device != buf.device or plan.dense_scratch.numel() != n):
             plan.dense_scratch = torch.empty(n, dtype=buf.dtype, device=buf.device)
-        gather_slices(buf, plan.dense_slices, plan.dense_scratch)
+        gather_slices(buf, plan.live_slices, plan.dense_scratch)
         cfg = self.ctx.config
         if cfg.world_size == 1:
             return plan.dense_scratch, None
@@ -564,10 +634,10 @@ class Step:
             self.transaction.mark_bad(nonfinite_flag(dense))
         if cfg.momentum:  # momentum correction: the dense parameters get plain momentum here
             pos = 0
-            for name, (_, n) in zip(plan.dense_names, plan.dense_slices):
+            for name, (_, n) in zip(plan.live_names, plan.live_slices):
                 cfg.codec.dense_momentum(dense[pos:pos + n], name, self.transaction)
                 pos += n
-        scatter_slices(buf, plan.dense_slices, dense)
+        scatter_slices(buf, plan.live_slices, dense)
 
     def _run_unit(self, i: int, cs: CommStats, dense: torch.Tensor | None = None, hold: bool = False) -> str:
         """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm.  With
@@ -579,7 +649,8 @@ class Step:
         pieces = [self.ready[nm] for nm in unit.names]
         plan = self.ctx.layout.plans.get(self._bucket)
         # the bucket's gaps between the unit's pieces hold only its dense part (saved by _start_dense)
-        packable = plan is not None and [nm for nm, _, _ in plan.compressed] == unit.names
+        # (not with rows parameters: their slices in those gaps are not saved)
+        packable = plan is not None and not plan.rows and [nm for nm, _, _ in plan.compressed] == unit.names
         t, store = unit_input(unit, pieces, packable, self.ctx.layout.scratch)
         cs.last_algorithm = ""
         prescale = None   # the 1/P folded into the call's first pass (a cast's, error feedback's)

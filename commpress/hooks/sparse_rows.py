@@ -294,6 +294,28 @@ class SparseRows:
         plan.owner_capacity = min(capacity_ladder(per_owner * room), plan.rows)
         plan.union_capacity = min(capacity_ladder(union * room), plan.rows)
 
+    def drop(self, names: Iterable[str]) -> None:
+        """Stop tracking ``names`` (a hook that compresses them instead: ``sparse_rows="auto"``
+        under DDP keeps a parameter found dense at its first compressed step in its units)."""
+        for name in list(names):
+            if name in self.plans:
+                p = self._params.pop(name)
+                del self.plans[name]
+                self._by_id.pop(id(p), None)
+                self._observed.pop(name, None)
+
+    def any_rows(self, names: Iterable[str] | None = None) -> bool:
+        """Whether some tracked parameter (of ``names``, default all) takes the rows path now."""
+        return any(self.plans[n].path == "rows" for n in (self.plans if names is None else names) if n in self.plans)
+
+    def memory_bytes(self) -> int:
+        """Bytes kept between steps: the measurements and counts still to be read (a few int64)."""
+        kept = [p.pending_union._host for p in self.plans.values() if p.pending_union is not None]
+        if self._pending is not None:
+            kept.append(self._pending[1]._host)
+        kept.extend(self._observed.values())
+        return sum(t.numel() * t.element_size() for t in kept)
+
     # ------------------------------------------------------------ reporting, checkpoints
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """Per parameter name: rows, dim, declared, path, density (largest fraction of rows nonzero
