@@ -22,7 +22,7 @@ Several machines: the same script on each node, e.g. two nodes of 4 ranks, with
 
 The hook state is built without the model (``DDPState("blockquant", bits=8)``), as
 PyTorch's ``register_comm_hook`` and Lightning's ``DDPStrategy(ddp_comm_state=...)``
-take it; it binds to the model at the first synchronized bucket.  A checkpoint is one
+take it; ``state.bind(model)`` binds it before the first step.  A checkpoint is one
 file per rank, ``<ckpt>/step<STEP>-rank<R>.pt``: model, optimizer, the rank's hook
 state (error-feedback residuals are per rank), torch's RNG state and the step (the
 data position: batches are a pure function of rank and step).  Each file is written
@@ -203,6 +203,7 @@ def main() -> None:
     model.register_comm_hook(state, commpress.ddp.hook)
 
     first = resume(args.ckpt, model, opt, state) if args.ckpt else 0
+    state.bind(model)   # on every rank, before the first step (a loaded state is checked and applied here)
     if first and rank == 0:
         # torchrun's restart count is per node: a node restarted for a peer's failure keeps its count
         print(f"resumed at step {first} (TORCHELASTIC_RESTART_COUNT={os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')})",
