@@ -228,7 +228,7 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None] | No
 
         for _ in range(warmup):
             step()
-        executor = getattr(state, "executor", None)
+        executor = getattr(state, "_executor", None)
         thread = getattr(executor, "_thread", None)
         worker = thread.native_id if thread is not None else None
         clock.install()   # after the warm-up: the kernels are compiled

@@ -453,7 +453,7 @@ def _release(state: Any) -> int:
                       "_dense_velocity", "_dense_pending"):
             getattr(c, table, {}).clear()
     getattr(codec, "_carry", {}).clear()
-    layout = getattr(state, "layout", None)
+    layout = getattr(state, "_layout", None)
     if layout is not None:
         layout.scratch = type(layout.scratch)()
         for plan in layout.plans.values():

@@ -152,7 +152,7 @@ def _buffers(state):
     for i, plan in state._plans.items():
         if plan.dense_scratch is not None:
             ptrs[("dense", i)] = plan.dense_scratch.data_ptr()
-    for i, buf in enumerate(state.layout.scratch.buffers()):   # the units' shared gather buffers
+    for i, buf in enumerate(state._layout.scratch.buffers()):   # the units' shared gather buffers
         ptrs[("scratch", i)] = buf.data_ptr()
     codec = state.codec  # error feedback: a live and a pending residual per key (swapped on commit)
     for key in getattr(codec, "_residuals", {}):

@@ -97,7 +97,7 @@ def _account_worker(rank, world):
             "account": last["account"], "rounds": last["rounds"], "bytes_sent": last["bytes_sent"],
             "calls": [k for k, _ in calls.calls], "counted_bytes": calls.bytes_sent(world),
             "mean_keys": sorted(mean), "mean_steps": mean.get("steps"),
-            "buckets": len(state.layout.plans), "algorithms": dict(state.stats.algorithms),
+            "buckets": len(state._layout.plans), "algorithms": dict(state.stats.algorithms),
         }
         state.close()
     commpress.collectives.set_cost_model(None)

@@ -68,7 +68,7 @@ def _train(rank, world, name, join, overlap=True, nan_step=None):
         rounds.append(state.stats.last_step["rounds"])
     out = {"params": [p.detach().clone() for p in model.parameters()], "rounds": rounds,
            "algorithms": sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}),
-           "units": len(state.layout.units), "grads": grads, "residuals": residuals,
+           "units": len(state._layout.units), "grads": grads, "residuals": residuals,
            "choices": sorted({e["choice"] for e in state.stats.as_dict().get("auto", {}).values()})}
     state.close()
     return out

@@ -38,9 +38,9 @@ def _train(name, params, rank):
         rounds.append(state.stats.last_step["rounds"])
         algorithms.append(sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}))
     out = {"params": [p.detach().clone() for p in model.parameters()], "rounds": rounds, "algorithms": algorithms,
-           "buckets": len(state.layout.plans), "dense": sum(bool(p.dense_slices) for p in state.layout.plans.values()),
-           "rides": state.executor.config.dense_rides,
-           "declines": [u.declines_dense for u in state.layout.units]}
+           "buckets": len(state._layout.plans), "dense": sum(bool(p.dense_slices) for p in state._layout.plans.values()),
+           "rides": state._executor.config.dense_rides,
+           "declines": [u.declines_dense for u in state._layout.units]}
     state.close()
     return out
 
@@ -95,8 +95,8 @@ def _auto_worker(rank, world):
     for step in range(5):   # dense warm-up, two measured steps, the choice from step 3 on
         train_step(model, opt, rank, step)
         rounds.append(state.stats.last_step["rounds"])
-    out = {"rounds": rounds, "buckets": len(state.layout.plans),
-           "dense": sum(bool(p.dense_slices) for p in state.layout.plans.values()),
+    out = {"rounds": rounds, "buckets": len(state._layout.plans),
+           "dense": sum(bool(p.dense_slices) for p in state._layout.plans.values()),
            "choices": sorted({e["choice"] for e in state.stats.as_dict()["auto"].values()}),
            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
     state.close()
