@@ -11,11 +11,16 @@ from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, 
 from .decide import (BucketMeasure, Decider, Decision, Measurements, Network, Prices, decide, exposed_seconds,
                      stats_record)
 from .measure import OverlapRecorder, agree, agree_measurements, codec_cost, norm_change, overlap
+from .runtime import AutoSpec
 from .switch import fold_residual, take_residual
 
+#: ``register(model, "auto", auto=commpress.auto.Options(...))``: the ``"auto"`` options, typed
+#: and validated where they are built (:class:`~commpress.auto.runtime.AutoSpec`).
+Options = AutoSpec
+
 __all__ = [
-    "BucketMeasure", "Candidate", "Choice", "DEFAULT_CANDIDATES", "DENSE", "Decider", "Decision",
-    "Measurements", "Network", "OverlapRecorder", "Prices", "agree", "agree_measurements", "codec_cost",
+    "AutoSpec", "BucketMeasure", "Candidate", "Choice", "DEFAULT_CANDIDATES", "DENSE", "Decider", "Decision",
+    "Measurements", "Network", "Options", "OverlapRecorder", "Prices", "agree", "agree_measurements", "codec_cost",
     "decide", "describe", "exposed_seconds", "fold_residual", "gentlest", "norm_change", "overlap",
     "stats_record", "take_residual",
 ]
