@@ -7,6 +7,8 @@ each).  Side by side in one process group, step by step in a rotating order (a s
 drift falls on every configuration alike):
 
 * ``ddp``: plain DDP, no hook (the baseline);
+* ``torch_hook``: PyTorch's ``allreduce_hook`` (the floor of any Python comm hook: DDP's own
+  all_reduce issued from a hook, 1.02-1.08x DDP in docs/results/overhead.md);
 * ``identity``: ``commpress.ddp.register(model, "identity")`` (DDP's own path, through the hook);
 * ``auto``: the same with ``sparse_rows="auto"``: the first steps measure every 2-D parameter's
   nonzero rows, find them dense, and keep DDP's path; a re-check every 100 steps counts them
@@ -15,8 +17,11 @@ drift falls on every configuration alike):
   its bucket's dense part from then on (re-checked likewise).
 
 Prints, per configuration, the mean and median step (forward, backward with the hook, SGD step)
-over the steps after ``--skip``, the ratio of each mean to plain DDP's, the path each rows
-parameter ended on and the hook's memory overhead; ``--json`` writes them.
+over the steps after ``--skip``, the ratio of each mean to plain DDP's and to the identity hook's,
+the median over the steps of the per-step ratio to DDP's (the configurations of one step run back
+to back: a shared machine's drift cancels), the path each rows parameter ended on and the hook's
+memory overhead (process-wide caches included, so the same figure for every hook of the
+process); ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import statistics
 import tempfile
 import time
 
-CONFIGS = ("ddp", "identity", "auto", "declared")
+CONFIGS = ("ddp", "torch_hook", "identity", "auto", "declared")
 
 
 def _rank(rank: int, world: int, store: str, args, results) -> None:
@@ -55,7 +60,11 @@ def _rank(rank: int, world: int, store: str, args, results) -> None:
     for name in CONFIGS:
         torch.manual_seed(0)
         model = DDP(Net())
-        if name != "ddp":
+        if name == "torch_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name != "ddp":
             rows = {"identity": None, "auto": "auto", "declared": [model.module.emb.weight]}[name]
             states[name] = commpress.ddp.register(model, "identity", sparse_rows=rows)
         models[name], opts[name] = model, torch.optim.SGD(model.parameters(), lr=0.01)
@@ -109,16 +118,20 @@ def main() -> None:
                "configs": {}}
     print(f"embedding {args.rows} x {args.dim} fp32, every row touched; {args.world} gloo ranks, loopback; "
           f"{args.steps} steps each, the first {args.skip} left out (rank 0's clock)")
-    print(f"{'config':10s} {'mean ms':>8s} {'median ms':>10s} {'mean / ddp':>11s}  paths, memory")
+    ident = statistics.fmean(r0["times"]["identity"][args.skip:])
+    print(f"{'config':10s} {'mean ms':>8s} {'median ms':>10s} {'mean/ddp':>9s} {'mean/identity':>14s} "
+          f"{'median of step/ddp':>19s}  paths, memory")
     for name in CONFIGS:
         t = r0["times"][name][args.skip:]
         mean, med = statistics.fmean(t), statistics.median(t)
-        row = {"mean_ms": 1e3 * mean, "median_ms": 1e3 * med, "ratio": mean / base,
-               "median_ratio": med / statistics.median(r0["times"]["ddp"][args.skip:]),
-               "paths": r0["rows"].get(name, {}), "memory_overhead_bytes": r0["memory"].get(name)}
+        per_step = statistics.median(a / b for a, b in zip(t, r0["times"]["ddp"][args.skip:]))
+        row = {"mean_ms": 1e3 * mean, "median_ms": 1e3 * med, "ratio": mean / base, "ratio_identity": mean / ident,
+               "median_step_ratio": per_step, "paths": r0["rows"].get(name, {}),
+               "memory_overhead_bytes": r0["memory"].get(name)}
         summary["configs"][name] = row
-        print(f"{name:10s} {row['mean_ms']:8.2f} {row['median_ms']:10.2f} {row['ratio']:11.3f}  "
-              f"{row['paths'] or ''} {row['memory_overhead_bytes'] if row['memory_overhead_bytes'] is not None else ''}")
+        mem = row["memory_overhead_bytes"]
+        print(f"{name:10s} {row['mean_ms']:8.2f} {row['median_ms']:10.2f} {row['ratio']:9.3f} "
+              f"{row['ratio_identity']:14.3f} {per_step:19.3f}  {row['paths'] or ''} {'' if mem is None else mem}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
