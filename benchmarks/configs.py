@@ -214,8 +214,8 @@ def unavailable_reason(cfg: Config) -> str | None:
     if cfg.compressor not in commpress.available() and cfg.compressor != "auto":
         return f"compressor {cfg.compressor!r} is not registered"
     if "sparse_rows" in cfg.params and not has_sparse_rows():
-        return ("commpress.ddp.register has no sparse_rows= in this checkout (issue 52 item 1: the lossless "
-                "row-sparse path is not wired into the DDP hook yet)")
+        return ("commpress.ddp.register has no sparse_rows= in this checkout (the lossless row-sparse path "
+                "is not wired into the DDP hook yet)")
     return None
 
 

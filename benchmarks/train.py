@@ -394,6 +394,8 @@ def train_one(task_name: str, size: str, cfg: C.Config, steps: int, eval_every: 
                    hook_s_per_step=float(last.get("hook_seconds", 0.0)),
                    algorithms=st.get("algorithms", {}), stats_steps=st.get("steps", 0),
                    account=_median_account(accounts[skip:]))
+        if st.get("sparse_rows"):  # register(..., sparse_rows=): per parameter, its path, density, capacities
+            out["sparse_rows"] = st["sparse_rows"]
         if "auto" in st:  # register(model, "auto"): each bucket's choice, predicted and measured ms
             out["auto"] = st["auto"]
             out["auto_network"] = st.get("auto_network")
