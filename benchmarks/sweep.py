@@ -19,8 +19,9 @@ and the wall time to reach the dense DDP run's final metric within a margin
 (accuracy −0.5 points, loss +2%), both read from a smoothed metric (the mean
 of the last three evaluations).  ``--demo`` runs the demonstration plan (the
 main job, ``bash scripts/demo.sh``): 2 ranks one core each on digits at 1 Gbit/s
-and on the LM at 100 Mbit/s, the headline configs with two seeds, then 4 ranks
-on the machine's cores in a table of their own, and a verdict table.  Writes
+and on the LM at 100 Mbit/s, the headline configs with two seeds, the click model
+(``rec``) at 1 Gbit/s with one seed, then 4 ranks on the machine's cores in a table of
+their own, and a verdict table.  Writes
 ``results/sweep-<timestamp>/`` with ``results.json``, ``results.csv``, plots and
 ``summary.md``.
 """
@@ -51,7 +52,7 @@ LOSS_MARGIN = 0.02      # loss target: dense final * 1.02
 SMOOTH = 3              # the metric is the mean of the last SMOOTH evaluations
 NOISE = 0.2             # run-to-run spread of time to target measured on the shared 2-core machine
 
-DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40, "rec": 150}, "quick": {"digits": 100, "lm": 120, "rec": 150}}
+DEFAULT_STEPS = {"full": {"digits": 150, "lm": 40, "rec": 150}, "quick": {"digits": 100, "lm": 120, "rec": 100}}
 TASKS = ("digits", "lm", "rec")
 
 
@@ -82,9 +83,13 @@ DIGITS_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1"
                   "auto")
 LM_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "blockquant-4bit", "powersgd-r2",
               "auto")
+#: the click model's embedding tables (row-sparse gradients): the lossless row path against DDP, PyTorch's
+#: fp16 hook and the two lossy configs that lead on it (about 1.5 minutes on 2 idle cores)
+REC_CONFIGS = ("ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "sparse-rows")
 DEMO_LEGS = (
     Leg("digits", 2, "1gbit", DIGITS_CONFIGS, seeds=2),
     Leg("lm", 2, "100mbit", LM_CONFIGS, seeds=2),
+    Leg("rec", 2, "1gbit", REC_CONFIGS),
     Leg("digits", 4, "1gbit", ("ddp", "torch-fp16", "best:torch_powersgd", "best:commpress")),
 )
 
@@ -137,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="configs: " + ", ".join(c.name for c in C.ALL)
                                 + "; groups: " + ", ".join(sorted(C.GROUPS)))
     p.add_argument("--demo", action="store_true", help="the demonstration plan (quick sizes): 2 ranks one core "
-                   "each on digits at 1gbit and the LM at 100mbit (2 seeds for the headline configs), 4 ranks "
+                   "each on digits at 1gbit and the LM at 100mbit (2 seeds for the headline configs), the click model "
+                   "(rec) at 1gbit, 4 ranks "
                    "in a table of their own, a verdict table; loopback where namespaces are unavailable")
     p.add_argument("--quick", action="store_true", help="small models, few steps, a few configs (minutes on 2 cores)")
     p.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
@@ -653,12 +659,46 @@ def check_sparse_goals(leg: Leg, rows: list[dict], summary: dict[str, dict] | No
         rest_b = C.ring_all_reduce_bytes(4 * (info["params"] - info["embedding_params"]), world)
         x = (r["bytes_sent"] - rest_b) / rows_b
         lines.append(f"  - bytes: {_fmt_bytes(r['bytes_sent'])} a step, of which the dense rest "
-                     f"{_fmt_bytes(rest_b)}; the rows' part is {x:.2f}x the touched rows' own "
+                     f"{_fmt_bytes(rest_b)}; the rows' part is {x:.3f}x the touched rows' own "
                      f"{_fmt_bytes(rows_b)} ({touched['users']:.0f} user + {touched['items']:.0f} item rows "
                      f"of {row_b} B + a 4 B index, to {world - 1} other rank(s)), goal <= {SPARSE_BYTES_GOAL:g}x: "
                      + ("met" if x <= SPARSE_BYTES_GOAL else "MISSED")
                      + f"; DDP sends {_fmt_bytes(r.get('dense_bytes') or None) or '?'}")
+        plans = r.get("sparse_rows") or {}
+        as_rows = {n: p for n, p in plans.items() if p.get("path") == "rows" or p.get("rows_calls")}
+        if plans:
+            lines.append("  - the hook's rows at the end: " + ("; ".join(
+                f"{name} {p.get('path')} ({p.get('algorithm') or '-'}), density {100 * (p.get('density') or 0):.2f}%, "
+                f"capacity {p.get('capacity')} rows, {p.get('overflow_rounds', 0)} overflow rounds in "
+                f"{p.get('rows_calls', 0)} calls" for name, p in as_rows.items()) or "none as rows")
+                + (f"; {len(plans) - len(as_rows)} other 2-D parameter(s) measured dense" if len(plans) > len(as_rows)
+                   else ""))
+    lines += _sparse_bound(leg, me, summary.get("ddp"), mine)
     return lines
+
+
+def _sparse_bound(leg: Leg, me: dict | None, ddp: dict | None, mine: list[dict]) -> list[str]:
+    """An estimate the machine's load does not move much: DDP's step is at least its bytes at the
+    link's rate; the row path's step, on ranks with their cores to themselves, about its host CPU
+    per step (its bytes take a fraction of a ms).  Their ratio is the speedup at equal steps to
+    expect there."""
+    if not (me and ddp and leg.net and me.get("cpu_s") and mine and mine[0].get("dense_bytes")):
+        return []
+    from .netem import NetSpec
+
+    try:
+        rate = NetSpec.parse(leg.net).bytes_per_s()
+    except ValueError:
+        return []
+    wire_ddp = mine[0]["dense_bytes"] / rate
+    wire_me = mine[0]["bytes_sent"] / rate
+    floor = max(me["cpu_s"], wire_me)
+    return [f"  - estimate for ranks with a core each to themselves: DDP's {_fmt_bytes(mine[0]['dense_bytes'])} take "
+            f"{1000 * wire_ddp:.0f} ms a step at {leg.net} (its step here {1000 * ddp['step_s']:.0f} ms); "
+            f"sparse-rows' {_fmt_bytes(mine[0]['bytes_sent'])} take {1000 * wire_me:.1f} ms and its rank "
+            f"{1000 * me['cpu_s']:.0f} ms of host CPU a step (its step here {1000 * me['step_s']:.0f} ms, the rest "
+            f"waiting for a core or the peer): at equal steps about {wire_ddp / floor:.1f}x DDP's speed (its "
+            f"step at least the wire time against about the host CPU; the host CPU measured under this load)"]
 
 
 # ---------------------------------------------------------------------------- main
