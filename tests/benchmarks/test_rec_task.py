@@ -90,7 +90,12 @@ def test_sparse_goals_compare_losses_steps_and_bytes():
     assert "max |difference| 1.00e-07" in text and "first at step 3" in text
     assert "vs ddp (10.0 s): 2.0 s, 5.00x, goal >= 3x: met" in text
     assert "vs best lossy commpress (blockquant-4bit) (2.5 s): 2.0 s, 1.25x, goal ahead: met" in text
-    assert "1.00x the touched rows' own" in text and "goal <= 1.25x: met" in text
+    assert "1.000x the touched rows' own" in text and "goal <= 1.25x: met" in text
+    assert "estimate" not in text                          # no host CPU figures: no estimate
+    rows[-1]["cpu_s"] = 0.030
+    text = "\n".join(sweep.check_sparse_goals(sweep.Leg("rec", 2, "1gbit", ()), rows))
+    # DDP's 15 MB take 120 ms at 1 Gbit/s; the row path's rank 30 ms of host CPU a step: 4x
+    assert "take 120 ms a step at 1gbit" in text and "at equal steps about 4.0x DDP's speed" in text
     rows[-1]["train_losses"] = [0.7, 0.6, 0.5]
     assert "bitwise identical" in "\n".join(sweep.check_sparse_goals(sweep.Leg("rec", 2, "1gbit", ()), rows))
     assert sweep.check_sparse_goals(sweep.Leg("rec", 2, "1gbit", ()), rows[:3]) == []
