@@ -120,18 +120,19 @@ def main() -> None:
           f"{args.steps} steps each, the first {args.skip} left out (rank 0's clock)")
     ident = statistics.fmean(r0["times"]["identity"][args.skip:])
     print(f"{'config':10s} {'mean ms':>8s} {'median ms':>10s} {'mean/ddp':>9s} {'mean/identity':>14s} "
-          f"{'median of step/ddp':>19s}  paths, memory")
+          f"{'median of step/ddp':>19s} {'step/identity':>14s}  paths, memory")
     for name in CONFIGS:
         t = r0["times"][name][args.skip:]
         mean, med = statistics.fmean(t), statistics.median(t)
         per_step = statistics.median(a / b for a, b in zip(t, r0["times"]["ddp"][args.skip:]))
+        per_ident = statistics.median(a / b for a, b in zip(t, r0["times"]["identity"][args.skip:]))
         row = {"mean_ms": 1e3 * mean, "median_ms": 1e3 * med, "ratio": mean / base, "ratio_identity": mean / ident,
-               "median_step_ratio": per_step, "paths": r0["rows"].get(name, {}),
+               "median_step_ratio": per_step, "median_step_ratio_identity": per_ident, "paths": r0["rows"].get(name, {}),
                "memory_overhead_bytes": r0["memory"].get(name)}
         summary["configs"][name] = row
         mem = row["memory_overhead_bytes"]
         print(f"{name:10s} {row['mean_ms']:8.2f} {row['median_ms']:10.2f} {row['ratio']:9.3f} "
-              f"{row['ratio_identity']:14.3f} {per_step:19.3f}  {row['paths'] or ''} {'' if mem is None else mem}")
+              f"{row['ratio_identity']:14.3f} {per_step:19.3f} {per_ident:14.3f}  {row['paths'] or ''} {'' if mem is None else mem}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
