@@ -325,3 +325,32 @@ def test_loss_scaler_leaves_the_rows_and_the_rest_as_unscaled():
     for (a, rows_a), (b, rows_b) in zip(plain, scaled):
         assert rows_a == rows_b == 4
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _host_reads(rank, world, overlap):
+    from test_ddp_host_reads import HostReads
+
+    _fast_ops()
+    model = _make()
+    state = commpress.ddp.register(model, "topk", ratio=0.05, min_numel=16, density_warmup=0, warmup_steps=1,
+                                   overlap=overlap, sparse_rows=["emb.weight"])
+    for step in range(4):   # warm-up, the first rows call (a count round), capacities from the counts
+        _step(model, _ids(rank, world, step))
+    with HostReads() as reads:
+        _step(model, _ids(rank, world, 4))
+    algorithms = set(state.stats.last_step["units"][u]["algorithm"] for u in state.stats.last_step["units"])
+    state.close()
+    return reads.calls, sorted(algorithms)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "inline"])
+def test_steady_state_reads_only_what_rows_documents(overlap):
+    # the rows call's one read of the gathered counts (collectives/rows.py) and the last step's
+    # counts, long gathered (sparse_rows.py's LazyRead: on CUDA a pinned copy behind an event)
+    for calls, algorithms in run(_host_reads, 2, overlap, timeout=80):
+        assert any("rows_" in a for a in algorithms), algorithms
+        others = [c for c in calls if not c.split(" at ")[1].startswith(("collectives/rows.py",
+                                                                         "hooks/sparse_rows.py"))]
+        assert others == [], others
+        assert len(calls) <= 3, calls
