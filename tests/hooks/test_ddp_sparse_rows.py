@@ -354,3 +354,37 @@ def test_steady_state_reads_only_what_rows_documents(overlap):
                                                                          "hooks/sparse_rows.py"))]
         assert others == [], others
         assert len(calls) <= 3, calls
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_turned_dense_go_in_the_compressed_bucket_dense_part(world):
+    # every row touched at step 2: from step 3 the embedding goes in its bucket's dense part beside
+    # top-k's unit (riding in its message at P=2, its own all_reduce at P=3), the units unchanged
+    kinds = ["own", "own", "all", "own", "own"]
+    results = run(_vs_ddp, world, kinds, "topk", {"ratio": 0.05, "min_numel": 16}, ["emb.weight"], timeout=80)
+    _same_across_ranks(results)
+    steps, stats, units = results[0]
+    assert [p for _, _, p in steps] == ["rows", "rows", "dense", "dense", "dense"]
+    assert units and all("emb.weight" not in u for u in units)
+    for step, (want, got, _) in enumerate(steps):
+        assert torch.allclose(want[0], got[0], rtol=1e-6, atol=1e-7), step
+    assert stats["sparse_rows"]["emb.weight"]["rows_calls"] == 2
+
+
+@pytest.mark.timeout(90)
+def test_momentum_correction_gives_rows_plain_momentum():
+    # DGC's momentum correction: the hook holds the momentum; a rows parameter (on either path) gets
+    # plain momentum on its exact average, from the first compressed step (step 0 is dense warm-up)
+    kinds = ["own", "own", "shared", "all", "own"]
+    results = run(_vs_ddp, 2, kinds, "topk", {"ratio": 0.05, "min_numel": 16, "momentum": 0.9}, ["emb.weight"],
+                  timeout=80)
+    _same_across_ranks(results)
+    steps, _, _ = results[0]
+    velocity = None
+    for step, (want, got, _) in enumerate(steps):
+        if step == 0:
+            assert torch.allclose(want[0], got[0], rtol=1e-6, atol=1e-7)
+            continue
+        velocity = want[0].clone() if velocity is None else 0.9 * velocity + want[0]
+        assert torch.allclose(velocity, got[0], rtol=1e-5, atol=1e-7), step
