@@ -467,7 +467,8 @@ class DDPState(TakeoverMixin, HookState):
         from ..auto.runtime import AutoCodec
 
         old = getattr(self, "_auto_codec", None)
-        self.codec = self._auto_codec = AutoCodec(self.compressor, self.momentum, self.momentum_masking)
+        self.codec = self._auto_codec = AutoCodec(self.compressor, self.momentum, self.momentum_masking,
+                                                  self.residual_storage, self.rollback == "step")
         self.uses_error_feedback = True   # every choice runs under error feedback
         if old is not None:  # rebuilt after binding (a momentum taken over): keep what binding set
             for name in ("network", "hierarchy", "first_check", "queued", "world", "rank"):
@@ -634,7 +635,8 @@ class DDPState(TakeoverMixin, HookState):
             A JSON-able dict: the compressor and its parameters, error feedback, momentum,
             world size, the hook's options (``warmup_steps``, ``min_numel``, ``algorithm``,
             ``verify_every``, ``seed``, ``dense_1d``, ``hierarchy``, ``join_buckets``), the
-            parameters' shapes and which go dense (after binding).
+            parameters' shapes and which go dense (after binding), and with ``sparse_rows`` the
+            tracked parameters as bound (declared or ``"auto"``) and the plan's options.
         """
         cfg = super().config()
         cfg.update(
