@@ -99,3 +99,15 @@ def test_sparse_goals_compare_losses_steps_and_bytes():
     rows[-1]["train_losses"] = [0.7, 0.6, 0.5]
     assert "bitwise identical" in "\n".join(sweep.check_sparse_goals(sweep.Leg("rec", 2, "1gbit", ()), rows))
     assert sweep.check_sparse_goals(sweep.Leg("rec", 2, "1gbit", ()), rows[:3]) == []
+
+
+def test_the_demo_has_the_rec_leg():
+    legs = sweep.plan(sweep.build_parser().parse_args(["--demo"]))
+    rec = [leg for leg in legs if leg.task == "rec"]
+    assert [(leg.world_size, leg.net) for leg in rec] == [(2, "1gbit")]
+    assert {"ddp", "torch-fp16", "sparse-rows"} <= set(rec[0].configs)
+    assert all(n in C.BY_NAME for n in rec[0].configs)
+    assert sweep._parse_steps(None, True)["rec"] == 100
+    # --tasks rec outside the demo, with the sparse group
+    legs = sweep.plan(sweep.build_parser().parse_args(["--tasks", "rec", "--configs", "sparse", "--net", "1gbit"]))
+    assert [leg.task for leg in legs] == ["rec"] and "sparse-rows+blockquant-4bit" in legs[0].configs
