@@ -79,8 +79,9 @@ class ReduceScatterAutoCodec(AutoCodec):
     module doc).  The hook calls :meth:`unit`, :meth:`native`, :meth:`codec` and
     :meth:`measured` per unit and call, :meth:`end_step` at the end of each backward pass."""
 
-    def __init__(self, spec: AutoSpec, momentum: float = 0.0, masking: bool = False) -> None:
-        super().__init__(spec, momentum, masking)
+    def __init__(self, spec: AutoSpec, momentum: float = 0.0, masking: bool = False, storage: str = "fp32",
+                 hold_pending: bool = True) -> None:
+        super().__init__(spec, momentum, masking, storage, hold_pending)
         self.order: list[str] = []            # the units, in the order decisions list them (set at binding)
         self.infos: dict[str, FSDPUnit] = {}
 

@@ -331,11 +331,15 @@ class AutoCodec:
 
     name = "auto"
 
-    def __init__(self, spec: AutoSpec, momentum: float = 0.0, masking: bool = False) -> None:
+    def __init__(self, spec: AutoSpec, momentum: float = 0.0, masking: bool = False, storage: str = "fp32",
+                 hold_pending: bool = True) -> None:
         self.spec = spec
         self.momentum = float(momentum)
         self.masking = masking
-        self.home = ErrorFeedback(_registry.get("identity"), momentum=self.momentum, masking=masking)
+        #: every unit's error feedback keeps its residuals so (``register(residual_storage=, rollback=)``)
+        self.storage, self.hold_pending = storage, hold_pending
+        self.home = ErrorFeedback(_registry.get("identity"), momentum=self.momentum, masking=masking,
+                                  storage=storage, hold_pending=hold_pending)
         #: what the decider chooses among, at what price: with momentum correction (the hook applies the
         #: optimizer's momentum) the low ranks of powersgd cost more (:meth:`Prices.with_momentum_correction`)
         self.candidates = spec.candidates
@@ -493,7 +497,8 @@ class AutoCodec:
             if self.momentum:
                 raise ValueError("auto: the two-level path is not taken with momentum correction (a velocity "
                                  "cannot be split across paths): every unit stays flat")
-        return ErrorFeedback(choice.candidate.build(), momentum=self.momentum, masking=self.masking)
+        return ErrorFeedback(choice.candidate.build(), momentum=self.momentum, masking=self.masking,
+                             storage=self.storage, hold_pending=self.hold_pending)
 
     # -- the dense parameters' momentum (DDP's _finish_dense) ---------------------
     def dense_momentum(self, tensor: torch.Tensor, name: str, transaction: Any = None) -> None:

@@ -543,9 +543,6 @@ class HookState:
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(repr(r) for r in ROLLBACKS)}, got {rollback!r}")
         self.rollback = rollback
-        if residual_storage != "fp32" and getattr(compressor, "name", compressor) == "auto":
-            raise ValueError("residual_storage must be 'fp32' with compressor 'auto' (its candidates keep "
-                             "fp32 residuals for now)")
         self.compressor = resolve_compressor(compressor, compressor_params)
         if not isinstance(momentum_masking, bool):
             raise TypeError(f"momentum_masking must be a bool, got {type(momentum_masking).__name__}")

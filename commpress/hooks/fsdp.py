@@ -322,7 +322,8 @@ class FSDPState(TakeoverMixin, HookState):
         from ..auto.fsdp import ReduceScatterAutoCodec
 
         old = getattr(self, "_auto_codec", None)
-        self.codec = self._auto_codec = ReduceScatterAutoCodec(self.compressor, self.momentum, self.momentum_masking)
+        self.codec = self._auto_codec = ReduceScatterAutoCodec(self.compressor, self.momentum, self.momentum_masking,
+                                                               self.residual_storage, self.rollback == "step")
         self.uses_error_feedback = True   # every choice runs under error feedback
         if old is not None:
             for name in ("network", "first_check", "world", "rank", "order", "infos", "_units"):
