@@ -84,7 +84,7 @@ DIGITS_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1"
 LM_CONFIGS = ("ddp", "torch-fp16", "torch-bf16", "bf16", "torch-powersgd-r1", "blockquant-4bit", "powersgd-r2",
               "auto")
 #: the click model's embedding tables (row-sparse gradients): the lossless row path against DDP, PyTorch's
-#: fp16 hook and the two lossy configs that lead on it (about 1.5 minutes on 2 idle cores)
+#: fp16 hook and the two lossy configs that lead on it (about 1.5-2 minutes)
 REC_CONFIGS = ("ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "sparse-rows")
 DEMO_LEGS = (
     Leg("digits", 2, "1gbit", DIGITS_CONFIGS, seeds=2),
