@@ -853,6 +853,9 @@ class _Executor:
         #: whether some rows parameter takes the rows path in it (the step then runs here)
         self.rows_begun = False
         self.rows_active = False
+        #: a bucket of the current step failed: its later buckets fail too, without a collective (a
+        #: collective issued here after the failed one would take the slot the peers still wait in)
+        self.failed: BaseException | None = None
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -863,6 +866,13 @@ class _Executor:
     def run(self, index: int, buf: torch.Tensor, params: list[torch.Tensor], last: bool,
             fut: torch.futures.Future, *, inline: bool) -> None:
         """One bucket of a compressed step; the one error path of both executors."""
+        if self.failed is not None:   # an earlier bucket of this step failed: no collective until its end
+            err = self.failed
+            if last:
+                self.failed = None
+            if not fut.done():
+                fut.set_exception(err)
+            return
         try:
             if self.current is None:
                 self.current = Step(StepContext(self.config, self.layout, self.stats, self.step))
@@ -881,6 +891,8 @@ class _Executor:
             self.rows_begun = False
             self.last_error = exc
             err = hook_error(exc, index, self.config.compressor_name, self.layout.plans.get(index))
+            if not last and not inline:   # DDP goes on submitting this step's buckets (inline: backward stops)
+                self.failed = err
             for f in {id(f): f for f in [fut, *waiting]}.values():
                 if not f.done():
                     f.set_exception(err)
