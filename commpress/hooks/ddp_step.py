@@ -292,6 +292,9 @@ class ModelLayout:
     def __init__(self, names: dict[int, str], shapes: dict[str, torch.Size], dense: set[str]) -> None:
         self.names = names
         self.shapes = shapes
+        #: each parameter's place in the model (registration order): the canonical order of the dense
+        #: parts summed together at the step's end (:meth:`Step._sum_deferred`)
+        self.order = {name: i for i, name in enumerate(shapes)}
         self.dense = dense
         #: the ``sparse_rows`` parameters kept out of the units for good (:meth:`set_rows`)
         self.rows: set[str] = set()
@@ -477,6 +480,10 @@ class Finished:
     units: set[int] = field(default_factory=set)
 
 
+#: the marker of a bucket whose dense part waits for :meth:`Step._sum_deferred` (not a unit index)
+DENSE_DEFERRED = -1
+
+
 class Step:
     """The moving parts of one step (see the module doc)."""
 
@@ -493,6 +500,8 @@ class Step:
         self._landing_s = 0.0                                      # held units landed inside a carrier's call
         self._scales: tuple[torch.Tensor, torch.Tensor] | None = None   # (S, 1/S) of the loss scaler
         self._scales_read = False
+        #: buckets whose dense part waits for the step's one canonical all_reduce: (plan, buffer, dense)
+        self._deferred: list[tuple[Plan, torch.Tensor, torch.Tensor]] = []
 
     # -- one bucket ---------------------------------------------------------
     def run_bucket(self, index: int, buf: torch.Tensor, params: list[torch.Tensor],
@@ -518,7 +527,15 @@ class Step:
                               and all(nm in self.ready for nm in layout.units[i].names))
             rides = (bool(runnable) and cfg.unit_rides(layout.units[runnable[0]])  # no round of its own
                      and not (world == 2 and layout.units[runnable[0]].declines_dense))
-            dense, work = self._start_dense(plan, buf, send=not rides, extra=dense_rows)
+            # at P >= 3 a ring all_reduce's sum order depends on where an element sits in the message,
+            # and DDP lays its buckets out anew after the first iteration (and after a restart): the
+            # dense parts that do not ride wait for one all_reduce of them all in the model's order at
+            # the step's last bucket, so the sums (and a resume) do not depend on the bucket layout
+            defer = not rides and world >= 3
+            dense, work = self._start_dense(plan, buf, send=not rides and not defer, extra=dense_rows)
+            if defer and dense is not None:
+                self._deferred.append((plan, buf, dense))
+                self.waiting[-1].units.add(DENSE_DEFERRED)
             sent = all_reduce_bytes(dense.numel() * dense.element_size(), world) if work is not None else 0
             algorithms = []
             cs = CommStats()  # rounds, time in collectives and codec passes, for the step's account
@@ -534,12 +551,14 @@ class Step:
                     self._fly_held(cs)
                 for name, off, n in as_rows:   # after the units' and the dense part's collectives started
                     algorithms.append(self._run_rows(name, buf, off, n, cs))
+                if last and self._deferred:
+                    sent += self._sum_deferred(cs)
             sent += cs.bytes_sent
             if work is not None:
                 with Timer() as t_w:
                     work.wait()
                 cs.add(seconds=t_w.seconds)
-            if dense is not None and not held_dense:
+            if dense is not None and not held_dense and not (defer and dense is not None):
                 self._finish_dense(plan, buf, dense, judged=rides)
             finished = []
             for w in list(self.waiting):
@@ -625,6 +644,35 @@ class Step:
             work = dist.all_reduce(plan.dense_scratch, group=cfg.group, async_op=True)
         self._dense_issue = t.seconds
         return plan.dense_scratch, work
+
+    def _sum_deferred(self, cs: CommStats) -> int:
+        """The deferred dense parts (P >= 3) in one all_reduce per dtype, each parameter at its place
+        in the model's order (the same message whatever DDP's bucket layout), then finished into
+        their buckets; returns the bytes sent."""
+        cfg, order = self.ctx.config, self.ctx.layout.order
+        deferred, self._deferred = self._deferred, []
+        parts: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for plan, _, dense in deferred:
+            pos = 0
+            for name, (_, n) in zip(plan.live_names, plan.live_slices):
+                parts.setdefault(dense.dtype, []).append((order[name], dense[pos:pos + n]))
+                pos += n
+        sent = 0
+        for pieces in parts.values():
+            pieces.sort(key=lambda p: p[0])
+            message = torch.cat([t for _, t in pieces])
+            with Timer() as t:
+                dist.all_reduce(message, group=cfg.group)
+            cs.add(rounds=1, seconds=t.seconds)
+            sent += all_reduce_bytes(message.numel() * message.element_size(), cfg.world_size)
+            at = 0
+            for _, piece in pieces:
+                piece.copy_(message[at:at + piece.numel()])
+                at += piece.numel()
+        for plan, buf, dense in deferred:
+            self._finish_dense(plan, buf, dense)
+        self.done_units.add(DENSE_DEFERRED)
+        return sent
 
     def _finish_dense(self, plan: Plan, buf: torch.Tensor, dense: torch.Tensor, judged: bool = False) -> None:
         """The summed dense part: its NaN/inf verdict (``judged``: the unit's call that carried it
