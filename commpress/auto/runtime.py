@@ -392,7 +392,8 @@ class AutoCodec:
     # -- what a step reads ------------------------------------------------------
     def in_force(self, unit: Any) -> ErrorFeedback | None:
         """The codec :meth:`codec` will return for ``unit`` with its input left as it is (no carry
-        owed), or ``None``: what a hook may fold its ``1/P`` into (``allreduce(prescale=)``, folded into its compensation pass)."""
+        owed), or ``None``: what a hook may fold its ``1/P`` into (``allreduce(prescale=)``, folded into
+        its compensation pass)."""
         return None if unit.key in self._carry else self.codecs.get(unit.key)
 
     def codec(self, unit: Any, t: torch.Tensor, bucket: int, transaction: Any = None,
