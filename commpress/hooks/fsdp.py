@@ -83,7 +83,7 @@ Non-finite gradients and error feedback
 Residuals live in the ``ErrorFeedback`` codec keyed by ``(unit name, chunk
 index)``, allocated at the first step and reused.  Every residual update of a
 step (all units, all chunks) is staged in one
-:class:`~commpress.feedback.ResidualTransaction` (``state.transaction``) and
+:class:`~commpress.feedback.ResidualTransaction` (the state's) and
 committed when the backward pass ends (:meth:`FSDPState.end_step`).  When any
 rank's input to any unit holds a NaN/inf, its status word marks the transaction
 bad on every rank and that unit's output is all-NaN on every rank (so
@@ -251,13 +251,17 @@ class FSDPState(TakeoverMixin, HookState):
             gradients may underflow there (an fp32 or bf16 reduce dtype does not).
         residual_storage: ``"fp32"``, ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`).
         rollback: ``"step"`` or ``"unit"``, as in :func:`commpress.ddp.register`.
-        **compressor_params: the compressor's parameters (with a registry name); also, for
-            now, ``momentum``, ``momentum_masking`` and the ``"auto"`` options.
+        momentum: momentum correction's factor (0: off), as in :func:`register`.
+        momentum_masking: momentum factor masking (with ``momentum``).
+        auto: the options of ``"auto"``, a ``commpress.auto.Options`` (the keyword spelling
+            still works, deprecated).
+        **compressor_params: the compressor's parameters (with a registry name).
 
     Raises:
-        TypeError: a bad ``scaler`` or compressor.
+        TypeError: a bad ``scaler``, compressor or ``auto``.
         ValueError: a low-rank compressor (not supported with FSDP2), an ``all_gather``
-            compressor that is not fixed-size, ``error_feedback=False`` with ``"auto"``.
+            compressor that is not fixed-size, ``error_feedback=False`` with ``"auto"``,
+            ``auto=`` with another compressor or with options also given as keywords.
 
     Example::
 
@@ -273,16 +277,16 @@ class FSDPState(TakeoverMixin, HookState):
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
                  scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-                 rollback: str = "step", **compressor_params: Any) -> None:
+                 rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
+                 auto: Any = None, **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
         if self.auto:  # a compressor per unit, chosen from measurements (commpress.auto.fsdp)
-            from ..auto.fsdp import EXCLUDED_KINDS
-            from ..auto.runtime import auto_spec
-
             if error_feedback is False:
                 raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice "
                                  "runs under error feedback so that a switch loses no residual")
-            compressor = auto_spec(compressor_params, exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter")
+            compressor = _fsdp_auto_spec(compressor_params, auto)
+        elif auto is not None:
+            raise ValueError(f"auto= (the options of compressor 'auto') was given with compressor {compressor!r}")
         elif (isinstance(compressor, str) and error_feedback == "auto" and "stochastic" not in compressor_params
               and _takes(compressor, "stochastic")):
             # FSDP2's default for a quantizer: unbiased stochastic rounding and no residual (ZeRO++
@@ -291,7 +295,8 @@ class FSDPState(TakeoverMixin, HookState):
             log.info("commpress.fsdp: %s with stochastic rounding and no error feedback (no residual "
                      "kept); stochastic=False keeps a residual of the whole model on every rank", compressor)
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
-                         residual_storage=residual_storage, rollback=rollback, **compressor_params)
+                         residual_storage=residual_storage, rollback=rollback, momentum=momentum,
+                         momentum_masking=momentum_masking, **compressor_params)
         if self.auto:
             self._new_auto_codec()
         if self.compressor.aggregation == "lowrank":
@@ -300,7 +305,7 @@ class FSDPState(TakeoverMixin, HookState):
                 "FSDP2: the reduce-scatter input is a flat buffer of many parameters' shards; use a "
                 "'sum', 'sparse' or 'gather' compressor"
             )
-        self.all_gather_compressor: Compressor | None = None
+        self._all_gather_compressor: Compressor | None = None
         if all_gather is not None:
             ag = resolve_compressor(all_gather)
             if ag.aggregation not in ("gather", "sum"):
@@ -308,12 +313,21 @@ class FSDPState(TakeoverMixin, HookState):
                     f"all_gather must name a fixed-size compressor (aggregation 'gather' or 'sum', "
                     f"e.g. 'blockquant' or 'bf16'), got {ag.name!r} with aggregation {ag.aggregation!r}"
                 )
-            self.all_gather_compressor = ag
-        self.units: dict[str, _Unit] = {name: _Unit(name, m) for name, m in units}
-        self.transaction = ResidualTransaction()
+            self._all_gather_compressor = ag
+        self._units: dict[str, _Unit] = {name: _Unit(name, m) for name, m in units}
+        self._transaction = ResidualTransaction()
+        self._replicate: int | None = None   # register(replicate_group=): the replicas' count
         self._step_open = False
         self._reduced: set[str] = set()
         self.attach_scaler(scaler)
+
+    # internals that were public before issue 51: read-only, deprecated
+    units = property(lambda self: _private_read(self, "units"), doc="Deprecated: internal (``_units``).")
+    transaction = property(lambda self: _private_read(self, "transaction"),
+                           doc="Deprecated: internal (``_transaction``).")
+    all_gather_compressor = property(lambda self: _private_read(self, "all_gather_compressor"),
+                                     doc="Deprecated: internal (``_all_gather_compressor``).")
+    replicate = property(lambda self: _private_read(self, "replicate"), doc="Deprecated: internal (``_replicate``).")
 
     # -- "auto" ----------------------------------------------------------------
     def _new_auto_codec(self) -> None:
@@ -346,7 +360,7 @@ class FSDPState(TakeoverMixin, HookState):
         auto.network = Network(max(1, self.world_size), flat, collective="reduce_scatter")
         auto.first_check = 1          # every unit starts dense: the first check ends the second step
         auto.world, auto.rank = self.world_size, self.rank
-        layouts = {name: _unit_layout(u.module) for name, u in self.units.items()}
+        layouts = {name: _unit_layout(u.module) for name, u in self._units.items()}
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
         self._report_auto()
 
@@ -363,7 +377,7 @@ class FSDPState(TakeoverMixin, HookState):
 
     def _covered_parameter_ids(self) -> set[int]:
         """The parameters whose momentum the hook takes over: every unit's."""
-        return {id(p) for u in self.units.values() for p in u.module.parameters()}
+        return {id(p) for u in self._units.values() for p in u.module.parameters()}
 
     # -- configuration ------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -375,11 +389,11 @@ class FSDPState(TakeoverMixin, HookState):
             replica count.
         """
         cfg = super().config()
-        ag = self.all_gather_compressor
+        ag = self._all_gather_compressor
         cfg["all_gather"] = None if ag is None else {"compressor": ag.name, "params": ag.config()}
-        cfg["units"] = {name: _unit_layout(u.module) for name, u in self.units.items()}
-        if getattr(self, "replicate", None):  # absent without replicas: older checkpoints still load
-            cfg["replicas"] = self.replicate
+        cfg["units"] = {name: _unit_layout(u.module) for name, u in self._units.items()}
+        if self._replicate:  # absent without replicas: older checkpoints still load
+            cfg["replicas"] = self._replicate
         return cfg
 
     # -- step accounting ----------------------------------------------------
@@ -409,7 +423,7 @@ class FSDPState(TakeoverMixin, HookState):
             return
         self._step_open = False
         self._reduced.clear()
-        self.transaction.commit()
+        self._transaction.commit()
         collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
         if self.auto:  # a check point every check_every steps (collective: every rank at this step)
             self.codec.end_step(self.step, group=self.process_group)
@@ -423,7 +437,7 @@ class FSDPState(TakeoverMixin, HookState):
         """``(params, sharded_bytes)``: the units' parameters (whole, each counted once) and this
         rank's shards of them with their gradients, in bytes (twice the parameter shards)."""
         seen: dict[int, torch.Tensor] = {}
-        for u in self.units.values():
+        for u in self._units.values():
             for p in u.module.parameters():
                 seen.setdefault(id(p), p)
         local = [getattr(p, "to_local", lambda p=p: p)() for p in seen.values()]
@@ -438,14 +452,14 @@ class FSDPState(TakeoverMixin, HookState):
 
     # -- checkpoints --------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
-        return {"unit_calls": {name: int(u.calls) for name, u in self.units.items()}}
+        return {"unit_calls": {name: int(u.calls) for name, u in self._units.items()}}
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
-        self.transaction.rollback()     # staged updates refer to the buffers being replaced
+        self._transaction.rollback()     # staged updates refer to the buffers being replaced
         # (an older checkpoint's "generator" is ignored: the noise is a function of the step now)
         for name, calls in extra.get("unit_calls", {}).items():
-            if name in self.units:
-                self.units[name].calls = int(calls)
+            if name in self._units:
+                self._units[name].calls = int(calls)
 
 
 # ------------------------------------------------------------------ comms
@@ -465,7 +479,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         st = self.state
-        unit = st.units[self.unit]
+        unit = st._units[self.unit]
         world = group.size()
         scale = _op_scale(op, world)
         dense_bytes = output_tensor.numel() * input_tensor.element_size() * (world - 1)
@@ -535,20 +549,60 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         staged in the step's transaction, then FSDP's scale.  ``codec``: the unit's own
         (``"auto"``; ``tag`` its choice, so the first call after a switch validates again)."""
         st = self.state
-        unit = st.units[self.unit]
+        unit = st._units[self.unit]
         facts = (inp.numel(), inp.dtype, tag)
         summed = collectives.reduce_scatter(inp, st.codec if codec is None else codec, group=group, key=self.unit,
                                             step=st.step, stats=cs,
                                             generator=st.noise_seed(self.unit), validate=unit.validated != facts,
-                                            transaction=st.transaction, algorithm=algorithm,
+                                            transaction=st._transaction, algorithm=algorithm,
                                             scratch=True)   # FSDP2 frees its input after the call
         unit.validated = facts
         if st.rollback == "unit":   # judged on every rank: the unit's residual updates commit now
-            st.transaction.commit_through(st.transaction.position())
+            st._transaction.commit_through(st._transaction.position())
         if isinstance(scale, float) and scale == 1.0:
             out.copy_(summed)
         else:
             torch.mul(summed, scale, out=out)
+
+
+def _private_read(state: Any, name: str) -> Any:
+    """An internal that was public, read through its old name: deprecated."""
+    from .ddp import deprecated
+
+    deprecated(f"commpress.fsdp: FSDPState.{name} is internal and private now (FSDPState._{name}); users "
+               "need stats, state_dict/load_state_dict, close, attach_optimizer, attach_scaler and config()")
+    return getattr(state, "_" + name)
+
+
+def _fsdp_auto_spec(params: dict[str, Any], options: Any) -> Any:
+    """The :class:`~commpress.auto.runtime.AutoSpec` of ``fsdp.register(model, "auto", auto=options)``:
+    ``options`` (its candidates checked against what FSDP2 runs) or, deprecated, one built from the
+    options given as keywords (taken out of ``params``)."""
+    from ..auto.fsdp import EXCLUDED_KINDS
+    from ..auto.runtime import AUTO_OPTIONS, AutoSpec, auto_spec
+    from .ddp import deprecated
+
+    where = "FSDP2's reduce-scatter"
+    given = [k for k in AUTO_OPTIONS if k in params]
+    if options is None:
+        if given:
+            deprecated(f"commpress.fsdp: the options of compressor 'auto' as keywords ({', '.join(given)}) are "
+                       f"deprecated: pass auto=commpress.auto.Options({', '.join(k + '=...' for k in given)})")
+        return auto_spec(params, exclude=EXCLUDED_KINDS, where=where)
+    if not isinstance(options, AutoSpec):
+        raise TypeError(f"auto must be a commpress.auto.Options (the options of compressor 'auto') or None, "
+                        f"got {type(options).__name__}")
+    if given:
+        raise ValueError(f"the options of compressor 'auto' are given twice: {given} as keywords and auto=; "
+                         "give them in auto= only")
+    auto_spec(dict(params), where=where)   # ValueError for anything else given as a keyword
+    if options.user_candidates:
+        bad = [c for c in options.candidates if c.kind in EXCLUDED_KINDS]
+        if bad:
+            raise ValueError(f"auto: candidates {[str(c) for c in bad]} cannot run in {where} (kinds "
+                             f"{list(EXCLUDED_KINDS)} are not supported there)")
+        return options
+    return options._keeping(lambda c: c.kind not in EXCLUDED_KINDS)
 
 
 def _takes(name: str, param: str) -> bool:
@@ -590,10 +644,10 @@ class ReplicaAllReduce:
                 factor = scales[0] * factor
             summed = collectives.allreduce(reduce_output, st.codec, group=self.group, key=(self.unit, "replicas"),
                                            step=st.step, stats=cs, generator=st.noise_seed((self.unit, "replicas")),
-                                           validate=self.validated != facts, transaction=st.transaction)
+                                           validate=self.validated != facts, transaction=st._transaction)
             self.validated = facts
             if st.rollback == "unit":
-                st.transaction.commit_through(st.transaction.position())
+                st._transaction.commit_through(st._transaction.position())
             torch.mul(summed, factor, out=reduce_output)
         st.stats.record(f"{self.unit}/replicas", bytes_sent=cs.bytes_sent, dense_bytes=dense_bytes,
                         algorithm=f"{st.compressor.name}:replica_allreduce", compress_seconds=t.seconds,
@@ -620,7 +674,7 @@ class QuantizedAllGather(_CommBase, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         st = self.state
-        comp = st.all_gather_compressor
+        comp = st._all_gather_compressor
         assert comp is not None
         world = group.size()
         n = input_tensor.numel()
@@ -659,8 +713,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
-             rollback: str = "step",
-             **compressor_params: Any) -> FSDPState:
+             rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
+             auto: Any = None, **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
     Collective: exchanges a configuration fingerprint over the units' process
@@ -707,9 +761,15 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
         rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a
             NaN/inf keeps the residuals of the unit that saw it and of the later
             ones), as in :func:`commpress.ddp.register`.
+        momentum: momentum correction's factor in the hook's error feedback (0: off;
+            ``optimizer=`` sets it from SGD's momentum).
+        momentum_masking: momentum factor masking (with ``momentum``).
+        auto: the options of compressor ``"auto"``, a ``commpress.auto.Options`` (the same
+            as :class:`commpress.auto.runtime.AutoSpec`); only with ``compressor="auto"``.
+            Given as keywords they still work, with a ``DeprecationWarning``.
         **compressor_params: the compressor's parameters (with a registry name); the
             sparsifiers' density warm-up (``density_warmup=``, ``density_start=``) is
-            one, and so are the ``"auto"`` options and ``momentum``.
+            one.
 
     Returns:
         The :class:`FSDPState` (``.stats``, ``.state_dict()``).
@@ -764,8 +824,9 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     state = FSDPState(compressor, error_feedback=error_feedback, all_gather=all_gather,
                       process_group=pg if replicate_group is None or reduce_scatter else dist.group.WORLD,
                       units=units, scaler=scaler, residual_storage=residual_storage,
-                      rollback=rollback, **compressor_params)
-    state.replicate = None if replicate_group is None else replicate_group.size()
+                      rollback=rollback, momentum=momentum, momentum_masking=momentum_masking, auto=auto,
+                      **compressor_params)
+    state._replicate = None if replicate_group is None else replicate_group.size()
     if optimizer is not None:
         state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it
     state.check_config()
@@ -776,9 +837,9 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             m.set_custom_reduce_scatter(CompressedReduceScatter(state, name))
         if replicate_group is not None:
             m.set_all_reduce_hook(ReplicaAllReduce(state, name, replicate_group))
-        if state.all_gather_compressor is not None:
+        if state._all_gather_compressor is not None:
             m.set_custom_all_gather(QuantizedAllGather(state, name))
         setattr(m, _ATTR, state)
     log.info("commpress.fsdp: %s on %d FSDP unit(s), error feedback %s, all_gather %s",
-             state.compressor, len(units), state.uses_error_feedback, state.all_gather_compressor)
+             state.compressor, len(units), state.uses_error_feedback, state._all_gather_compressor)
     return state

@@ -86,7 +86,7 @@ def auto_worker(rank, world):
     train_step(model, opt, rank, 4)
     history.append(sorted(state.stats.as_dict()["auto"].items()))   # step 4's call times measured
     out["comm"] = {k: (m[0], m[2]) for k, m in auto._meas.items()}   # call and in-collective seconds
-    out["algorithms"] = sorted(state.stats.last_step["units"][u]["algorithm"] for u in state.units)
+    out["algorithms"] = sorted(state.stats.last_step["units"][u]["algorithm"] for u in state._units)
     auto.network = _net(world, FAST)           # the network moved: dense again at the end of step 5
     train_step(model, opt, rank, 5)
     history.append(sorted(state.stats.as_dict()["auto"].items()))

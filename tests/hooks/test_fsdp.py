@@ -67,7 +67,7 @@ def _identity_matches_default(rank, world_size):
     g_cmp = train_steps(cmp, 3, rank)
     same_grads = all(torch.equal(a, b) for ga, gb in zip(g_ref, g_cmp) for a, b in zip(ga, gb))
     same_params = all(torch.equal(a, b) for a, b in zip(local_params(ref), local_params(cmp)))
-    return same_grads, same_params, state.stats.steps, sorted(state.units)
+    return same_grads, same_params, state.stats.steps, sorted(state._units)
 
 
 @pytest.mark.timeout(90)
