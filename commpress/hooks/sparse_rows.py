@@ -154,7 +154,7 @@ class SparseRows:
     """
 
     def __init__(self, model: nn.Module, sparse_rows: Any, *, group=None, warmup: int = 2, recheck_every: int = 100,
-                 window: int = 8, headroom: float = 0.1, return_margin: float = 0.8) -> None:
+                 window: int = 8, headroom: float = 0.05, return_margin: float = 0.8) -> None:
         for name, v in (("warmup", warmup), ("recheck_every", recheck_every), ("window", window)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup" else 1):
                 raise ValueError(f"SparseRows: {name} must be an int >= {0 if name == 'warmup' else 1}, got {v!r}")
