@@ -30,6 +30,7 @@ import math
 import torch
 
 from . import ops
+from .ops.lean import int8_block_decode
 
 #: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
 STORAGES = ("fp32", "bf16", "int8")
@@ -114,18 +115,7 @@ class LeanTensor:
         ``numel`` elements, contiguous), else in a new flat tensor."""
         if out is None:
             out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        flat = out.view(-1)
-        if self.storage == "bf16":
-            flat.copy_(self.codes)
-        elif self.numel:
-            blocks = self.scales.numel()
-            full = self.numel // INT8_BLOCK
-            codes = self.codes.view(blocks, INT8_BLOCK)
-            if full:
-                torch.mul(codes[:full], self.scales[:full, None], out=flat[:full * INT8_BLOCK].view(full, INT8_BLOCK))
-            if full < blocks:
-                tail = self.numel - full * INT8_BLOCK
-                torch.mul(codes[full, :tail], self.scales[full], out=flat[full * INT8_BLOCK:])
+        self._decode_range(0, self.numel, out.view(-1))
         return out
 
     def add_to(self, dst: torch.Tensor, alpha: float = 1.0, chunk: int = DECODE_CHUNK) -> torch.Tensor:
@@ -151,14 +141,7 @@ class LeanTensor:
         """Elements ``[lo, hi)`` (``lo`` a multiple of :data:`INT8_BLOCK`) decoded into ``out``."""
         if self.storage == "bf16":
             return out.copy_(self.codes[lo:hi])
-        b0, full_hi = lo // INT8_BLOCK, hi - (hi - lo) % INT8_BLOCK
-        nfull = (full_hi - lo) // INT8_BLOCK
-        if nfull:
-            torch.mul(self.codes[lo:full_hi].view(nfull, INT8_BLOCK), self.scales[b0:b0 + nfull, None],
-                      out=out[:full_hi - lo].view(nfull, INT8_BLOCK))
-        if full_hi < hi:
-            torch.mul(self.codes[full_hi:hi], self.scales[b0 + nfull], out=out[full_hi - lo:])
-        return out
+        return int8_block_decode(self.codes, self.scales, lo, hi, out, INT8_BLOCK)
 
     def keep_where(self, bad: torch.Tensor, new: "LeanTensor") -> None:
         """``self`` := ``self`` where the 0-d bool ``bad`` is set, else ``new`` (on the device)."""

@@ -233,7 +233,12 @@ def auto_spec(params: dict[str, Any], *, exclude: tuple[str, ...] = (), where: s
         raise ValueError(f"compressor 'auto' takes the options {AUTO_OPTIONS} (and momentum, "
                          f"momentum_masking), got {unknown}")
     options = {k: params.pop(k) for k in AUTO_OPTIONS if k in params}
-    spec = AutoSpec(**options)
+    return excluding(AutoSpec(**options), exclude, where)
+
+
+def excluding(spec: AutoSpec, exclude: tuple[str, ...], where: str) -> AutoSpec:
+    """``spec`` without the candidate kinds in ``exclude`` (what ``where`` cannot run): left out of
+    the default set, ``ValueError`` when the user gave one."""
     if not exclude:
         return spec
     if spec.user_candidates:

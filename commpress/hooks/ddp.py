@@ -753,11 +753,13 @@ class DDPState(TakeoverMixin, HookState):
 
 
 def _auto_spec(params: dict[str, Any], options: AutoSpec | None, *, algorithm: str,
-               error_feedback: Any) -> AutoSpec:
-    """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", auto=options)``:
-    ``options`` itself (validated when it was built), or, deprecated, one built from the options
-    given as keywords (taken out of ``params``).  ``ValueError`` for what "auto" cannot do."""
-    from ..auto.runtime import AUTO_OPTIONS, AutoSpec, auto_spec
+               error_feedback: Any, exclude: tuple[str, ...] = (), where: str = "the DDP hook",
+               hook: str = "commpress.ddp", spelled: str = "commpress.auto.runtime.AutoSpec") -> AutoSpec:
+    """The :class:`~commpress.auto.runtime.AutoSpec` of ``register(model, "auto", auto=options)``
+    (DDP's and, with ``exclude`` / ``where`` / ``hook``, FSDP2's): ``options`` itself (validated when
+    it was built; candidates of a kind in ``exclude`` refused), or, deprecated, one built from the
+    options given as keywords (taken out of ``params``).  ``ValueError`` for what "auto" cannot do."""
+    from ..auto.runtime import AUTO_OPTIONS, AutoSpec, auto_spec, excluding
 
     if algorithm != "auto":
         raise ValueError(f"algorithm must be 'auto' with compressor 'auto' (each unit's kind picks its "
@@ -769,17 +771,17 @@ def _auto_spec(params: dict[str, Any], options: AutoSpec | None, *, algorithm: s
     if options is None:
         if given:
             shown = ", ".join(f"{k}=..." for k in given)
-            deprecated(f"commpress.ddp: the options of compressor 'auto' as keywords ({', '.join(given)}) "
-                       f"are deprecated: pass auto=commpress.auto.runtime.AutoSpec({shown})")
-        return auto_spec(params, where="the DDP hook")
+            deprecated(f"{hook}: the options of compressor 'auto' as keywords ({', '.join(given)}) "
+                       f"are deprecated: pass auto={spelled}({shown})")
+        return auto_spec(params, exclude=exclude, where=where)
     if not isinstance(options, AutoSpec):
-        raise TypeError(f"auto must be a commpress.auto.runtime.AutoSpec (the options of compressor 'auto') "
-                        f"or None, got {type(options).__name__}")
+        raise TypeError(f"auto must be a commpress.auto.runtime.AutoSpec (commpress.auto.Options: the options "
+                        f"of compressor 'auto') or None, got {type(options).__name__}")
     if given:
         raise ValueError(f"the options of compressor 'auto' are given twice: {given} as keywords and auto=; "
                          "give them in auto= only")
-    auto_spec(dict(params), where="the DDP hook")   # ValueError for anything else given as a keyword
-    return options
+    auto_spec(dict(params), where=where)   # ValueError for anything else given as a keyword
+    return excluding(options, exclude, where)
 
 
 #: Frames in these folders are skipped when a deprecation is attributed to its caller.

@@ -281,10 +281,12 @@ class FSDPState(TakeoverMixin, HookState):
                  auto: Any = None, **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
         if self.auto:  # a compressor per unit, chosen from measurements (commpress.auto.fsdp)
-            if error_feedback is False:
-                raise ValueError("error_feedback=False cannot be given with compressor 'auto': every choice "
-                                 "runs under error feedback so that a switch loses no residual")
-            compressor = _fsdp_auto_spec(compressor_params, auto)
+            from ..auto.fsdp import EXCLUDED_KINDS
+            from .ddp import _auto_spec
+
+            compressor = _auto_spec(compressor_params, auto, algorithm="auto", error_feedback=error_feedback,
+                                    exclude=EXCLUDED_KINDS, where="FSDP2's reduce-scatter", hook="commpress.fsdp",
+                                    spelled="commpress.auto.Options")
         elif auto is not None:
             raise ValueError(f"auto= (the options of compressor 'auto') was given with compressor {compressor!r}")
         elif (isinstance(compressor, str) and error_feedback == "auto" and "stochastic" not in compressor_params
@@ -572,37 +574,6 @@ def _private_read(state: Any, name: str) -> Any:
     deprecated(f"commpress.fsdp: FSDPState.{name} is internal and private now (FSDPState._{name}); users "
                "need stats, state_dict/load_state_dict, close, attach_optimizer, attach_scaler and config()")
     return getattr(state, "_" + name)
-
-
-def _fsdp_auto_spec(params: dict[str, Any], options: Any) -> Any:
-    """The :class:`~commpress.auto.runtime.AutoSpec` of ``fsdp.register(model, "auto", auto=options)``:
-    ``options`` (its candidates checked against what FSDP2 runs) or, deprecated, one built from the
-    options given as keywords (taken out of ``params``)."""
-    from ..auto.fsdp import EXCLUDED_KINDS
-    from ..auto.runtime import AUTO_OPTIONS, AutoSpec, auto_spec
-    from .ddp import deprecated
-
-    where = "FSDP2's reduce-scatter"
-    given = [k for k in AUTO_OPTIONS if k in params]
-    if options is None:
-        if given:
-            deprecated(f"commpress.fsdp: the options of compressor 'auto' as keywords ({', '.join(given)}) are "
-                       f"deprecated: pass auto=commpress.auto.Options({', '.join(k + '=...' for k in given)})")
-        return auto_spec(params, exclude=EXCLUDED_KINDS, where=where)
-    if not isinstance(options, AutoSpec):
-        raise TypeError(f"auto must be a commpress.auto.Options (the options of compressor 'auto') or None, "
-                        f"got {type(options).__name__}")
-    if given:
-        raise ValueError(f"the options of compressor 'auto' are given twice: {given} as keywords and auto=; "
-                         "give them in auto= only")
-    auto_spec(dict(params), where=where)   # ValueError for anything else given as a keyword
-    if options.user_candidates:
-        bad = [c for c in options.candidates if c.kind in EXCLUDED_KINDS]
-        if bad:
-            raise ValueError(f"auto: candidates {[str(c) for c in bad]} cannot run in {where} (kinds "
-                             f"{list(EXCLUDED_KINDS)} are not supported there)")
-        return options
-    return options._keeping(lambda c: c.kind not in EXCLUDED_KINDS)
 
 
 def _takes(name: str, param: str) -> bool:

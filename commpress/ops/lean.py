@@ -57,6 +57,20 @@ def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Te
 ADD_CHUNK = 1 << 20
 
 
+def int8_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
+                      block: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of an int8 store (``lo`` a multiple of ``block``) decoded into ``out``
+    (``hi - lo`` fp32 elements): ``codes * scales`` per block, the tail block's part included."""
+    b0, full_hi = lo // block, hi - (hi - lo) % block
+    nfull = (full_hi - lo) // block
+    if nfull:
+        torch.mul(codes[lo:full_hi].view(nfull, block), scales[b0:b0 + nfull, None],
+                  out=out[:full_hi - lo].view(nfull, block))
+    if full_hi < hi:
+        torch.mul(codes[full_hi:hi], scales[b0 + nfull], out=out[full_hi - lo:])
+    return out
+
+
 def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """``dst += codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of ``n``
     elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``), decoded
@@ -66,14 +80,7 @@ def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
-        b0, full_hi = lo // block, hi - (hi - lo) % block
-        nfull, out = (full_hi - lo) // block, buf[:hi - lo]
-        if nfull:
-            torch.mul(codes[lo:full_hi].view(nfull, block), scales[b0:b0 + nfull, None],
-                      out=out[:full_hi - lo].view(nfull, block))
-        if full_hi < hi:
-            torch.mul(codes[full_hi:hi], scales[b0 + nfull], out=out[full_hi - lo:])
-        dst[lo:hi].add_(out)
+        dst[lo:hi].add_(int8_block_decode(codes, scales, lo, hi, buf[:hi - lo], block))
     return dst
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run
+from nets import train_step as _step
 
 import commpress
 
@@ -21,14 +22,6 @@ def _net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
                          nn.ReLU(), nn.Linear(512, 8))
-
-
-def _step(model, opt, rank, s):
-    g = torch.Generator().manual_seed(100 * s + rank)
-    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
 
 
 def _worker(rank, world, name, params):
