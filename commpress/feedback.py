@@ -330,17 +330,15 @@ class ErrorFeedback(Compressor):
         as its pending residual.  A no-op with fp32 storage (it was written in place)."""
         if self.storage == "fp32":
             return
-        src = self._open.pop(key)
+        src = self._open[key]
         pend = self._pending.get(key)
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
             pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
         pend.encode(src, self._next_seed(key))
-        if key in self._borrowed:   # the caller's scratch input (open_fused(scratch=True)), not ours
-            self._borrowed.discard(key)
-        else:
-            self._work.give(src)
+        self._release_open(key)
 
     def _release_open(self, key: Any) -> None:
+        """Drop ``key``'s open buffer: back to the pool, unless it is the caller's scratch input."""
         buf = self._open.pop(key, None)
         if key in self._borrowed:
             self._borrowed.discard(key)
