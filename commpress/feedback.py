@@ -89,6 +89,14 @@ class _Dense:
     name: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _VelocityOnly:
+    """The key of a staged velocity update with no residual update beside it
+    (:meth:`ErrorFeedback.velocity_into`)."""
+
+    key: Any
+
+
 class ResidualTransaction:
     """The staged residual updates of one collective call or one training step.
 
@@ -440,6 +448,9 @@ class ErrorFeedback(Compressor):
         if isinstance(key, _Dense):
             self._commit_dense(key.name, bad)
             return
+        if isinstance(key, _VelocityOnly):
+            self._commit_velocity(key.key, bad, _host_verdict(bad))
+            return
         pend = self._pending[key] if self.hold_pending else self._pending.pop(key)
         keep_old = _host_verdict(bad)
         if isinstance(pend, LeanTensor):
@@ -461,21 +472,27 @@ class ErrorFeedback(Compressor):
                 if self.hold_pending:
                     self._pending[key] = live
         if self.momentum:
-            vbuf = self._velocity_pending[key]
-            vpend = vbuf[:-1] if isinstance(pend, LeanTensor) else vbuf[:-1].view(pend.shape)
-            if keep_old is None:
-                vlive = self._slot(self._velocity, key, vpend)
-                torch.where(bad, vlive, vpend, out=vlive)
-            elif not keep_old:  # swapped too: the live velocity becomes a view of the pending buffer
-                old = self._velocity.get(key)
-                self._velocity[key] = vpend
-                spare = old._base if old is not None else None   # the (numel + 1) buffer it views, if any
-                if spare is not None and spare.numel() == vbuf.numel() and spare.data_ptr() == old.data_ptr():
-                    self._velocity_pending[key] = spare
-                else:  # the first swap: the next compensate allocates a pending buffer
-                    del self._velocity_pending[key]
-            if not self.hold_pending:   # only the keys in flight hold a pending velocity
-                self._velocity_pending.pop(key, None)
+            self._commit_velocity(key, bad, keep_old, None if isinstance(pend, LeanTensor) else pend.shape)
+
+    def _commit_velocity(self, key: Any, bad: torch.Tensor | None, keep_old: bool | None,
+                         shape: torch.Size | None = None) -> None:
+        """Live velocity of ``key`` := pending, except where ``bad`` (:meth:`commit`'s rule: swapped
+        on the host, ``torch.where`` for a device flag, ``keep_old`` its host verdict)."""
+        vbuf = self._velocity_pending[key]
+        vpend = vbuf[:-1] if shape is None else vbuf[:-1].view(shape)
+        if keep_old is None:
+            vlive = self._slot(self._velocity, key, vpend)
+            torch.where(bad, vlive, vpend, out=vlive)
+        elif not keep_old:  # swapped: the live velocity becomes a view of the pending buffer
+            old = self._velocity.get(key)
+            self._velocity[key] = vpend
+            spare = old._base if old is not None else None   # the (numel + 1) buffer it views, if any
+            if spare is not None and spare.numel() == vbuf.numel() and spare.data_ptr() == old.data_ptr():
+                self._velocity_pending[key] = spare
+            else:  # the first swap: the next compensate allocates a pending buffer
+                del self._velocity_pending[key]
+        if not self.hold_pending:   # only the keys in flight hold a pending velocity
+            self._velocity_pending.pop(key, None)
 
     _apply = commit  # the name before the public protocol
 
@@ -532,10 +549,12 @@ class ErrorFeedback(Compressor):
         """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
         return self._velocity.get(key)
 
-    def _velocity_slots(self, tensor: torch.Tensor, key: Any) -> tuple[torch.Tensor | None, float, torch.Tensor]:
+    def _velocity_slots(self, tensor: torch.Tensor, key: Any,
+                        numel: int | None = None) -> tuple[torch.Tensor | None, float, torch.Tensor]:
         """``(live, momentum, new)`` for ``key``: its live velocity (``None``: fresh, a zero one)
-        and the pending buffer's first ``numel`` entries, where the step's velocity goes."""
-        n = tensor.numel()
+        and the pending buffer's first ``numel`` entries (default ``tensor``'s), where the step's
+        velocity goes."""
+        n = tensor.numel() if numel is None else numel
         buf = self._velocity_pending.get(key)
         if buf is None or buf.numel() != n + 1 or buf.device != tensor.device:
             buf = self._velocity_pending[key] = torch.zeros(n + 1, dtype=torch.float32, device=tensor.device)
@@ -543,6 +562,42 @@ class ErrorFeedback(Compressor):
         if live is None or live.numel() != n or live.device != tensor.device:
             live = None
         return live, self.momentum, buf[:n]
+
+    def velocity_into(self, tensor: torch.Tensor, key: Any, numel: int, offset: int = 0, *,
+                      scale: float = 1.0) -> None:
+        """Momentum correction of a part of ``key``'s input that is sent as it is (no residual: an
+        exact codec's, e.g. ``"auto"``'s dense choice on DDP's own all_reduce): ``tensor :=
+        m·u + tensor·scale`` in place, where ``u`` is the live velocity's entries ``offset ..
+        offset + tensor.numel()`` of ``numel``, written to the pending velocity too (the same
+        fp32 operations as :meth:`compress`'s, element by element).  Call it for every part of the
+        key, then :meth:`stage_velocity` once.
+
+        Args:
+            tensor: fp32, contiguous: the part of the input.
+            key: the residual's key.
+            numel: the key's whole input size.
+            offset: where ``tensor`` starts in it.
+            scale: the input's factor (a hook's ``1/P``).
+        """
+        if not self.momentum or self.clip is not None:
+            raise RuntimeError("velocity_into: needs momentum correction without clip")
+        n = tensor.numel()
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or not 0 <= offset <= numel - n:
+            raise ValueError(f"velocity_into: an fp32 contiguous part inside {numel} elements, got "
+                             f"{tensor.dtype} of {n} at {offset}")
+        live, m, new = self._velocity_slots(tensor, key, numel)
+        part = new[offset:offset + n]
+        accumulate_velocity(tensor.view(-1), float(scale), None if live is None else live.view(-1)[offset:offset + n],
+                            m, part)
+        tensor.view(-1).copy_(part)
+
+    def stage_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
+        """Stage ``key``'s pending velocity (written by :meth:`velocity_into`) in ``transaction``, or
+        commit it at once; its residual is left as it is."""
+        if transaction is not None:
+            transaction.stage(self, _VelocityOnly(key))
+        else:
+            self.commit(_VelocityOnly(key))
 
     def _accumulate(self, tensor: torch.Tensor, key: Any, scale: float = 1.0) -> torch.Tensor:
         """Pending velocity ``m * u + clip(g)`` (fp32, ``tensor``'s shape), ``g = tensor * scale``

@@ -42,9 +42,10 @@ that switches hands its residual and velocity to its new codec (:meth:`AutoCodec
 A rank that fails to measure sends ``inf`` as its compute seconds: every rank then
 raises at the same point (no rank waits in a collective the others left).
 
-**All dense** (:meth:`AutoCodec.fast`): when every unit chose dense, nothing is owed and there is
-no momentum correction, the steps between check windows send every bucket as DDP does (one
-async ``all_reduce``); the two steps ending at each check point run the units' own path, so
+**All dense** (:meth:`AutoCodec.fast`): when every unit chose dense and nothing is owed, the steps
+between check windows send every bucket as DDP does (one async ``all_reduce``; with momentum
+correction each unit's velocity is applied in the pass that scales it by ``1/P``,
+:meth:`AutoCodec.velocity_part`, as the units' path would); the two steps ending at each check point run the units' own path, so
 their call times, norms and compute seconds are still measured.
 
 Every number a decision reads is agreed: the α-β model calibrated at binding, the codec
@@ -459,19 +460,31 @@ class AutoCodec:
     def fast(self, step: int) -> str | None:
         """``"dense"`` / ``"bf16"`` when step ``step`` sends every bucket as DDP does (one async
         ``all_reduce``, of the bucket cast to bf16 for ``"bf16"``, as PyTorch's bf16 hook), else
-        ``None``.  Only when every unit chose dense (or every unit bf16), no momentum correction,
-        no dense unit owes a carried residual (it ran one fp32 step since it switched), and ``step``
-        is neither a check point nor the step before it (those run the units' own path, to measure
+        ``None``.  Only when every unit chose dense (or every unit bf16, without momentum
+        correction; with it the hook applies each unit's velocity in DDP's pass,
+        :meth:`velocity_part`), no dense unit owes a carried residual (it ran one fp32 step
+        since it switched), and ``step`` is neither a check point nor the step before it (those run the units' own path, to measure
         them, and send what the bf16 units' error feedback holds: delayed, not lost).  A
         function of agreed state and the step: the same on every rank and every bucket of a step."""
-        if self.momentum or self._fresh or self._carry or not self.choices or step < self.first_check:
+        if self._fresh or self._carry or not self.choices or step < self.first_check:
             return None
         if self.is_check(step) or self.is_check(step + 1):
             return None
         kinds = set(self.choices.values())
         if kinds == {DENSE}:
             return "dense"
-        return "bf16" if kinds == {_BF16} else None
+        return "bf16" if kinds == {_BF16} and not self.momentum else None
+
+    def velocity_part(self, unit: Any, name: str, part: torch.Tensor, scale: float, transaction: Any) -> None:
+        """A step that :meth:`fast` sends DDP's way under momentum correction: parameter ``name``'s
+        ``part`` of ``unit`` (in the DDP bucket) := its pending velocity ``m·u + part·scale``, as the
+        unit's dense codec computes it on the units' path (its residual is zero: nothing owed, see
+        :meth:`fast`); the unit's velocity is staged in ``transaction`` with its last part."""
+        at = unit.names.index(name)
+        codec = self.codecs[unit.key]
+        codec.velocity_into(part, unit.key, unit.numel, sum(unit.sizes[:at]), scale=scale)
+        if at == len(unit.names) - 1:
+            codec.stage_velocity(unit.key, transaction)
 
     def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
         """Host seconds of the unit's collective call this step, and of those the seconds

@@ -85,6 +85,7 @@ from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_has
 from .. import collectives
 from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
+from ..feedback import ResidualTransaction, nonfinite_flag
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
 from .sparse_rows import SparseRows, check_no_sparse_embeddings
@@ -858,6 +859,10 @@ class _Executor:
         #: a bucket of the current step failed: its later buckets fail too, without a collective (a
         #: collective issued here after the failed one would take the slot the peers still wait in)
         self.failed: BaseException | None = None
+        #: ``"auto"``'s all-dense steps under momentum correction (:func:`_dense_momentum_async`): the
+        #: step's velocity updates and its buckets' futures, until its last bucket
+        self.fast_transaction: ResidualTransaction | None = None
+        self.fast_futures: list[torch.futures.Future] = []
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -1155,8 +1160,11 @@ def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
     rows = cfg.sparse_rows is not None and _begin_rows(state, executor, cfg)   # a rows parameter goes as rows
     if not rows and (executor.step < state.warmup_steps or not state.compressed_param_names):
         return _dense_async(executor, bucket)
-    fast = cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every and not rows else None
+    fast = (cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every and not rows
+            and cfg.scaler is None else None)
     if fast is not None:   # "auto" chose dense (or bf16) everywhere: DDP's own path (PyTorch's bf16 hook's)
+        if cfg.momentum:   # the units' velocities in the same pass as the 1/P (fast() says "dense")
+            return _dense_momentum_async(executor, bucket)
         return _dense_async(executor, bucket, cast=torch.bfloat16 if fast == "bf16" else None)
     if cfg.fold_scale and not cfg.verify_every and not rows:
         return _dense_async(executor, bucket, cast=cfg.cast_to)
@@ -1195,6 +1203,62 @@ def _settle_rows(tracker: SparseRows, layout: ModelLayout) -> None:
 
 # DDP inspects the annotations (which `from __future__ import annotations` turns into strings).
 hook.__annotations__.update(state=DDPState, bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own path for ``"auto"``'s all-dense steps under momentum correction (``optimizer=``):
+    what the units' path computes, in DDP's one asynchronous ``all_reduce`` per bucket.
+
+    Each unit's part of the bucket becomes its pending velocity ``m·u + g/P`` in place
+    (:meth:`~commpress.ErrorFeedback.velocity_into`, the same fp32 operations as the
+    units' path; a dense unit's residual is zero), the dense parameters are scaled by ``1/P``;
+    the bucket is summed; the dense parameters get their plain momentum on the sum (as
+    :meth:`.ddp_step.Step._finish_dense` gives it).  The step's velocity updates commit when its
+    last bucket's sum has landed, kept where any bucket's sum holds a NaN/inf."""
+    cfg, layout = executor.config, executor.layout
+    with Timer(cpu=True) as total:
+        buf = bucket.buffer()
+        plan = layout.plan(bucket.index(), bucket.parameters())
+        if executor.fast_transaction is None:
+            executor.fast_transaction, executor.fast_futures = ResidualTransaction(), []
+        tx, futures = executor.fast_transaction, executor.fast_futures
+        for (unit, name), (off, n) in zip(_unit_parts(layout, plan), [(o, k) for _, o, k in plan.compressed]):
+            cfg.auto.velocity_part(unit, name, buf[off:off + n], cfg.scale, tx)
+        for off, n in plan.dense_slices:
+            buf[off:off + n].mul_(cfg.scale)
+        work = dist.all_reduce(buf, group=cfg.group, async_op=True)
+
+        def landed(_: Any) -> torch.Tensor:
+            tx.mark_bad(nonfinite_flag(buf))
+            for name, (off, n) in zip(plan.dense_names, plan.dense_slices):
+                cfg.codec.dense_momentum(buf[off:off + n], name, tx)
+            return buf
+
+        fut = work.get_future().then(landed)
+        futures.append(fut)
+        if bucket.is_last():   # every bucket landed: the step's velocities commit (or keep their values)
+            executor.fast_transaction, executor.fast_futures = None, []
+
+            def commit(_: Any) -> torch.Tensor:
+                tx.commit()
+                return buf
+
+            fut = torch.futures.collect_all(futures).then(commit)
+    dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
+    executor.stats.record(plan.index, bytes_sent=dense_bytes, dense_bytes=dense_bytes, algorithm="dense",
+                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=1,
+                          hook_cpu_seconds=total.cpu_seconds)
+    if bucket.is_last():
+        executor.step += 1
+        executor.stats.end_step()
+    return fut
+
+
+def _unit_parts(layout: ModelLayout, plan: Plan) -> list[tuple[Any, str]]:
+    """``(unit, name)`` of each of ``plan``'s compressed parameters (cached in the plan)."""
+    if plan.unit_parts is None:
+        plan.unit_parts = [(layout.units[layout.unit_of[name]], name) for name, _, _ in plan.compressed]
+    return plan.unit_parts
 
 
 def _dense_async(executor: _Executor, bucket: dist.GradBucket,

@@ -106,6 +106,8 @@ class Plan:
     #: this step's dense part: ``dense_slices`` and the rows parameters on their dense path
     live_slices: list[tuple[int, int]] = field(default_factory=list)
     live_names: list[str] = field(default_factory=list)
+    #: ``(unit, name)`` of each compressed parameter (``"auto"``'s dense steps under momentum correction)
+    unit_parts: list[tuple[Unit, str]] | None = None
 
 
 def unit_key(names: list[str]) -> str:

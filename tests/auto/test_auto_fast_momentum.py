@@ -1,0 +1,84 @@
+"""``"auto"`` with ``optimizer=`` (momentum correction) on an all-dense plan: the steps between
+check windows run DDP's own ``all_reduce`` with each unit's velocity applied in the ``1/P``
+pass (:func:`commpress.hooks.ddp._dense_momentum_async`), and compute exactly what the units'
+path computes (2 ranks: parameters, velocities and the optimizer bitwise equal to a run forced
+through the units' path); a step whose sum holds a NaN keeps every velocity as it was."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run
+from nets import MLP3 as Net, train_step
+
+import commpress
+from commpress.auto import Network
+from commpress.auto.runtime import AutoCodec
+from commpress.collectives.costmodel import CostModel
+
+FAST = CostModel(1e-7, 1e-13)    # nothing to gain: dense everywhere
+
+
+def _velocities(state) -> dict:
+    auto = state.codec
+    out = {f"unit:{k}": c.velocity(k).clone() for k, c in auto.codecs.items() if c.velocity(k) is not None}
+    out.update({f"dense:{k}": v.clone() for k, v in auto.home.dense_velocities().items()})
+    return out
+
+
+def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_step: int | None = None):
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.01)   # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256,
+                                   auto=commpress.auto.Options(check_every=6, remeasure=False))
+    state.codec.network = Network(world, FAST)
+    if forced_units_path:
+        state.codec.fast = lambda step: None
+    paths, kept = [], None
+    for step in range(steps):
+        if step == nan_step:
+            before = _velocities(state)
+            with torch.no_grad():   # this rank's gradient is NaN everywhere: so is every bucket's sum
+                scale = float("nan") if rank == 1 else 1.0
+                handle = [p.register_hook(lambda g, s=scale: g * s) for p in model.parameters()]
+            train_step(model, opt, rank, step)
+            for h in handle:
+                h.remove()
+            after = _velocities(state)
+            kept = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        else:
+            train_step(model, opt, rank, step)
+        paths.append(sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}))
+    out = {"paths": paths, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+           "velocities": _velocities(state), "choices": sorted(e["choice"] for e in state.stats.as_dict()["auto"].values()),
+           "opt_momentum": [g["momentum"] for g in opt.param_groups], "kept": kept}
+    state.close()
+    return out
+
+
+def fast_worker(rank, world):
+    return _run(rank, world, False), _run(rank, world, True), _run(rank, world, False, steps=4, nan_step=3)
+
+
+def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise():
+    (fast_a, units_a, nan_a), (fast_b, units_b, _) = run(fast_worker, 2, timeout=180)
+    assert fast_a["choices"] == ["dense"] * len(fast_a["choices"]) and fast_a["choices"]
+    assert fast_a["opt_momentum"] == [0.0]   # taken over: the hook applies it
+    # check points end steps 1, 5 (the early one) and 7: they and the steps before them run the units'
+    # path; step 0 is the warm-up; the others went DDP's way with the velocities applied in the 1/P pass
+    took = [p == ["dense"] for p in fast_a["paths"]]
+    assert took == [True, False, True, True, False, False, False, False, True, True], fast_a["paths"]
+    assert not any(p == ["dense"] for p in units_a["paths"][1:]), units_a["paths"]
+    for fast, units in ((fast_a, units_a), (fast_b, units_b)):
+        assert torch.equal(fast["params"], units["params"])
+        assert fast["velocities"].keys() == units["velocities"].keys() and fast["velocities"]
+        for k, v in fast["velocities"].items():
+            assert torch.equal(v.reshape(-1), units["velocities"][k].reshape(-1)), k
+    assert torch.equal(fast_a["params"], fast_b["params"])
+    # step 3 is a fast step: a NaN in one rank's gradient keeps every velocity
+    assert [p == ["dense"] for p in nan_a["paths"]][3] and nan_a["kept"] is True
