@@ -144,6 +144,8 @@ STUDY: list[Config] = [
            {"bits": 4, "residual_storage": "int8", "rollback": "unit"}),
     Config("topk-1%-int8res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "int8", "rollback": "unit"},
            takeover=True),
+    Config("auto-int8res", "commpress", "auto",
+           {"check_every": 20, "every": 100, "residual_storage": "int8", "rollback": "unit"}),
     # no residual at all: unbiased stochastic rounding instead of error feedback (ZeRO++ qgZ's choice)
     Config("blockquant-4bit-sr", "commpress", "blockquant", {"bits": 4, "stochastic": True}),
 ]
@@ -165,7 +167,7 @@ GROUPS = {
     "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY if c.compressor == "topk"],
     "sparse": ["ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "auto"] + [c.name for c in SPARSE],
     "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-int8res", "blockquant-4bit-sr", "topk-1%",
-               "topk-1%-int8res"],
+               "topk-1%-int8res", "auto", "auto-int8res"],
 }
 
 

@@ -16,7 +16,6 @@ from nets import MLP3 as Net, train_step
 
 import commpress
 from commpress.auto import Network
-from commpress.auto.runtime import AutoCodec
 from commpress.collectives.costmodel import CostModel
 
 FAST = CostModel(1e-7, 1e-13)    # nothing to gain: dense everywhere
