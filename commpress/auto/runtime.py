@@ -110,7 +110,7 @@ from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
-                     comm_seconds, window_tolerance)
+                     comm_seconds, critical_candidates, window_tolerance)
 from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
@@ -628,15 +628,19 @@ class AutoCodec:
             for key in [k for k, c in self._carry.items() if not bool(c.any())]:
                 del self._carry[key]   # sent (a device-side commit left zeros)
             norms = self._read_norms(units)
-            change = (norm_change(self._prev_norms, norms) if self._prev_norms is not None
+            first = self._prev_norms is None
+            change = (norm_change(self._prev_norms, norms) if not first
                       else [first_window_change(self.spec.decider_args["critical"])] * len(units))
             self._prev_norms = norms
+            # the first window is a critical regime on every rank (no norm before it): the candidates it
+            # excludes are not timed yet (their codec cost is paid at the next check point, if ever)
+            timed = critical_candidates(cands, self.prices) if first else cands
             hidden = self.recorder.mean_hidden()
             measures = []
             for u, ch in zip(units, change):
                 acc = self._norms.get(u.key)
                 device = acc.device if acc is not None else torch.device("cpu")
-                codec_s = {c: t for c in cands if (t := self._codec_cost(c, u, device)) is not None}
+                codec_s = {c: t for c in timed if (t := self._codec_cost(c, u, device)) is not None}
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))

@@ -81,3 +81,4 @@ def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise():
     assert torch.equal(fast_a["params"], fast_b["params"])
     # step 3 is a fast step: a NaN in one rank's gradient keeps every velocity
     assert [p == ["dense"] for p in nan_a["paths"]][3] and nan_a["kept"] is True
+
