@@ -1219,18 +1219,21 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
         plan = layout.plan(bucket.index(), bucket.parameters())
+        _observe_rows(executor, bucket)
         if executor.fast_transaction is None:
             executor.fast_transaction, executor.fast_futures = ResidualTransaction(), []
         tx, futures = executor.fast_transaction, executor.fast_futures
         for (unit, name), (off, n) in zip(_unit_parts(layout, plan), [(o, k) for _, o, k in plan.compressed]):
             cfg.auto.velocity_part(unit, name, buf[off:off + n], cfg.scale, tx)
-        for off, n in plan.dense_slices:
+        # the dense parameters, and sparse_rows parameters on their dense path this step
+        dense = list(zip(plan.dense_names, plan.dense_slices)) + [(nm, (o, k)) for nm, o, k in plan.rows]
+        for _, (off, n) in dense:
             buf[off:off + n].mul_(cfg.scale)
         work = dist.all_reduce(buf, group=cfg.group, async_op=True)
 
         def landed(_: Any) -> torch.Tensor:
             tx.mark_bad(nonfinite_flag(buf))
-            for name, (off, n) in zip(plan.dense_names, plan.dense_slices):
+            for name, (off, n) in dense:
                 cfg.codec.dense_momentum(buf[off:off + n], name, tx)
             return buf
 
@@ -1249,9 +1252,19 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
                           compress_seconds=0.0, hook_seconds=total.seconds, rounds=1,
                           hook_cpu_seconds=total.cpu_seconds)
     if bucket.is_last():
+        executor.end_rows()
         executor.step += 1
         executor.stats.end_step()
     return fut
+
+
+def _observe_rows(executor: _Executor, bucket: dist.GradBucket) -> None:
+    """``sparse_rows`` on DDP's own path: count the rows parameters' nonzero rows (on the device)."""
+    tracker = executor.config.sparse_rows
+    if tracker is not None and executor.rows_begun and tracker.measuring():
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if p in tracker:
+                tracker.observe(p, g.view(p.shape[0], -1))
 
 
 def _unit_parts(layout: ModelLayout, plan: Plan) -> list[tuple[Any, str]]:
@@ -1274,11 +1287,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
         plan = executor.layout.plan(bucket.index(), bucket.parameters())
-        tracker = cfg.sparse_rows
-        if tracker is not None and executor.rows_begun and tracker.measuring():   # count their rows (device)
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                if p in tracker:
-                    tracker.observe(p, g.view(p.shape[0], -1))
+        _observe_rows(executor, bucket)
         dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
         sent, algorithm = dense_bytes, "dense"
         if cfg.world_size > 1 and cast is not None:

@@ -82,3 +82,55 @@ def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise():
     # step 3 is a fast step: a NaN in one rank's gradient keeps every velocity
     assert [p == ["dense"] for p in nan_a["paths"]][3] and nan_a["kept"] is True
 
+
+
+class _Emb(torch.nn.Module):
+    """A 200 x 16 embedding whose every row each step touches (its rows go dense) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(200, 16)
+        self.fc = torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).sum(1)
+
+
+def _rows_run(rank: int, world: int, forced_units_path: bool):
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    torch.manual_seed(0)
+    model = DDP(_Emb(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(model, "auto", optimizer=opt, min_numel=256, sparse_rows=[model.module.emb.weight],
+                                   auto=commpress.auto.Options(check_every=6, remeasure=False))
+    state.codec.network = Network(world, FAST)
+    if forced_units_path:
+        state.codec.fast = lambda step: None
+    paths = []
+    for step in range(10):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.cat([torch.arange(200), torch.randint(0, 200, (40,), generator=g)]).reshape(-1, 8)
+        opt.zero_grad()
+        model(ids).pow(2).mean().backward()
+        opt.step()
+        paths.append(sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}))
+    out = {"paths": paths, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+           "velocities": _velocities(state)}
+    state.close()
+    return out
+
+
+def rows_worker(rank, world):
+    return _rows_run(rank, world, False), _rows_run(rank, world, True)
+
+
+def test_sparse_rows_on_their_dense_path_are_averaged_and_get_their_momentum_on_ddps_path():
+    """``sparse_rows`` parameters whose rows all go dense this step ride in DDP's all_reduce on the
+    fast steps: scaled by ``1/P`` and given their plain momentum, as the units' path does."""
+    (fast, units), _ = run(rows_worker, 2, timeout=180)
+    assert any(p == ["dense"] for p in fast["paths"]), fast["paths"]
+    assert torch.equal(fast["params"], units["params"])
+    assert fast["velocities"].keys() == units["velocities"].keys()
+    assert any(k.startswith("dense:emb") for k in fast["velocities"]), sorted(fast["velocities"])
+    for k, v in fast["velocities"].items():
+        assert torch.equal(v.reshape(-1), units["velocities"][k].reshape(-1)), k
