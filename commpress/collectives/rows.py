@@ -66,7 +66,8 @@ from ..ops import reference
 from .sparse import acc_dtype, wire_index_dtype
 from .wire import DTYPES, E_DTYPE, E_MISUSE, E_SHAPE, ERRORS, CollectiveInputError, Layout, align8, dtype_code
 
-__all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_bytes", "row_costs", "rows_allreduce"]
+__all__ = ["ROW_ALGORITHMS", "RowsResult", "nonzero_rows", "row_bytes", "row_costs", "rows_allreduce",
+           "rows_reduce_scatter", "row_scatter_bytes"]
 
 ROW_ALGORITHMS = ("allgather", "hashed")
 
@@ -95,6 +96,8 @@ class RowsResult:
     union: torch.Tensor
     overflow_rounds: int = 0
     owner_unions: list[int] = field(default_factory=list)
+    #: :func:`rows_reduce_scatter`: whether some rank's rows held a NaN/inf (host bool, every rank alike)
+    nonfinite: bool = False
 
 
 def nonzero_rows(x: torch.Tensor) -> torch.Tensor:
@@ -547,3 +550,153 @@ def _hashed_overflow(x, mask, sorted_mask, rank_in, order, seg, touched, urank, 
         a, b = union_over[r], send_over[r]
         out.append((ui[:a], uv[:a], si[:b], sv[:b]))
     return out
+
+
+# ---------------------------------------------------------------- reduce-scatter (FSDP2's layout)
+def row_scatter_bytes(world: int, rows: int, dim: int, dtype: torch.dtype, capacity: int) -> dict[str, float]:
+    """Bytes one rank sends in a :func:`rows_reduce_scatter` call without overflow (``"scatter"``)
+    and in a dense ``reduce_scatter`` of the same tensor (``"dense"``: ``n·(P−1)/P``).
+
+    Args:
+        world: ranks ``P``.
+        rows, dim, dtype: the whole (padded) tensor: ``P`` shards of ``rows / P`` rows.
+        capacity: rows per (rank, owner) of the first round.
+    """
+    vb = torch.empty((), dtype=dtype).element_size()
+    shard = -(-rows // max(world, 1))
+    w = _widths(world, dim, vb, wire_index_dtype(shard + 1).itemsize, 0, capacity, 0)["a2a"]
+    w += align8(8 * world)   # the per-owner counts and the NaN flag ride in every message
+    return {"scatter": (world - 1) * w, "dense": rows * dim * vb * (world - 1) / max(world, 1)}
+
+
+def _scatter_check(chunks, capacity, world, out) -> tuple[int, str]:
+    if not isinstance(chunks, torch.Tensor):
+        return E_DTYPE, f"chunks must be a torch.Tensor, got {type(chunks).__name__}"
+    if chunks.dim() != 3 or chunks.shape[0] != world:
+        return E_SHAPE, f"chunks must be 3-D (P={world} x rows x D), got shape {tuple(chunks.shape)}"
+    if not chunks.is_floating_point() or chunks.dtype not in DTYPES:
+        return E_DTYPE, f"chunks must be float32, float16, bfloat16 or float64, got {chunks.dtype}"
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        return E_MISUSE, f"capacity must be an int >= 0, got {capacity!r}"
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == chunks.shape[1:]
+                                and out.dtype == chunks.dtype and out.device == chunks.device):
+        return E_MISUSE, "out must be a tensor of one chunk's shape, dtype and device"
+    return 0, ""
+
+
+def rows_reduce_scatter(chunks: torch.Tensor, *, capacity: int = 0, group=None, key="rows_rs",
+                        stats: CommStats | None = None, out: torch.Tensor | None = None) -> RowsResult:
+    """Reduce-scatter of a row-sparse tensor in FSDP2's dim-0 layout, sending only nonzero rows.
+
+    ``chunks[j]`` (``rows x D``) are the rows rank ``j`` owns (FSDP2's shard ``j`` of a parameter
+    sharded on dim 0, padding included); every rank gets the sum over the ranks of its own chunk.
+    Lossless: equal to a dense ``reduce_scatter`` (SUM) up to fp32 summation order (bitwise at
+    P = 2), deterministic (the owner adds the ranks' rows in rank order), no row ever dropped.
+
+    Wire: one ``all_to_all``: to owner ``j`` the status word, this rank's nonzero rows per owner
+    (``P`` int64, so every rank learns the whole count matrix) and a NaN/inf flag, then up to
+    ``capacity`` (local row index, row) entries of chunk ``j``; ``(P−1)·w`` bytes
+    (:func:`row_scatter_bytes`).  Rows beyond ``capacity`` go in one more ``all_to_all`` sized by
+    the largest leftover (:attr:`RowsResult.overflow_rounds`).  The one host read is the received
+    headers (the counts), as :func:`rows_allreduce`'s.  Static facts are agreed by a header round
+    the first time a ``(group, key, facts)`` is seen.
+
+    Args:
+        chunks: ``(P, rows, D)`` floating tensor (a strided view is fine: it is not copied whole).
+        capacity: rows per (rank, owner) in the first round (0: every row in the second).
+        group: the process group (default: the world).
+        key: names the call site for the once-per-facts agreement.
+        stats: charged with the bytes and rounds.
+        out: ``(rows, D)`` where this rank's sum is written (default: a new tensor).
+
+    Returns:
+        :class:`RowsResult`: ``sum`` this rank's chunk of the sum, ``algorithm`` ``"scatter"``
+        (``"local"`` on one rank), ``counts`` each rank's nonzero rows, ``owner_counts[r][j]``
+        rank ``r``'s rows for owner ``j``, ``union`` this rank's shard rows nonzero on some rank
+        (a device scalar), ``nonfinite``.
+
+    Raises:
+        CollectiveInputError: on every rank for bad input or facts that differ across ranks.
+    """
+    world = _comm.world(group)
+    error = _scatter_check(chunks, capacity, world, out)
+    ok = error[0] == 0
+    device = _comm.comm_device(group, chunks if isinstance(chunks, torch.Tensor) else None)
+    facts = ((chunks.shape[0] * chunks.shape[1], chunks.shape[2], chunks.dtype, 0, capacity, 0, "scatter") if ok
+             else (-1, -1, None, -1, -1, -1, "scatter"))
+    chosen = _agree(group, ("scatter", key), facts, error, device, stats)
+    if chosen == "local":
+        mask = nonzero_rows(chunks[0])
+        count = mask.sum()
+        total = out.copy_(chunks[0]) if out is not None else chunks[0].clone()
+        result = RowsResult(total, "local", [int(count)], [[int(count)]], count,
+                            nonfinite=not bool(torch.isfinite(chunks[0]).all()))
+    else:
+        result = _scatter(chunks, capacity, group, stats, out)
+    if stats is not None:
+        stats.add(calls=1, algorithm=f"rows_{result.algorithm}")
+    return result
+
+
+def _scatter(chunks: torch.Tensor, cap: int, group, stats, out) -> RowsResult:
+    """All_to_all of ``cap`` rows per (rank, owner), the owner sums in rank order; one more
+    all_to_all for what did not fit."""
+    P, L, d = chunks.shape
+    me, dev = _comm.rank(group), chunks.device
+    idt = wire_index_dtype(L + 1)
+    sig = wire.signature("rows_scatter", P * L, d, str(chunks.dtype), cap)
+    with codec_timer(stats, "compress"):
+        if L and d:
+            hi, lo = chunks.amax(dim=2), chunks.amin(dim=2)          # [P, L], no temporary of chunks' size
+            mask = (hi != 0) | (lo != 0)
+            bad = (mask & ~(torch.isfinite(hi) & torch.isfinite(lo))).any().reshape(1).to(torch.int64)
+        else:
+            mask = torch.zeros(P, L, dtype=torch.bool, device=dev)
+            bad = torch.zeros(1, dtype=torch.int64, device=dev)
+        rank_in = (torch.cumsum(mask, 1) - 1).reshape(-1)
+        seg = torch.arange(P, device=dev).repeat_interleave(L)
+        local = torch.arange(L, device=dev).repeat(P)
+        flat = mask.reshape(-1)
+        meta = torch.cat([mask.sum(1), bad])
+
+        def fill(lo_: int, c: int) -> torch.Tensor:
+            idx = _slots(flat, rank_in, local, seg, lo_, c, P, L).reshape(P, c)
+            rows = chunks[torch.arange(P, device=dev).unsqueeze(1), idx.clamp(max=max(L - 1, 0))] if L else \
+                chunks.new_zeros((P, c, d))
+            return idx, rows.masked_fill_((idx >= L).unsqueeze(2), 0)
+
+        idx, rows = fill(0, cap)
+    parts = [(meta, idx[o].to(idt), rows[o]) for o in range(P)]
+    layout = Layout.of(parts[0])
+    recv = _exchange(layout, parts, sig, dev, group, stats)
+    metas = _host_meta(recv, layout, sig, "rows_reduce_scatter")
+    matrix = [m[:P] for m in metas]
+    rounds = [(layout, recv, [min(m[me], cap) for m in matrix])]
+    extra = max(max(row) for row in matrix) - cap
+    if extra > 0:
+        with codec_timer(stats, "compress"):
+            idx2, rows2 = fill(cap, extra)
+        parts = [(idx2[o].to(idt), rows2[o]) for o in range(P)]
+        lay2 = Layout.of(parts[0])
+        rounds.append((lay2, _exchange(lay2, parts, sig, dev, group, stats), [max(m[me] - cap, 0) for m in matrix]))
+    with codec_timer(stats, "decompress"):
+        adt = acc_dtype(chunks.dtype)
+        acc = out.zero_() if out is not None and out.dtype == adt else torch.zeros(L, d, dtype=adt, device=dev)
+        touched = torch.zeros(L, dtype=torch.bool, device=dev)
+        for lay, got, valid in rounds:
+            for r in range(P):   # rank order on every owner: deterministic sums
+                gi, gv = lay.read(got[r])[-2:]
+                gi, gv = gi[:valid[r]].long(), gv[:valid[r]]
+                acc.index_add_(0, gi, gv.to(adt))
+                touched[gi] = True
+    total = _finish(acc, out, chunks.dtype)
+    return RowsResult(total, "scatter", [sum(row) for row in matrix], matrix, touched.sum(), int(extra > 0),
+                      nonfinite=any(m[P] for m in metas))
+
+
+def _exchange(layout: Layout, parts, sig: int, dev, group, stats) -> torch.Tensor:
+    """One all_to_all of ``parts[o]`` (behind the status word) to each owner ``o``."""
+    send = torch.empty(len(parts), layout.width, dtype=torch.uint8, device=dev)
+    for o, piece in enumerate(parts):
+        layout.write(send[o], piece, wire.status_word(dev, sig=sig))
+    return _comm.all_to_all_(torch.empty_like(send), send, group=group, stats=stats)
