@@ -224,6 +224,73 @@ def _uniform24(i, k0, k1):
     return np.float32(np.int32(_bits24(np.uint64(i), k0, k1))) * _U24
 
 
+_UW = 16  # lanes of :func:`_uniform24_lanes`
+
+
+@intrinsic
+def _uniform24_lanes(typingctx, out, j, i, k0, k1):
+    """``out[j + l] = _uniform24(i + l, k0, k1)`` for the ``_UW`` lanes ``l`` (``out`` a contiguous
+    fp32 array with ``j + _UW <= out.size``; ``i`` a uint64 counter; ``k0``, ``k1`` the seed words,
+    below ``2**32`` as :func:`commpress.ops.reference.seed_words` gives them).
+
+    The same hash as :func:`_bits24`, written as one ``<16 x i32>`` LLVM vector: every step of
+    ``_mix32`` on a value below ``2**32`` keeps only its low 32 bits, so wrapping 32-bit lanes give
+    the same bits.  The loop vectorizer, left to itself, runs the uint64 form 8 lanes wide with
+    64-bit multiplies (``vpmullq``: 3 uops each with AVX-512); 16 lanes of ``vpmulld`` and 32-bit
+    shifts are about 3x faster per element here (2**24 draws: 0.27 vs 0.86 ns each, L1-resident).
+    Without AVX-512 LLVM splits the vector into halves (same bits)."""
+    if not (isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 1
+            and out.layout == "C" and isinstance(j, types.Integer) and i == types.uint64
+            and k0 == types.uint64 and k1 == types.uint64):
+        return None
+    sig = types.void(out, j, i, k0, k1)
+
+    def codegen(context, builder, signature, args):
+        arr, jv, iv, k0v, k1v = args
+        ary = context.make_array(signature.args[0])(context, builder, arr)
+        i32 = ir.IntType(32)
+        vt = ir.VectorType(i32, _UW)
+        vf = ir.VectorType(ir.FloatType(), _UW)
+
+        def splat(v):
+            u = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(v, i32), ir.Constant(i32, 0))
+            return builder.shuffle_vector(u, ir.Constant(vt, ir.Undefined), ir.Constant(vt, [0] * _UW))
+
+        def c(v):
+            return ir.Constant(vt, [v] * _UW)
+
+        def mix(x):
+            x = builder.xor(x, builder.lshr(x, c(16)))
+            x = builder.mul(x, c(0x7FEB352D))
+            x = builder.xor(x, builder.lshr(x, c(15)))
+            x = builder.mul(x, c(0x846CA68B))
+            return builder.xor(x, builder.lshr(x, c(16)))
+
+        ctr = builder.add(splat(iv), ir.Constant(vt, list(range(_UW))))
+        h = mix(builder.xor(ctr, splat(k0v)))
+        h = mix(builder.add(h, splat(k1v)))
+        u = builder.fmul(builder.sitofp(builder.lshr(h, c(8)), vf), ir.Constant(vf, [2.0 ** -24] * _UW))
+        jj = context.cast(builder, jv, signature.args[1], types.intp)
+        ptr = builder.gep(ary.data, [jj])
+        builder.store(u, builder.bitcast(ptr, vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always", **_SOPTS)
+def _fill_uniform24(u, base, k0, k1):
+    """``u[j] = _uniform24(base + j, k0, k1)`` for every ``j`` (``u`` contiguous fp32), ``_UW`` at a
+    time (:func:`_uniform24_lanes`), the tail one by one."""
+    m = u.size
+    b = np.uint64(base)
+    full = m - m % _UW
+    for j in range(0, full, _UW):
+        _uniform24_lanes(u, j, b + np.uint64(j), k0, k1)
+    for j in range(full, m):
+        u[j] = _uniform24(b + np.uint64(j), k0, k1)
+
+
 _GRAIN = 64  # split edges of the elementwise kernels (whole cache lines)
 
 
@@ -1607,25 +1674,29 @@ def _level_multiplier(fl, s):
 
 
 @njit(inline="always", **_SOPTS)
-def _level_codes(t, pre, mul, fl, step, base, k0, k1, feedback, codes, os):
+def _level_codes(t, pre, mul, fl, step, base, k0, k1, feedback, codes, os, ub):
     """QSGD/TernGrad codes of one bucket's values ``t`` (see ``reference.level_quantize``), element
     ``j`` with the noise of element ``base + j``: ``q = clamp(floor((|t_j| * pre) * mul + u), 0, fl)``
     (NaN -> 0), ``code = fl + q`` or ``fl - q`` by ``t_j``'s sign bit, into ``codes[j]``;
     ``feedback``: also ``os[j] = t_j - (code - fl) * step``, what ``level_dequantize`` leaves of it.
-    The signed level is ``copysign(q, t_j)``, so the loop has no branch and vectorizes; ``codes`` and
-    ``os`` must not overlap ``t``."""
+    The noise is drawn first into ``ub`` (a private fp32 buffer of at least ``t.size``:
+    :func:`_fill_uniform24`, 16 lanes at a time); the signed level is ``copysign(q, t_j)``, so the
+    loop has no branch and vectorizes; ``codes`` and ``os`` must not overlap ``t``."""
+    m = t.size
+    u = ub[:m]
+    _fill_uniform24(u, base, k0, k1)
     if feedback:
-        for j in range(t.size):
+        for j in range(m):
             v = t[j]
-            q = np.floor((abs(v) * pre) * mul + _uniform24(base + j, k0, k1))
+            q = np.floor((abs(v) * pre) * mul + u[j])
             q = min(max(_F0, q), fl)  # max(0, NaN) is 0
             code = fl + np.copysign(q, v)
             codes[j] = np.uint8(np.int32(code))
             os[j] = v - (code - fl) * step
     else:
-        for j in range(t.size):
+        for j in range(m):
             v = t[j]
-            q = np.floor((abs(v) * pre) * mul + _uniform24(base + j, k0, k1))
+            q = np.floor((abs(v) * pre) * mul + u[j])
             q = min(max(_F0, q), fl)  # max(0, NaN) is 0
             codes[j] = np.uint8(np.int32(fl + np.copysign(q, v)))
 
@@ -1637,6 +1708,7 @@ def level_quantize(x, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1
     n = x.size
     fl = np.float32(levels)
     codes = np.empty(_PIECE + 4, np.uint8)
+    ub = np.empty(_PIECE, np.float32)
     for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
@@ -1650,7 +1722,7 @@ def level_quantize(x, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1
                 if not (s > _F0):
                     s = np.float32(1.0)
                 mul, pre = _level_multiplier(fl, s)
-                _level_codes(x[j:e], pre, mul, fl, _F0, j, k0, k1, False, codes[j - p0:e - p0], x)
+                _level_codes(x[j:e], pre, mul, fl, _F0, j, k0, k1, False, codes[j - p0:e - p0], x, ub)
                 j = e
             _put_codes(codes, p1 - p0, p0, bits, packed)
 
@@ -1765,6 +1837,7 @@ def _qsgd_chunk(x, r, beta, scale, how, feedback, levels, bits, bucket, k0, k1, 
     tmpi = np.empty(width, np.int32)
     tmp = tmpi.view(np.float32)
     buf = np.empty(width, np.float32)
+    ub = np.empty(width, np.float32)
     bad = False
     for s0 in range(a, b, bucket):
         s1 = min(s0 + bucket, b)
@@ -1777,7 +1850,7 @@ def _qsgd_chunk(x, r, beta, scale, how, feedback, levels, bits, bucket, k0, k1, 
             bad = True
         mul, pre = _level_multiplier(fl, nrm if nrm > _F0 else _F1)
         _level_codes(t, pre, mul, fl, nrm / fl, s0, k0, k1, feedback, codes[s0 - a:s1 - a],
-                     out[s0:s1])
+                     out[s0:s1], ub)
     _put_codes(codes, m, a, bits, packed)
     return bad
 
@@ -1839,6 +1912,7 @@ def _terngrad_codes_feedback(x, r, beta, scale, how, s, k0, k1, clen, out, packe
     fl = _F1
     mul, pre = _level_multiplier(fl, s if s > _F0 else _F1)
     tmp = np.empty(_PIECE, np.float32)
+    ub = np.empty(_PIECE, np.float32)
     codes = np.empty(_PIECE + 4, np.uint8)
     step = s / fl
     for c in range(c0, c1):
@@ -1848,7 +1922,7 @@ def _terngrad_codes_feedback(x, r, beta, scale, how, s, k0, k1, clen, out, packe
             p1 = min(p0 + _PIECE, b)
             t = tmp[:p1 - p0]
             _compensate_plain(x[p0:p1], r[p0:p1], beta, scale, how, t)
-            _level_codes(t, pre, mul, fl, step, p0, k0, k1, True, codes, out[p0:p1])
+            _level_codes(t, pre, mul, fl, step, p0, k0, k1, True, codes, out[p0:p1], ub)
             _pack_chunk(codes, p1 - p0, p0, 2, packed)
 
 

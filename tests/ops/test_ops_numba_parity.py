@@ -256,6 +256,35 @@ def test_counter_rng_same_seed_same_bits(seed, start, n):
 
 
 @settings(max_examples=25)
+@given(seed=st.integers(0, 2**64 - 1), start=st.one_of(st.integers(0, 2**34), st.integers(2**32 - 40, 2**32 + 40)),
+       n=st.integers(0, 100))
+def test_uniform_lanes_are_the_counter_uniform(seed, start, n):
+    """The 16-lane hash of the QSGD/TernGrad noise (:func:`_fill_uniform24`, 32-bit vector lanes) is
+    ``reference.counter_uniform`` bit for bit: whole vectors, the tail, the counter's wrap at 2**32."""
+    fill = _jitted_fill()
+    k0, k1 = R.seed_words(seed)
+    u = np.full(n + 3, 7.0, np.float32)
+    fill(u[:n], np.int64(start), np.uint64(k0), np.uint64(k1))
+    assert_bitwise(torch.from_numpy(u[:n].copy()), R.counter_uniform(seed, start, n))
+    assert (u[n:] == 7.0).all()  # nothing written past the end
+
+
+_FILL = []
+
+
+def _jitted_fill():
+    if not _FILL:
+        from numba import njit
+
+        @njit
+        def fill(u, base, k0, k1):
+            K._fill_uniform24(u, base, k0, k1)
+
+        _FILL.append(fill)
+    return _FILL[0]
+
+
+@settings(max_examples=25)
 @given(idx=st.lists(st.integers(-2**40, 2**40)), world=st.integers(1, 9),
        dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_hash_owner_and_partition(idx, world, dtype):
