@@ -144,9 +144,12 @@ from .. import collectives
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
+from ..collectives.rows import rows_reduce_scatter
+from ..collectives.wire import DTYPES as _ROW_DTYPES
 from ..feedback import ResidualTransaction
 from .common import HookState, Timer, codec_memory, loss_scales, resolve_compressor
 from .optimizer import TakeoverMixin
+from .sparse_rows import SparseRows
 
 log = logging.getLogger("commpress")
 
@@ -176,6 +179,59 @@ def _unit_layout(module: FSDPModule) -> list[list[Any]]:
     """Names and global shapes of one unit's parameters (part of the fingerprinted configuration)."""
     mine = {id(fp.sharded_param) for g in _param_groups(module) for fp in g.fsdp_params}
     return [[name, list(p.shape)] for name, p in module.named_parameters() if id(p) in mine]
+
+
+@dataclass
+class _RowsParam:
+    """Where a ``sparse_rows`` parameter sits in its unit's reduce-scatter input: each of the ``P``
+    chunks holds its shard as ``rows x dim`` elements from ``offset`` (FSDP2 shards on dim 0)."""
+
+    name: str
+    offset: int
+    rows: int      # rows per shard (padded: ceil(rows / P))
+    dim: int
+
+    def region(self) -> tuple[int, int]:
+        return self.offset, self.offset + self.rows * self.dim
+
+
+def _rows_layout(module: FSDPModule, world: int, tracked: dict[int, str]) -> tuple[int, list[_RowsParam]] | None:
+    """``(chunk numel, places of the tracked parameters)`` of a unit's reduce-scatter input, laid out
+    as ``foreach_reduce_scatter_copy_in`` does (each parameter padded on dim 0 to a multiple of
+    ``P``, chunk ``j`` = every parameter's shard ``j`` in order); ``None`` without a tracked one."""
+    groups = _param_groups(module)
+    found, off = [], 0
+    for fp in (fp for g in groups for fp in g.fsdp_params):
+        size = fp._orig_size
+        shard_rows = -(-size[0] // world) if len(size) else 1
+        name = tracked.get(id(fp.sharded_param))
+        if name is not None and len(size) == 2 and fp.fsdp_placement.dim == 0 and len(groups) == 1:
+            found.append(_RowsParam(name, off, shard_rows, size[1]))
+        off += shard_rows * (size[1:].numel() if len(size) else 1)
+    return (off, found) if found else None
+
+
+def _complement(regions: list[tuple[int, int]], m: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, m)`` outside the sorted, disjoint ``regions``."""
+    out, at = [], 0
+    for a, b in regions:
+        if a > at:
+            out.append((at, a))
+        at = b
+    return out + ([(at, m)] if at < m else [])
+
+
+def _pack(x: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+    """``x`` (``[P, m]``) cut to ``slices`` of each chunk, contiguous (``[P * k]``)."""
+    return torch.cat([x[:, a:b] for a, b in slices], dim=1).reshape(-1)
+
+
+def _unpack(out: torch.Tensor, slices: list[tuple[int, int]], packed: torch.Tensor) -> None:
+    """Write ``packed`` (one chunk of :func:`_pack`) back into ``out``'s ``slices``."""
+    at = 0
+    for a, b in slices:
+        out[a:b].copy_(packed[at:at + b - a])
+        at += b - a
 
 
 # ------------------------------------------------------------------ reduce op
@@ -321,6 +377,12 @@ class FSDPState(TakeoverMixin, HookState):
         self._replicate: int | None = None   # register(replicate_group=): the replicas' count
         self._step_open = False
         self._reduced: set[str] = set()
+        #: ``sparse_rows`` (:meth:`_bind_rows`): the plan, each unit's layout, the parameters kept out
+        #: of their unit's compressed part for good (declared ones; ``"auto"``'s once settled)
+        self._sparse_rows: SparseRows | None = None
+        self._rows_units: dict[str, tuple[int, list[_RowsParam]]] = {}
+        self._rows_settled: set[str] = set()
+        self._rows_all_settled = True
         self.attach_scaler(scaler)
 
     # internals that were public before issue 51: read-only, deprecated
@@ -381,6 +443,56 @@ class FSDPState(TakeoverMixin, HookState):
         """The parameters whose momentum the hook takes over: every unit's."""
         return {id(p) for u in self._units.values() for p in u.module.parameters()}
 
+    # -- sparse_rows ----------------------------------------------------------
+    def _bind_rows(self, module: torch.nn.Module, sparse_rows: Any) -> None:
+        """``register(sparse_rows=...)``: the plan (:class:`SparseRows`, by reduce-scatter bytes) and
+        where each tracked parameter sits in its unit's reduce-scatter input.
+
+        Raises:
+            ValueError: (from :class:`SparseRows`) a tensor that is not a parameter of ``module``, a
+                1-D parameter, an unknown name; a declared parameter no unit of this registration
+                shards on dim 0; compressor ``"auto"``, momentum correction or ``replicate_group``.
+        """
+        tracker = SparseRows(module, sparse_rows, group=self.process_group, collective="reduce_scatter")
+        if not len(tracker):
+            return
+        if self.auto or self.momentum or self._replicate:
+            what = "compressor 'auto'" if self.auto else ("momentum correction (optimizer=/momentum=)"
+                                                           if self.momentum else "replicate_group=")
+            raise ValueError(f"sparse_rows is not supported with {what} under FSDP2 yet; register without "
+                             f"sparse_rows or without {what}")
+        tracked = {id(p): name for name, p in tracker.items()}
+        for name, u in self._units.items():
+            layout = _rows_layout(u.module, self.world_size, tracked)
+            if layout is not None:
+                self._rows_units[name] = layout
+        placed = {rp.name for _, rps in self._rows_units.values() for rp in rps}
+        missing = [n for n, _ in tracker.items() if n not in placed]
+        declared_missing = [n for n in missing if tracker.plans[n].declared]
+        if declared_missing:
+            raise ValueError(f"sparse_rows: {declared_missing} are not sharded on dim 0 by a single-group FSDP2 "
+                             f"unit of this registration (fully_shard the module that holds them)")
+        tracker.drop(missing)
+        if not len(tracker):
+            return
+        self._sparse_rows = tracker
+        self._rows_settled = {n for n, _ in tracker.items() if tracker.plans[n].declared}
+        self._rows_all_settled = len(self._rows_settled) == len(tracker)
+        self.stats.sparse_rows_report = tracker.as_dict
+
+    def _begin_rows(self) -> None:
+        """At a step's first reduce-scatter: apply what the last step measured (long gathered), and
+        for ``"auto"`` at the end of the warm-up keep the parameters found sparse as rows for good
+        (their units' compressed part is laid out without them from then on: its residual starts
+        anew once); the others are no longer tracked."""
+        tracker = self._sparse_rows
+        tracker.begin_step()
+        if not self._rows_all_settled and tracker.step >= tracker.warmup:
+            keep = self._rows_settled | {n for n, _ in tracker.items() if tracker.path(n) == "rows"}
+            tracker.drop([n for n, _ in list(tracker.items()) if n not in keep])
+            self._rows_settled, self._rows_all_settled = keep, True
+            log.info("commpress.fsdp: sparse_rows='auto' settled: %s as rows", sorted(keep) or "none")
+
     # -- configuration ------------------------------------------------------
     def config(self) -> dict[str, Any]:
         """The configuration every rank agreed on at registration (fingerprinted; in :meth:`state_dict`).
@@ -396,6 +508,8 @@ class FSDPState(TakeoverMixin, HookState):
         cfg["units"] = {name: _unit_layout(u.module) for name, u in self._units.items()}
         if self._replicate:  # absent without replicas: older checkpoints still load
             cfg["replicas"] = self._replicate
+        if self._sparse_rows is not None:   # as declared ("auto" settles later: in the state dict)
+            cfg["sparse_rows"] = self._sparse_rows.config()
         return cfg
 
     # -- step accounting ----------------------------------------------------
@@ -411,6 +525,8 @@ class FSDPState(TakeoverMixin, HookState):
         if self._step_open:
             return
         self._step_open = True
+        if self._sparse_rows is not None:
+            self._begin_rows()
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
         except RuntimeError:
@@ -427,11 +543,15 @@ class FSDPState(TakeoverMixin, HookState):
         self._reduced.clear()
         self._transaction.commit()
         collectives.flush_deferred()   # this step's CUDA statuses that have landed (no wait)
+        if self._sparse_rows is not None:   # the max of this step's measurements, not waited for
+            self._sparse_rows.end_step()
         if self.auto:  # a check point every check_every steps (collective: every rank at this step)
             self.codec.end_step(self.step, group=self.process_group)
         self.step += 1
         if self.stats.memory_source is None:   # counted when asked: metadata only, no tensor is read
-            self.stats.track_memory(lambda: codec_memory(self.codec) | {"collectives": collectives.cached_bytes()},
+            self.stats.track_memory(lambda: codec_memory(self.codec) | {"collectives": collectives.cached_bytes()}
+                                    | ({"sparse_rows": self._sparse_rows.memory_bytes()}
+                                       if self._sparse_rows is not None else {}),
                                     *self._param_counts())
         self.stats.end_step()
 
@@ -454,7 +574,11 @@ class FSDPState(TakeoverMixin, HookState):
 
     # -- checkpoints --------------------------------------------------------
     def _extra_state_dict(self) -> dict[str, Any]:
-        return {"unit_calls": {name: int(u.calls) for name, u in self._units.items()}}
+        extra: dict[str, Any] = {"unit_calls": {name: int(u.calls) for name, u in self._units.items()}}
+        if self._sparse_rows is not None:
+            extra["sparse_rows"] = {"settled": sorted(self._rows_settled), "all_settled": self._rows_all_settled,
+                                    "plan": self._sparse_rows.state_dict()}
+        return extra
 
     def _load_extra_state_dict(self, extra: dict[str, Any], state: dict[str, Any]) -> None:
         self._transaction.rollback()     # staged updates refer to the buffers being replaced
@@ -462,6 +586,13 @@ class FSDPState(TakeoverMixin, HookState):
         for name, calls in extra.get("unit_calls", {}).items():
             if name in self._units:
                 self._units[name].calls = int(calls)
+        rows = extra.get("sparse_rows")
+        if self._sparse_rows is not None and rows is not None:
+            if rows.get("all_settled"):   # "auto" settled in the saved run: the same parameters here
+                settled = set(rows.get("settled", []))
+                self._sparse_rows.drop([n for n, _ in list(self._sparse_rows.items()) if n not in settled])
+                self._rows_settled, self._rows_all_settled = settled, True
+            self._sparse_rows.load_state_dict(rows["plan"])
 
 
 # ------------------------------------------------------------------ comms
@@ -481,6 +612,94 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         st = self.state
+        st._touch_step(self.unit)
+        layout = st._rows_units.get(self.unit) if st._sparse_rows is not None else None
+        world = group.size()
+        if (layout is not None and world > 1 and layout[0] * world == input_tensor.numel()
+                and _op_scale(op, world) is not None and input_tensor.dtype in _ROW_DTYPES):
+            return self._with_rows(output_tensor, input_tensor, group, op, layout)
+        return self._send(output_tensor, input_tensor, group, op)
+
+    def _rest_native(self) -> bool:
+        """Whether the unit's part beside its rows goes by FSDP2's own reduce_scatter (identity
+        without error feedback)."""
+        st = self.state
+        return st.compressor.name == "identity" and not st.uses_error_feedback
+
+    def _with_rows(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                   op: Any, layout: tuple[int, list[_RowsParam]]) -> None:
+        """A unit holding ``sparse_rows`` parameters: those on the rows path go by
+        :func:`~commpress.collectives.rows.rows_reduce_scatter` (their nonzero rows to their
+        owners); the rest of the unit (with the rows parameters on their dense path) as configured,
+        cut out of the input.  A dense-path rows parameter is measured on measuring steps."""
+        st, tracker, world = self.state, self.state._sparse_rows, group.size()
+        m, params = layout
+        x = input_tensor.view(world, m)
+        measuring = tracker.measuring()
+        for rp in params:
+            if rp.name in tracker and tracker.path(rp.name) == "dense" and measuring:
+                a, b = rp.region()
+                tracker.observe_count(rp.name, _count_rows(x[:, a:b].view(world, rp.rows, rp.dim)))
+        out_of_rest = sorted((rp for rp in params if rp.name in st._rows_settled), key=lambda rp: rp.offset)
+        as_rows = [rp for rp in out_of_rest if tracker.path(rp.name) == "rows"]
+        native = self._rest_native()
+        if not out_of_rest or (native and not as_rows):   # the unit as FSDP2 laid it out
+            return self._send(output_tensor, input_tensor, group, op)
+        # the rest: every chunk but the rows parameters kept out (and, when it is FSDP2's own call,
+        # those on their dense path with it: one reduce_scatter)
+        apart = [rp for rp in out_of_rest if rp in as_rows or not native]
+        rest = _complement([rp.region() for rp in apart], m)
+        if rest:
+            self._send_slices(output_tensor, x, rest, group, op)
+        dense_rows = [rp.region() for rp in apart if rp not in as_rows]
+        cs = CommStats()
+        with Timer(cpu=True) as t:
+            if dense_rows:   # rows parameters on their dense path, beside a compressed rest: exact
+                packed = _pack(x, dense_rows)
+                got = torch.empty(packed.numel() // world, dtype=packed.dtype, device=packed.device)
+                with Timer() as call:
+                    dist.reduce_scatter_single(got, packed, group=group, op=op)
+                cs.add(got.numel() * got.element_size() * (world - 1), rounds=1, seconds=call.seconds)
+                _unpack(output_tensor, dense_rows, got)
+            scale = _op_scale(op, world)
+            for rp in as_rows:
+                self._run_rows(rp, x, output_tensor, group, scale, cs)
+        n = sum(b - a for rp in apart for a, b in [rp.region()])
+        st.stats.record(f"{self.unit}/sparse_rows", bytes_sent=cs.bytes_sent,
+                        dense_bytes=n * input_tensor.element_size() * (world - 1),
+                        algorithm="+".join(["rows_scatter"] * bool(as_rows) + ["dense"] * bool(dense_rows)),
+                        compress_seconds=t.seconds, hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
+                        **_account(cs))
+        return None
+
+    def _send_slices(self, output_tensor: torch.Tensor, x: torch.Tensor, slices: list[tuple[int, int]],
+                     group: dist.ProcessGroup, op: Any) -> None:
+        """The unit's ``slices`` of every chunk, packed, through the configured path (:meth:`_send`)."""
+        packed = _pack(x, slices)
+        got = torch.empty(packed.numel() // x.shape[0], dtype=packed.dtype, device=packed.device)
+        self._send(got, packed, group, op)
+        _unpack(output_tensor, slices, got)
+
+    def _run_rows(self, rp: _RowsParam, x: torch.Tensor, output_tensor: torch.Tensor, group: dist.ProcessGroup,
+                  scale: float | torch.Tensor, cs: CommStats) -> None:
+        """One rows parameter: its nonzero rows to their owners, summed exactly, FSDP's scale after."""
+        st, tracker, world = self.state, self.state._sparse_rows, group.size()
+        a, b = rp.region()
+        out = output_tensor[a:b].view(rp.rows, rp.dim)
+        result = rows_reduce_scatter(x[:, a:b].view(world, rp.rows, rp.dim), out=out, group=group,
+                                     key=f"fsdp-rows:{rp.name}", stats=cs,
+                                     capacity=tracker.capacities(rp.name)["owner_capacity"])
+        tracker.record(rp.name, result)
+        if not (isinstance(scale, float) and scale == 1.0):
+            out.mul_(scale)
+        if result.nonfinite and st.uses_error_feedback:   # judged alike on every rank (gathered flags)
+            st._transaction.mark_bad(torch.ones((), dtype=torch.bool, device=out.device))
+
+    def _send(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+              group: dist.ProcessGroup, op: Any) -> None:
+        """The configured path for ``input_tensor`` (the unit's whole input, or its part beside
+        its rows parameters)."""
+        st = self.state
         unit = st._units[self.unit]
         world = group.size()
         scale = _op_scale(op, world)
@@ -490,7 +709,6 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                 log.info("commpress.fsdp: unit %r reduce-scatter size changed %d -> %d",
                          self.unit, unit.input_numel, input_tensor.numel())
             unit.input_numel = input_tensor.numel()
-        st._touch_step(self.unit)
         cs = CommStats()
         codec, own_call, tag = st.codec, False, None
         # with a loss scaler: (S, 1/S) on the device; the input is divided by S before anything
@@ -565,6 +783,13 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             out.copy_(summed)
         else:
             torch.mul(summed, scale, out=out)
+
+
+def _count_rows(chunks: torch.Tensor) -> torch.Tensor:
+    """Nonzero rows of ``chunks`` (``[P, rows, D]``, a strided view), a 0-d device tensor."""
+    if not chunks.numel():
+        return torch.zeros((), dtype=torch.int64, device=chunks.device)
+    return ((chunks.amax(dim=2) != 0) | (chunks.amin(dim=2) != 0)).sum()
 
 
 def _private_read(state: Any, name: str) -> Any:
@@ -685,7 +910,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
              scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
-             auto: Any = None, **compressor_params: Any) -> FSDPState:
+             auto: Any = None, sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
+             **compressor_params: Any) -> FSDPState:
     """Compress the gradient reduce-scatter of every FSDP2 unit in ``module``'s tree.
 
     Collective: exchanges a configuration fingerprint over the units' process
@@ -738,6 +964,15 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
         auto: the options of compressor ``"auto"``, a ``commpress.auto.Options`` (the same
             as :class:`commpress.auto.runtime.AutoSpec`); only with ``compressor="auto"``.
             Given as keywords they still work, with a ``DeprecationWarning``.
+        sparse_rows: parameters whose gradients are naturally row-sparse (an ``nn.Embedding``
+            weight): a list of 2-D parameters of ``module`` (or their names), or ``"auto"`` (every
+            2-D parameter measured in the first 2 steps, those found sparse kept).  Their nonzero
+            rows go to the ranks owning them in the reduce-scatter layout
+            (:func:`commpress.collectives.rows.rows_reduce_scatter`: one ``all_to_all``, lossless,
+            deterministic); the rest of their unit as configured.  A parameter whose rows stop
+            being sparse goes dense (an exact ``reduce_scatter``) and is re-checked every 100 steps.
+            ``state.stats.as_dict()["sparse_rows"]`` shows each one's density and path.  Not with
+            compressor ``"auto"``, momentum correction or ``replicate_group`` (``ValueError``).
         **compressor_params: the compressor's parameters (with a registry name); the
             sparsifiers' density warm-up (``density_warmup=``, ``density_start=``) is
             one.
@@ -751,8 +986,9 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
         RuntimeError: when commpress is already registered on one of its units.
         ValueError: when the configuration differs between ranks (on every rank), for
             ``"auto"`` with ``replicate_group`` or ``reduce_scatter=False``, for a
-            ``replicate_group`` on a 2-D mesh, a low-rank compressor, or an
-            ``all_gather`` compressor that is not fixed-size.
+            ``replicate_group`` on a 2-D mesh, a low-rank compressor, an
+            ``all_gather`` compressor that is not fixed-size, or a ``sparse_rows`` entry that is
+            not a 2-D parameter of ``module`` (named, on every rank).
 
     Example:
         >>> fully_shard(model)
@@ -800,6 +1036,8 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
     state._replicate = None if replicate_group is None else replicate_group.size()
     if optimizer is not None:
         state.attach_optimizer(optimizer)  # before the fingerprint: the momentum is part of it
+    if sparse_rows is not None:   # bad entries raise here, on every rank (the same model), before any collective
+        state._bind_rows(module, sparse_rows)
     state.check_config()
     if state.auto:
         state._bind_auto()

@@ -48,9 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives.rows import RowsResult, nonzero_rows, row_bytes
+from ..collectives.rows import RowsResult, nonzero_rows, row_bytes, row_scatter_bytes
 
-__all__ = ["SparseRows", "RowPlan", "capacity_ladder", "check_no_sparse_embeddings", "rows_cheaper"]
+__all__ = ["SparseRows", "RowPlan", "capacity_ladder", "check_no_sparse_embeddings", "rows_cheaper",
+           "scatter_cheaper"]
+
+COLLECTIVES = ("allreduce", "reduce_scatter")
 
 PATHS = ("rows", "dense")
 #: an owner's share of the union, over the even share: hash partitions of a few hundred rows
@@ -101,6 +104,22 @@ def rows_cheaper(world: int, rows: int, dim: int, dtype: torch.dtype, capacity: 
     return rows_bytes < margin * dense_bytes
 
 
+def scatter_cheaper(world: int, rows: int, dim: int, dtype: torch.dtype, owner_capacity: int,
+                    margin: float = 1.0) -> bool:
+    """Whether :func:`~commpress.collectives.rows.rows_reduce_scatter`'s message at this capacity is
+    fewer bytes than ``margin`` times a dense ``reduce_scatter``'s (FSDP2's case).
+
+    Args:
+        world: ranks ``P``.
+        rows, dim, dtype: the parameter (rows before FSDP2's padding).
+        owner_capacity: rows per (rank, owner) of the first round.
+        margin: the fraction of the dense bytes the rows must stay under.
+    """
+    padded = -(-rows // max(world, 1)) * world
+    b = row_scatter_bytes(world, padded, dim, dtype, owner_capacity)
+    return b["scatter"] < margin * b["dense"]
+
+
 @dataclass
 class RowPlan:
     """One parameter's plan and what was seen of it (see :meth:`SparseRows.as_dict`)."""
@@ -145,6 +164,9 @@ class SparseRows:
         headroom: capacities hold this fraction more than the most rows seen.
         return_margin: a dense parameter goes back to rows when its rows cost under this
             fraction of the dense bytes (hysteresis; leaving rows is at parity, 1.0).
+        collective: ``"allreduce"`` (DDP: :func:`rows_allreduce` against a dense all_reduce) or
+            ``"reduce_scatter"`` (FSDP2: :func:`rows_reduce_scatter` against a dense reduce_scatter,
+            by :func:`scatter_cheaper`).
 
     Raises:
         ValueError: a tensor that is not a parameter of ``model``, a 1-D parameter, a parameter that
@@ -154,13 +176,17 @@ class SparseRows:
     """
 
     def __init__(self, model: nn.Module, sparse_rows: Any, *, group=None, warmup: int = 2, recheck_every: int = 100,
-                 window: int = 8, headroom: float = 0.05, return_margin: float = 0.8) -> None:
+                 window: int = 8, headroom: float = 0.05, return_margin: float = 0.8,
+                 collective: str = "allreduce") -> None:
         for name, v in (("warmup", warmup), ("recheck_every", recheck_every), ("window", window)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup" else 1):
                 raise ValueError(f"SparseRows: {name} must be an int >= {0 if name == 'warmup' else 1}, got {v!r}")
         if not (0 <= headroom < 10) or not (0 < return_margin <= 1):
             raise ValueError(f"SparseRows: headroom must lie in [0, 10) and return_margin in (0, 1], "
                              f"got {headroom!r}, {return_margin!r}")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"SparseRows: collective must be one of {COLLECTIVES}, got {collective!r}")
+        self.collective = collective
         check_no_sparse_embeddings(model)
         self.group = group
         self.warmup, self.recheck_every, self.window = warmup, recheck_every, window
@@ -240,14 +266,15 @@ class SparseRows:
         plan.algorithm = result.algorithm
         plan.density = max(result.counts, default=0) / max(plan.rows, 1)
         plan.seen.append((max(result.counts, default=0), per_owner))
-        if result.owner_unions:   # hashed: each owner's rows (host ints; after an overflow, a lower bound)
+        if result.algorithm == "scatter":   # each owner sums its own rows: no union to plan for
+            pass
+        elif result.owner_unions:   # hashed: each owner's rows (host ints; after an overflow, a lower bound)
             plan.owner_unions.append(max(result.owner_unions))
             plan.union_density = sum(result.owner_unions) / max(plan.rows, 1)
         else:   # allgather: the union is a device count, read at the next step (begin_step)
             plan.pending_union = LazyRead(result.union)
         self._set_capacities(plan, world)
-        if not rows_cheaper(world, plan.rows, plan.dim, plan.dtype, plan.capacity, plan.owner_capacity,
-                            plan.union_capacity) and world > 1:
+        if not self._cheaper(plan, world) and world > 1:
             plan.path = "dense"
 
     def observe(self, param_or_name, grad: torch.Tensor) -> None:
@@ -255,6 +282,13 @@ class SparseRows:
         name = self._name(param_or_name)
         if self.plans[name].path == "dense" and self.measuring() and grad is not None:
             self._observed[name] = nonzero_rows(grad.reshape(grad.shape[0], -1)).sum()
+
+    def observe_count(self, param_or_name, count: torch.Tensor) -> None:
+        """As :meth:`observe`, with the nonzero rows already counted (a 0-d device tensor: FSDP2's
+        reduce-scatter input holds the gradient as ``P`` strided chunks)."""
+        name = self._name(param_or_name)
+        if self.plans[name].path == "dense" and self.measuring():
+            self._observed[name] = count
 
     def end_step(self) -> None:
         """Start the max over the ranks of this step's measurements (not waited for); next step."""
@@ -278,9 +312,15 @@ class SparseRows:
         # the union is unknown here: plan as if no row were shared (the largest union, k * P)
         plan.owner_unions.append(math.ceil(min(plan.rows, count * world) / world * UNION_SKEW))
         self._set_capacities(plan, world)
-        if world > 1 and rows_cheaper(world, plan.rows, plan.dim, plan.dtype, plan.capacity, plan.owner_capacity,
-                                      plan.union_capacity, self.return_margin):
+        if world > 1 and self._cheaper(plan, world, self.return_margin):
             plan.path = "rows"
+
+    def _cheaper(self, plan: RowPlan, world: int, margin: float = 1.0) -> bool:
+        """Whether the rows' message at the plan's capacities beats the dense collective's bytes."""
+        if self.collective == "reduce_scatter":
+            return scatter_cheaper(world, plan.rows, plan.dim, plan.dtype, plan.owner_capacity, margin)
+        return rows_cheaper(world, plan.rows, plan.dim, plan.dtype, plan.capacity, plan.owner_capacity,
+                            plan.union_capacity, margin)
 
     def _set_capacities(self, plan: RowPlan, world: int) -> None:
         if not plan.seen:
@@ -324,9 +364,12 @@ class SparseRows:
 
     def config(self) -> dict[str, Any]:
         """The static configuration, for the hooks' cross-rank fingerprint."""
-        return {"sparse_rows": sorted((n, p.declared) for n, p in self.plans.items()), "warmup": self.warmup,
-                "recheck_every": self.recheck_every, "window": self.window, "headroom": self.headroom,
-                "return_margin": self.return_margin}
+        cfg = {"sparse_rows": sorted((n, p.declared) for n, p in self.plans.items()), "warmup": self.warmup,
+               "recheck_every": self.recheck_every, "window": self.window, "headroom": self.headroom,
+               "return_margin": self.return_margin}
+        if self.collective != "allreduce":   # DDP's fingerprint as it was
+            cfg["collective"] = self.collective
+        return cfg
 
     def state_dict(self) -> dict[str, Any]:
         """Paths, capacities and counts seen (plain ints and strings: ``weights_only`` loadable)."""

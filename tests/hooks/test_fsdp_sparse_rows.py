@@ -53,3 +53,76 @@ def test_rows_reduce_scatter_equals_dense(world, capacity):
     if capacity == 40 and world == 2:
         b = row_scatter_bytes(world, world * L, d, torch.float32, capacity)
         assert out[0][5] >= b["scatter"]              # + the header round of the first call
+
+
+# ------------------------------------------------------------------ FSDP2
+class EmbNet(nn.Module):
+    """An embedding (301 x 8) and a Linear head; ``fully_shard`` each, then the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.fc = nn.Linear(DIM, 16)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).sum(1)
+
+
+def _shard(world: int, seed: int = 0) -> nn.Module:
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    torch.manual_seed(seed)
+    model = EmbNet()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.emb, mesh=mesh)
+    fully_shard(model.fc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ids(rank: int, step: int, kind: str = "sparse") -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if kind == "all":
+        return torch.arange(ROWS).reshape(-1, 7)
+    return torch.randint(0, ROWS, (4, 5), generator=g)
+
+
+def _train(model, rank: int, steps: int, kind: str = "sparse") -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(_ids(rank, s, kind)).pow(2).mean().backward()
+        opt.step()
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _fsdp_matches(rank, world, compressor, sparse_rows, kind, steps):
+    ref = _shard(world)
+    plain = _train(ref, rank, steps, kind)
+    model = _shard(world)
+    args = {} if compressor is None else {}
+    state = commpress.fsdp.register(model, compressor or "identity", sparse_rows=(
+        [model.emb.weight] if sparse_rows == "declared" else sparse_rows), **args)
+    rows = _train(model, rank, steps, kind)
+    d = state.stats.as_dict()
+    return ([torch.equal(a, b) for a, b in zip(plain, rows)],
+            [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(plain, rows)],
+            d["sparse_rows"], {k: v for k, v in d.items() if k in ("bytes_sent", "dense_bytes")},
+            rows)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_identity_with_rows_equals_plain_fsdp2(world):
+    out = run(_fsdp_matches, world, None, "declared", "sparse", 4)
+    for bitwise, close, report, totals, _ in out:
+        assert all(close)
+        if world == 2:
+            assert all(bitwise)
+        assert report["emb.weight"]["path"] == "rows" and report["emb.weight"]["rows_calls"] == 4
+        assert report["emb.weight"]["density"] < 0.1
+        assert totals["bytes_sent"] < totals["dense_bytes"]
