@@ -1,0 +1,117 @@
+"""Issue 55.8's training loop, written as a user would (``python -m benchmarks.outside``).
+
+Not the sweep's harness: a ``64-1448-1448-10`` MLP on digits (2.21M parameters, one DDP
+bucket), ``DDP(model)``, ``SGD(lr=0.05, momentum=0.9)``, batch 32 per rank, 200 steps, test
+accuracy every 10 steps, target 0.90.  commpress is registered in one line
+(``commpress.ddp.register(ddp, kind, optimizer=opt, **kw)``; ``optimizer=`` left out for the
+configs named ``-nomc``).  Each config runs ``--rounds`` times, interleaved (config A, B, ...,
+then again), on 2 ranks of one core each (loopback, or ``--net`` links; see
+:mod:`benchmarks.netem`).  Printed per run: the median step (forward, backward, hook,
+``opt.step()``), the step at which the test accuracy first reaches the target and the time to
+it (the summed walls of the steps up to it), and what ``"auto"`` chose.  Ratios are to DDP's
+run of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+#: name -> (register's compressor, its keywords, pass ``optimizer=``); "ddp": no hook
+CONFIGS = {
+    "ddp": None,
+    "auto-opt": ("auto", {}, True),
+    "auto": ("auto", {}, False),
+    "auto-opt-inline": ("auto", {"overlap": False}, True),
+    "identity-opt": ("identity", {}, True),
+    "blockquant-4bit": ("blockquant", {"bits": 4}, False),
+    "topk-1%-mc": ("topk", {"ratio": 0.01}, True),
+    "powersgd-r4": ("powersgd", {"rank": 4}, False),
+}
+
+
+def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 200, lr: float = 0.05,
+              hidden: int = 1448, seed: int = 0, eval_every: int = 10, target: float = 0.90) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpress
+
+    from . import data
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    xtr, ytr, xte, yte = data.digits(seed)
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                          nn.Linear(hidden, 10))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    state = None
+    if CONFIGS[config] is not None:
+        kind, kw, takeover = CONFIGS[config]
+        state = commpress.ddp.register(ddp, kind, **({"optimizer": opt} if takeover else {}), **kw)
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    walls, hit, hit_s, accs = [], None, None, []
+    for step in range(1, steps + 1):
+        idx = torch.randint(0, len(xtr), (32,), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        walls.append(time.perf_counter() - t0)
+        if step % eval_every == 0:
+            with torch.no_grad():
+                correct = (model(xte).argmax(1) == yte).sum().float()
+            both = torch.stack([correct, torch.tensor(float(len(yte)))])
+            torch.distributed.all_reduce(both)
+            acc = float(both[0] / both[1])
+            accs.append(acc)
+            if hit is None and acc >= target:
+                hit, hit_s = step, sum(walls)
+    chose = ""
+    if state is not None and config.startswith("auto"):
+        chose = ", ".join(sorted({r.get("choice", "?") for r in state.stats.as_dict().get("auto", {}).values()
+                                  if isinstance(r, dict)}))
+    if state is not None:
+        state.close()
+    return {"median_ms": statistics.median(walls) * 1e3, "hit": hit, "hit_s": hit_s, "final_acc": accs[-1],
+            "chose": chose, "total_s": sum(walls)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .netem import launch
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.outside", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="ddp,auto-opt,auto,identity-opt", help=f"from {sorted(CONFIGS)}")
+    p.add_argument("--net", default=None, help="emulated link, e.g. 1gbit or 100mbit (default: loopback)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown configs {bad}; choose from {sorted(CONFIGS)}")
+    print(f"net {args.net or 'loopback'}, 2 ranks, seed {args.seed}, {args.steps} steps")
+    print("| round | config | median step ms | vs DDP | steps to 0.90 | time to target s | final acc | auto chose |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in range(args.rounds):
+        ddp_ms = None
+        for name in names:
+            out = launch("benchmarks.outside:rank_main", 2, net=args.net, pin=True,
+                         kwargs={"config": name, "steps": args.steps, "seed": args.seed})[0]
+            if name == "ddp":
+                ddp_ms = out["median_ms"]
+            ratio = f"{out['median_ms'] / ddp_ms:.2f}x" if ddp_ms else ""
+            hit_s = f"{out['hit_s']:.2f}" if out["hit_s"] is not None else "not reached"
+            print(f"| {r + 1} | {name} | {out['median_ms']:.1f} | {ratio} | {out['hit'] or '-'} | {hit_s} | "
+                  f"{out['final_acc']:.3f} | {out['chose']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

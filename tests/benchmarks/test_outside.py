@@ -1,0 +1,21 @@
+"""Issue 55.8's outside training loop (``python -m benchmarks.outside``): one short round on
+loopback trains the config named and prints its row."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import outside
+
+
+def test_unknown_configs_are_refused():
+    with pytest.raises(SystemExit, match="unknown configs"):
+        outside.main(["--configs", "ddp,nope"])
+
+
+def test_a_short_round_prints_a_row_per_config(capsys):
+    assert outside.main(["--configs", "auto-opt", "--rounds", "1", "--steps", "12"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in out if line.startswith("| 1 |")]
+    assert [r[1] for r in rows] == ["auto-opt"] and float(rows[0][2]) > 0
+    assert rows[0][-1].strip(" |")   # what "auto" chose
