@@ -68,7 +68,8 @@ class EmbNet(nn.Module):
         return self.fc(self.emb(ids)).sum(1)
 
 
-def _shard(world: int, seed: int = 0) -> nn.Module:
+def _shard(world: int, seed: int = 0, split: bool = True) -> nn.Module:
+    """``split``: the embedding and the head their own units (else one unit, the root, holds both)."""
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,8 +79,9 @@ def _shard(world: int, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = EmbNet()
     mesh = init_device_mesh("cpu", (world,))
-    fully_shard(model.emb, mesh=mesh)
-    fully_shard(model.fc, mesh=mesh)
+    if split:
+        fully_shard(model.emb, mesh=mesh)
+        fully_shard(model.fc, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -100,13 +102,12 @@ def _train(model, rank: int, steps: int, kind: str = "sparse") -> list[torch.Ten
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
-def _fsdp_matches(rank, world, compressor, sparse_rows, kind, steps):
-    ref = _shard(world)
+def _fsdp_matches(rank, world, compressor, sparse_rows, kind, steps, split=True):
+    ref = _shard(world, split=split)
     plain = _train(ref, rank, steps, kind)
-    model = _shard(world)
-    args = {} if compressor is None else {}
+    model = _shard(world, split=split)
     state = commpress.fsdp.register(model, compressor or "identity", sparse_rows=(
-        [model.emb.weight] if sparse_rows == "declared" else sparse_rows), **args)
+        [model.emb.weight] if sparse_rows == "declared" else sparse_rows))
     rows = _train(model, rank, steps, kind)
     d = state.stats.as_dict()
     return ([torch.equal(a, b) for a, b in zip(plain, rows)],
@@ -116,13 +117,110 @@ def _fsdp_matches(rank, world, compressor, sparse_rows, kind, steps):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
-def test_identity_with_rows_equals_plain_fsdp2(world):
-    out = run(_fsdp_matches, world, None, "declared", "sparse", 4)
-    for bitwise, close, report, totals, _ in out:
+@pytest.mark.parametrize("world,split", [(2, True), (2, False), (3, True)])
+def test_identity_with_rows_equals_plain_fsdp2(world, split):
+    # split=False: the root unit holds the embedding and the head; the head goes by FSDP2's own
+    # reduce_scatter, cut out of the unit's input, the embedding's rows by the all_to_all
+    out = run(_fsdp_matches, world, None, "declared", "sparse", 4, split)
+    for bitwise, close, report, totals, params in out:
         assert all(close)
         if world == 2:
-            assert all(bitwise)
+            assert all(bitwise)   # a + b: the summation order of the dense reduce_scatter
         assert report["emb.weight"]["path"] == "rows" and report["emb.weight"]["rows_calls"] == 4
-        assert report["emb.weight"]["density"] < 0.1
+        assert report["emb.weight"]["density"] < 0.1 and report["emb.weight"]["overflow_rounds"] >= 1
         assert totals["bytes_sent"] < totals["dense_bytes"]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][4], _twice(world, split)))   # deterministic
+
+
+def _again(rank, world, split):
+    model = _shard(world, split=split)
+    commpress.fsdp.register(model, "identity", sparse_rows=["emb.weight"])
+    return _train(model, rank, 4)
+
+
+def _twice(world, split):
+    return run(_again, world, split)[0]
+
+
+@pytest.mark.timeout(120)
+def test_dense_gradient_goes_dense():
+    # every row touched: the first call (declared: rows, capacity 0, exact) finds the rows' message
+    # no cheaper than the dense reduce_scatter; from then on the embedding goes dense
+    for bitwise, close, report, _, _ in run(_fsdp_matches, 2, None, "declared", "all", 3):
+        assert all(bitwise)
+        assert report["emb.weight"]["path"] == "dense" and report["emb.weight"]["rows_calls"] == 1
+        assert report["emb.weight"]["density"] == 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sparse", "all"])
+def test_auto_finds_the_sparse_embedding(kind):
+    # "auto": every 2-D parameter measured in the first 2 steps; the sparse embedding is kept as
+    # rows, the head's weight (every row nonzero) is no longer tracked
+    for bitwise, close, report, _, _ in run(_fsdp_matches, 2, None, "auto", kind, 5):
+        assert all(bitwise)
+        if kind == "sparse":
+            assert list(report) == ["emb.weight"] and report["emb.weight"]["path"] == "rows"
+            assert report["emb.weight"]["rows_calls"] == 3    # steps 2, 3 and 4
+        else:
+            assert report == {}
+
+
+def _compressed_rest(rank, world, compressor, params, kind):
+    out = []
+    for split in (False, True):
+        model = _shard(world, split=split)
+        state = commpress.fsdp.register(model, compressor, sparse_rows=[model.emb.weight], **params)
+        out.append((_train(model, rank, 4, kind), state.stats.as_dict()))
+    (one, d_one), (two, d_two) = out
+    return [torch.equal(a, b) for a, b in zip(one, two)], d_one["sparse_rows"], sorted(d_one["units"]) \
+        if "units" in d_one else d_one
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compressor,params,kind", [("topk", {"ratio": 0.25}, "sparse"),
+                                                    ("topk", {"ratio": 0.25}, "all"),
+                                                    ("bf16", {}, "sparse")])
+def test_rest_of_the_unit_goes_as_configured(compressor, params, kind):
+    # one unit holding the embedding and the head sends the head exactly as the head's own unit
+    # would (the compressor, its error feedback): the same parameters bit for bit, while the
+    # embedding goes as rows (or, every row touched, by an exact reduce_scatter beside it)
+    for same, report, _ in run(_compressed_rest, 2, compressor, params, kind):
+        assert all(same)
+        assert report["emb.weight"]["path"] == ("rows" if kind == "sparse" else "dense")
+
+
+def _bad(rank, world, which):
+    model = _shard(world)
+    entry = {"tensor": torch.zeros(ROWS, DIM), "1-D": model.fc.bias, "name": "emb.nope",
+             "string": "all"}[which]
+    try:
+        commpress.fsdp.register(model, "identity", sparse_rows=entry if which == "string" else [entry])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which,named", [("tensor", "is not a parameter of the model"), ("1-D", "'fc.bias'"),
+                                         ("name", "'emb.nope'"), ("string", "'all'")])
+def test_bad_sparse_rows_raise_on_every_rank(which, named):
+    for msg in run(_bad, 2, which):
+        assert msg is not None and named in msg and "sparse_rows" in msg
+
+
+def _refused(rank, world, what):
+    model = _shard(world)
+    kw = {"auto": ("auto", {}), "momentum": ("topk", {"ratio": 0.25, "momentum": 0.9})}[what]
+    try:
+        commpress.fsdp.register(model, kw[0], sparse_rows=["emb.weight"], **kw[1])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["auto", "momentum"])
+def test_not_yet_supported_combinations_are_refused(what):
+    for msg in run(_refused, 2, what):
+        assert msg is not None and "sparse_rows is not supported" in msg
