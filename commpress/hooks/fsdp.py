@@ -608,6 +608,7 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
     def __init__(self, state: FSDPState, unit: str) -> None:
         self.state = state
         self.unit = unit
+        self._warned = False
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -615,9 +616,14 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
         st._touch_step(self.unit)
         layout = st._rows_units.get(self.unit) if st._sparse_rows is not None else None
         world = group.size()
-        if (layout is not None and world > 1 and layout[0] * world == input_tensor.numel()
-                and _op_scale(op, world) is not None and input_tensor.dtype in _ROW_DTYPES):
-            return self._with_rows(output_tensor, input_tensor, group, op, layout)
+        if layout is not None and world > 1 and _op_scale(op, world) is not None and input_tensor.dtype in _ROW_DTYPES:
+            if layout[0] * world == input_tensor.numel():
+                return self._with_rows(output_tensor, input_tensor, group, op, layout)
+            if not self._warned:   # some parameter of the unit has no gradient this step: another layout
+                log.warning("commpress.fsdp: unit %r reduce-scatter input of %d elements, not the %d of all its "
+                            "parameters: its sparse_rows parameters go with the rest of the unit this time",
+                            self.unit, input_tensor.numel(), layout[0] * world)
+                self._warned = True
         return self._send(output_tensor, input_tensor, group, op)
 
     def _rest_native(self) -> bool:
