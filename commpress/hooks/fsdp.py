@@ -380,6 +380,7 @@ class FSDPState(TakeoverMixin, HookState):
         #: ``sparse_rows`` (:meth:`_bind_rows`): the plan, each unit's layout, the parameters kept out
         #: of their unit's compressed part for good (declared ones; ``"auto"``'s once settled)
         self._sparse_rows: SparseRows | None = None
+        self._sparse_rows_config: dict[str, Any] | None = None
         self._rows_units: dict[str, tuple[int, list[_RowsParam]]] = {}
         self._rows_settled: set[str] = set()
         self._rows_all_settled = True
@@ -476,6 +477,7 @@ class FSDPState(TakeoverMixin, HookState):
         if not len(tracker):
             return
         self._sparse_rows = tracker
+        self._sparse_rows_config = tracker.config()
         self._rows_settled = {n for n, _ in tracker.items() if tracker.plans[n].declared}
         self._rows_all_settled = len(self._rows_settled) == len(tracker)
         self.stats.sparse_rows_report = tracker.as_dict
@@ -508,8 +510,8 @@ class FSDPState(TakeoverMixin, HookState):
         cfg["units"] = {name: _unit_layout(u.module) for name, u in self._units.items()}
         if self._replicate:  # absent without replicas: older checkpoints still load
             cfg["replicas"] = self._replicate
-        if self._sparse_rows is not None:   # as declared ("auto" settles later: in the state dict)
-            cfg["sparse_rows"] = self._sparse_rows.config()
+        if self._sparse_rows_config is not None:   # as declared ("auto" settles later: in the state dict)
+            cfg["sparse_rows"] = self._sparse_rows_config
         return cfg
 
     # -- step accounting ----------------------------------------------------
