@@ -78,6 +78,24 @@ Bytes are what one rank sends per unit and step (the direct model of
     The first call after a switch validates again (one header round).  Check points (one
     ``all_reduce``) run at the end of a backward pass, every ``check_every`` steps.
 
+Naturally sparse rows (``sparse_rows=``)
+---------------------------------------
+A ``sparse_rows`` parameter (2-D, sharded on dim 0: an ``nn.Embedding`` weight) sits in each
+chunk of its unit's input as its shard, ``ceil(rows/P)`` rows from a fixed offset, so a row's
+owner is known from its index.  On its rows path it is cut out of the input and summed by
+:func:`commpress.collectives.rows.rows_reduce_scatter`: ONE ``all_to_all`` in which each rank
+sends owner ``j`` only its nonzero rows of chunk ``j`` (int32 local index + the row) behind the
+status word, its counts per owner and a NaN flag; the owner adds them in rank order and applies
+FSDP's scale.  ``(P−1)·(8 + 8(P+1) + align8(4c) + c·D·itemsize)`` bytes, ``c`` the capacity per
+(rank, owner) from the counts of earlier steps (:class:`~commpress.hooks.sparse_rows.SparseRows`);
+rows beyond it go in one more ``all_to_all`` (never dropped).  Lossless: the dense
+reduce-scatter's sum up to fp32 summation order (bitwise at P = 2), deterministic.  The rest of
+the unit (every other parameter, packed) goes by the configured path above, so its payloads and
+residuals are those of a unit without the rows parameter.  A rows parameter whose rows are not
+sparse (its message no smaller than the dense reduce-scatter's) goes by an exact
+``reduce_scatter`` (with the rest when that is FSDP2's own call), measured again every 100 steps.
+Host reads: the received counts, one per call, as DDP's rows path.
+
 Non-finite gradients and error feedback
 ---------------------------------------
 Residuals live in the ``ErrorFeedback`` codec keyed by ``(unit name, chunk
