@@ -270,6 +270,39 @@ def test_resume_from_state_dict(sparse_rows):
         assert all(same)
         assert list(plan) == ["emb.weight"] and plan["emb.weight"]["capacity"] > 0
 
+def _mixed(rank, world, reduce_dtype):
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    grads = []
+    for rows in (False, True):
+        torch.manual_seed(0)
+        model = EmbNet()
+        mesh = init_device_mesh("cpu", (world,))
+        mp = MixedPrecisionPolicy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
+        fully_shard(model.emb, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        state = commpress.fsdp.register(model, "identity", sparse_rows=["emb.weight"]) if rows else None
+        for s in range(2):
+            model.zero_grad(set_to_none=True)
+            model(_ids(rank, s)).float().pow(2).mean().backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    plain, rows = grads
+    return ([torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(plain, rows)],
+            state.stats.as_dict()["sparse_rows"]["emb.weight"]["rows_calls"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_rows(reduce_dtype):
+    # bf16: FSDP2 averages (AVG); fp16: it divides before and after a SUM; the rows follow either
+    # (summed in fp32, rounded once)
+    for close, calls in run(_mixed, 2, reduce_dtype):
+        assert all(close) and calls == 2
+
 # ------------------------------------------------------------------ bytes (docs/results/sparse_rows.md)
 BIG_ROWS, BIG_DIM, IDS = 20000, 32, 512
 
