@@ -332,7 +332,8 @@ class SparseRows:
         union = max(max(plan.owner_unions), per_owner) if plan.owner_unions else min(plan.rows, per_owner * world)
         plan.capacity = min(capacity_ladder(count * room), plan.rows)
         plan.owner_capacity = min(capacity_ladder(per_owner * room), plan.rows)
-        plan.union_capacity = min(capacity_ladder(union * room), plan.rows)
+        # (reduce_scatter: every owner sums only its own rows, no union to hold)
+        plan.union_capacity = 0 if self.collective == "reduce_scatter" else min(capacity_ladder(union * room), plan.rows)
 
     def drop(self, names: Iterable[str]) -> None:
         """Stop tracking ``names`` (a hook that compresses them instead: ``sparse_rows="auto"``

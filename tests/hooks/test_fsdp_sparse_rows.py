@@ -349,3 +349,18 @@ def test_bytes_against_dense(world):
         assert plan["path"] == "rows"
         assert sent < dense / 10
         assert sent < 1.5 * ideal
+
+
+# ------------------------------------------------------------------ the plan (no ranks)
+def test_scatter_plan_by_reduce_scatter_bytes():
+    from commpress.hooks.sparse_rows import SparseRows, scatter_cheaper
+
+    # an owner's rows against its shard of the dense reduce_scatter (P = 2: 5000 rows, 2500 a shard)
+    assert scatter_cheaper(2, 5000, 16, torch.float32, 1000)
+    assert not scatter_cheaper(2, 5000, 16, torch.float32, 2500)
+    assert not scatter_cheaper(2, 5000, 16, torch.float32, 1000, margin=0.3)
+    with pytest.raises(ValueError, match="collective"):
+        SparseRows(nn.Linear(4, 4), ["weight"], collective="all_to_all")
+    plan = SparseRows(nn.Embedding(ROWS, DIM), ["weight"], collective="reduce_scatter")
+    assert plan.config()["collective"] == "reduce_scatter" and plan.path("weight") == "rows"
+    assert "collective" not in SparseRows(nn.Embedding(ROWS, DIM), ["weight"]).config()   # DDP's as it was
