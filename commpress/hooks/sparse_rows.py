@@ -333,7 +333,8 @@ class SparseRows:
         plan.capacity = min(capacity_ladder(count * room), plan.rows)
         plan.owner_capacity = min(capacity_ladder(per_owner * room), plan.rows)
         # (reduce_scatter: every owner sums only its own rows, no union to hold)
-        plan.union_capacity = 0 if self.collective == "reduce_scatter" else min(capacity_ladder(union * room), plan.rows)
+        scatter = self.collective == "reduce_scatter"
+        plan.union_capacity = 0 if scatter else min(capacity_ladder(union * room), plan.rows)
 
     def drop(self, names: Iterable[str]) -> None:
         """Stop tracking ``names`` (a hook that compresses them instead: ``sparse_rows="auto"``

@@ -11,7 +11,7 @@ from torch import nn
 
 from distributed import run
 
-import commpress  # noqa: F401
+import commpress
 from commpress.collectives.accounting import CommStats
 from commpress.collectives.rows import row_scatter_bytes, rows_reduce_scatter
 
@@ -172,9 +172,8 @@ def _compressed_rest(rank, world, compressor, params, kind):
         model = _shard(world, split=split)
         state = commpress.fsdp.register(model, compressor, sparse_rows=[model.emb.weight], **params)
         out.append((_train(model, rank, 4, kind), state.stats.as_dict()))
-    (one, d_one), (two, d_two) = out
-    return [torch.equal(a, b) for a, b in zip(one, two)], d_one["sparse_rows"], sorted(d_one["units"]) \
-        if "units" in d_one else d_one
+    (one, d_one), (two, _) = out
+    return [torch.equal(a, b) for a, b in zip(one, two)], d_one["sparse_rows"], d_one["algorithms"]
 
 
 @pytest.mark.timeout(120)
@@ -185,9 +184,10 @@ def test_rest_of_the_unit_goes_as_configured(compressor, params, kind):
     # one unit holding the embedding and the head sends the head exactly as the head's own unit
     # would (the compressor, its error feedback): the same parameters bit for bit, while the
     # embedding goes as rows (or, every row touched, by an exact reduce_scatter beside it)
-    for same, report, _ in run(_compressed_rest, 2, compressor, params, kind):
+    for same, report, algorithms in run(_compressed_rest, 2, compressor, params, kind):
         assert all(same)
         assert report["emb.weight"]["path"] == ("rows" if kind == "sparse" else "dense")
+        assert algorithms[""].startswith(compressor)     # the root unit's rest: the compressor's path
 
 
 def _bad(rank, world, which):
