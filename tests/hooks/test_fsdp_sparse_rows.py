@@ -303,6 +303,32 @@ def test_reduced_precision_rows(reduce_dtype):
     for close, calls in run(_mixed, 2, reduce_dtype):
         assert all(close) and calls == 2
 
+def _nan_row(rank, world):
+    grads = []
+    for rows in (False, True):
+        model = _shard(world)
+        if rows:
+            commpress.fsdp.register(model, "identity", sparse_rows=["emb.weight"])
+        ids = _ids(rank, 0)
+        emb = model.emb(ids)
+        if rank == 1:   # a NaN in the gradient of the row of ids[0, 0], on one rank only
+            emb.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                    torch.full((DIM,), float("nan"))))
+        model.fc(emb).sum(1).pow(2).mean().backward()
+        grads.append(model.emb.weight.grad.full_tensor())
+    plain, got = grads
+    bad = int(_ids(1, 0)[0, 0])
+    finite = torch.isfinite(plain).all(1)
+    return (bool(torch.isnan(got[bad]).all()), torch.equal(finite, torch.isfinite(got).all(1)),
+            torch.equal(plain[finite], got[finite]))
+
+
+@pytest.mark.timeout(120)
+def test_nan_row_propagates():
+    # a NaN/inf row is a nonzero row: sent, summed, NaN in the owner's shard as in plain FSDP2
+    for nan_there, same_mask, same_rest in run(_nan_row, 2):
+        assert nan_there and same_mask and same_rest
+
 # ------------------------------------------------------------------ bytes (docs/results/sparse_rows.md)
 BIG_ROWS, BIG_DIM, IDS = 20000, 32, 512
 
