@@ -94,6 +94,8 @@ the unit (every other parameter, packed) goes by the configured path above, so i
 residuals are those of a unit without the rows parameter.  A rows parameter whose rows are not
 sparse (its message no smaller than the dense reduce-scatter's) goes by an exact
 ``reduce_scatter`` (with the rest when that is FSDP2's own call), measured again every 100 steps.
+With momentum taken over (``optimizer=``) the rows parameters get plain SGD momentum on this rank's
+shard after the sum (:meth:`~commpress.feedback.ErrorFeedback.dense_momentum`).
 Host reads: the received counts, one per call, as DDP's rows path.
 
 Non-finite gradients and error feedback
@@ -470,14 +472,13 @@ class FSDPState(TakeoverMixin, HookState):
         Raises:
             ValueError: (from :class:`SparseRows`) a tensor that is not a parameter of ``module``, a
                 1-D parameter, an unknown name; a declared parameter no unit of this registration
-                shards on dim 0; compressor ``"auto"``, momentum correction or ``replicate_group``.
+                shards on dim 0; compressor ``"auto"`` or ``replicate_group``.
         """
         tracker = SparseRows(module, sparse_rows, group=self.process_group, collective="reduce_scatter")
         if not len(tracker):
             return
-        if self.auto or self.momentum or self._replicate:
-            what = "compressor 'auto'" if self.auto else ("momentum correction (optimizer=/momentum=)"
-                                                           if self.momentum else "replicate_group=")
+        if self.auto or self._replicate:
+            what = "compressor 'auto'" if self.auto else "replicate_group="
             raise ValueError(f"sparse_rows is not supported with {what} under FSDP2 yet; register without "
                              f"sparse_rows or without {what}")
         tracked = {id(p): name for name, p in tracker.items()}
@@ -690,6 +691,8 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
             scale = _op_scale(op, world)
             for rp in as_rows:
                 self._run_rows(rp, x, output_tensor, group, scale, cs)
+            if st.momentum:   # the optimizer's momentum is taken over: theirs here, on this rank's shard
+                self._momentum(output_tensor, apart)
         n = sum(b - a for rp in apart for a, b in [rp.region()])
         st.stats.record(f"{self.unit}/sparse_rows", bytes_sent=cs.bytes_sent,
                         dense_bytes=n * input_tensor.element_size() * (world - 1),
@@ -697,6 +700,22 @@ class CompressedReduceScatter(_CommBase, ReduceScatter):
                         compress_seconds=t.seconds, hook_seconds=t.seconds, hook_cpu_seconds=t.cpu_seconds,
                         **_account(cs))
         return None
+
+    def _momentum(self, output_tensor: torch.Tensor, apart: list[_RowsParam]) -> None:
+        """Plain SGD momentum (:meth:`~commpress.feedback.ErrorFeedback.dense_momentum`) on the
+        shards of the parameters sent apart from the error-feedback path, in unscaled units (a loss
+        scaler's), staged in the step's transaction; the velocity is of the shard: 4/P bytes a row
+        parameter."""
+        st = self.state
+        scales = loss_scales(st.scaler, output_tensor.device)
+        for rp in apart:
+            a, b = rp.region()
+            piece = output_tensor[a:b]
+            if scales is not None:
+                piece.mul_(scales[1])
+            st.codec.dense_momentum(piece, f"fsdp-rows:{rp.name}", st._transaction)
+            if scales is not None:
+                piece.mul_(scales[0])
 
     def _send_slices(self, output_tensor: torch.Tensor, x: torch.Tensor, slices: list[tuple[int, int]],
                      group: dist.ProcessGroup, op: Any) -> None:
@@ -997,8 +1016,9 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             (:func:`commpress.collectives.rows.rows_reduce_scatter`: one ``all_to_all``, lossless,
             deterministic); the rest of their unit as configured.  A parameter whose rows stop
             being sparse goes dense (an exact ``reduce_scatter``) and is re-checked every 100 steps.
-            ``state.stats.as_dict()["sparse_rows"]`` shows each one's density and path.  Not with
-            compressor ``"auto"``, momentum correction or ``replicate_group`` (``ValueError``).
+            ``state.stats.as_dict()["sparse_rows"]`` shows each one's density and path.  With
+            ``optimizer=`` their momentum is plain SGD momentum on this rank's shard.  Not with
+            compressor ``"auto"`` or ``replicate_group`` (``ValueError``).
         **compressor_params: the compressor's parameters (with a registry name); the
             sparsifiers' density warm-up (``density_warmup=``, ``density_start=``) is
             one.

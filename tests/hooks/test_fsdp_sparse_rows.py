@@ -211,7 +211,7 @@ def test_bad_sparse_rows_raise_on_every_rank(which, named):
 
 def _refused(rank, world, what):
     model = _shard(world)
-    kw = {"auto": ("auto", {}), "momentum": ("topk", {"ratio": 0.25, "momentum": 0.9})}[what]
+    kw = {"auto": ("auto", {}), "replicas": ("topk", {"ratio": 0.25, "replicate_group": dist.group.WORLD})}[what]
     try:
         commpress.fsdp.register(model, kw[0], sparse_rows=["emb.weight"], **kw[1])
     except ValueError as e:
@@ -220,7 +220,7 @@ def _refused(rank, world, what):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["auto", "momentum"])
+@pytest.mark.parametrize("what", ["auto", "replicas"])
 def test_not_yet_supported_combinations_are_refused(what):
     for msg in run(_refused, 2, what):
         assert msg is not None and "sparse_rows is not supported" in msg
@@ -328,6 +328,32 @@ def test_nan_row_propagates():
     # a NaN/inf row is a nonzero row: sent, summed, NaN in the owner's shard as in plain FSDP2
     for nan_there, same_mask, same_rest in run(_nan_row, 2):
         assert nan_there and same_mask and same_rest
+
+def _momentum(rank, world, split, kind):
+    out = []
+    for rows in (False, True):
+        model = _shard(world, split=split)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        if rows:   # the momentum taken over: the rows parameter's on its shard, the rest's in error feedback
+            state = commpress.fsdp.register(model, "identity", optimizer=opt, sparse_rows=["emb.weight"])
+        for s in range(4):
+            opt.zero_grad(set_to_none=True)
+            model(_ids(rank, s, kind)).pow(2).mean().backward()
+            opt.step()
+        out.append([p.to_local().detach().clone() for p in model.parameters()])
+    plain, taken = out
+    return ([torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(plain, taken)],
+            state.stats.as_dict()["sparse_rows"]["emb.weight"]["path"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("split,kind", [(True, "sparse"), (False, "sparse"), (False, "all")])
+def test_momentum_taken_over(split, kind):
+    # optimizer= (SGD's momentum taken over): the rows parameter, on its rows or its dense path,
+    # gets plain momentum on its shard; the parameters match plain FSDP2 with SGD's own momentum
+    for close, path in run(_momentum, 2, split, kind):
+        assert all(close)
+        assert path == ("rows" if kind == "sparse" else "dense")
 
 # ------------------------------------------------------------------ bytes (docs/results/sparse_rows.md)
 BIG_ROWS, BIG_DIM, IDS = 20000, 32, 512
