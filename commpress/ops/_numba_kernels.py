@@ -278,15 +278,58 @@ def _uniform24_lanes(typingctx, out, j, i, k0, k1):
     return sig, codegen
 
 
+@intrinsic
+def _prefetch(typingctx, arr, j, write):
+    """Prefetch the cache line of ``arr[j]`` into L1 (``llvm.prefetch``: a hint, it never faults;
+    the callers keep ``j`` in bounds anyway); ``write`` (a literal bool): for writing
+    (``prefetchw``: the line arrives owned, its read-for-ownership off the store's path)."""
+    if not (isinstance(arr, types.Array) and isinstance(j, types.Integer)
+            and isinstance(write, types.BooleanLiteral)):
+        return None
+    rw = 1 if write.literal_value else 0
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        jj = context.cast(builder, args[1], signature.args[1], types.intp)
+        p = builder.bitcast(builder.gep(ary.data, [jj]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        name = "llvm.prefetch.p0" if str(p.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque or typed pointers
+        fn = builder.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32]), name)
+        builder.call(fn, [p, ir.Constant(i32, rw), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, j, write), codegen
+
+
+#: How far ahead (elements) :func:`_fill_uniform24` prefetches the arrays it is given: two 512-entry
+#: QSGD buckets, one TernGrad piece.  The fused error-feedback kernels spend most of their time
+#: computing on a cache-resident bucket; the hardware prefetcher alone left the next bucket's
+#: reads (and its residual's read-for-ownership) to stall the next compensation loop.
+_AHEAD = 1024
+
+
 @njit(inline="always", **_SOPTS)
-def _fill_uniform24(u, base, k0, k1):
+def _fill_uniform24(u, base, k0, k1, pa, pb, pc, at):
     """``u[j] = _uniform24(base + j, k0, k1)`` for every ``j`` (``u`` contiguous fp32), ``_UW`` at a
-    time (:func:`_uniform24_lanes`), the tail one by one."""
+    time (:func:`_uniform24_lanes`), the tail one by one.  ``at >= 0``: with each ``_UW`` lanes (one
+    cache line of fp32) it also prefetches ``pa[at + j]`` and ``pb[at + j]`` for reading and
+    ``pc[at + j]`` for writing (``pa``, ``pb``, ``pc`` of one size), a few buckets ahead."""
     m = u.size
     b = np.uint64(base)
     full = m - m % _UW
-    for j in range(0, full, _UW):
-        _uniform24_lanes(u, j, b + np.uint64(j), k0, k1)
+    if at >= 0:
+        lim = min(full, pa.size - at)
+        for j in range(0, full, _UW):
+            _uniform24_lanes(u, j, b + np.uint64(j), k0, k1)
+            if j < lim:
+                _prefetch(pa, at + j, False)
+                _prefetch(pb, at + j, False)
+                _prefetch(pc, at + j, True)
+    else:
+        for j in range(0, full, _UW):
+            _uniform24_lanes(u, j, b + np.uint64(j), k0, k1)
     for j in range(full, m):
         u[j] = _uniform24(b + np.uint64(j), k0, k1)
 
@@ -1674,17 +1717,18 @@ def _level_multiplier(fl, s):
 
 
 @njit(inline="always", **_SOPTS)
-def _level_codes(t, pre, mul, fl, step, base, k0, k1, feedback, codes, os, ub):
+def _level_codes(t, pre, mul, fl, step, base, k0, k1, feedback, codes, os, ub, pa, pb, pc, at):
     """QSGD/TernGrad codes of one bucket's values ``t`` (see ``reference.level_quantize``), element
     ``j`` with the noise of element ``base + j``: ``q = clamp(floor((|t_j| * pre) * mul + u), 0, fl)``
     (NaN -> 0), ``code = fl + q`` or ``fl - q`` by ``t_j``'s sign bit, into ``codes[j]``;
     ``feedback``: also ``os[j] = t_j - (code - fl) * step``, what ``level_dequantize`` leaves of it.
     The noise is drawn first into ``ub`` (a private fp32 buffer of at least ``t.size``:
-    :func:`_fill_uniform24`, 16 lanes at a time); the signed level is ``copysign(q, t_j)``, so the
+    :func:`_fill_uniform24`, 16 lanes at a time, prefetching ``pa``, ``pb`` and, to be written,
+    ``pc`` from ``at`` when ``at >= 0``); the signed level is ``copysign(q, t_j)``, so the
     loop has no branch and vectorizes; ``codes`` and ``os`` must not overlap ``t``."""
     m = t.size
     u = ub[:m]
-    _fill_uniform24(u, base, k0, k1)
+    _fill_uniform24(u, base, k0, k1, pa, pb, pc, at)
     if feedback:
         for j in range(m):
             v = t[j]
@@ -1722,7 +1766,7 @@ def level_quantize(x, scales, bucket, levels, bits, k0, k1, clen, packed, c0, c1
                 if not (s > _F0):
                     s = np.float32(1.0)
                 mul, pre = _level_multiplier(fl, s)
-                _level_codes(x[j:e], pre, mul, fl, _F0, j, k0, k1, False, codes[j - p0:e - p0], x, ub)
+                _level_codes(x[j:e], pre, mul, fl, _F0, j, k0, k1, False, codes[j - p0:e - p0], x, ub, x, x, x, -1)
                 j = e
             _put_codes(codes, p1 - p0, p0, bits, packed)
 
@@ -1779,13 +1823,45 @@ def _compensate_squares(x, r, beta, scale, how, t, buf):
     return True
 
 
+@intrinsic
+def _pair_sums(typingctx, buf, i):
+    """``buf[i + l] = buf[2*i + 2*l] + buf[2*i + 2*l + 1]`` for ``l < _UW`` (``buf`` contiguous fp32):
+    one level of the pairwise tree, ``_UW`` sums at once from ``2 * _UW`` loaded entries (the even
+    and odd lanes split by two shuffles).  All loads come before the store, and ``i <= 2*i``, so
+    calls for ``i = 0, _UW, 2*_UW, ...`` fold a level in place.  The loop vectorizer leaves the
+    same in-place loop scalar (it cannot prove the strided reads and the writes apart)."""
+    if not (isinstance(buf, types.Array) and buf.dtype == types.float32 and buf.layout == "C"
+            and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ii = context.cast(builder, args[1], signature.args[1], types.intp)
+        v2 = ir.VectorType(ir.FloatType(), 2 * _UW)
+        vf = ir.VectorType(ir.FloatType(), _UW)
+        src = builder.gep(ary.data, [builder.add(ii, ii)])
+        v = builder.load(builder.bitcast(src, v2.as_pointer()), align=4)
+        i32 = ir.IntType(32)
+        ev = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, _UW), list(range(0, 2 * _UW, 2))))
+        od = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, _UW), list(range(1, 2 * _UW, 2))))
+        builder.store(builder.fadd(ev, od), builder.bitcast(builder.gep(ary.data, [ii]), vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(buf, i), codegen
+
+
 @njit(inline="always", **_SOPTS)
 def _fold_levels(buf, full, half):
     """The pairwise sum of ``buf[:full]``, zero-padded to ``half`` (a power of two): adjacent
-    pairs level by level, in place (the reference's order)."""
+    pairs level by level, in place (the reference's order); the levels of at least ``_UW`` sums
+    ``_UW`` at a time (:func:`_pair_sums`), the last few one by one (the same additions)."""
     for i in range(full, half):
         buf[i] = _F0
     w = half
+    while w >= 2 * _UW:
+        w >>= 1
+        for i in range(0, w, _UW):
+            _pair_sums(buf, i)
     while w > 1:
         w >>= 1
         for i in range(w):
@@ -1832,6 +1908,7 @@ def _qsgd_chunk(x, r, beta, scale, how, feedback, levels, bits, bucket, k0, k1, 
     ``r``).  Returns True when some bucket's norm is not finite."""
     fl = np.float32(levels)
     m = b - a
+    n = x.size
     codes = np.empty(m + 4, np.uint8)
     width = min(bucket, m)
     tmpi = np.empty(width, np.int32)
@@ -1849,8 +1926,9 @@ def _qsgd_chunk(x, r, beta, scale, how, feedback, levels, bits, bucket, k0, k1, 
         if not abs(nrm) < _INF32:
             bad = True
         mul, pre = _level_multiplier(fl, nrm if nrm > _F0 else _F1)
-        _level_codes(t, pre, mul, fl, nrm / fl, s0, k0, k1, feedback, codes[s0 - a:s1 - a],
-                     out[s0:s1], ub)
+        at = s0 + _AHEAD if s0 + _AHEAD < n else -1
+        _level_codes(t, pre, mul, fl, nrm / fl, s0, k0, k1, feedback, codes[s0 - a:s1 - a], out[s0:s1], ub,
+                     x, r, out if feedback else x, at)
     _put_codes(codes, m, a, bits, packed)
     return bad
 
@@ -1907,22 +1985,24 @@ def _absmax_compensated(x, r, beta, scale, how, clen, keys, c0, c1):
 @chunked(lambda x, r, beta, scale, how, s, k0, k1, clen, out, packed: _nch(x.size, clen))
 def _terngrad_codes_feedback(x, r, beta, scale, how, s, k0, k1, clen, out, packed, c0, c1):
     """Pass 2 of :func:`terngrad_quantize_feedback`: ``c`` again, a piece at a time, its 2-bit codes
-    under the scale ``s`` and ``out := c - decoded``."""
+    under the scale ``s`` and ``out := c - decoded``.  Pieces of ``_AHEAD`` entries: the next
+    piece's inputs (and ``out``) are prefetched while this one's noise is drawn."""
     n = x.size
     fl = _F1
     mul, pre = _level_multiplier(fl, s if s > _F0 else _F1)
-    tmp = np.empty(_PIECE, np.float32)
-    ub = np.empty(_PIECE, np.float32)
-    codes = np.empty(_PIECE + 4, np.uint8)
+    tmp = np.empty(_AHEAD, np.float32)
+    ub = np.empty(_AHEAD, np.float32)
+    codes = np.empty(_AHEAD + 4, np.uint8)
     step = s / fl
     for c in range(c0, c1):
         a = c * clen
         b = min(a + clen, n)
-        for p0 in range(a, b, _PIECE):
-            p1 = min(p0 + _PIECE, b)
+        for p0 in range(a, b, _AHEAD):
+            p1 = min(p0 + _AHEAD, b)
             t = tmp[:p1 - p0]
             _compensate_plain(x[p0:p1], r[p0:p1], beta, scale, how, t)
-            _level_codes(t, pre, mul, fl, step, p0, k0, k1, True, codes, out[p0:p1], ub)
+            at = p0 + _AHEAD if p0 + _AHEAD < n else -1
+            _level_codes(t, pre, mul, fl, step, p0, k0, k1, True, codes, out[p0:p1], ub, x, r, out, at)
             _pack_chunk(codes, p1 - p0, p0, 2, packed)
 
 

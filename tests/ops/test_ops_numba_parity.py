@@ -264,7 +264,8 @@ def test_uniform_lanes_are_the_counter_uniform(seed, start, n):
     fill = _jitted_fill()
     k0, k1 = R.seed_words(seed)
     u = np.full(n + 3, 7.0, np.float32)
-    fill(u[:n], np.int64(start), np.uint64(k0), np.uint64(k1))
+    v = fill(u[:n], np.int64(start), np.uint64(k0), np.uint64(k1))
+    assert_bitwise(torch.from_numpy(v), torch.from_numpy(u[:n].copy()))
     assert_bitwise(torch.from_numpy(u[:n].copy()), R.counter_uniform(seed, start, n))
     assert (u[n:] == 7.0).all()  # nothing written past the end
 
@@ -278,7 +279,10 @@ def _jitted_fill():
 
         @njit
         def fill(u, base, k0, k1):
-            K._fill_uniform24(u, base, k0, k1)
+            K._fill_uniform24(u, base, k0, k1, u, u, u, -1)
+            v = np.empty_like(u)  # with prefetches of u itself (hints: the same numbers)
+            K._fill_uniform24(v, base, k0, k1, u, u, u, 0)
+            return v
 
         _FILL.append(fill)
     return _FILL[0]
@@ -666,6 +670,36 @@ def test_level_quantize_feedback_several_chunks_and_extremes(monkeypatch):
     for m in (R, nb):
         assert not bool(m.qsgd_quantize_feedback(y, r, 1.0, 7, 64, 1, torch.empty(y.numel()))[2])
         assert not bool(m.terngrad_quantize_feedback(y, r, 1.0, 1, torch.empty(y.numel()))[2])
+
+
+@pytest.mark.parametrize("offset", [0, 1, 5, 16])
+def test_level_quantize_feedback_out_offsets(monkeypatch, offset):
+    """The fused kernels (their prefetches ``_AHEAD`` entries on, up to the end of the arrays): bitwise
+    the reference for a new residual at any alignment, buckets of any size, several chunks and
+    threads, in place or not."""
+    monkeypatch.setattr(nb, "MIN_CHUNK", 64)
+    monkeypatch.setattr(nb, "QUANT_CHUNK", 64)
+    g = torch.Generator().manual_seed(offset)
+    n = 5000 + offset
+    x = torch.randn(n, generator=g)
+    r = torch.randn(n, generator=g)
+    for threads in (1, 3):
+        with K.use_threads(threads):
+            for bucket in (7, 16, 512, 3000):
+                for inplace in (False, True):
+                    outs = []
+                    for m in (R, nb):
+                        rs = r.clone()
+                        new = rs if inplace else torch.full((n + offset,), 5.0)[offset:]
+                        outs.append((m.qsgd_quantize_feedback(x, rs, 1.0, 7, bucket, 11, new), new))
+                    assert_bitwise(outs[1], outs[0], f"qsgd bucket={bucket} threads={threads} inplace={inplace}")
+            for inplace in (False, True):
+                outs = []
+                for m in (R, nb):
+                    rs = r.clone()
+                    new = rs if inplace else torch.full((n + offset,), 5.0)[offset:]
+                    outs.append((m.terngrad_quantize_feedback(x, rs, 0.5, 11, new, 0.25), new))
+                assert_bitwise(outs[1], outs[0], f"terngrad threads={threads} inplace={inplace}")
 
 
 def test_sign_scale_rescue():
