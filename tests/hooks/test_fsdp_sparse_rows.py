@@ -31,9 +31,9 @@ def _scatter_matches_dense(rank, world, L, d, touched, capacity):
     x = _chunks(rank, world, L, d, touched, 7)
     dense = torch.empty(L, d)
     dist.reduce_scatter_single(dense, x.reshape(world * L, d).clone())
-    cs = CommStats()
-    res = rows_reduce_scatter(x, capacity=capacity, stats=cs, key="t")
-    again = rows_reduce_scatter(x, capacity=capacity, key="t")
+    res = rows_reduce_scatter(x, capacity=capacity, key="t")
+    cs = CommStats()   # the second call: no header round, the message alone
+    again = rows_reduce_scatter(x, capacity=capacity, stats=cs, key="t")
     return (torch.equal(res.sum, dense), torch.allclose(res.sum, dense, rtol=1e-6, atol=1e-6),
             torch.equal(res.sum, again.sum), res.overflow_rounds, res.counts, cs.bytes_sent,
             max(max(r) for r in res.owner_counts))
@@ -50,9 +50,30 @@ def test_rows_reduce_scatter_equals_dense(world, capacity):
             assert bitwise            # a + b in either order: the same bits
         assert counts == [touched] * world
         assert overflow == int(per_owner > capacity)   # rows beyond the capacity: one more round, none lost
-    if capacity == 40 and world == 2:
+    if capacity == 40:
         b = row_scatter_bytes(world, world * L, d, torch.float32, capacity)
-        assert out[0][5] >= b["scatter"]              # + the header round of the first call
+        assert out[0][5] == b["scatter"] < b["dense"]
+
+
+def _scatter_bad(rank, world, which):
+    from commpress.collectives.wire import CollectiveInputError
+
+    x = _chunks(rank, world, 10, 4, 5, 3)
+    args = {"capacity": 4 + rank} if which == "capacity" else {"capacity": 4}
+    if which == "shape" and rank == 1:
+        x = x[:, :9]
+    try:
+        rows_reduce_scatter(x, key=which, **args)
+    except CollectiveInputError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("which,says", [("capacity", "capacity differs"), ("shape", "rows differs")])
+def test_rows_reduce_scatter_mismatch_raises_on_every_rank(which, says):
+    for msg in run(_scatter_bad, 2, which):
+        assert msg is not None and says in msg
 
 
 # ------------------------------------------------------------------ FSDP2
