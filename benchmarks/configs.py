@@ -138,14 +138,18 @@ STUDY: list[Config] = [
     Config("auto-opt-defaults", "commpress", "auto", {}, takeover=True),
     Config("powersgd-r1", "commpress", "powersgd", {"rank": 1}),
     Config("powersgd-r1-mc", "commpress", "powersgd", {"rank": 1}, takeover=True),
-    # lean error feedback (issue 50): residuals in 8 bits (stochastic rounding), committed per unit
-    # (rollback="unit": no pending copy between steps), against the fp32 default
+    # lean error feedback (issue 50): residuals in 8 bits (stochastic rounding; the hooks' default),
+    # committed per unit (rollback="unit": no pending copy between steps), and in fp32 (exact: the
+    # default until the runs of docs/results/memory.md)
     Config("blockquant-4bit-int8res", "commpress", "blockquant",
            {"bits": 4, "residual_storage": "int8", "rollback": "unit"}),
     Config("topk-1%-int8res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "int8", "rollback": "unit"},
            takeover=True),
     Config("auto-int8res", "commpress", "auto",
            {"check_every": 20, "every": 100, "residual_storage": "int8", "rollback": "unit"}),
+    Config("blockquant-4bit-fp32res", "commpress", "blockquant", {"bits": 4, "residual_storage": "fp32"}),
+    Config("topk-1%-fp32res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "fp32"}, takeover=True),
+    Config("auto-fp32res", "commpress", "auto", {"check_every": 20, "every": 100, "residual_storage": "fp32"}),
     # no residual at all: unbiased stochastic rounding instead of error feedback (ZeRO++ qgZ's choice)
     Config("blockquant-4bit-sr", "commpress", "blockquant", {"bits": 4, "stochastic": True}),
 ]
@@ -166,8 +170,8 @@ GROUPS = {
     "commpress": [c.name for c in ALL if c.kind == "commpress"],
     "convergence": ["ddp", "topk-1%"] + [c.name for c in STUDY if c.compressor == "topk"],
     "sparse": ["ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "auto"] + [c.name for c in SPARSE],
-    "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-int8res", "blockquant-4bit-sr", "topk-1%",
-               "topk-1%-int8res", "auto", "auto-int8res"],
+    "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-fp32res", "blockquant-4bit-int8res", "blockquant-4bit-sr",
+               "topk-1%", "topk-1%-fp32res", "topk-1%-int8res", "auto", "auto-fp32res", "auto-int8res"],
 }
 
 

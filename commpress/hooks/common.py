@@ -535,7 +535,7 @@ class HookState:
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
-                 momentum_masking: bool = False, residual_storage: str = "fp32",
+                 momentum_masking: bool = False, residual_storage: str = "int8",
                  rollback: str = "step", **compressor_params: Any) -> None:
         from ..storage import check_storage
 

@@ -208,9 +208,9 @@ class DDPState(TakeoverMixin, HookState):
             by the loss scale before compressing and multiplies the averages back, so residuals
             and velocities stay in unscaled units (:meth:`attach_scaler`, also for a scaler made
             later).
-        residual_storage: how error feedback keeps its residuals between steps: ``"fp32"``,
-            ``"bf16"`` or ``"int8"`` (blockwise with its own scales, rounded stochastically;
-            :mod:`commpress.storage`).
+        residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
+            (default: blockwise with its own scales, rounded stochastically;
+            :mod:`commpress.storage`), ``"bf16"`` or ``"fp32"`` (exact).
         rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (a
             pending copy of each between steps), ``"unit"`` the residuals of the first unit that
             saw it and of every unit after it (pending copies only for units in flight).
@@ -265,7 +265,7 @@ class DDPState(TakeoverMixin, HookState):
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
-                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
                  auto: AutoSpec | None = None,
                  sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
@@ -1320,7 +1320,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
              overlap: bool = True, hierarchy: int | str | None = None,
              optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
-             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
              auto: AutoSpec | None = None,
              sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
@@ -1378,10 +1378,11 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             by the scale's changes; the buckets handed back stay scaled for ``scaler.step``
             (:meth:`DDPState.attach_scaler`; ``TypeError`` for anything but a GradScaler or
             ``None``).
-        residual_storage: how error feedback keeps its residuals between steps: ``"fp32"``
-            (4 bytes per compressed parameter, plus as much for the pending copy), ``"bf16"``
-            (2 + 2) or ``"int8"`` (blockwise with its own scales: about 1.03 + 1.03), rounded
-            stochastically (:mod:`commpress.storage`).  ``ValueError`` for another value.
+        residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
+            (default: blockwise with its own scales, about 1.03 bytes per compressed parameter
+            plus as much for the pending copy, rounded stochastically; :mod:`commpress.storage`),
+            ``"bf16"`` (2 + 2) or ``"fp32"`` (4 + 4, exact).  int8 reached the demo's targets in
+            the steps fp32 needs (docs/results/memory.md).  ``ValueError`` for another value.
         rollback: what a step with a NaN/inf anywhere (on any rank) keeps as it was: ``"step"``
             (default) every residual, at the price of a pending copy of each between steps;
             ``"unit"`` the residuals of the first unit that saw it and of every unit after it,

@@ -325,7 +325,7 @@ class FSDPState(TakeoverMixin, HookState):
             residuals and velocities stay in unscaled units (:meth:`attach_scaler`).  The
             unscaled values are held in the reduce dtype: with an fp16 reduce dtype the smallest
             gradients may underflow there (an fp32 or bf16 reduce dtype does not).
-        residual_storage: ``"fp32"``, ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`).
+        residual_storage: ``"int8"`` (default), ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`).
         rollback: ``"step"`` or ``"unit"``, as in :func:`commpress.ddp.register`.
         momentum: momentum correction's factor (0: off), as in :func:`register`.
         momentum_masking: momentum factor masking (with ``momentum``).
@@ -352,7 +352,7 @@ class FSDPState(TakeoverMixin, HookState):
                  all_gather: Compressor | str | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
-                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
                  auto: Any = None, **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
@@ -953,7 +953,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
-             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "fp32",
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
              auto: Any = None, sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
              **compressor_params: Any) -> FSDPState:
@@ -998,7 +998,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             ``scaler.step`` (:meth:`FSDPState.attach_scaler`, also for a scaler made
             later; ``TypeError`` for anything but a GradScaler or ``None``).
         residual_storage: how error feedback keeps its residuals between steps,
-            ``"fp32"``, ``"bf16"`` or ``"int8"`` (:mod:`commpress.storage`; as in
+            ``"int8"`` (default), ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
             :func:`commpress.ddp.register`).
         rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a
             NaN/inf keeps the residuals of the unit that saw it and of the later

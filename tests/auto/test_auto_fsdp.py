@@ -144,7 +144,7 @@ def auto_worker(rank, world):
             state6.codec.network = _net(world, FAST)
         train_step(model6, opt6, rank, step)
         paths.append(sorted({u["algorithm"] for u in state6.stats.last_step["units"].values()}))
-        owed.append(sum(float(r.abs().sum()) for c in state6.codec.codecs.values() for r in c._residuals.values()))
+        owed.append(sum(float(c.residual(k).abs().sum()) for c in state6.codec.codecs.values() for k in c._residuals))
     out["back_to_dense"] = paths, owed
 
     # the link tracked (remeasure, the default): a model that turns 100x too optimistic mid-run (as

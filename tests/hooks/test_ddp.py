@@ -14,6 +14,7 @@ from distributed import run
 
 import commpress
 from commpress.compressors import Compressor
+from commpress.storage import LeanTensor
 from commpress.hooks.ddp import DDPState, ReplicaMismatchError
 
 # bucket_cap_mb small enough that every weight of Net gets its own bucket (>= 3 buckets)
@@ -156,9 +157,13 @@ def _buffers(state):
         ptrs[("scratch", i)] = buf.data_ptr()
     codec = state.codec  # error feedback: a live and a pending residual per key (swapped on commit)
     for key in getattr(codec, "_residuals", {}):
-        ptrs[("residual", repr(key))] = frozenset((codec._residuals[key].data_ptr(),
-                                                  codec._pending[key].data_ptr()))
+        ptrs[("residual", repr(key))] = frozenset((_ptr(codec._residuals[key]), _ptr(codec._pending[key])))
     return ptrs
+
+
+def _ptr(t) -> int:
+    """Where a residual's storage starts (a lean one: its codes)."""
+    return t.codes.data_ptr() if isinstance(t, LeanTensor) else t.data_ptr()
 
 
 def _many_buckets(rank, world, compressor, params, steps, backend):
@@ -172,8 +177,9 @@ def _many_buckets(rank, world, compressor, params, steps, backend):
         opt.zero_grad()
         loss_of(model, *batch(rank, step, seed=3)).backward()
         opt.step()
-        if step >= 3:
-            seen.append((_buffers(state), state.stats.memory_overhead_bytes))
+        if step >= 3:   # the pools (gather and lean working buffers) grow with the units in flight at once
+            kept = {k: v for k, v in state.stats.as_dict()["memory"]["by_kind"].items() if k in ("residuals", "pending")}
+            seen.append(({k: v for k, v in _buffers(state).items() if k[0] != "scratch"}, kept))
     return (to_numpy(model.parameters()), len(state.stats.last_step["units"]),
             state.stats.as_dict(), seen)
 
@@ -191,9 +197,9 @@ def test_three_buckets_compressed_world3_consistent(compressor, params, backend)
         assert stats["steps"] == 6
         for a, b in zip(params_r, res[0][0]):
             assert (a == b).all()
-        # residual, pending and scratch buffers are allocated once and reused
+        # residual, pending and dense buffers are allocated once and reused
         assert seen[0][0] and all(s == seen[0] for s in seen), seen
-        assert seen[0][1] > 0
+        assert sum(seen[0][1].values()) > 0
     stats = res[0][2]
     assert stats["bytes_sent"] < stats["dense_bytes"]
 
@@ -595,7 +601,8 @@ def _vs_powersgd(rank, world, batch_n, steps):
                                               start_powerSGD_iter=2, min_compression_rate=2,
                                               use_error_feedback=True, warm_start=True, random_seed=0),
                            psgd.powerSGD_hook)
-    state = commpress.ddp.register(mine, "powersgd", rank=4, warmup_steps=2, min_numel=0)
+    # PyTorch keeps its error in fp32: so does this one here (the default int8 store rounds it)
+    state = commpress.ddp.register(mine, "powersgd", rank=4, warmup_steps=2, min_numel=0, residual_storage="fp32")
     opt = torch.optim.SGD(mine.parameters(), lr=0.05)
     out = []
     for step in range(steps):

@@ -299,7 +299,7 @@ def _nonfinite(rank, world_size):
     cmp = shard(make_model(), world_size)
     state = commpress.fsdp.register(cmp, "topk", ratio=0.1)
     train_steps(cmp, 1, rank)                                   # residuals exist
-    before = {k: v.clone() for k, v in state.codec._residuals.items()}
+    before = {k: state.codec.residual(k).clone() for k in state.codec._residuals}   # fp32 (decoded)
     for model in (ref, cmp):
         x, y = batch(rank, 5)
         if rank == 1:
@@ -318,7 +318,7 @@ def _nonfinite(rank, world_size):
     # the step's residual updates are one transaction: every residual of every rank
     # (both units, both chunks) is exactly as before
     untouched = sorted(before) == sorted(state.codec._residuals) and all(
-        torch.equal(before[k], state.codec._residuals[k]) for k in before)
+        torch.equal(before[k], state.codec.residual(k)) for k in before)
     return covered, finite_alike, any_bad, untouched, len(before)
 
 

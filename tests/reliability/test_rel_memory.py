@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import commpress
+from commpress.storage import LeanTensor
 from distributed import run
 from faults import rss_bytes, torch_kernels
 from relmodels import make_ddp, step
@@ -25,8 +26,10 @@ RSS_BOUND = 8 * 2**20
 
 
 def _residual_ptrs(state):
+    """Per residual: where its storage starts and its bytes (a lean one: its codes and scales)."""
     res = getattr(state.codec, "_residuals", {})
-    return {repr(k): (v.untyped_storage().data_ptr(), v.numel()) for k, v in res.items()}
+    return {repr(k): (v.codes.data_ptr(), v.nbytes) if isinstance(v, LeanTensor)
+            else (v.untyped_storage().data_ptr(), v.numel() * v.element_size()) for k, v in res.items()}
 
 
 def _memory(rank, world, name, params):
@@ -43,7 +46,7 @@ def _memory(rank, world, name, params):
             marks["ptrs0"] = _residual_ptrs(state)
             marks["mem0"] = state.stats.memory_overhead_bytes
             marks["n_alg0"] = len(state.stats.algorithms)
-    residual_bytes = sum(4 * n for _, n in _residual_ptrs(state).values())
+    residual_bytes = sum(n for _, n in _residual_ptrs(state).values())
     return {"growth": rss_bytes() - marks["rss0"], "rss": rss_bytes(),
             "same_buffers": marks["ptrs0"] == _residual_ptrs(state) and len(marks["ptrs0"]) > 0,
             "mem0": marks["mem0"], "mem": state.stats.memory_overhead_bytes,
