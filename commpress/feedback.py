@@ -774,7 +774,10 @@ class ErrorFeedback(Compressor):
             run = inner.compress_fixed if fixed else inner.compress
             payload = run(src, step=step, key=key, generator=generator)
             payload = _detach_from(payload, c)
-            c.sub_(inner.decompress(payload, out=self._decode_buffer(payload)).reshape(c.shape).float())
+            if src is c and inner.exact:   # sent as it is: nothing is left (no decode buffer)
+                c.zero_()
+            else:
+                c.sub_(inner.decompress(payload, out=self._decode_buffer(payload)).reshape(c.shape).float())
             if inner.aggregation == "lowrank":   # a finite c whose factors overflowed: a non-finite residual
                 local_bad = local_bad | ~torch.isfinite(c).all()
         return self._stage(key, payload, local_bad, transaction, whole)

@@ -531,12 +531,14 @@ class AutoCodec:
 
     def memory(self) -> dict[str, int]:
         """Bytes kept alive, by kind: every candidate's error feedback (:meth:`ErrorFeedback.memory`,
-        the home one's dense momentum included) and ``carry``, the residuals a path switch still owes."""
+        the home one's dense momentum included), ``carry``, the residuals a path switch still owes,
+        and ``measures``, the units' gradient-norm accumulators (one number each)."""
         out: dict[str, int] = {}
         for c in [self.home, *self.codecs.values()]:
             for kind, n in c.memory().items():
                 out[kind] = out.get(kind, 0) + n
         out["carry"] = sum(t.numel() * t.element_size() for t in self._carry.values())
+        out["measures"] = sum(t.numel() * t.element_size() for t in self._norms.values())
         return out
 
     def memory_bytes(self) -> int:

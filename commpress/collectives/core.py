@@ -257,9 +257,10 @@ def _check_dense(dense, tensor) -> None:
 
 def folds_scale(compressor) -> bool:
     """Whether :func:`allreduce` folds ``prescale`` into ``compressor``'s first pass: error feedback
-    around a sparsifier or a gather kind (its compensation pass, :meth:`ErrorFeedback.compress`);
-    the casts fold it into their cast (:func:`_casts`)."""
-    return has_feedback(compressor) and getattr(unwrap(compressor), "aggregation", None) in ("sparse", "gather")
+    around a sparsifier, a gather or a sum kind (its compensation pass,
+    :meth:`ErrorFeedback.compress`); the casts fold it into their cast (:func:`_casts`)."""
+    return has_feedback(compressor) and getattr(unwrap(compressor), "aggregation", None) in ("sparse", "gather",
+                                                                                           "sum")
 
 
 def _casts(compressor) -> bool:
@@ -275,10 +276,12 @@ def _sum_path(tensor, compressor, *, group, key, step, algorithm, stats, generat
     world = _comm.world(group)
     if _casts(compressor) and world > 1:
         return _cast_path(tensor, inner.cast_to or tensor.dtype, group, stats, code, msg, out, prescale)
-    if prescale is not None:
-        tensor = tensor * prescale
+    # error feedback folds the scale into its compensation pass and, when the output overwrites the
+    # input (the hooks' out=t), works in the input: no buffer of its size
     payload, code, msg = try_compress_fixed(compressor, tensor, step=step, key=key, generator=generator,
-                                            transaction=transaction, error=(code, msg), stats=stats)
+                                            transaction=transaction, error=(code, msg), stats=stats,
+                                            scale=1.0 if prescale is None else prescale,
+                                            scratch=sparse._is_scratch(tensor, out))
     if world == 1:
         if code:
             raise wire.CollectiveInputError(f"allreduce: {msg}")

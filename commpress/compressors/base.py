@@ -123,6 +123,9 @@ class Compressor(ABC):
     #: (scaled, when it averages) straight into its message buffer
     casts: ClassVar[bool] = False
     cast_to: torch.dtype | None = None
+    #: ``decompress(compress(x))`` is ``x`` bit for bit (identity): error feedback keeps no decode
+    #: buffer for it (its residual after a send is zero)
+    exact: ClassVar[bool] = False
     #: :meth:`compress_feedback` exists: error feedback runs as one fused pass
     fused_feedback: ClassVar[bool] = False
     #: :meth:`compress_feedback` also takes momentum correction's velocity (:meth:`fuses_velocity`)

@@ -10,6 +10,7 @@ import torch
 from distributed import run
 
 import commpress
+import commpress.auto
 from commpress.storage import bytes_per_element
 
 from test_ddp import batch, loss_of, make_ddp   # noqa: E402  (tests/hooks is on the path)
@@ -159,3 +160,16 @@ def test_rollback_unit_keeps_no_pending_velocity_either():
             assert mem["pending"] == mem["velocities_pending"] == 0
         else:
             assert mem["velocities_pending"] >= mem["velocities"]
+
+
+@pytest.mark.timeout(200)
+def test_auto_on_dense_keeps_no_work_or_decode_buffer():
+    """``"auto"``'s dense choice runs under error feedback (a residual carried from a switch has a
+    home): the 1/P is folded into its compensation pass, done in the unit's own input (the call's
+    output), and identity's residual after a send is zero without a decode.  Before, it kept an fp32
+    work buffer, a decoded live residual and a decode buffer: 12 bytes per parameter of the unit."""
+    opts = {"auto": commpress.auto.Options(candidates=[("dense",)])}
+    (mem, counted, resumed, w0, _), (_, _, _, w1, _) = run(_run, 2, "auto", opts, "int8", 4, timeout=180)
+    assert all((a == b).all() for a, b in zip(w0, w1)) and resumed
+    assert mem["bytes"] == sum(mem["by_kind"].values()) == counted
+    assert mem["by_kind"]["working"] == 0 and mem["by_kind"]["decode"] == 0, mem
