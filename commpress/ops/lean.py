@@ -89,103 +89,34 @@ REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": b
 
 
 def _numba_impls() -> dict:
-    """The numba kernels (CPU), or ``{}`` without numba."""
-    try:
-        from numba import njit
-    except ImportError:
+    """The numba kernels (CPU; :mod:`._numba_kernels`, compiled at their first call and cached on
+    disk), or ``{}`` without numba."""
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:
         return {}
 
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _int8_block_slow(x, noise, codes, lo, hi, s):   # pragma: no cover - compiled
-        """A block holding a NaN/inf: the reference's conversions, element by element."""
-        f127 = np.float32(INT8_MAX)
-        half = np.float32(0.5)
-        step = np.float32(1.0 / 256)
-        inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
-        for i in range(lo, hi):
-            v = x[i] * inv + (np.float32(noise[i]) + half) * step
-            if v != v:   # NaN: the platform's conversion, as the reference's
-                codes[i] = np.int8(v)
-                continue
-            if v >= f127:
-                t = 127
-            elif v <= -f127:
-                t = -127
-            else:
-                t = np.int32(v)   # floor without a libm call
-                if t > v:
-                    t -= 1
-            codes[i] = np.int8(t)
+    def kernels():
+        from . import _numba_kernels
 
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _int8(x, xi, noise, codes, scales, block):   # pragma: no cover - compiled
-        """Branch-free inner loops (slices, so that they vectorize: 6x a memcpy became ~1.5x on one core): the
-        block's largest magnitude as the max of the sign-cleared bit patterns (ordered like the
-        values; a NaN's above inf's), then ``floor(clamp(v))``, which equals the reference's
-        ``clamp(floor(v))`` for finite ``v``."""
-        n = x.size
-        f127 = np.float32(INT8_MAX)
-        half = np.float32(0.5)
-        step = np.float32(1.0 / 256)
-        one = np.float32(1.0)
-        bits = np.empty(1, np.int32)
-        as_float = bits.view(np.float32)
-        for b in range(scales.size):
-            lo = b * block
-            hi = min(lo + block, n)
-            m = np.int32(0)
-            xib = xi[lo:hi]   # slices: indices provably >= 0, no wraparound check (the loops vectorize)
-            for j in range(xib.size):
-                a = xib[j] & np.int32(0x7FFFFFFF)
-                m = a if a > m else m
-            bits[0] = m
-            s = as_float[0] / f127   # NaN for a NaN anywhere in the block (as torch.amax)
-            scales[b] = s
-            if m >= np.int32(0x7F800000):   # a NaN/inf: the reference's conversions
-                _int8_block_slow(x, noise, codes, lo, hi, s)
-            else:
-                inv = one / s if s > 0 else np.float32(0.0)
-                xb, ub, cb = x[lo:hi], noise[lo:hi], codes[lo:hi]
-                for j in range(xb.size):
-                    v = xb[j] * inv + (np.float32(ub[j]) + half) * step
-                    cb[j] = np.int8(np.int32(np.floor(min(max(v, -f127), f127))))
-            for i in range(hi, lo + block):
-                codes[i] = 0
-
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _bf16(bits, noise, out):   # pragma: no cover - compiled
-        for i in range(bits.size):
-            out[i] = np.int16((bits[i] + (np.int32(noise[i]) & 0xFFFF)) >> 16)
-
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
-        n = dst.size
-        for b in range(scales.size):
-            lo = b * block
-            hi = min(lo + block, n)
-            if lo >= hi:
-                break
-            s = scales[b]
-            db, cb = dst[lo:hi], codes[lo:hi]   # slices: the loop vectorizes
-            for j in range(db.size):
-                db[j] = db[j] + np.float32(cb[j]) * s
+        return _numba_kernels
 
     def int8_add_numba(dst, codes, scales, block):
         if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
             return int8_block_add(dst, codes, scales, block)
-        _int8_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
+        kernels().lean_int8_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
         return dst
 
     def int8_numba(x, noise, codes, scales, block):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return int8_block_encode(x, noise, codes, scales, block)
         xf = x.numpy()
-        _int8(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
+        kernels().lean_int8_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
 
     def bf16_numba(x, noise, codes):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return bf16_stochastic_encode(x, noise, codes)
-        _bf16(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
+        kernels().lean_bf16_encode(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
     return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba}
 
