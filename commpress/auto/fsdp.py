@@ -49,7 +49,7 @@ import torch
 
 from ..feedback import ErrorFeedback
 from .candidates import DENSE, Candidate, Choice, describe, prototype
-from .measure import codec_cost
+from .measure import CODEC_SAMPLE, codec_cost
 from .runtime import AutoCodec, AutoSpec
 
 #: the kinds FSDP2's reduce-scatter cannot run (a flat buffer of many parameters' shards)
@@ -161,7 +161,8 @@ class ReduceScatterAutoCodec(AutoCodec):
             return None
         p = max(1, self.world)
         m = -(-unit.numel // p)
-        return p * codec_cost(c, m, device, dtype=unit.dtype, reps=2 if unit.numel > (1 << 22) else 3)
+        return p * codec_cost(c, m, device, dtype=unit.dtype, reps=2 if unit.numel > (1 << 22) else 3,
+                              sample=CODEC_SAMPLE)
 
     def _names(self, units: list[Any]) -> list[str]:
         return [u.key for u in units]

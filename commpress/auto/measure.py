@@ -50,9 +50,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: :func:`codec_cost` with ``sample``: elementwise codecs are timed on at most this many elements
+#: (4 MB of fp32: beyond a core's L2, as a large unit is) and scaled linearly to the unit's size
+CODEC_SAMPLE = 1 << 20
+
+
 def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "cpu",
                shapes: Sequence[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-               reps: int = 3, feedback: bool = True) -> float:
+               reps: int = 3, feedback: bool = True, sample: int | None = None) -> float:
     """Best-of-``reps`` seconds of ``compress_fixed`` + ``decompress`` of ``candidate`` on a
     ``numel`` tensor on ``device`` (powersgd: each matrix of ``shapes`` in turn, as the
     bucket's collective codes them; pieces it sends as they are cost nothing here).
@@ -65,6 +70,10 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
 
     One untimed warm-up run first (JIT, allocation).  Cached per (device, ops backend,
     numel, shapes, dtype, candidate): a bucket of a size seen before costs nothing.
+    ``sample``: a candidate other than powersgd (whose cost follows its matrices' shapes) on more
+    elements than that is timed on ``sample`` elements and scaled by ``numel / sample`` (its
+    passes are elementwise: the cost of the check point that times every candidate on every unit
+    stays bounded, and units larger than ``sample`` share one measurement).
     Dense costs 0.  Local to this rank: reduce it with :func:`agree` before deciding.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
@@ -73,6 +82,8 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
         raise ValueError(f"codec_cost: reps must be an int >= 1, got {reps!r}")
     if candidate.kind == "dense" or numel == 0:
         return 0.0
+    if sample is not None and candidate.kind != "powersgd" and numel > sample:
+        return codec_cost(candidate, int(sample), device, dtype=dtype, reps=reps, feedback=feedback) * numel / sample
     dev = torch.device(device)
     shp = tuple(tuple(int(x) for x in s) for s in shapes) if shapes else None
     key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate, bool(feedback))

@@ -111,7 +111,7 @@ from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
                      comm_seconds, critical_candidates, window_tolerance)
-from .measure import OverlapRecorder, agree_measurements, codec_cost, norm_change
+from .measure import CODEC_SAMPLE, OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
 log = logging.getLogger("commpress")
@@ -721,7 +721,7 @@ class AutoCodec:
         """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
         its elements; powersgd by its matrices); ``None``: ``c`` cannot run on this unit."""
         return codec_cost(c, unit.numel, device, unit.shapes if c.kind == "powersgd" else None,
-                          reps=2 if unit.numel > (1 << 22) else 3)
+                          reps=2 if unit.numel > (1 << 22) else 3, sample=CODEC_SAMPLE)
 
     def _rounds_of(self, candidate: Candidate) -> int:
         """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds` on the flat group)."""

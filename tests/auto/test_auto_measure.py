@@ -136,3 +136,18 @@ def test_a_sparsifier_is_measured_as_it_runs_after_its_warm_up(monkeypatch):
     codec_cost(Candidate("topk", 0.1), 10_000, reps=1)
     assert calls and set(calls) == {("whole", STEADY_STEP, True)}
     clear_codec_cache()
+
+
+def test_codec_cost_on_a_sample_scales_elementwise_codecs_and_shares_the_measurement(monkeypatch):
+    """``sample``: an elementwise codec on a larger unit is timed on ``sample`` elements, scaled by
+    the ratio (one measurement for every unit beyond it); powersgd is timed on its own matrices."""
+    monkeypatch.setenv("COMMPRESS_BACKEND", "torch")
+    clear_codec_cache()
+    c = Candidate("blockquant", 4)
+    small = codec_cost(c, 4096)
+    assert codec_cost(c, 3 * 4096, sample=4096) == pytest.approx(3 * small)
+    assert codec_cost(c, 5 * 4096, sample=4096) == pytest.approx(5 * small)   # the same measurement
+    assert codec_cost(c, 2048, sample=4096) == codec_cost(c, 2048)             # below the sample: itself
+    shapes = ((128, 128),)
+    assert codec_cost(Candidate("powersgd", 1), 128 * 128, shapes=shapes, sample=4096) == \
+        codec_cost(Candidate("powersgd", 1), 128 * 128, shapes=shapes)
