@@ -1248,14 +1248,20 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
 
             fut = torch.futures.collect_all(futures).then(commit)
     dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
-    executor.stats.record(plan.index, bytes_sent=dense_bytes, dense_bytes=dense_bytes, algorithm="dense",
-                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=1,
+    _account_dense(executor, bucket, plan, total, dense_bytes, dense_bytes, "dense", 1)
+    return fut
+
+
+def _account_dense(executor: _Executor, bucket: dist.GradBucket, plan: Plan, total: Timer, sent: int,
+                   dense_bytes: int, algorithm: str, rounds: int) -> None:
+    """Record a bucket sent DDP's way; the step's last bucket ends the step."""
+    executor.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
+                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=rounds,
                           hook_cpu_seconds=total.cpu_seconds)
     if bucket.is_last():
         executor.end_rows()
         executor.step += 1
         executor.stats.end_step()
-    return fut
 
 
 def _observe_rows(executor: _Executor, bucket: dist.GradBucket) -> None:
@@ -1303,13 +1309,7 @@ def _dense_async(executor: _Executor, bucket: dist.GradBucket,
         else:
             fut = torch.futures.Future()
             fut.set_result(buf)
-    executor.stats.record(plan.index, bytes_sent=sent, dense_bytes=dense_bytes, algorithm=algorithm,
-                          compress_seconds=0.0, hook_seconds=total.seconds, rounds=int(cfg.world_size > 1),
-                          hook_cpu_seconds=total.cpu_seconds)
-    if bucket.is_last():
-        executor.end_rows()
-        executor.step += 1
-        executor.stats.end_step()
+    _account_dense(executor, bucket, plan, total, sent, dense_bytes, algorithm, int(cfg.world_size > 1))
     return fut
 
 
