@@ -36,6 +36,7 @@ shards (FSDP2's layout): rank ``r`` gets the sum of shard ``r``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import Any
@@ -110,7 +111,25 @@ def _compress_chunks(flat, compressor, bounds, key, step, generator, transaction
     return payloads, code, msg, bad
 
 
-_TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[Payload]]]" = weakref.WeakKeyDictionary()
+#: per compressor and layout, what its payloads look like (their tensors' shapes and dtypes, not the
+#: tensors: zeros of a dense payload's size kept here would be a model-size buffer nobody counts)
+_TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[tuple, list[_Shape]]]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """A payload without its tensors: their shapes and dtypes, and the payload's own fields."""
+
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    template: Payload
+
+    @classmethod
+    def of(cls, p: Payload) -> "_Shape":
+        bare = Payload((), p.shape, p.dtype, p.numel, p.meta)
+        return cls(tuple((tuple(t.shape), t.dtype) for t in p.tensors), bare)
+
+    def zeros(self, device: torch.device) -> Payload:
+        return _piece([torch.zeros(s, dtype=d, device=device) for s, d in self.tensors], self.template)
 
 
 _TEMPLATES_LOCK = threading.Lock()
@@ -132,7 +151,7 @@ def _remember(inner, flat, bounds, payloads, step) -> None:
             return
         if len(layouts) >= 64:
             layouts.pop(next(iter(layouts)))
-        layouts[key] = [_piece([torch.zeros_like(t) for t in p.tensors], p) for p in payloads]
+        layouts[key] = [_Shape.of(p) for p in payloads]
 
 
 def _templates(inner, flat, bounds, step) -> list[Payload]:
@@ -141,7 +160,7 @@ def _templates(inner, flat, bounds, step) -> list[Payload]:
     with _TEMPLATES_LOCK:
         remembered = _TEMPLATES.get(inner, {}).get(_layout_key(inner, flat, bounds, step))
     if remembered is not None:
-        return remembered
+        return [shape.zeros(flat.device) for shape in remembered]
     zeros = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
     return [inner.compress_fixed(zeros[bounds[r]:bounds[r + 1]], step=size_step(inner, step))
             for r in range(len(bounds) - 1)]
