@@ -45,8 +45,8 @@ raises at the same point (no rank waits in a collective the others left).
 **All dense** (:meth:`AutoCodec.fast`): when every unit chose dense and nothing is owed, the steps
 between check windows send every bucket as DDP does (one async ``all_reduce``; with momentum
 correction each unit's velocity is applied in the pass that scales it by ``1/P``,
-:meth:`AutoCodec.velocity_part`, as the units' path would); the two steps ending at each check point run the units' own path, so
-their call times, norms and compute seconds are still measured.
+:meth:`AutoCodec.velocity_part`, as the units' path would); the two steps ending at each check
+point run the units' own path, so their call times, norms and compute seconds are still measured.
 
 Every number a decision reads is agreed: the α-β model calibrated at binding, the codec
 costs (max over ranks), the hidden windows (min), the norm changes (max), the compute seconds
@@ -463,8 +463,9 @@ class AutoCodec:
         ``None``.  Only when every unit chose dense (or every unit bf16, without momentum
         correction; with it the hook applies each unit's velocity in DDP's pass,
         :meth:`velocity_part`), no dense unit owes a carried residual (it ran one fp32 step
-        since it switched), and ``step`` is neither a check point nor the step before it (those run the units' own path, to measure
-        them, and send what the bf16 units' error feedback holds: delayed, not lost).  A
+        since it switched), and ``step`` is neither a check point nor the step before it (those
+        run the units' own path, to measure them, and send what the bf16 units' error feedback
+        holds: delayed, not lost).  A
         function of agreed state and the step: the same on every rank and every bucket of a step."""
         if self._fresh or self._carry or not self.choices or step < self.first_check:
             return None
