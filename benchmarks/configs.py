@@ -147,6 +147,10 @@ STUDY: list[Config] = [
            takeover=True),
     Config("auto-int8res", "commpress", "auto",
            {"check_every": 20, "every": 100, "residual_storage": "int8", "rollback": "unit"}),
+    # residuals in 4 bits (0.56 B a residual: live + pending 1.13 B/param with the NaN rule kept)
+    Config("blockquant-4bit-int4res", "commpress", "blockquant", {"bits": 4, "residual_storage": "int4"}),
+    Config("topk-1%-int4res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "int4"}, takeover=True),
+    Config("auto-int4res", "commpress", "auto", {"check_every": 20, "every": 100, "residual_storage": "int4"}),
     Config("blockquant-4bit-fp32res", "commpress", "blockquant", {"bits": 4, "residual_storage": "fp32"}),
     Config("topk-1%-fp32res", "commpress", "topk", {"ratio": 0.01, "residual_storage": "fp32"}, takeover=True),
     Config("auto-fp32res", "commpress", "auto", {"check_every": 20, "every": 100, "residual_storage": "fp32"}),
@@ -172,6 +176,7 @@ GROUPS = {
     "sparse": ["ddp", "torch-fp16", "blockquant-4bit", "topk-1%", "auto"] + [c.name for c in SPARSE],
     "memory": ["ddp", "blockquant-4bit", "blockquant-4bit-fp32res", "blockquant-4bit-int8res", "blockquant-4bit-sr",
                "topk-1%", "topk-1%-fp32res", "topk-1%-int8res", "auto", "auto-fp32res", "auto-int8res"],
+    "int4": ["ddp", "blockquant-4bit-int4res", "topk-1%-int4res", "auto-int4res"],
 }
 
 

@@ -2,8 +2,8 @@
 
 Per-step process CPU time of rank 0 (2 gloo ranks, one thread each, ``time.process_time()``
 around forward, backward and the optimizer step, steps 6..15 of each run, three runs per config,
-interleaved) for plain DDP and blockquant 4-bit / topk 1% with ``residual_storage="fp32"``
-against ``"int8"`` with ``rollback="unit"``, on the demo's models (digits: ``DigitsMLP``, batch
+interleaved) for plain DDP and blockquant 4-bit / topk 1% with ``residual_storage`` ``"fp32"``,
+``"int8"`` (with ``rollback="step"``, the default, and ``"unit"``) and ``"int4"``, on the demo's models (digits: ``DigitsMLP``, batch
 128; LM: ``CharLM``, 16 x 64 tokens), SGD momentum 0.9.  CPU time rather than wall time: a
 machine shared with other work changes it less.  Prints min / quartile / median per config.
 """
@@ -25,10 +25,14 @@ from .models import CharLM, DigitsMLP
 LEAN = {"residual_storage": "int8", "rollback": "unit"}
 CONFIGS = {
     "ddp": (None, {}),
-    "blockquant4 fp32": ("blockquant", {"bits": 4}),
+    "blockquant4 fp32": ("blockquant", {"bits": 4, "residual_storage": "fp32"}),
+    "blockquant4 int8": ("blockquant", {"bits": 4, "residual_storage": "int8"}),
     "blockquant4 int8+unit": ("blockquant", {"bits": 4, **LEAN}),
-    "topk1% fp32": ("topk", {"ratio": 0.01}),
+    "blockquant4 int4": ("blockquant", {"bits": 4, "residual_storage": "int4"}),
+    "topk1% fp32": ("topk", {"ratio": 0.01, "residual_storage": "fp32"}),
+    "topk1% int8": ("topk", {"ratio": 0.01, "residual_storage": "int8"}),
     "topk1% int8+unit": ("topk", {"ratio": 0.01, **LEAN}),
+    "topk1% int4": ("topk", {"ratio": 0.01, "residual_storage": "int4"}),
 }
 
 

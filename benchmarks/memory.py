@@ -35,7 +35,7 @@ freed one leaves the RSS.
 Compressors with a density warm-up (topk, dgc) run with ``density_warmup=0`` (the steady state,
 as the speed benchmarks).  The plain commpress configs keep register's default residual storage
 (the DDP hook's int8); configs with ``residual_storage=`` (``-fp32res``, ``-bf16res``,
-``-int8res``; ``-int8unit`` with ``rollback="unit"``) are added when ``commpress.ddp.register`` (``commpress.fsdp.register`` for the FSDP2 ones) takes it.
+``-int8res``, ``-int4res``; ``-int8unit`` with ``rollback="unit"``) are added when ``commpress.ddp.register`` (``commpress.fsdp.register`` for the FSDP2 ones) takes it.
 
 Writes ``results/memory-<timestamp>/`` (``results.json``, ``results.csv``, ``table.md``).
 """
@@ -102,7 +102,7 @@ _add("fsdp-topk", "fsdp", "commpress FSDP2 topk 1%", "topk", {"ratio": 0.01}, ba
 #: added only where register() takes residual_storage
 RESIDUAL_CONFIGS = {f"{base}-{store}res": (base, store)
                     for base in ("blockquant4", "topk", "fsdp-blockquant4", "fsdp-topk")
-                    for store in ("fp32", "bf16", "int8")}
+                    for store in ("fp32", "bf16", "int8", "int4")}
 for _name, (_base, _store) in RESIDUAL_CONFIGS.items():
     _b = CONFIGS[_base]
     _add(_name, _b["kind"], f"{_b['label']} residual_storage={_store}", _b["compressor"], _b["params"],

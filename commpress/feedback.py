@@ -248,8 +248,8 @@ class ErrorFeedback(Compressor):
         momentum: momentum correction's factor in [0, 1) (0: off).
         clip: local gradient clipping before the velocity (L2 norm), or ``None``.
         masking: momentum factor masking (with ``momentum``).
-        storage: how residuals are kept between steps: ``"fp32"`` (exact), ``"bf16"`` or
-            ``"int8"`` (blockwise, stochastic rounding; :mod:`commpress.storage`).  The
+        storage: how residuals are kept between steps: ``"fp32"`` (exact), ``"bf16"``,
+            ``"int8"`` or ``"int4"`` (blockwise, stochastic rounding; :mod:`commpress.storage`).  The
             computation is fp32 either way; a lean store decodes into a buffer of the key's
             size while it works.
         seed: the lean stores' rounding noise is drawn from it (and the rank, key and a count).
@@ -926,8 +926,9 @@ class ErrorFeedback(Compressor):
     def state_dict(self) -> dict[str, Any]:
         """``{"beta", "residuals": {"keys", "tensors"}, "compressor": inner state}``, plus
         ``"momentum"`` and ``"velocities"`` (same layout) with momentum correction.  A lean
-        storage adds ``"storage"``, ``"stores"`` (the rounding noise's counter) and, for int8,
-        ``"residual_scales"``; its ``"residuals"`` are the stored codes, so a resume is bitwise."""
+        storage adds ``"storage"``, ``"stores"`` (the rounding noise's counter) and, for int8 and
+        int4, ``"residual_scales"`` (int4 also ``"residual_numel"``: two codes a byte); its
+        ``"residuals"`` are the stored codes, so a resume is bitwise."""
         if self.storage == "fp32":
             residuals = encode_keyed(self._residuals)
         else:
@@ -935,8 +936,10 @@ class ErrorFeedback(Compressor):
         state = {"beta": self.beta, "residuals": residuals, "compressor": self.compressor.state_dict()}
         if self.storage != "fp32":
             state.update(storage=self.storage, stores=self._stores)
-            if self.storage == "int8":
+            if self.storage in _BLOCKWISE:
                 state["residual_scales"] = encode_keyed({k: r.saved()[1] for k, r in self._residuals.items()})
+            if self.storage == "int4":
+                state["residual_numel"] = encode_keyed({k: torch.tensor(r.numel) for k, r in self._residuals.items()})
         if self.momentum:
             state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
         return state
@@ -951,11 +954,13 @@ class ErrorFeedback(Compressor):
         except ValueError as exc:
             raise ValueError(f"error feedback state: saved {exc} (this one stores {self.storage!r})") from None
         if saved != "fp32":
-            keys |= {"storage", "stores"} | ({"residual_scales"} if saved == "int8" else set())
+            keys |= {"storage", "stores"} | ({"residual_scales"} if saved in _BLOCKWISE else set()) \
+                | ({"residual_numel"} if saved == "int4" else set())
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"error feedback state must have keys {sorted(keys)}")
         residuals = decode_keyed(state["residuals"], "error feedback residuals")
-        scales = decode_keyed(state["residual_scales"], "error feedback residual scales") if saved == "int8" else {}
+        scales = decode_keyed(state["residual_scales"], "error feedback residual scales") if saved in _BLOCKWISE else {}
+        numels = decode_keyed(state["residual_numel"], "error feedback residual sizes") if saved == "int4" else {}
         velocities = decode_keyed(state["velocities"], "error feedback velocities") if self.momentum else {}
         self.compressor.load_state_dict(state["compressor"])
         self._stores = int(state.get("stores", self._stores))
@@ -964,7 +969,8 @@ class ErrorFeedback(Compressor):
             if saved == "fp32":
                 value: Any = codes.float().clone()
             else:
-                value = LeanTensor.from_saved(saved, codes, scales.get(k))
+                numel = numels.get(k)
+                value = LeanTensor.from_saved(saved, codes, scales.get(k), None if numel is None else int(numel))
             loaded[k] = _convert(value, self.storage, lambda: self._next_seed(k))
         self._residuals = loaded
         self._velocity = {k: u.float().clone() for k, u in velocities.items()}
@@ -1006,6 +1012,10 @@ class ErrorFeedback(Compressor):
     def memory_bytes(self) -> int:
         """The sum of :meth:`memory`: every byte this error feedback keeps alive."""
         return sum(self.memory().values())
+
+
+#: The storages with blockwise scales (saved as ``"residual_scales"``).
+_BLOCKWISE = ("int8", "int4")
 
 
 def _rank() -> int:

@@ -1,4 +1,4 @@
-"""How error feedback stores a residual between steps: fp32, bf16 or 8-bit blockwise.
+"""How error feedback stores a residual between steps: fp32, bf16, 8-bit or 4-bit blockwise.
 
 A residual is what error feedback still owes; it is read and rewritten once per
 step, and it is kept for every compressed parameter of the model, on every rank.
@@ -11,6 +11,7 @@ storage     per element                                 error of one store
 ``fp32``    4 bytes                                     none (the reference)
 ``bf16``    2 bytes                                     unbiased, ``|e| < 2**-8 |x|``
 ``int8``    1 byte + one fp32 scale per 128 (1.03 B)    unbiased, ``|e| < max|block| / 127``
+``int4``    half a byte + one fp32 scale per 64 (0.56 B) unbiased, ``|e| < max|block| / 7``
 ==========  ==========================================  ============================
 
 The lean formats round **stochastically** (LoCo, MicroAdam): a store is unbiased,
@@ -30,12 +31,14 @@ import math
 import torch
 
 from . import ops
-from .ops.lean import int8_block_decode
+from .ops.lean import int4_block_decode, int8_block_decode
 
 #: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
-STORAGES = ("fp32", "bf16", "int8")
+STORAGES = ("fp32", "bf16", "int8", "int4")
 #: Elements per fp32 scale of the ``int8`` storage.
 INT8_BLOCK = 128
+#: Elements per fp32 scale of the ``int4`` storage (even: a byte's two nibbles share a block).
+INT4_BLOCK = 64
 #: Elements :meth:`LeanTensor.add_to` decodes at a time (a 4 MiB fp32 buffer while it runs).
 DECODE_CHUNK = 1 << 20
 
@@ -49,14 +52,15 @@ def check_storage(value: object, name: str = "storage") -> str:
 
 def bytes_per_element(storage: str) -> float:
     """Bytes one element of a residual takes in ``storage`` (scales included, padding not)."""
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[check_storage(storage)]
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK,
+            "int4": 0.5 + 4.0 / INT4_BLOCK}[check_storage(storage)]
 
 
 class LeanTensor:
-    """A flat fp32 tensor of ``numel`` elements kept in a lean ``storage`` ("bf16" or "int8").
+    """A flat fp32 tensor of ``numel`` elements kept in a lean ``storage`` ("bf16", "int8" or "int4").
 
     Args:
-        storage: ``"bf16"`` or ``"int8"``.
+        storage: ``"bf16"``, ``"int8"`` or ``"int4"``.
         numel: elements it stands for.
         device: where the codes live.
 
@@ -69,16 +73,21 @@ class LeanTensor:
 
     def __init__(self, storage: str, numel: int, device: torch.device, zeroed: bool = True) -> None:
         if check_storage(storage) == "fp32":
-            raise ValueError("LeanTensor: storage must be 'bf16' or 'int8' (fp32 is kept as a plain tensor)")
+            raise ValueError("LeanTensor: storage must be 'bf16', 'int8' or 'int4' (fp32 is kept as a plain tensor)")
         self.storage = storage
         self.numel = int(numel)
         make = torch.zeros if zeroed else torch.empty   # empty: for a store about to be encoded
         if storage == "bf16":
             self.codes = make(self.numel, dtype=torch.bfloat16, device=device)
             self.scales = None
-        else:
+        elif storage == "int8":
             blocks = math.ceil(self.numel / INT8_BLOCK)
             self.codes = make(blocks * INT8_BLOCK, dtype=torch.int8, device=device)
+            self.scales = make(blocks, dtype=torch.float32, device=device)
+        else:   # int4: two codes a byte; zeros are the nibble 8
+            blocks = math.ceil(self.numel / INT4_BLOCK)
+            self.codes = (torch.full((blocks * INT4_BLOCK // 2,), 0x88, dtype=torch.uint8, device=device) if zeroed
+                          else torch.empty(blocks * INT4_BLOCK // 2, dtype=torch.uint8, device=device))
             self.scales = make(blocks, dtype=torch.float32, device=device)
 
     @property
@@ -86,7 +95,7 @@ class LeanTensor:
         return self.codes.device
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors it keeps alive (codes, and scales for int8)."""
+        """The tensors it keeps alive (codes, and scales for int8 and int4)."""
         return (self.codes,) if self.scales is None else (self.codes, self.scales)
 
     @property
@@ -107,8 +116,10 @@ class LeanTensor:
         x = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
         if self.storage == "bf16":
             ops.bf16_stochastic_encode(x, _random_bits(self.numel, 2, x.device, gen).view(torch.int16), self.codes)
-        else:
+        elif self.storage == "int8":
             ops.int8_block_encode(x, _random_bits(self.numel, 1, x.device, gen), self.codes, self.scales, INT8_BLOCK)
+        else:
+            ops.int4_block_encode(x, _random_bits(self.numel, 1, x.device, gen), self.codes, self.scales, INT4_BLOCK)
 
     def decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The stored value as fp32 (``numel`` elements), in ``out`` when given (any shape with
@@ -126,6 +137,8 @@ class LeanTensor:
             raise ValueError(f"LeanTensor.add_to: expected {self.numel} elements, got {dst.numel()}")
         if self.storage == "int8" and alpha == 1.0:   # one op (numba on the CPU: one pass)
             return ops.int8_block_add(dst, self.codes, self.scales, INT8_BLOCK)
+        if self.storage == "int4" and alpha == 1.0:
+            return ops.int4_block_add(dst, self.codes, self.scales, INT4_BLOCK)
         step = max(INT8_BLOCK, chunk - chunk % INT8_BLOCK)
         buf = torch.empty(min(step, self.numel), dtype=torch.float32, device=self.device)
         for lo in range(0, self.numel, step):
@@ -141,6 +154,8 @@ class LeanTensor:
         """Elements ``[lo, hi)`` (``lo`` a multiple of :data:`INT8_BLOCK`) decoded into ``out``."""
         if self.storage == "bf16":
             return out.copy_(self.codes[lo:hi])
+        if self.storage == "int4":
+            return int4_block_decode(self.codes, self.scales, lo, hi, out, INT4_BLOCK)
         return int8_block_decode(self.codes, self.scales, lo, hi, out, INT8_BLOCK)
 
     def keep_where(self, bad: torch.Tensor, new: "LeanTensor") -> None:
@@ -149,13 +164,27 @@ class LeanTensor:
             torch.where(bad, mine, theirs, out=mine)
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(codes, scales)`` for a checkpoint: the ``numel`` codes (the int8 padding dropped)
-        and the int8 scales (``None`` for bf16)."""
-        return (self.codes, None) if self.scales is None else (self.codes[:self.numel].clone(), self.scales)
+        """``(codes, scales)`` for a checkpoint: the codes of the ``numel`` elements (the padding
+        dropped; int4: ``ceil(numel / 2)`` bytes) and the blockwise scales (``None`` for bf16)."""
+        if self.scales is None:
+            return self.codes, None
+        kept = self.numel if self.storage == "int8" else -(-self.numel // 2)
+        return self.codes[:kept].clone(), self.scales
 
     @classmethod
-    def from_saved(cls, storage: str, codes: torch.Tensor, scales: torch.Tensor | None) -> "LeanTensor":
-        """The inverse of :meth:`saved` (copies); ``ValueError`` when the parts do not fit."""
+    def from_saved(cls, storage: str, codes: torch.Tensor, scales: torch.Tensor | None,
+                   numel: int | None = None) -> "LeanTensor":
+        """The inverse of :meth:`saved` (copies); ``numel`` is needed for int4 (two codes a byte).
+        ``ValueError`` when the parts do not fit."""
+        if storage == "int4":
+            if numel is None or -(-int(numel) // 2) != codes.numel() or codes.dtype != torch.uint8:
+                raise ValueError(f"int4 residual: {codes.numel()} {codes.dtype} bytes do not hold {numel} elements")
+            lean = cls(storage, int(numel), codes.device)
+            if scales is None or scales.numel() != lean.scales.numel():
+                raise ValueError(f"int4 residual: {numel} elements need {lean.scales.numel()} scales")
+            lean.scales.copy_(scales)
+            lean.codes[:codes.numel()].copy_(codes)
+            return lean
         lean = cls(storage, codes.numel(), codes.device)
         if storage == "int8":
             if scales is None or scales.numel() != lean.scales.numel() or codes.dtype != torch.int8:
@@ -183,4 +212,4 @@ def _random_bits(count: int, width: int, device: torch.device, gen: torch.Genera
     return words.view(torch.uint8)[:nbytes]
 
 
-__all__ = ["STORAGES", "INT8_BLOCK", "LeanTensor", "bytes_per_element", "check_storage"]
+__all__ = ["STORAGES", "INT4_BLOCK", "INT8_BLOCK", "LeanTensor", "bytes_per_element", "check_storage"]

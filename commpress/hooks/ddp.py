@@ -210,7 +210,8 @@ class DDPState(TakeoverMixin, HookState):
             later).
         residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
             (default: blockwise with its own scales, rounded stochastically;
-            :mod:`commpress.storage`), ``"bf16"`` or ``"fp32"`` (exact).
+            :mod:`commpress.storage`), ``"int4"`` (the same in 4 bits), ``"bf16"`` or
+            ``"fp32"`` (exact).
         rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (a
             pending copy of each between steps), ``"unit"`` the residuals of the first unit that
             saw it and of every unit after it (pending copies only for units in flight).
@@ -1381,7 +1382,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
         residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
             (default: blockwise with its own scales, about 1.03 bytes per compressed parameter
             plus as much for the pending copy, rounded stochastically; :mod:`commpress.storage`),
-            ``"bf16"`` (2 + 2) or ``"fp32"`` (4 + 4, exact).  int8 reached the demo's targets in
+            ``"int4"`` (0.56 + 0.56), ``"bf16"`` (2 + 2) or ``"fp32"`` (4 + 4, exact).  int8 reached the demo's targets in
             the steps fp32 needs (docs/results/memory.md).  ``ValueError`` for another value.
         rollback: what a step with a NaN/inf anywhere (on any rank) keeps as it was: ``"step"``
             (default) every residual, at the price of a pending copy of each between steps;

@@ -325,7 +325,7 @@ class FSDPState(TakeoverMixin, HookState):
             residuals and velocities stay in unscaled units (:meth:`attach_scaler`).  The
             unscaled values are held in the reduce dtype: with an fp16 reduce dtype the smallest
             gradients may underflow there (an fp32 or bf16 reduce dtype does not).
-        residual_storage: ``"int8"`` (default), ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`).
+        residual_storage: ``"int8"`` (default), ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`).
         rollback: ``"step"`` or ``"unit"``, as in :func:`commpress.ddp.register`.
         momentum: momentum correction's factor (0: off), as in :func:`register`.
         momentum_masking: momentum factor masking (with ``momentum``).
@@ -998,7 +998,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             ``scaler.step`` (:meth:`FSDPState.attach_scaler`, also for a scaler made
             later; ``TypeError`` for anything but a GradScaler or ``None``).
         residual_storage: how error feedback keeps its residuals between steps,
-            ``"int8"`` (default), ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
+            ``"int8"`` (default), ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
             :func:`commpress.ddp.register`).
         rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a
             NaN/inf keeps the residuals of the unit that saw it and of the later

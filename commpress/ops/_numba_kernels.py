@@ -2199,3 +2199,74 @@ def lean_int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
         db, cb = dst[lo:hi], codes[lo:hi]   # slices: the loop vectorizes
         for j in range(db.size):
             db[j] = db[j] + np.float32(cb[j]) * s
+
+
+# int4: a code c in [-7, 7] (lean.INT4_MAX) kept as the nibble c + 8, element 2i in byte i's low nibble.
+_F32_TINY = np.float32(1.1754943508222875e-38)   # fp32's smallest normal
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover - compiled
+    """As :func:`lean_int8_encode`, 4-bit: a block's largest magnitude from the sign-cleared bit
+    patterns, then ``floor(clamp(v)) + 8`` two elements at a time; a block with a NaN/inf (or a scale
+    below fp32's smallest normal) stores the zero code, as the reference."""
+    n = x.size
+    f7 = np.float32(7)
+    half = np.float32(0.5)
+    step = np.float32(1.0 / 256)
+    one = np.float32(1.0)
+    bits = np.empty(1, np.int32)
+    as_float = bits.view(np.float32)
+    hb = block // 2
+    for b in range(scales.size):
+        lo = b * block
+        hi = min(lo + block, n)
+        m = np.int32(0)
+        xib = xi[lo:hi]
+        for j in range(xib.size):
+            a = xib[j] & np.int32(0x7FFFFFFF)
+            m = a if a > m else m
+        bits[0] = m
+        s = as_float[0] / f7
+        scales[b] = s
+        cb = codes[b * hb:(b + 1) * hb]
+        if m >= np.int32(0x7F800000) or not (s >= _F32_TINY):
+            for j in range(hb):
+                cb[j] = np.uint8(0x88)
+            continue
+        inv = one / s
+        pairs = (hi - lo) // 2
+        xb, ub = x[lo:hi], noise[lo:hi]
+        for j in range(pairs):
+            v0 = xb[2 * j] * inv + (np.float32(ub[2 * j]) + half) * step
+            v1 = xb[2 * j + 1] * inv + (np.float32(ub[2 * j + 1]) + half) * step
+            c0 = np.int32(np.floor(min(max(v0, -f7), f7))) + 8
+            c1 = np.int32(np.floor(min(max(v1, -f7), f7))) + 8
+            cb[j] = np.uint8(c0 | (c1 << 4))
+        j = pairs
+        if 2 * j < hi - lo:   # an odd tail: its partner is padding (the zero code)
+            v0 = xb[2 * j] * inv + (np.float32(ub[2 * j]) + half) * step
+            cb[j] = np.uint8((np.int32(np.floor(min(max(v0, -f7), f7))) + 8) | 0x80)
+            j += 1
+        for k in range(j, hb):
+            cb[k] = np.uint8(0x88)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lean_int4_add(dst, codes, scales, block):   # pragma: no cover - compiled
+    n = dst.size
+    hb = block // 2
+    for b in range(scales.size):
+        lo = b * block
+        hi = min(lo + block, n)
+        if lo >= hi:
+            break
+        s = scales[b]
+        db, cb = dst[lo:hi], codes[b * hb:(b + 1) * hb]
+        pairs = (hi - lo) // 2
+        for j in range(pairs):
+            p = np.int32(cb[j])
+            db[2 * j] = db[2 * j] + np.float32((p & 15) - 8) * s
+            db[2 * j + 1] = db[2 * j + 1] + np.float32((p >> 4) - 8) * s
+        if 2 * pairs < hi - lo:
+            db[2 * pairs] = db[2 * pairs] + np.float32((np.int32(cb[pairs]) & 15) - 8) * s

@@ -1,12 +1,15 @@
 """The lean residual stores' encoders (:mod:`commpress.storage`): torch reference and numba kernels.
 
-Three ops, dispatched like every op of :mod:`commpress.ops`:
+Six ops, dispatched like every op of :mod:`commpress.ops`:
 
 * :func:`int8_block_encode` — ``scales[b] = max|x_b| / 127``; ``codes = clamp(floor(x / scale + u),
   -127, 127)`` with ``u = (noise + 0.5) / 256`` (noise: one random byte per element), so
   ``E[codes * scale] == x`` up to the noise's 1/256 resolution;
 * :func:`int8_block_add` — ``dst += codes * scales`` (a stored residual added to the compensation
   in place, without decoding it into a buffer of its size);
+* :func:`int4_block_encode` / :func:`int4_block_add` — the same with ``scale = max|x_b| / 7`` and
+  codes in ``[-7, 7]``, kept as ``code + 8`` two to a byte (element ``2i`` in the low nibble); a
+  block holding a NaN/inf (or only subnormals) stores zeros;
 * :func:`bf16_stochastic_encode` — the fp32 bit pattern plus 16 random low bits, truncated to its
   top 16 bits (bf16): rounds the magnitude up with probability (dropped bits) / 2**16.
 
@@ -21,6 +24,8 @@ import torch
 
 #: The ``int8`` codes' largest magnitude.
 INT8_MAX = 127.0
+#: The ``int4`` codes' largest magnitude (a code ``c`` is kept as the nibble ``c + 8``).
+INT4_MAX = 7.0
 
 
 def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -44,6 +49,33 @@ def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
         u = torch.nn.functional.pad(u, (0, pad))
     y.add_(u.view(blocks, block)).floor_().clamp_(-INT8_MAX, INT8_MAX)
     codes.view(blocks, block).copy_(y)
+
+
+def int4_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      block: int) -> None:
+    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (uint8, two nibbles a byte,
+    ``len(scales) * block / 2`` bytes, the tail padding written as zeros) and ``scales`` (fp32, one
+    per ``block``, even), rounding stochastically with ``noise`` (uint8, at least ``n`` bytes).  A
+    block whose scale is not finite or is below fp32's smallest normal stores zero codes."""
+    blocks = scales.numel()
+    n = x.numel()
+    xf = x.float()
+    pad = blocks * block - n
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    xb = xf.view(blocks, block)
+    torch.amax(xb.abs(), dim=1, out=scales)
+    scales.div_(INT4_MAX)
+    usable = (scales >= torch.finfo(torch.float32).tiny) & torch.isfinite(scales)
+    inv = torch.where(usable, 1.0 / scales, torch.zeros_like(scales))
+    y = xb * inv[:, None]
+    u = noise[:n].to(torch.float32).add_(0.5).mul_(1.0 / 256)
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    y.add_(u.view(blocks, block)).floor_().clamp_(-INT4_MAX, INT4_MAX)
+    y = torch.where(usable[:, None], y, torch.zeros_like(y))
+    q = y.add_(INT4_MAX + 1).to(torch.uint8).view(-1, 2)
+    torch.bitwise_or(q[:, 0], q[:, 1] << 4, out=codes)
 
 
 def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor) -> None:
@@ -71,6 +103,35 @@ def int8_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
     return out
 
 
+def int4_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
+                      block: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of an int4 store (``lo`` a multiple of ``block``) decoded into ``out``
+    (``hi - lo`` fp32 elements): ``(nibble - 8) * scale`` per block."""
+    packed = codes[lo // 2:(hi + 1) // 2]
+    nib = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:hi - lo]
+    vals = nib.to(torch.float32).sub_(INT4_MAX + 1)
+    b0, full_hi = lo // block, hi - (hi - lo) % block
+    nfull = (full_hi - lo) // block
+    if nfull:
+        torch.mul(vals[:full_hi - lo].view(nfull, block), scales[b0:b0 + nfull, None],
+                  out=out[:full_hi - lo].view(nfull, block))
+    if full_hi < hi:
+        torch.mul(vals[full_hi - lo:], scales[b0 + nfull], out=out[full_hi - lo:])
+    return out
+
+
+def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``dst += (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``), decoded
+    :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
+    n = dst.numel()
+    step = ADD_CHUNK - ADD_CHUNK % block
+    buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        dst[lo:hi].add_(int4_block_decode(codes, scales, lo, hi, buf[:hi - lo], block))
+    return dst
+
+
 def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """``dst += codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of ``n``
     elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``), decoded
@@ -85,7 +146,8 @@ def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
-             "int8_block_add": int8_block_add}
+             "int8_block_add": int8_block_add, "int4_block_encode": int4_block_encode,
+             "int4_block_add": int4_block_add}
 
 
 def _numba_impls() -> dict:
@@ -113,14 +175,28 @@ def _numba_impls() -> dict:
         xf = x.numpy()
         kernels().lean_int8_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
 
+    def int4_add_numba(dst, codes, scales, block):
+        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
+            return int4_block_add(dst, codes, scales, block)
+        kernels().lean_int4_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
+        return dst
+
+    def int4_numba(x, noise, codes, scales, block):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return int4_block_encode(x, noise, codes, scales, block)
+        xf = x.numpy()
+        kernels().lean_int4_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
+
     def bf16_numba(x, noise, codes):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return bf16_stochastic_encode(x, noise, codes)
         kernels().lean_bf16_encode(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
-    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba}
+    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba,
+            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba}
 
 
 NUMBA = _numba_impls()
 
-__all__ = ["INT8_MAX", "bf16_stochastic_encode", "int8_block_add", "int8_block_encode"]
+__all__ = ["INT4_MAX", "INT8_MAX", "bf16_stochastic_encode", "int4_block_add", "int4_block_decode",
+           "int4_block_encode", "int8_block_add", "int8_block_decode", "int8_block_encode"]

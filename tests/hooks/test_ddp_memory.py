@@ -60,7 +60,7 @@ def _run(rank, world, compressor, params, storage, steps, rollback="step"):
 @pytest.mark.parametrize("compressor,params", [("topk", {"ratio": 0.05}), ("blockquant", {"bits": 4})])
 def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compressor, params):
     figures = {}
-    for storage, rollback in (("fp32", "step"), ("int8", "step"), ("int8", "unit")):
+    for storage, rollback in (("fp32", "step"), ("int8", "step"), ("int8", "unit"), ("int4", "step")):
         res = run(_run, 2, compressor, params, storage, 4, rollback, timeout=180)
         (mem, counted, resumed, w0, compressed), (_, _, _, w1, _) = res
         assert all((a == b).all() for a, b in zip(w0, w1)), "replicas differ"
@@ -81,6 +81,7 @@ def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compres
         figures[storage, rollback] = mem["by_kind"]["residuals"] + mem["by_kind"]["pending"]
     assert figures["int8", "step"] < 0.3 * figures["fp32", "step"]
     assert figures["int8", "unit"] < 0.6 * figures["int8", "step"]
+    assert figures["int4", "step"] < 0.6 * figures["int8", "step"]   # live + pending in 4 bits: 1.13 B
 
 
 def test_residual_storage_is_checked():

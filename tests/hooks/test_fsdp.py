@@ -283,14 +283,15 @@ def _resume(rank, world_size, options=None):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("options", [{}, {"residual_storage": "int8", "rollback": "unit"}])
+@pytest.mark.parametrize("options", [{}, {"residual_storage": "int8", "rollback": "unit"},
+                                     {"residual_storage": "int4"}])
 def test_state_dict_round_trip_resumes_bitwise(options):
     for same, step, keys, memory in run(_resume, 2, options):
         assert same
         assert step == 4
         assert len(keys) == 4       # two units x two chunks
-        # the lean choice: int8 residuals, no pending copy between steps
-        assert (memory["pending"] == 0) == bool(options) and memory["residuals"] > 0
+        # rollback="unit": no pending copy between steps
+        assert (memory["pending"] == 0) == (options.get("rollback") == "unit") and memory["residuals"] > 0
 
 
 # ------------------------------------------------------------------ non-finite

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commpress import ops
-from commpress.storage import INT8_BLOCK
+from commpress.storage import INT4_BLOCK, INT8_BLOCK
 
 pytestmark = pytest.mark.skipif("numba" not in ops.available_backends(), reason="numba not installed")
 
@@ -67,4 +67,43 @@ def test_int8_block_add_numba_is_bitwise_the_reference(n):
     dst = torch.randn(n, generator=g)
     want = dst + (codes.float().view(blocks, INT8_BLOCK) * scales[:, None]).view(-1)[:n]
     out = [ops.int8_block_add(dst.clone(), codes, scales, INT8_BLOCK, backend=b) for b in ("torch", "numba")]
+    assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
+
+
+@pytest.mark.parametrize("name,x", list(_inputs()) + [("odd", torch.randn(3 * INT4_BLOCK + 7)),
+                                                      ("subnormal-block", torch.full((INT4_BLOCK,), 3e-39))])
+def test_int4_block_encode_numba_is_bitwise_the_reference(name, x):
+    n = x.numel()
+    blocks = -(-n // INT4_BLOCK)
+    noise = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    out = []
+    for backend in ("torch", "numba"):
+        codes = torch.full((blocks * INT4_BLOCK // 2,), 99, dtype=torch.uint8)
+        scales = torch.empty(blocks)
+        ops.int4_block_encode(x, noise, codes, scales, INT4_BLOCK, backend=backend)
+        out.append((codes, scales))
+    (c0, s0), (c1, s1) = out
+    assert torch.equal(c0, c1) and torch.equal(_bits(s0), _bits(s1))
+    nib = torch.stack((c0 & 15, c0 >> 4), 1).view(-1)
+    assert bool((nib >= 1).all()) and bool((nib[n:] == 8).all())   # codes in [-7, 7], padding zero
+    y = ((nib.float() - 8).view(blocks, INT4_BLOCK) * s0[:, None]).view(-1)[:n]
+    bad = ~torch.isfinite(s0).repeat_interleave(INT4_BLOCK)[:n]
+    if name in ("randn", "odd"):   # within a code of the value
+        assert bool(((y - x).abs() <= s0.repeat_interleave(INT4_BLOCK)[:n] * 1.0001).all())
+    if name == "nonfinite":   # a block with a NaN/inf stores zero codes (the commit keeps the old value)
+        assert bool(bad.any()) and bool((nib[:n][bad] == 8).all())
+    if name == "subnormal-block":   # below fp32's smallest normal scale: zero
+        assert bool((y == 0).all())
+
+
+@pytest.mark.parametrize("n", [1, 2, INT4_BLOCK - 1, INT4_BLOCK, 3 * INT4_BLOCK + 7, (1 << 20) + 301])
+def test_int4_block_add_numba_is_bitwise_the_reference(n):
+    g = torch.Generator().manual_seed(n)
+    blocks = -(-n // INT4_BLOCK)
+    codes = torch.randint(0, 256, (blocks * INT4_BLOCK // 2,), dtype=torch.uint8, generator=g)
+    scales = torch.rand(blocks, generator=g) * 0.01
+    dst = torch.randn(n, generator=g)
+    nib = torch.stack((codes & 15, codes >> 4), 1).view(-1)
+    want = dst + ((nib.float() - 8).view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:n]
+    out = [ops.int4_block_add(dst.clone(), codes, scales, INT4_BLOCK, backend=b) for b in ("torch", "numba")]
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
