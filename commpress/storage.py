@@ -164,20 +164,21 @@ class LeanTensor:
             torch.where(bad, mine, theirs, out=mine)
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(codes, scales)`` for a checkpoint: the codes of the ``numel`` elements (the padding
-        dropped; int4: ``ceil(numel / 2)`` bytes) and the blockwise scales (``None`` for bf16)."""
+        """``(codes, scales)`` for a checkpoint: the codes (int8: the ``numel`` codes, padding
+        dropped; int4: every block's bytes, each holding two halves of its block) and the
+        blockwise scales (``None`` for bf16)."""
         if self.scales is None:
             return self.codes, None
-        kept = self.numel if self.storage == "int8" else -(-self.numel // 2)
-        return self.codes[:kept].clone(), self.scales
+        return (self.codes[:self.numel].clone() if self.storage == "int8" else self.codes), self.scales
 
     @classmethod
     def from_saved(cls, storage: str, codes: torch.Tensor, scales: torch.Tensor | None,
                    numel: int | None = None) -> "LeanTensor":
-        """The inverse of :meth:`saved` (copies); ``numel`` is needed for int4 (two codes a byte).
-        ``ValueError`` when the parts do not fit."""
+        """The inverse of :meth:`saved` (copies); ``numel`` is needed for int4 (two codes a byte,
+        blocks padded).  ``ValueError`` when the parts do not fit."""
         if storage == "int4":
-            if numel is None or -(-int(numel) // 2) != codes.numel() or codes.dtype != torch.uint8:
+            if (numel is None or -(-int(numel) // INT4_BLOCK) * (INT4_BLOCK // 2) != codes.numel()
+                    or codes.dtype != torch.uint8):
                 raise ValueError(f"int4 residual: {codes.numel()} {codes.dtype} bytes do not hold {numel} elements")
             lean = cls(storage, int(numel), codes.device)
             if scales is None or scales.numel() != lean.scales.numel():

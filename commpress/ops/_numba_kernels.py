@@ -2201,15 +2201,21 @@ def lean_int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
             db[j] = db[j] + np.float32(cb[j]) * s
 
 
-# int4: a code c in [-7, 7] (lean.INT4_MAX) kept as the nibble c + 8, element 2i in byte i's low nibble.
+# int4: a code c in [-7, 7] (lean.INT4_MAX) kept as the nibble c + 8; byte j of a block holds its
+# element j (low nibble) and element j + block/2 (high nibble): both halves contiguous, so the loops vectorize.
 _F32_TINY = np.float32(1.1754943508222875e-38)   # fp32's smallest normal
+
+
+@njit(inline="always", **_SOPTS)
+def _int4_code(v, f7):
+    return np.int32(np.floor(min(max(v, -f7), f7))) + 8
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover - compiled
     """As :func:`lean_int8_encode`, 4-bit: a block's largest magnitude from the sign-cleared bit
-    patterns, then ``floor(clamp(v)) + 8`` two elements at a time; a block with a NaN/inf (or a scale
-    below fp32's smallest normal) stores the zero code, as the reference."""
+    patterns, then ``floor(clamp(v)) + 8``; a block with a NaN/inf (or a scale below fp32's
+    smallest normal) stores the zero code, as the reference."""
     n = x.size
     f7 = np.float32(7)
     half = np.float32(0.5)
@@ -2235,21 +2241,21 @@ def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
                 cb[j] = np.uint8(0x88)
             continue
         inv = one / s
-        pairs = (hi - lo) // 2
-        xb, ub = x[lo:hi], noise[lo:hi]
-        for j in range(pairs):
-            v0 = xb[2 * j] * inv + (np.float32(ub[2 * j]) + half) * step
-            v1 = xb[2 * j + 1] * inv + (np.float32(ub[2 * j + 1]) + half) * step
-            c0 = np.int32(np.floor(min(max(v0, -f7), f7))) + 8
-            c1 = np.int32(np.floor(min(max(v1, -f7), f7))) + 8
-            cb[j] = np.uint8(c0 | (c1 << 4))
-        j = pairs
-        if 2 * j < hi - lo:   # an odd tail: its partner is padding (the zero code)
-            v0 = xb[2 * j] * inv + (np.float32(ub[2 * j]) + half) * step
-            cb[j] = np.uint8((np.int32(np.floor(min(max(v0, -f7), f7))) + 8) | 0x80)
-            j += 1
-        for k in range(j, hb):
-            cb[k] = np.uint8(0x88)
+        if hi - lo == block:   # a whole block: two contiguous halves
+            xa, xb, ua, ub = x[lo:lo + hb], x[lo + hb:hi], noise[lo:lo + hb], noise[lo + hb:hi]
+            for j in range(hb):
+                c0 = _int4_code(xa[j] * inv + (np.float32(ua[j]) + half) * step, f7)
+                c1 = _int4_code(xb[j] * inv + (np.float32(ub[j]) + half) * step, f7)
+                cb[j] = np.uint8(c0 | (c1 << 4))
+        else:   # the tail block: padding is the zero code
+            for j in range(hb):
+                c0 = 8
+                c1 = 8
+                if lo + j < hi:
+                    c0 = _int4_code(x[lo + j] * inv + (np.float32(noise[lo + j]) + half) * step, f7)
+                if lo + hb + j < hi:
+                    c1 = _int4_code(x[lo + hb + j] * inv + (np.float32(noise[lo + hb + j]) + half) * step, f7)
+                cb[j] = np.uint8(c0 | (c1 << 4))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -2262,11 +2268,17 @@ def lean_int4_add(dst, codes, scales, block):   # pragma: no cover - compiled
         if lo >= hi:
             break
         s = scales[b]
-        db, cb = dst[lo:hi], codes[b * hb:(b + 1) * hb]
-        pairs = (hi - lo) // 2
-        for j in range(pairs):
-            p = np.int32(cb[j])
-            db[2 * j] = db[2 * j] + np.float32((p & 15) - 8) * s
-            db[2 * j + 1] = db[2 * j + 1] + np.float32((p >> 4) - 8) * s
-        if 2 * pairs < hi - lo:
-            db[2 * pairs] = db[2 * pairs] + np.float32((np.int32(cb[pairs]) & 15) - 8) * s
+        cb = codes[b * hb:(b + 1) * hb]
+        if hi - lo == block:
+            da, db = dst[lo:lo + hb], dst[lo + hb:hi]
+            for j in range(hb):
+                p = np.int32(cb[j])
+                da[j] = da[j] + np.float32((p & 15) - 8) * s
+                db[j] = db[j] + np.float32((p >> 4) - 8) * s
+        else:
+            for j in range(hb):
+                p = np.int32(cb[j])
+                if lo + j < hi:
+                    dst[lo + j] = dst[lo + j] + np.float32((p & 15) - 8) * s
+                if lo + hb + j < hi:
+                    dst[lo + hb + j] = dst[lo + hb + j] + np.float32((p >> 4) - 8) * s

@@ -8,8 +8,9 @@ Six ops, dispatched like every op of :mod:`commpress.ops`:
 * :func:`int8_block_add` — ``dst += codes * scales`` (a stored residual added to the compensation
   in place, without decoding it into a buffer of its size);
 * :func:`int4_block_encode` / :func:`int4_block_add` — the same with ``scale = max|x_b| / 7`` and
-  codes in ``[-7, 7]``, kept as ``code + 8`` two to a byte (element ``2i`` in the low nibble); a
-  block holding a NaN/inf (or only subnormals) stores zeros;
+  codes in ``[-7, 7]``, kept as ``code + 8`` two to a byte: byte ``j`` of a block holds its element
+  ``j`` (low nibble) and element ``j + block/2`` (high nibble), so that both halves are contiguous
+  (the kernels' loops vectorize); a block holding a NaN/inf (or only subnormals) stores zeros;
 * :func:`bf16_stochastic_encode` — the fp32 bit pattern plus 16 random low bits, truncated to its
   top 16 bits (bf16): rounds the magnitude up with probability (dropped bits) / 2**16.
 
@@ -53,8 +54,9 @@ def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
 
 def int4_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       block: int) -> None:
-    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (uint8, two nibbles a byte,
-    ``len(scales) * block / 2`` bytes, the tail padding written as zeros) and ``scales`` (fp32, one
+    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (uint8, two nibbles a byte: byte ``j``
+    of a block holds its elements ``j`` and ``j + block/2``; ``len(scales) * block / 2`` bytes, the
+    tail padding written as zeros) and ``scales`` (fp32, one
     per ``block``, even), rounding stochastically with ``noise`` (uint8, at least ``n`` bytes).  A
     block whose scale is not finite or is below fp32's smallest normal stores zero codes."""
     blocks = scales.numel()
@@ -74,8 +76,8 @@ def int4_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
         u = torch.nn.functional.pad(u, (0, pad))
     y.add_(u.view(blocks, block)).floor_().clamp_(-INT4_MAX, INT4_MAX)
     y = torch.where(usable[:, None], y, torch.zeros_like(y))
-    q = y.add_(INT4_MAX + 1).to(torch.uint8).view(-1, 2)
-    torch.bitwise_or(q[:, 0], q[:, 1] << 4, out=codes)
+    q = y.add_(INT4_MAX + 1).to(torch.uint8).view(blocks, 2, block // 2)
+    torch.bitwise_or(q[:, 0], q[:, 1] << 4, out=codes.view(blocks, block // 2))
 
 
 def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor) -> None:
@@ -107,8 +109,8 @@ def int4_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
                       block: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of an int4 store (``lo`` a multiple of ``block``) decoded into ``out``
     (``hi - lo`` fp32 elements): ``(nibble - 8) * scale`` per block."""
-    packed = codes[lo // 2:(hi + 1) // 2]
-    nib = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:hi - lo]
+    packed = codes[lo // 2:-(-hi // block) * (block // 2)].view(-1, block // 2)
+    nib = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:hi - lo]   # a block's halves in turn
     vals = nib.to(torch.float32).sub_(INT4_MAX + 1)
     b0, full_hi = lo // block, hi - (hi - lo) % block
     nfull = (full_hi - lo) // block

@@ -70,7 +70,14 @@ def test_int8_block_add_numba_is_bitwise_the_reference(n):
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
 
 
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """The int4 store's codes + 8 in element order: byte j of a block holds elements j and j + 32."""
+    half = codes.view(-1, INT4_BLOCK // 2)
+    return torch.stack((half & 15, half >> 4), 1).reshape(-1)
+
+
 @pytest.mark.parametrize("name,x", list(_inputs()) + [("odd", torch.randn(3 * INT4_BLOCK + 7)),
+                                                      ("short-tail", torch.randn(INT4_BLOCK + 40)),
                                                       ("subnormal-block", torch.full((INT4_BLOCK,), 3e-39))])
 def test_int4_block_encode_numba_is_bitwise_the_reference(name, x):
     n = x.numel()
@@ -84,7 +91,7 @@ def test_int4_block_encode_numba_is_bitwise_the_reference(name, x):
         out.append((codes, scales))
     (c0, s0), (c1, s1) = out
     assert torch.equal(c0, c1) and torch.equal(_bits(s0), _bits(s1))
-    nib = torch.stack((c0 & 15, c0 >> 4), 1).view(-1)
+    nib = _nibbles(c0)
     assert bool((nib >= 1).all()) and bool((nib[n:] == 8).all())   # codes in [-7, 7], padding zero
     y = ((nib.float() - 8).view(blocks, INT4_BLOCK) * s0[:, None]).view(-1)[:n]
     bad = ~torch.isfinite(s0).repeat_interleave(INT4_BLOCK)[:n]
@@ -96,14 +103,15 @@ def test_int4_block_encode_numba_is_bitwise_the_reference(name, x):
         assert bool((y == 0).all())
 
 
-@pytest.mark.parametrize("n", [1, 2, INT4_BLOCK - 1, INT4_BLOCK, 3 * INT4_BLOCK + 7, (1 << 20) + 301])
+@pytest.mark.parametrize("n", [1, 2, INT4_BLOCK // 2 + 3, INT4_BLOCK - 1, INT4_BLOCK, 3 * INT4_BLOCK + 7,
+                               (1 << 20) + 301])
 def test_int4_block_add_numba_is_bitwise_the_reference(n):
     g = torch.Generator().manual_seed(n)
     blocks = -(-n // INT4_BLOCK)
     codes = torch.randint(0, 256, (blocks * INT4_BLOCK // 2,), dtype=torch.uint8, generator=g)
     scales = torch.rand(blocks, generator=g) * 0.01
     dst = torch.randn(n, generator=g)
-    nib = torch.stack((codes & 15, codes >> 4), 1).view(-1)
+    nib = _nibbles(codes)
     want = dst + ((nib.float() - 8).view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:n]
     out = [ops.int4_block_add(dst.clone(), codes, scales, INT4_BLOCK, backend=b) for b in ("torch", "numba")]
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
