@@ -2282,3 +2282,12 @@ def lean_int4_add(dst, codes, scales, block):   # pragma: no cover - compiled
                     dst[lo + j] = dst[lo + j] + np.float32((p & 15) - 8) * s
                 if lo + hb + j < hi:
                     dst[lo + hb + j] = dst[lo + hb + j] + np.float32((p >> 4) - 8) * s
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lean_noise_words(k0, k1, out):   # pragma: no cover - compiled
+    """``out[j] = mix32((mix32(j ^ k0) + k1) mod 2**32)`` (uint32): the lean stores' rounding noise,
+    four bytes a word (``ops.lean.noise_bytes``)."""
+    for j in range(out.size):
+        h = _mix32((np.uint64(j) & _M32) ^ k0)
+        out[j] = np.uint32(_mix32((h + k1) & _M32))

@@ -1,6 +1,6 @@
 """The lean residual stores' encoders (:mod:`commpress.storage`): torch reference and numba kernels.
 
-Six ops, dispatched like every op of :mod:`commpress.ops`:
+Seven ops, dispatched like every op of :mod:`commpress.ops`:
 
 * :func:`int8_block_encode` — ``scales[b] = max|x_b| / 127``; ``codes = clamp(floor(x / scale + u),
   -127, 127)`` with ``u = (noise + 0.5) / 256`` (noise: one random byte per element), so
@@ -11,6 +11,9 @@ Six ops, dispatched like every op of :mod:`commpress.ops`:
   codes in ``[-7, 7]``, kept as ``code + 8`` two to a byte: byte ``j`` of a block holds its element
   ``j`` (low nibble) and element ``j + block/2`` (high nibble), so that both halves are contiguous
   (the kernels' loops vectorize); a block holding a NaN/inf (or only subnormals) stores zeros;
+* :func:`noise_bytes` — the stores' rounding noise: ``n`` bytes from a counter-based hash of the
+  seed (four bytes a 32-bit word ``mix32((mix32(j ^ k0) + k1) mod 2**32)``, little-endian), the
+  same on every device and backend, so a run and its resume store the same codes;
 * :func:`bf16_stochastic_encode` — the fp32 bit pattern plus 16 random low bits, truncated to its
   top 16 bits (bf16): rounds the magnitude up with probability (dropped bits) / 2**16.
 
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .reference import MASK32, _mix32, seed_words
 
 #: The ``int8`` codes' largest magnitude.
 INT8_MAX = 127.0
@@ -87,6 +92,26 @@ def bf16_stochastic_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Te
     codes.view(torch.int16).copy_(bits.bitwise_right_shift_(16))
 
 
+#: Noise words :func:`noise_bytes` hashes at a time (bounds its int64 temporaries).
+NOISE_CHUNK = 1 << 20
+
+
+def noise_bytes(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``n`` uniformly random bytes (uint8) for the lean stores' stochastic rounding: byte ``4j + b``
+    is byte ``b`` (little-endian) of ``mix32((mix32(j ^ k0) + k1) mod 2**32)``, ``(k0, k1)`` the
+    seed's words."""
+    k0, k1 = seed_words(seed)
+    words = -(-int(n) // 4)
+    out = torch.empty(words * 4, dtype=torch.uint8, device=device)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=device)
+    for lo in range(0, words, NOISE_CHUNK):
+        hi = min(lo + NOISE_CHUNK, words)
+        j = torch.arange(lo, hi, dtype=torch.int64, device=device) & MASK32
+        h = _mix32((_mix32(j ^ k0) + k1) & MASK32)
+        out[4 * lo:4 * hi].copy_(((h[:, None] >> shifts) & 0xFF).reshape(-1))
+    return out[:n]
+
+
 #: Elements :func:`int8_block_add` decodes at a time (a transient fp32 buffer of this size).
 ADD_CHUNK = 1 << 20
 
@@ -149,7 +174,7 @@ def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
              "int8_block_add": int8_block_add, "int4_block_encode": int4_block_encode,
-             "int4_block_add": int4_block_add}
+             "int4_block_add": int4_block_add, "noise_bytes": noise_bytes}
 
 
 def _numba_impls() -> dict:
@@ -189,16 +214,24 @@ def _numba_impls() -> dict:
         xf = x.numpy()
         kernels().lean_int4_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
 
+    def noise_numba(seed, n, device="cpu"):
+        if torch.device(device).type != "cpu":
+            return noise_bytes(seed, n, device)
+        k0, k1 = seed_words(seed)
+        words = np.empty(-(-int(n) // 4), np.uint32)
+        kernels().lean_noise_words(np.uint64(k0), np.uint64(k1), words)
+        return torch.from_numpy(words.view(np.uint8)[:n])
+
     def bf16_numba(x, noise, codes):
         if x.dtype != torch.float32 or not x.is_contiguous():
             return bf16_stochastic_encode(x, noise, codes)
         kernels().lean_bf16_encode(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
     return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba,
-            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba}
+            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba, "noise_bytes": noise_numba}
 
 
 NUMBA = _numba_impls()
 
-__all__ = ["INT4_MAX", "INT8_MAX", "bf16_stochastic_encode", "int4_block_add", "int4_block_decode",
+__all__ = ["INT4_MAX", "INT8_MAX", "bf16_stochastic_encode", "noise_bytes", "int4_block_add", "int4_block_decode",
            "int4_block_encode", "int8_block_add", "int8_block_decode", "int8_block_encode"]

@@ -115,3 +115,19 @@ def test_int4_block_add_numba_is_bitwise_the_reference(n):
     want = dst + ((nib.float() - 8).view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:n]
     out = [ops.int4_block_add(dst.clone(), codes, scales, INT4_BLOCK, backend=b) for b in ("torch", "numba")]
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
+
+
+@pytest.mark.parametrize("seed,n", [(0, 1), (7, 5), (2 ** 40 + 3, 4096), (2 ** 63 - 1, (1 << 20) * 4 + 13)])
+def test_noise_bytes_numba_is_bitwise_the_reference(seed, n):
+    a = ops.noise_bytes(seed, n, device="cpu", backend="torch")
+    b = ops.noise_bytes(seed, n, device="cpu", backend="numba")
+    assert a.dtype == b.dtype == torch.uint8 and a.numel() == b.numel() == n and torch.equal(a, b)
+
+
+def test_noise_bytes_are_uniform_and_depend_on_the_seed():
+    a = ops.noise_bytes(3, 1 << 16, device="cpu").long()
+    counts = torch.bincount(a, minlength=256).double()
+    expected = a.numel() / 256
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 400   # 255 degrees of freedom: p < 1e-6 above this
+    assert not torch.equal(ops.noise_bytes(4, 1 << 16, device="cpu").long(), a)
