@@ -375,6 +375,23 @@ def link_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> flo
     return comm_seconds(choice, bucket, replace(network, flat=CostModel(f.alpha, f.beta, 0.0, 0.0)))
 
 
+#: Collective rounds of one call, by aggregation kind (:func:`kind_rounds`).
+KIND_ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
+
+
+def kind_rounds(kind: str, world: int) -> int:
+    """Collective rounds of one call of a compressor of aggregation ``kind`` on ``world`` ranks
+    (flat): PowerSGD (``lowrank``) 2, the quantized kind (``gather``) 2 (two-phase) except at
+    ``world <= 2``, where it runs one ``all_gather`` (what the cost model always takes there),
+    the others 1.  What a per-round cost (``BucketMeasure.round_s``) is charged by: the runtime's
+    ``call_s`` and :func:`commpress.advise.advise`'s ``round_ms``."""
+    if kind not in KIND_ROUNDS:
+        raise ValueError(f"kind_rounds: kind must be one of {tuple(KIND_ROUNDS)}, got {kind!r}")
+    if kind == "gather" and world <= 2:
+        return 1
+    return KIND_ROUNDS[kind]
+
+
 def codec_seconds(choice: Choice, bucket: BucketMeasure, network: Network) -> float:
     """The measured codec seconds; on the two-level path a rank codes one shard (``1/L``).
     Plus the per-call seconds ``call_s`` (and on the two-level path its two intra-node rounds

@@ -162,7 +162,7 @@ class ReduceScatterAutoCodec(AutoCodec):
         p = max(1, self.world)
         m = -(-unit.numel // p)
         return p * codec_cost(c, m, device, dtype=unit.dtype, reps=2 if unit.numel > (1 << 22) else 3,
-                              sample=CODEC_SAMPLE)
+                              sample=CODEC_SAMPLE, storage=self.storage)
 
     def _names(self, units: list[Any]) -> list[str]:
         return [u.key for u in units]

@@ -57,13 +57,15 @@ CODEC_SAMPLE = 1 << 19
 
 def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "cpu",
                shapes: Sequence[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-               reps: int = 3, feedback: bool = True, sample: int | None = None) -> float:
+               reps: int = 3, feedback: bool = True, sample: int | None = None, storage: str = "fp32") -> float:
     """Best-of-``reps`` seconds of ``compress_fixed`` + ``decompress`` of ``candidate`` on a
     ``numel`` tensor on ``device`` (powersgd: each matrix of ``shapes`` in turn, as the
     bucket's collective codes them; pieces it sends as they are cost nothing here).
     ``feedback``: through :class:`~commpress.ErrorFeedback` with a residual in place, as
     ``"auto"`` runs every choice (its compensation and residual passes are part of the cost:
-    for blockquant the fused pass costs about twice the plain quantization).  A sparsifier is
+    for blockquant the fused pass costs about twice the plain quantization), the residual kept
+    as ``storage`` (:data:`commpress.storage.STORAGES`; the runtime passes the hook's
+    ``residual_storage``: a lean store adds its encode and decode passes).  A sparsifier is
     measured at its steady state, after any density warm-up (:data:`STEADY_STEP`), and, under
     feedback, as the collectives send it: the whole tensor in 4 bits where its selection would
     be no smaller (:func:`~commpress.collectives.sparse.whole_per_chunk`).
@@ -84,14 +86,16 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
     if candidate.kind == "dense" or numel == 0:
         return 0.0
     if sample is not None and candidate.kind != "powersgd" and numel > sample:
-        return codec_cost(candidate, int(sample), device, dtype=dtype, reps=reps, feedback=feedback) * numel / sample
+        return codec_cost(candidate, int(sample), device, dtype=dtype, reps=reps, feedback=feedback,
+                          storage=storage) * numel / sample
     dev = torch.device(device)
     shp = tuple(tuple(int(x) for x in s) for s in shapes) if shapes else None
-    key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate, bool(feedback))
+    key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate, bool(feedback),
+           storage if feedback else None)
     if key in _CODEC:
         return _CODEC[key]
     comp = prototype(candidate)
-    coder = ErrorFeedback(comp) if feedback else comp
+    coder = ErrorFeedback(comp, storage=storage) if feedback else comp
     gen = torch.Generator(device="cpu").manual_seed(numel)
     flat = torch.randn(numel, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
     if candidate.kind == "powersgd":

@@ -110,7 +110,7 @@ from ..compressors.base import Compressor
 from ..feedback import ErrorFeedback, _host_verdict
 from .candidates import DEFAULT_CANDIDATES, DENSE, Candidate, Choice, describe, prototype
 from .decide import (REVERT, BucketMeasure, Decider, LinkTracker, Measurements, Network, Prices, codec_seconds,
-                     comm_seconds, critical_candidates, window_tolerance)
+                     comm_seconds, critical_candidates, kind_rounds, window_tolerance)
 from .measure import CODEC_SAMPLE, OverlapRecorder, agree_measurements, codec_cost, norm_change
 from .switch import Carry, fold_residual, take_residual
 
@@ -252,17 +252,12 @@ def excluding(spec: AutoSpec, exclude: tuple[str, ...], where: str) -> AutoSpec:
 
 
 _BF16 = Choice(Candidate("bf16"))
-_ROUNDS = {"sum": 1, "sparse": 1, "gather": 2, "lowrank": 2}
 
 
 def _rounds(candidate: Candidate, world: int) -> int:
-    """Collective rounds of a candidate's call on ``world`` ranks: PowerSGD 2, a quantized kind
-    2 (two-phase) except at ``world <= 2``, where it runs one ``all_gather`` (``gather_all``,
-    what the cost model always takes there), the others 1."""
-    kind = prototype(candidate).aggregation
-    if kind == "gather" and world <= 2:
-        return 1
-    return _ROUNDS[kind]
+    """Collective rounds of a candidate's call on ``world`` ranks (:func:`~commpress.auto.decide.kind_rounds`
+    of its kind: PowerSGD 2, a quantized kind 2 except at ``world <= 2``, the others 1)."""
+    return kind_rounds(prototype(candidate).aggregation, world)
 
 
 def _two_level_slots(codec: ErrorFeedback, key: Any, numel: int, hierarchy: Any,
@@ -722,7 +717,7 @@ class AutoCodec:
         """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
         its elements; powersgd by its matrices); ``None``: ``c`` cannot run on this unit."""
         return codec_cost(c, unit.numel, device, unit.shapes if c.kind == "powersgd" else None,
-                          reps=2 if unit.numel > (1 << 22) else 3, sample=CODEC_SAMPLE)
+                          reps=2 if unit.numel > (1 << 22) else 3, sample=CODEC_SAMPLE, storage=self.storage)
 
     def _rounds_of(self, candidate: Candidate) -> int:
         """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds` on the flat group)."""
