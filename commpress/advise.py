@@ -30,15 +30,33 @@ The model (all inputs are the user's; nothing is sent anywhere)
 
   and each rank codes only its shard (codec / G).  With ``G = P`` (one node) the flat collective
   runs on the intra link (when ``--intra-bandwidth`` is given).
+* **Plain DDP across nodes** (``1 < G < P``): the ``"ddp"`` row is the two-level dense path above
+  (what NCCL's rings reach with a NIC per GPU: each GPU's link carries ``1/G`` of the inter-node
+  bytes); ``--flat-ddp`` adds the row ``"ddp(flat ring)"`` after it: PyTorch DDP's one ring over
+  all ``P`` ranks as gloo runs it, each of its ``2(P−1)`` steps waiting for a chunk of ``4N/P``
+  bytes over the inter-node link (``2(P−1)`` messages, ``2·4N·(P−1)/P`` bytes at
+  ``--bandwidth``): the fair baseline where a node has one link (the emulated 2 × 2 cluster).
+  Speedups and the bound stay relative to ``"ddp"``.
 * **Codec** (compress + decompress, under error feedback for biased compressors, as the hooks
-  run them): measured here on ``--device`` (a tensor of ``2**22`` elements per compressor, best of
-  3, scaled to ``N``), or ``--codec-ns-per-element X`` for another machine (compress + decompress
-  ns per element, split evenly between the two).  The collective's extra passes are charged
-  too: two-phase quantized decodes twice and re-encodes ``1/P`` (``t_c(1 + 1/P) + 2 t_d``), the
-  one-shot all-gather decodes ``P`` pieces (``t_c + P t_d``).
-* **Step** = ``compute + max(0, comm − overlap·compute) + codec``: ``--overlap`` is the fraction
-  of the compute during which communication may run hidden (DDP overlaps the backward pass only
-  partly; 0, the default, is the conservative bound).  The codec is never hidden.
+  run them, the residual kept as ``--residual-storage``, the hooks' default ``int8``): measured
+  here on ``--device`` (a tensor of ``2**22`` elements per compressor, best of 3, scaled to ``N``;
+  on a CPU with one torch thread, as ``torchrun`` runs each rank), or ``--codec-ns-per-element X``
+  for another machine (compress + decompress ns per element, split evenly between the two).  The
+  collective's extra passes are charged too: two-phase quantized decodes twice and re-encodes
+  ``1/P`` (``t_c(1 + 1/P) + 2 t_d``), the one-shot all-gather decodes ``P`` pieces (``t_c + P t_d``).
+  ``--ranks-per-core R`` (CPU ranks oversubscribed, ``R`` sharing each core): the codec's seconds
+  times ``R``, since the ranks of a core code at once, in lockstep with their collectives.
+* **Per-round cost** (``--round-ms``): the hook's seconds per collective round beyond the α-β
+  model (Python, the hand-off to its worker thread, the wait for the slower rank), charged as
+  ``"auto"`` charges it (:func:`commpress.auto.decide.codec_seconds`: ``call_s`` = ``round_ms``
+  × :func:`commpress.auto.decide.kind_rounds` of the kind, the two-level path two intra-node
+  rounds more).  Not measured here: it needs the group (``"auto"`` measures it from its units'
+  calls and reports it as ``stats.as_dict()["auto_network"]["round_ms"]``;
+  ``python -m benchmarks advisecheck`` measures it on each emulated cluster at a tiny bucket).
+  Default 0.  Plain DDP's rows pay none (PyTorch's own all-reduce).
+* **Step** = ``compute + max(0, comm − overlap·compute) + codec + rounds``: ``--overlap`` is the
+  fraction of the compute during which communication may run hidden (DDP overlaps the backward
+  pass only partly; 0, the default, is the conservative bound).  The codec is never hidden.
 * **Bound**: ``c`` is the exposed communication's share of plain DDP's step; no compressor makes a
   step faster than ``1 / (1 − c)`` = DDP's step / compute, since every step is at least
   ``compute``.  ``speedup`` = DDP's step / the row's step; a row ``pays`` when it is above 1.
@@ -68,6 +86,7 @@ from .collectives.costmodel import CostModel
 from .collectives.hierarchy import kind_terms
 from .compressors import available, get
 from .feedback import ErrorFeedback
+from .storage import check_storage
 
 #: Named links: bandwidth and per-message latency (rough published figures, not measurements).
 PROFILES: dict[str, dict[str, Any]] = {
@@ -87,6 +106,10 @@ DEFAULT_COMPRESSORS: tuple[str, ...] = (
 
 DEFAULT_LATENCY_US = 50.0
 DEFAULT_INTRA_LATENCY_US = 5.0
+#: the residual storage the DDP and FSDP2 hooks keep by default (``register(residual_storage=)``)
+DEFAULT_RESIDUAL_STORAGE = "int8"
+#: the row of PyTorch DDP's one flat ring across nodes (``1 < gpus_per_node < world``)
+FLAT_DDP = "ddp(flat ring)"
 PROBE_ELEMENTS = 1 << 22   # codec timing
 _BYTES_PROBE = 1 << 20     # payload-size probe
 _STEADY = 1 << 30          # past any density warm-up
@@ -200,17 +223,26 @@ def _codec_passes(comp: Any, P: int) -> tuple[float, float]:
 
 
 def measure_codec(comp: Any, device: str | torch.device = "cpu", numel: int = PROBE_ELEMENTS,
-                  reps: int = 3) -> tuple[float, float]:
+                  reps: int = 3, storage: str = DEFAULT_RESIDUAL_STORAGE, threads: int | None = 1
+                  ) -> tuple[float, float]:
     """(compress, decompress) seconds per element of ``comp`` on ``device``: best of ``reps`` on a
     ``numel`` tensor (a square-ish matrix for PowerSGD), under error feedback when ``comp`` is
-    biased (as the hooks run it), after one untimed warm-up."""
+    biased (as the hooks run it, the residual kept as ``storage``), after one untimed warm-up.
+    On a CPU with ``threads`` torch threads (1: a rank under ``torchrun``; ``None``: as set here)."""
     dev = torch.device(device)
+    if dev.type == "cpu" and threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure_codec(comp, dev, numel, reps, storage, None)
+        finally:
+            torch.set_num_threads(before)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(numel, generator=g).to(dev)
     if comp.aggregation == "lowrank":
         rows = 1 << (max(numel.bit_length() - 1, 0) // 2)
         x = x[: rows * (numel // rows)].view(rows, numel // rows)
-    coder = comp if comp.unbiased else ErrorFeedback(comp)
+    coder = comp if comp.unbiased else ErrorFeedback(comp, storage=storage)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     best_c = best_d = math.inf
     for i in range(reps + 1):
@@ -232,15 +264,22 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
            intra_bandwidth: str | None = None, intra_latency_us: float = DEFAULT_INTRA_LATENCY_US,
            overlap: float = 0.0, compressors: Sequence[str] | None = None, tensors: Any = None,
            matrix_side: int = 1024, codec_ns_per_element: float | Mapping[str, float] | None = None,
-           device: str | None = None, probe_elements: int = PROBE_ELEMENTS, reps: int = 3) -> dict[str, Any]:
+           device: str | None = None, probe_elements: int = PROBE_ELEMENTS, reps: int = 3,
+           round_ms: float = 0.0, ranks_per_core: float = 1.0,
+           residual_storage: str = DEFAULT_RESIDUAL_STORAGE, flat_ddp: bool = False) -> dict[str, Any]:
     """Predicted step time and bytes of plain DDP and of each compressor (see the module doc).
 
     ``codec_ns_per_element``: compress + decompress ns per element, one number for every
     compressor or a dict by row name (missing rows are measured); ``None``: measured on
-    ``device`` (CUDA when available, else CPU).  Bad input raises ``ValueError`` naming the
-    argument.  Returns ``{"rows": [...], "bound": ..., "comm_fraction": ..., "codec": ...,
-    "best": ..., "inputs": {...}}``; each row has ``compressor``, ``step_ms``, ``bytes`` (one rank
-    sends per step), ``comm_ms``, ``codec_ms``, ``speedup``, ``pays``, ``price``, ``to_target``.
+    ``device`` (CUDA when available, else CPU).  ``round_ms``: the hook's seconds per collective
+    round beyond the α-β model (ms, ``"auto"``'s per-round cost); ``ranks_per_core``: CPU ranks
+    sharing a core (the codec's seconds times it); ``residual_storage``: how error feedback keeps
+    its residuals in the measured codec (the hooks' ``residual_storage``).  Bad input raises
+    ``ValueError`` naming the argument.  Returns ``{"rows": [...], "bound": ..., "comm_fraction":
+    ..., "codec": ..., "best": ..., "inputs": {...}}``; each row has ``compressor``, ``step_ms``,
+    ``bytes`` (one rank sends per step), ``comm_ms``, ``codec_ms``, ``round_ms`` (the per-round
+    cost it pays), ``speedup``, ``pays``, ``price``, ``to_target``; ``flat_ddp`` with ``1 <
+    gpus_per_node < world``: a row ``"ddp(flat ring)"`` follows ``"ddp"`` (see the module doc).
     """
     N = _number(params, "--params", lo=1, integer=True)
     C = _number(compute_ms, "--compute-ms", lo=0, lo_open=True) / 1e3
@@ -252,6 +291,11 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
     side = _number(matrix_side, "--matrix-side", lo=1, integer=True)
     probe = _number(probe_elements, "probe_elements", lo=16, integer=True)
     reps = _number(reps, "reps", lo=1, integer=True)
+    round_s = _number(round_ms, "--round-ms", lo=0) / 1e3
+    R = _number(ranks_per_core, "--ranks-per-core", lo=1)
+    storage = check_storage(residual_storage, "--residual-storage")
+    if not isinstance(flat_ddp, bool):
+        raise ValueError(f"--flat-ddp must be a bool, got {flat_ddp!r}")
     if profile is not None and profile not in PROFILES:
         raise ValueError(f"--profile must be one of {sorted(PROFILES)}, got {profile!r}")
     prof = PROFILES.get(profile, {})
@@ -336,31 +380,43 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
     ddp_step = step(comm0, 0.0)
     c = (ddp_step - C) / ddp_step
     rows = [{"compressor": "ddp", "step_ms": 1e3 * ddp_step, "bytes": bytes0, "inter_node_bytes": inter0,
-             "comm_ms": 1e3 * comm0, "codec_ms": 0.0, "speedup": 1.0, "pays": False, "price": 1.0,
-             "to_target": 1.0}]
+             "comm_ms": 1e3 * comm0, "codec_ms": 0.0, "round_ms": 0.0, "speedup": 1.0, "pays": False,
+             "price": 1.0, "to_target": 1.0}]
+    if two_level and flat_ddp:   # PyTorch DDP's one ring over all P ranks, every step across the inter-node link
+        fb, _, fm = all_reduce_cost(4 * N, P)
+        ft = inter.seconds(fm, fb)
+        fstep = step(ft, 0.0)
+        rows.append({"compressor": FLAT_DDP, "step_ms": 1e3 * fstep, "bytes": fb, "inter_node_bytes": fb,
+                     "comm_ms": 1e3 * ft, "codec_ms": 0.0, "round_ms": 0.0, "speedup": ddp_step / fstep,
+                     "pays": ddp_step / fstep > 1.0, "price": 1.0, "to_target": ddp_step / fstep})
+    from .auto.decide import kind_rounds
     measured = []
     for label, comp in parsed:
         if label in given:
             t_c = t_d = given[label] * 1e-9 / 2
         else:
-            t_c, t_d = measure_codec(comp, dev, probe, reps)
+            t_c, t_d = measure_codec(comp, dev, probe, reps, storage)
             measured.append(label)
         pc, pd = _codec_passes(comp, nodes if two_level else P)
-        codec = (pc * t_c + pd * t_d) * N / (G if two_level else 1)
+        codec = R * (pc * t_c + pd * t_d) * N / (G if two_level else 1)
+        # auto's call_s: round_s per round of the kind (two-level: two intra-node rounds more)
+        rounds = (kind_rounds(comp.aggregation, nodes if two_level else P) + (2 if two_level else 0)) if P > 1 else 0
         comm, nbytes, ibytes = collective(comp)
-        t = step(comm, codec)
+        t = step(comm, codec + rounds * round_s)
         pr = price(comp)
         speed = ddp_step / t
         rows.append({"compressor": label, "step_ms": 1e3 * t, "bytes": nbytes, "inter_node_bytes": ibytes,
-                     "comm_ms": 1e3 * comm, "codec_ms": 1e3 * codec, "speedup": speed, "pays": speed > 1.0,
+                     "comm_ms": 1e3 * comm, "codec_ms": 1e3 * codec, "round_ms": 1e3 * rounds * round_s,
+                     "speedup": speed, "pays": speed > 1.0,
                      "price": pr, "to_target": None if pr is None else speed / pr,
                      "codec_ns_per_element": 1e9 * (t_c + t_d)})
     if measured:
-        where = f"measured on {dev} ({probe} elements, best of {reps}, scaled to {N})"
+        on = f"{dev}, one thread" if torch.device(dev).type == "cpu" else dev
+        where = f"measured on {on} ({probe} elements, best of {reps}, scaled to {N}; residuals {storage})"
         codec_src = where if len(measured) == len(parsed) else f"{where} for {measured}; given for the rest"
     else:
         codec_src = "given (--codec-ns-per-element)"
-    comp_rows = rows[1:]
+    comp_rows = [r for r in rows if r["compressor"] not in ("ddp", FLAT_DDP)]
     best = max(comp_rows, key=lambda r: r["speedup"]) if comp_rows else None
     priced = [r for r in comp_rows if r["to_target"] is not None]
     best_t = max(priced, key=lambda r: r["to_target"]) if priced else None
@@ -377,7 +433,8 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
                    "intra_latency_us": None if intra is None else 1e6 * intra.latency_s,
                    "path": "two_level" if two_level else ("flat, intra-node" if flat_link is intra else "flat"),
                    "overlap": f, "profile": profile, "tensors": ["x".join(map(str, s)) for s in shapes],
-                   "matrix_side": side},
+                   "matrix_side": side, "round_ms": 1e3 * round_s, "ranks_per_core": R,
+                   "residual_storage": storage},
     }
 
 
@@ -393,18 +450,20 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [
         f"{inp['params']:.4g} parameters, {inp['compute_ms']:g} ms compute, {inp['world']} ranks "
         f"({inp['gpus_per_node']} per node, path {inp['path']}), link {inp['bandwidth_bits_per_s'] / 1e9:g} Gbit/s "
-        f"+ {inp['latency_us']:g} us/message, overlap {inp['overlap']:g}",
+        f"+ {inp['latency_us']:g} us/message, overlap {inp['overlap']:g}, {inp['round_ms']:g} ms per hook round, "
+        f"{inp['ranks_per_core']:g} rank(s) per core",
         f"codec: {result['codec']}",
         f"plain DDP: communication is {100 * result['comm_fraction']:.1f}% of the step; no compressor can "
         f"beat {result['bound']:.2f}x (1 / (1 - c))",
         "",
-        f"{'compressor':<22}{'step ms':>10}{'comm ms':>10}{'codec ms':>10}{'bytes/rank':>13}"
+        f"{'compressor':<22}{'step ms':>10}{'comm ms':>10}{'codec ms':>10}{'round ms':>10}{'bytes/rank':>13}"
         f"{'speedup':>9}{'price':>7}{'to target':>11}",
     ]
     for r in result["rows"]:
         pr = "-" if r["price"] is None else f"{r['price']:.2f}"
         tt = "-" if r["to_target"] is None else f"{r['to_target']:.2f}x"
         lines.append(f"{r['compressor']:<22}{r['step_ms']:>10.1f}{r['comm_ms']:>10.1f}{r['codec_ms']:>10.1f}"
+                     f"{r.get('round_ms', 0.0):>10.1f}"
                      f"{_mb(r[key]):>13}{r['speedup']:>8.2f}x{pr:>7}{tt:>11}")
     lines.append("")
     if result["best"] is None:
@@ -443,6 +502,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--matrix-side", default="1024", help="side of the square matrices assumed for the rest (PowerSGD)")
     p.add_argument("--codec-ns-per-element", help="compress + decompress ns per element (instead of measuring here)")
     p.add_argument("--device", help="where to measure the codec (default: cuda if available, else cpu)")
+    p.add_argument("--residual-storage", default=DEFAULT_RESIDUAL_STORAGE,
+                   help=f"error feedback's residual storage in the measured codec (default {DEFAULT_RESIDUAL_STORAGE}, "
+                        "the hooks' default; fp32, bf16, int8, int4)")
+    p.add_argument("--round-ms", default="0", help="the hook's cost per collective round beyond the alpha-beta model, "
+                   "ms (what 'auto' reports as round_ms; default 0)")
+    p.add_argument("--ranks-per-core", default="1", help="CPU ranks sharing one core (oversubscribed): the codec "
+                   "costs this many times its time on a core of its own (default 1)")
+    p.add_argument("--flat-ddp", action="store_true", help="with --gpus-per-node: also price PyTorch DDP's one "
+                   "flat ring over all ranks (row 'ddp(flat ring)'; gloo, or one link per node)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -467,7 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             gpus_per_node=_num(a.gpus_per_node, "--gpus-per-node", True), intra_bandwidth=a.intra_bandwidth,
             intra_latency_us=_num(a.intra_latency_us, "--intra-latency-us"), overlap=_num(a.overlap, "--overlap"),
             compressors=a.compressors, tensors=a.tensors, matrix_side=_num(a.matrix_side, "--matrix-side", True),
-            codec_ns_per_element=_num(a.codec_ns_per_element, "--codec-ns-per-element"), device=a.device)
+            codec_ns_per_element=_num(a.codec_ns_per_element, "--codec-ns-per-element"), device=a.device,
+            round_ms=_num(a.round_ms, "--round-ms"), ranks_per_core=_num(a.ranks_per_core, "--ranks-per-core"),
+            residual_storage=a.residual_storage, flat_ddp=a.flat_ddp)
     except ValueError as e:
         parser.error(str(e))   # SystemExit(2) with the message on stderr
     print(json.dumps(result, indent=1) if a.json else format_table(result))

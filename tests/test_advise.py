@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from commpress import advise as adv
 
@@ -160,3 +161,158 @@ def test_module_runs_as_main_and_prints_json():
     out = json.loads(proc.stdout)
     assert [r["compressor"] for r in out["rows"]] == ["ddp", "blockquant(bits=4)", "topk(ratio=0.01)"]
     assert all(math.isfinite(r["step_ms"]) and r["bytes"] > 0 for r in out["rows"])
+
+
+# ---------------------------------------------------------------- the terms of "auto"'s model (issue 53)
+SPECS = ["fp16", "blockquant(bits=8)", "topk(ratio=0.01)", "powersgd(rank=4)"]
+
+
+@pytest.mark.parametrize("world,kw,rounds", [
+    (2, {}, {"fp16": 1, "blockquant(bits=8)": 1, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2}),
+    (8, {}, {"fp16": 1, "blockquant(bits=8)": 2, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2}),
+    # two levels: the inter-node call among 4 nodes, and two intra-node rounds more
+    (8, dict(gpus_per_node=2, intra_bandwidth="20gbit"),
+     {"fp16": 3, "blockquant(bits=8)": 4, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4}),
+    # two nodes: the quantized inter-node call is one all_gather
+    (4, dict(gpus_per_node=2, intra_bandwidth="20gbit"),
+     {"fp16": 3, "blockquant(bits=8)": 3, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4}),
+])
+def test_round_cost_is_charged_per_round_of_the_kind(world, kw, rounds):
+    base = rows(run(world=world, compressors=SPECS, **kw))
+    paid = rows(run(world=world, compressors=SPECS, round_ms=1.5, **kw))
+    assert paid["ddp"]["step_ms"] == base["ddp"]["step_ms"] and paid["ddp"]["round_ms"] == 0.0
+    for name, n in rounds.items():
+        assert paid[name]["round_ms"] == pytest.approx(1.5 * n)
+        assert paid[name]["step_ms"] == pytest.approx(base[name]["step_ms"] + 1.5 * n)
+        assert base[name]["round_ms"] == 0.0
+
+
+def test_round_cost_is_autos_call_seconds():
+    """advise's round term is what "auto" adds to a candidate's codec seconds (one model)."""
+    from commpress.auto.candidates import Candidate, Choice, prototype
+    from commpress.auto.decide import BucketMeasure, Network, codec_seconds, kind_rounds
+    from commpress.auto.runtime import _rounds
+    from commpress.collectives.costmodel import CostModel
+
+    for world in (2, 3, 8):
+        for cand in (Candidate("bf16"), Candidate("blockquant", 4), Candidate("topk", 0.01), Candidate("powersgd", 4)):
+            assert _rounds(cand, world) == kind_rounds(prototype(cand).aggregation, world)
+    cand = Candidate("blockquant", 8)
+    r = 2e-3
+    b = BucketMeasure("b", 1 << 20, codec_s={cand: 0.0}, call_s={cand: r * kind_rounds("gather", 8)}, round_s=r)
+    net = Network(8, CostModel(0, 0), local_size=2, intra=CostModel(0, 0), inter=CostModel(0, 0))
+    advised = rows(run(world=8, gpus_per_node=2, intra_bandwidth="20gbit", codec_ns_per_element=0.0,
+                       compressors=["blockquant(bits=8)"], round_ms=1e3 * r))["blockquant(bits=8)"]
+    # auto: the flat round count, the two-level path two more; advise: the inter call among 4 nodes (two-phase too)
+    assert 1e3 * codec_seconds(Choice(cand, "two_level"), b, net) == pytest.approx(advised["round_ms"])
+    with pytest.raises(ValueError, match="kind"):
+        kind_rounds("dense", 4)
+
+
+def test_ranks_per_core_scales_the_codec_only():
+    one = rows(run(world=4, compressors=SPECS, round_ms=1.0))
+    two = rows(run(world=4, compressors=SPECS, round_ms=1.0, ranks_per_core=2))
+    assert two["ddp"] == one["ddp"]
+    for name in SPECS:
+        assert two[name]["codec_ms"] == pytest.approx(2 * one[name]["codec_ms"])
+        assert two[name]["round_ms"] == one[name]["round_ms"] and two[name]["comm_ms"] == one[name]["comm_ms"]
+        assert two[name]["step_ms"] == pytest.approx(one[name]["step_ms"] + one[name]["codec_ms"])
+    assert run(world=4, ranks_per_core=1.5)["inputs"]["ranks_per_core"] == 1.5
+
+
+def test_flat_ddp_row_is_one_ring_over_the_inter_node_link():
+    N, P, G = 10_000_000, 8, 2
+    kw = dict(params=N, world=P, gpus_per_node=G, intra_bandwidth="400gbit", bandwidth="10gbit", latency_us=20.0,
+              compressors=["fp16"])
+    plain = run(**kw)
+    res = run(flat_ddp=True, **kw)
+    assert [r["compressor"] for r in res["rows"]] == ["ddp", adv.FLAT_DDP, "fp16"]
+    assert [r["compressor"] for r in plain["rows"]] == ["ddp", "fp16"]
+    flat = rows(res)[adv.FLAT_DDP]
+    comm = 20e-6 * 2 * (P - 1) + 2 * 4 * N * (P - 1) / P * 8 / 10e9
+    assert flat["comm_ms"] == pytest.approx(1e3 * comm, rel=1e-6)
+    assert flat["step_ms"] == pytest.approx(100.0 + 1e3 * comm, rel=1e-6)
+    assert flat["bytes"] == pytest.approx(2 * 4 * N * (P - 1) / P, abs=1)
+    assert flat["speedup"] == pytest.approx(rows(res)["ddp"]["step_ms"] / flat["step_ms"])
+    # the other rows, the bound and the verdict do not change with it
+    assert res["bound"] == plain["bound"] and res["best"] == plain["best"]
+    assert rows(res)["fp16"] == rows(plain)["fp16"]
+    # one node, or one rank per node: no two levels, no extra row
+    assert [r["compressor"] for r in run(flat_ddp=True, compressors=["fp16"])["rows"]] == ["ddp", "fp16"]
+
+
+def test_flat_ddp_never_wins_the_verdict():
+    res = run(world=8, gpus_per_node=2, intra_bandwidth="400gbit", bandwidth="100gbit", flat_ddp=True,
+              compressors=["powersgd(rank=4)"], codec_ns_per_element=1e4)
+    assert res["best"] in (None, "powersgd(rank=4)") and res["best_to_target"] != adv.FLAT_DDP
+
+
+class _Spy:
+    """Stands in for ErrorFeedback in advise: records the storage and the torch threads it ran with."""
+    seen: list = []
+
+    def __init__(self, comp, storage="fp32"):
+        self.comp, self.storage = comp, storage
+
+    def compress_fixed(self, x, **kw):
+        _Spy.seen.append((self.storage, torch.get_num_threads()))
+        return self.comp.compress_fixed(x, **kw)
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp32"])
+def test_codec_is_measured_as_a_rank_runs_it(monkeypatch, storage):
+    """Residuals kept as the hooks keep them, one torch thread on a CPU (torchrun's default), restored after."""
+    monkeypatch.setattr(adv, "ErrorFeedback", _Spy)
+    _Spy.seen = []
+    before = torch.get_num_threads()
+    res = adv.advise(1e6, 10, 2, "1gbit", compressors=["topk(ratio=0.01)", "fp16"], device="cpu",
+                     probe_elements=1 << 12, reps=1, residual_storage=storage)
+    assert torch.get_num_threads() == before
+    assert _Spy.seen and all(s == (storage, 1) for s in _Spy.seen)   # topk only: fp16 is unbiased
+    assert f"residuals {storage}" in res["codec"] and "one thread" in res["codec"]
+    assert res["inputs"]["residual_storage"] == storage
+    assert adv.advise(1e6, 10, 2, "1gbit", compressors=["fp16"], codec_ns_per_element=NS)["inputs"][
+        "residual_storage"] == adv.DEFAULT_RESIDUAL_STORAGE == "int8"
+
+
+def test_autos_codec_cost_keeps_the_hooks_residual_storage(monkeypatch):
+    from commpress.auto import measure
+    from commpress.auto.candidates import Candidate
+
+    monkeypatch.setattr(measure, "ErrorFeedback", _Spy)
+    measure.clear_codec_cache()
+    try:
+        for storage in ("int8", "fp32"):
+            _Spy.seen = []
+            measure.codec_cost(Candidate("topk", 0.01), 4096, reps=1, storage=storage)
+            assert _Spy.seen and {s for s, _ in _Spy.seen} == {storage}
+    finally:
+        measure.clear_codec_cache()
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(round_ms=-1), "--round-ms"), (dict(round_ms=float("inf")), "--round-ms"), (dict(round_ms="1"), "--round-ms"),
+    (dict(ranks_per_core=0.5), "--ranks-per-core"), (dict(ranks_per_core=float("nan")), "--ranks-per-core"),
+    (dict(residual_storage="int3"), "--residual-storage"), (dict(residual_storage=None), "--residual-storage"),
+    (dict(flat_ddp="yes"), "--flat-ddp"),
+])
+def test_bad_new_arguments_name_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        run(**kw)
+
+
+def test_cli_new_flags(capsys):
+    argv = ["--params", "25e6", "--compute-ms", "100", "--world", "8", "--bandwidth", "1gbit",
+            "--codec-ns-per-element", "2", "--compressors", "blockquant(bits=4)", "--gpus-per-node", "4",
+            "--intra-bandwidth", "400gbit", "--round-ms", "1.5", "--ranks-per-core", "2", "--residual-storage",
+            "fp32", "--flat-ddp", "--json"]
+    assert adv.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["compressor"] for r in out["rows"]] == ["ddp", adv.FLAT_DDP, "blockquant(bits=4)"]
+    assert out["inputs"]["round_ms"] == 1.5 and out["inputs"]["ranks_per_core"] == 2
+    assert out["inputs"]["residual_storage"] == "fp32"
+    assert out["rows"][2]["round_ms"] == pytest.approx(1.5 * 3)   # one all_gather between 2 nodes + 2 intra
+    for flag, bad in (("--round-ms", "-2"), ("--ranks-per-core", "0"), ("--residual-storage", "int3")):
+        with pytest.raises(SystemExit) as e:
+            adv.main(argv[:-1] + [flag, bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
