@@ -8,7 +8,13 @@ links; ``2x2``: two nodes of two ranks, only the link between nodes limited) one
 torch thread per rank, ranks pinned to cores) runs, on every rank:
 
 1. **compute**: the model without DDP (forward, backward, SGD step), ``--steps`` timed steps;
-2. **DDP** (PyTorch's own all-reduce), then each compressor of ``--compressors`` through
+2. **the per-round cost** (advise's ``round_ms``): the same for a tiny model (``Linear(TINY, TINY)``,
+   4,160 parameters) without DDP and with each compressor, ``max(--steps, TINY_STEPS)`` steps each;
+   what each compressor's step took beyond advise's prediction at that size (round cost 0: its
+   codec and link time there are tens of microseconds), summed over the compressors and divided by
+   their collective rounds: ``"auto"``'s estimator (``AutoCodec._per_round``) at a size where the
+   α-β terms vanish.  Measured on the launch's group, independently of the timed configs below;
+3. **DDP** (PyTorch's own all-reduce), then each compressor of ``--compressors`` through
    ``commpress.ddp.register`` (its default error feedback; ``hierarchy=2`` on ``2x2``), a warm-up of
    ``WARMUP`` steps then ``--steps`` timed steps each.
 
@@ -16,9 +22,12 @@ The model is one ``Linear(width, width)`` (``width**2 + width`` parameters, 1.05
 bucket, one 1024x1024 matrix for PowerSGD), batch 32.  Step time: rank 0's median.  Then
 ``commpress.advise.advise`` predicts each step from the parameter count, the measured compute median,
 the world, the link (``tc`` rate; latency ``LATENCY_US``; ``2x2``: ``--gpus-per-node 2`` with the
-node's loopback as a ``INTRA`` link) and the codec measured on this machine, overlap 0 (one bucket:
-nothing to overlap); and again with the link as measured: the alpha-beta calibration "auto" runs
-(``commpress.collectives.get_cost_model``) on the launch's group.  The load average before and after
+node's loopback as a ``INTRA`` link) and the codec measured on this machine (one thread, as a rank),
+overlap 0 (one bucket: nothing to overlap), the per-round cost of step 2 and ``--ranks-per-core``
+``world / cores`` when the ranks outnumber the cores (pinned two to a core: each codes at half
+speed); and again with the link as measured: the alpha-beta calibration "auto" runs
+(``commpress.collectives.get_cost_model``) on the launch's group.  Plain DDP on ``2x2`` is compared
+with advise's ``"ddp(flat ring)"`` row (PyTorch DDP runs one ring over the four ranks).  The load average before and after
 each launch is recorded (the machine may be shared).  Writes ``results/advisecheck-<timestamp>/`` and
 the table to ``--doc``.
 """
@@ -32,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from commpress.advise import FLAT_DDP
+
 from .common import markdown_table, results_dir, write_results
 
 COMPRESSORS = ("blockquant(bits=8)", "blockquant(bits=4)", "fp16", "topk(ratio=0.01)", "powersgd(rank=4)")
@@ -42,6 +53,8 @@ CLUSTERS = {   # name -> (world, net, topology)
     "2x2-1gbit": (4, "1gbit", (2, 2)),
 }
 WARMUP = 3
+TINY = 64                # the per-round cost's model: Linear(64, 64)
+TINY_STEPS = 30
 LATENCY_US = 50.0        # advise's default for a link it is not told the latency of
 INTRA = "20gbit"         # a namespace's loopback, as advise's intra-node link (2x2)
 BATCH = 32
@@ -94,6 +107,26 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
 
     cm = get_cost_model(None)            # the alpha-beta calibration "auto" runs (a collective)
     out["alpha_us"], out["beta_bytes_per_s"] = 1e6 * cm.alpha, 1.0 / cm.beta
+    # the per-round cost: the same configs on a tiny model (see the module doc, step 2)
+    tx, ty = x[:, :TINY].contiguous(), y[:, :TINY].contiguous()
+
+    def tiny_stepper(model: nn.Module) -> Callable[[], None]:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(tx), ty).backward()
+            opt.step()
+        return step
+
+    tiny_steps = max(steps, TINY_STEPS)
+    out["tiny:compute"] = _timed(tiny_stepper(_model(TINY)), WARMUP, tiny_steps)
+    for spec in compressors:
+        model = DDP(_model(TINY))
+        state = commpress.ddp.register(model, parse_compressor(spec)[1],
+                                       **({"hierarchy": local_size} if local_size else {}))
+        out["tiny:" + spec] = _timed(tiny_stepper(model), WARMUP, tiny_steps)
+        state.close()
     for spec in ["ddp", *compressors]:
         model = DDP(_model(width))
         state = None
@@ -108,15 +141,33 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
 
 
 def predict(width: int, compute_ms: float, world: int, net: str, latency_us: float,
-            topology: tuple[int, int] | None, compressors: list[str]) -> dict[str, float]:
+            topology: tuple[int, int] | None, compressors: list[str], round_ms: float = 0.0,
+            ranks_per_core: float = 1.0) -> dict[str, float]:
     """``commpress.advise``'s step ms per row for this cluster (``net``: a bandwidth such as ``1gbit``)."""
     from commpress.advise import advise
 
     kw: dict[str, Any] = {}
     if topology is not None:
-        kw = {"gpus_per_node": topology[1], "intra_bandwidth": INTRA}
-    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors, **kw)
+        kw = {"gpus_per_node": topology[1], "intra_bandwidth": INTRA, "flat_ddp": True}
+    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors,
+                 round_ms=round_ms, ranks_per_core=ranks_per_core, **kw)
     return {r["compressor"]: r["step_ms"] for r in res["rows"]}
+
+
+def round_cost(measured: dict[str, float], world: int, link: str, latency_us: float,
+               topology: tuple[int, int] | None, compressors: list[str]) -> float:
+    """ms per collective round of the hook (advise's ``round_ms``) from the tiny model's steps:
+    what the compressors' steps took beyond advise's prediction with no round cost, summed, per
+    round (:func:`commpress.auto.decide.kind_rounds`; the two-level path two rounds more), at least 0."""
+    from commpress.advise import parse_compressor
+    from commpress.auto.decide import kind_rounds
+
+    pred = predict(TINY, measured["tiny:compute"], world, link, latency_us, topology, compressors)
+    nodes = world // topology[1] if topology else world
+    excess = sum(measured["tiny:" + c] - pred[c] for c in compressors)
+    rounds = sum(kind_rounds(parse_compressor(c)[1].aggregation, nodes) + (2 if topology else 0)
+                 for c in compressors)
+    return max(0.0, excess) / rounds if rounds else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,21 +201,28 @@ def main(argv: list[str] | None = None) -> int:
                      kwargs={"width": args.width, "steps": args.steps, "compressors": comps,
                              "local_size": topo[1] if topo else None})
         measured = got[0]
-        nominal = predict(args.width, measured["compute"], world, net, LATENCY_US, topo, comps)
         link = f"{8 * measured['beta_bytes_per_s'] / 1e6:.1f}mbit"
-        calibrated = predict(args.width, measured["compute"], world, link, measured["alpha_us"], topo, comps)
+        rpc = max(1.0, world / cores)   # pinned r % cores: ranks per core when they outnumber the cores
+        round_ms = round_cost(measured, world, link, measured["alpha_us"], topo, comps)
+        nominal = predict(args.width, measured["compute"], world, net, LATENCY_US, topo, comps, round_ms, rpc)
+        calibrated = predict(args.width, measured["compute"], world, link, measured["alpha_us"], topo, comps,
+                             round_ms, rpc)
         for spec in ["ddp", *comps]:
-            m, q, c = measured[spec], nominal[spec], calibrated[spec]
+            row = FLAT_DDP if (spec == "ddp" and topo) else spec   # PyTorch DDP: one flat ring
+            m, q, c = measured[spec], nominal[row], calibrated[row]
             rows.append({"cluster": name, "ranks": world, "cores": cores, "compute_ms": round(measured["compute"], 2),
                          "load_1min": f"{load0:.1f}-{os.getloadavg()[0]:.1f}",
                          "calibrated_link": f"{link}, {measured['alpha_us']:.0f} us",
-                         "config": spec, "measured_ms": round(m, 2), "predicted_ms": round(q, 2),
+                         "round_ms": round(round_ms, 2), "ranks_per_core": rpc,
+                         "config": spec, "predicted_row": row, "measured_ms": round(m, 2), "predicted_ms": round(q, 2),
                          "error_pct": round(100 * (q - m) / m, 1), "predicted_calibrated_ms": round(c, 2),
                          "error_calibrated_pct": round(100 * (c - m) / m, 1)})
             print(rows[-1], flush=True)
-    write_results(out, rows, {"width": args.width, "steps": args.steps, "latency_us": LATENCY_US, "intra": INTRA})
-    table = markdown_table(rows, ["cluster", "load_1min", "compute_ms", "calibrated_link", "config", "measured_ms", "predicted_ms",
-                                  "error_pct", "predicted_calibrated_ms", "error_calibrated_pct"])
+    write_results(out, rows, {"width": args.width, "steps": args.steps, "latency_us": LATENCY_US, "intra": INTRA,
+                              "tiny": TINY, "tiny_steps": max(args.steps, TINY_STEPS)})
+    table = markdown_table(rows, ["cluster", "load_1min", "compute_ms", "calibrated_link", "round_ms", "ranks_per_core",
+                                  "config", "predicted_row", "measured_ms", "predicted_ms", "error_pct",
+                                  "predicted_calibrated_ms", "error_calibrated_pct"])
     (out / "summary.md").write_text(table + "\n")
     print(table)
     if args.doc:
