@@ -26,9 +26,10 @@ node's loopback as a ``INTRA`` link) and the codec measured on this machine (one
 overlap 0 (one bucket: nothing to overlap), the per-round cost of step 2 and ``--ranks-per-core``
 ``world / cores`` when the ranks outnumber the cores (pinned two to a core: each codes at half
 speed); and again with the link as measured: the alpha-beta calibration "auto" runs
-(``commpress.collectives.get_cost_model``) on the launch's group.  Plain DDP on ``2x2`` is compared
-with advise's ``"ddp(flat ring)"`` row (PyTorch DDP runs one ring over the four ranks).  The load average before and after
-each launch is recorded (the machine may be shared).  Writes ``results/advisecheck-<timestamp>/`` and
+(``commpress.collectives.get_cost_model``) on the launch's group (on ``2x2`` the hierarchy's own,
+``Hierarchy.models()``: inside a node and between nodes; the per-round cost is taken against
+these).  Plain DDP on ``2x2`` is compared with advise's ``"ddp(flat ring)"`` row (PyTorch DDP runs
+one ring over the four ranks).  The load average before and after each launch is recorded (the machine may be shared).  Writes ``results/advisecheck-<timestamp>/`` and
 the table to ``--doc``.
 """
 
@@ -57,6 +58,7 @@ TINY = 64                # the per-round cost's model: Linear(64, 64)
 TINY_STEPS = 30
 LATENCY_US = 50.0        # advise's default for a link it is not told the latency of
 INTRA = "20gbit"         # a namespace's loopback, as advise's intra-node link (2x2)
+INTRA_LATENCY_US = 5.0   # advise's default inside a node
 BATCH = 32
 
 
@@ -107,6 +109,12 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
 
     cm = get_cost_model(None)            # the alpha-beta calibration "auto" runs (a collective)
     out["alpha_us"], out["beta_bytes_per_s"] = 1e6 * cm.alpha, 1.0 / cm.beta
+    if local_size:                       # and the two-level path's: inside a node, between nodes
+        from commpress.collectives import Hierarchy
+
+        intra, inter = Hierarchy(local_size).models()
+        out["intra_alpha_us"], out["intra_beta_bytes_per_s"] = 1e6 * intra.alpha, 1.0 / intra.beta
+        out["inter_alpha_us"], out["inter_beta_bytes_per_s"] = 1e6 * inter.alpha, 1.0 / inter.beta
     # the per-round cost: the same configs on a tiny model (see the module doc, step 2)
     tx, ty = x[:, :TINY].contiguous(), y[:, :TINY].contiguous()
 
@@ -142,27 +150,30 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
 
 def predict(width: int, compute_ms: float, world: int, net: str, latency_us: float,
             topology: tuple[int, int] | None, compressors: list[str], round_ms: float = 0.0,
-            ranks_per_core: float = 1.0) -> dict[str, float]:
-    """``commpress.advise``'s step ms per row for this cluster (``net``: a bandwidth such as ``1gbit``)."""
+            ranks_per_core: float = 1.0, intra: tuple[str, float] = (INTRA, INTRA_LATENCY_US)) -> dict[str, float]:
+    """``commpress.advise``'s step ms per row for this cluster (``net``: a bandwidth such as ``1gbit``;
+    ``intra``: the link inside a node, bandwidth and latency, on ``2x2``)."""
     from commpress.advise import advise
 
     kw: dict[str, Any] = {}
     if topology is not None:
-        kw = {"gpus_per_node": topology[1], "intra_bandwidth": INTRA, "flat_ddp": True}
+        kw = {"gpus_per_node": topology[1], "intra_bandwidth": intra[0], "intra_latency_us": intra[1],
+              "flat_ddp": True}
     res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors,
                  round_ms=round_ms, ranks_per_core=ranks_per_core, **kw)
     return {r["compressor"]: r["step_ms"] for r in res["rows"]}
 
 
 def round_cost(measured: dict[str, float], world: int, link: str, latency_us: float,
-               topology: tuple[int, int] | None, compressors: list[str]) -> float:
+               topology: tuple[int, int] | None, compressors: list[str],
+               intra: tuple[str, float] = (INTRA, INTRA_LATENCY_US)) -> float:
     """ms per collective round of the hook (advise's ``round_ms``) from the tiny model's steps:
     what the compressors' steps took beyond advise's prediction with no round cost, summed, per
     round (:func:`commpress.auto.decide.kind_rounds`; the two-level path two rounds more), at least 0."""
     from commpress.advise import parse_compressor
     from commpress.auto.decide import kind_rounds
 
-    pred = predict(TINY, measured["tiny:compute"], world, link, latency_us, topology, compressors)
+    pred = predict(TINY, measured["tiny:compute"], world, link, latency_us, topology, compressors, intra=intra)
     nodes = world // topology[1] if topology else world
     excess = sum(measured["tiny:" + c] - pred[c] for c in compressors)
     rounds = sum(kind_rounds(parse_compressor(c)[1].aggregation, nodes) + (2 if topology else 0)
@@ -201,18 +212,28 @@ def main(argv: list[str] | None = None) -> int:
                      kwargs={"width": args.width, "steps": args.steps, "compressors": comps,
                              "local_size": topo[1] if topo else None})
         measured = got[0]
-        link = f"{8 * measured['beta_bytes_per_s'] / 1e6:.1f}mbit"
+        link, alpha_us = f"{8 * measured['beta_bytes_per_s'] / 1e6:.1f}mbit", measured["alpha_us"]
+        flat_link = (link, alpha_us)   # the default group's: what PyTorch DDP's one ring runs on
+        intra = (INTRA, INTRA_LATENCY_US)
+        if topo:   # calibrated: the hierarchy's own models, inside a node and between nodes
+            intra = (f"{8 * measured['intra_beta_bytes_per_s'] / 1e6:.1f}mbit", measured["intra_alpha_us"])
+            link, alpha_us = f"{8 * measured['inter_beta_bytes_per_s'] / 1e6:.1f}mbit", measured["inter_alpha_us"]
         rpc = max(1.0, world / cores)   # pinned r % cores: ranks per core when they outnumber the cores
-        round_ms = round_cost(measured, world, link, measured["alpha_us"], topo, comps)
+        round_ms = round_cost(measured, world, link, alpha_us, topo, comps, intra)
         nominal = predict(args.width, measured["compute"], world, net, LATENCY_US, topo, comps, round_ms, rpc)
-        calibrated = predict(args.width, measured["compute"], world, link, measured["alpha_us"], topo, comps,
-                             round_ms, rpc)
+        calibrated = predict(args.width, measured["compute"], world, link, alpha_us, topo, comps,
+                             round_ms, rpc, intra)
+        if topo:   # the ring's inter-node hop on the flat group's calibration, not the inter groups' (shared)
+            calibrated[FLAT_DDP] = predict(args.width, measured["compute"], world, *flat_link, topo, ["fp16"],
+                                           0.0, rpc, intra)[FLAT_DDP]
         for spec in ["ddp", *comps]:
             row = FLAT_DDP if (spec == "ddp" and topo) else spec   # PyTorch DDP: one flat ring
             m, q, c = measured[spec], nominal[row], calibrated[row]
             rows.append({"cluster": name, "ranks": world, "cores": cores, "compute_ms": round(measured["compute"], 2),
                          "load_1min": f"{load0:.1f}-{os.getloadavg()[0]:.1f}",
-                         "calibrated_link": f"{link}, {measured['alpha_us']:.0f} us",
+                         "calibrated_link": (f"flat {flat_link[0]}, {flat_link[1]:.0f} us; inter {link}, {alpha_us:.0f} us; "
+                                             f"intra {intra[0]}, {intra[1]:.0f} us") if topo
+                                            else f"{link}, {alpha_us:.0f} us",
                          "round_ms": round(round_ms, 2), "ranks_per_core": rpc,
                          "config": spec, "predicted_row": row, "measured_ms": round(m, 2), "predicted_ms": round(q, 2),
                          "error_pct": round(100 * (q - m) / m, 1), "predicted_calibrated_ms": round(c, 2),

@@ -39,8 +39,9 @@ The model (all inputs are the user's; nothing is sent anywhere)
   Speedups and the bound stay relative to ``"ddp"``.
 * **Codec** (compress + decompress, under error feedback for biased compressors, as the hooks
   run them, the residual kept as ``--residual-storage``, the hooks' default ``int8``): measured
-  here on ``--device`` (a tensor of ``2**22`` elements per compressor, best of 3, scaled to ``N``;
-  on a CPU with one torch thread, as ``torchrun`` runs each rank), or ``--codec-ns-per-element X``
+  here on ``--device`` (a tensor of ``min(N, 2**22)`` elements per compressor, best of 3, scaled to
+  ``N``: a smaller model is timed at its own size, in the caches it fits; on a CPU with one torch
+  thread, as ``torchrun`` runs each rank), or ``--codec-ns-per-element X``
   for another machine (compress + decompress ns per element, split evenly between the two).  The
   collective's extra passes are charged too: two-phase quantized decodes twice and re-encodes
   ``1/P`` (``t_c(1 + 1/P) + 2 t_d``), the one-shot all-gather decodes ``P`` pieces (``t_c + P t_d``).
@@ -395,7 +396,7 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
         if label in given:
             t_c = t_d = given[label] * 1e-9 / 2
         else:
-            t_c, t_d = measure_codec(comp, dev, probe, reps, storage)
+            t_c, t_d = measure_codec(comp, dev, max(16, min(probe, N)), reps, storage)
             measured.append(label)
         pc, pd = _codec_passes(comp, nodes if two_level else P)
         codec = R * (pc * t_c + pd * t_d) * N / (G if two_level else 1)
@@ -412,7 +413,8 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
                      "codec_ns_per_element": 1e9 * (t_c + t_d)})
     if measured:
         on = f"{dev}, one thread" if torch.device(dev).type == "cpu" else dev
-        where = f"measured on {on} ({probe} elements, best of {reps}, scaled to {N}; residuals {storage})"
+        where = (f"measured on {on} ({max(16, min(probe, N))} elements, best of {reps}, scaled to {N}; "
+                 f"residuals {storage})")
         codec_src = where if len(measured) == len(parsed) else f"{where} for {measured}; given for the rest"
     else:
         codec_src = "given (--codec-ns-per-element)"

@@ -316,3 +316,10 @@ def test_cli_new_flags(capsys):
         with pytest.raises(SystemExit) as e:
             adv.main(argv[:-1] + [flag, bad])
         assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_model_smaller_than_the_probe_is_timed_at_its_own_size():
+    res = adv.advise(5000, 10, 2, "1gbit", compressors=["fp16"], device="cpu", probe_elements=1 << 14, reps=1)
+    assert "(5000 elements" in res["codec"]
+    res = adv.advise(1e6, 10, 2, "1gbit", compressors=["fp16"], device="cpu", probe_elements=1 << 14, reps=1)
+    assert f"({1 << 14} elements" in res["codec"]
