@@ -248,8 +248,9 @@ class ErrorFeedback(Compressor):
         momentum: momentum correction's factor in [0, 1) (0: off).
         clip: local gradient clipping before the velocity (L2 norm), or ``None``.
         masking: momentum factor masking (with ``momentum``).
-        storage: how residuals are kept between steps: ``"fp32"`` (exact), ``"bf16"``,
-            ``"int8"`` or ``"int4"`` (blockwise, stochastic rounding; :mod:`commpress.storage`).  The
+        storage: how residuals (and momentum correction's velocities) are kept between steps:
+            ``"fp32"`` (exact), ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise, stochastic
+            rounding; :mod:`commpress.storage`).  The
             computation is fp32 either way; a lean store decodes into a buffer of the key's
             size while it works.
         seed: the lean stores' rounding noise is drawn from it (and the rank, key and a count).
@@ -309,8 +310,14 @@ class ErrorFeedback(Compressor):
         self._work = BufferPool()   # lean storage's fp32 buffers for the next residuals, until sealed
         self._borrowed: set = set()   # keys whose open buffer is the caller's scratch input
         self._decoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live one
-        self._velocity: dict[Any, torch.Tensor] = {}
-        self._velocity_pending: dict[Any, torch.Tensor] = {}  # numel + 1 entries: slot numel is padding
+        # momentum correction's velocity: fp32 tensors, or LeanTensor (flat) with a lean storage
+        self._velocity: dict[Any, Any] = {}
+        # the step's new velocity in fp32, numel + 1 entries (slot numel is padding); with a lean
+        # storage a pooled working buffer until sealed into _velocity_sealed (the pending LeanTensor)
+        self._velocity_pending: dict[Any, torch.Tensor] = {}
+        self._velocity_sealed: dict[Any, LeanTensor] = {}
+        self._vstores = 0   # lean velocity stores so far (their own count: a path stores once a step)
+        self._vdecoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live velocity
         self._decode: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._dense_velocity: dict[str, torch.Tensor] = {}   # plain momentum of dense tensors
         self._dense_pending: dict[str, torch.Tensor] = {}
@@ -478,6 +485,9 @@ class ErrorFeedback(Compressor):
                          shape: torch.Size | None = None) -> None:
         """Live velocity of ``key`` := pending, except where ``bad`` (:meth:`commit`'s rule: swapped
         on the host, ``torch.where`` for a device flag, ``keep_old`` its host verdict)."""
+        if self.storage != "fp32":
+            self._commit_lean_velocity(key, bad, keep_old)
+            return
         vbuf = self._velocity_pending[key]
         vpend = vbuf[:-1] if shape is None else vbuf[:-1].view(shape)
         if keep_old is None:
@@ -493,6 +503,57 @@ class ErrorFeedback(Compressor):
                 del self._velocity_pending[key]
         if not self.hold_pending:   # only the keys in flight hold a pending velocity
             self._velocity_pending.pop(key, None)
+
+    def _commit_lean_velocity(self, key: Any, bad: torch.Tensor | None, keep_old: bool | None) -> None:
+        """:meth:`_commit_velocity` with a lean storage: the sealed pending store becomes the live
+        one (swapped on the host, ``keep_where`` for a device flag)."""
+        self._seal_velocity(key)   # a velocity written but not sealed yet (nothing masked it)
+        pend = self._velocity_sealed[key] if self.hold_pending else self._velocity_sealed.pop(key)
+        live = self._velocity.get(key)
+        if keep_old is None:
+            if live is None or live.numel != pend.numel or live.device != pend.device:
+                live = self._velocity[key] = LeanTensor(self.storage, pend.numel, pend.device)
+            live.keep_where(bad, pend)
+        elif not keep_old:
+            self._velocity[key] = pend
+            if self.hold_pending:
+                if live is not None and live.numel == pend.numel and live.device == pend.device:
+                    self._velocity_sealed[key] = live
+                else:
+                    del self._velocity_sealed[key]
+
+    def _seal_velocity(self, key: Any) -> None:
+        """Lean storage: store ``key``'s new velocity (its fp32 working buffer, then back to the
+        pool) as its pending velocity.  A no-op with fp32 storage or when none is open."""
+        if self.storage == "fp32":
+            return
+        buf = self._velocity_pending.pop(key, None)
+        if buf is None:
+            return
+        self._encode_velocity(key, buf[:-1])
+        self._work.give(buf)
+
+    def _encode_velocity(self, key: Any, src: torch.Tensor) -> None:
+        """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored."""
+        pend = self._velocity_sealed.get(key)
+        if pend is None or pend.numel != src.numel() or pend.device != src.device:
+            pend = self._velocity_sealed[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
+        self._vstores += 1
+        pend.encode(src, mix_seed(self.seed, _rank(), stable_hash(key), self._vstores, _VELOCITY_SEED))
+
+    def _decoded_velocity(self, key: Any, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The live velocity of ``key`` in fp32 (flat, ``numel``): the tensor itself, or a lean one
+        decoded into this thread's buffer; ``None`` for none (or one of another size or device)."""
+        live = self._velocity.get(key)
+        if live is None or _numel(live) != numel or live.device != device:
+            return None
+        if not isinstance(live, LeanTensor):
+            return live
+        slot = (threading.get_ident(), device)
+        buf = self._vdecoded.get(slot)
+        if buf is None or buf.numel() < numel:
+            buf = self._vdecoded[slot] = torch.empty(numel, dtype=torch.float32, device=device)
+        return live.decode(buf[:numel])
 
     _apply = commit  # the name before the public protocol
 
@@ -546,21 +607,33 @@ class ErrorFeedback(Compressor):
         self._dense_pending.clear()
 
     def velocity(self, key: Any) -> torch.Tensor | None:
-        """The stored fp32 momentum-correction velocity for ``key`` (live buffer), or ``None``."""
-        return self._velocity.get(key)
+        """The stored momentum-correction velocity for ``key`` in fp32 (the live buffer with fp32
+        storage, a decoded flat copy with a lean one), or ``None``."""
+        live = self._velocity.get(key)
+        return live.decode() if isinstance(live, LeanTensor) else live
 
-    def _velocity_slots(self, tensor: torch.Tensor, key: Any,
-                        numel: int | None = None) -> tuple[torch.Tensor | None, float, torch.Tensor]:
-        """``(live, momentum, new)`` for ``key``: its live velocity (``None``: fresh, a zero one)
-        and the pending buffer's first ``numel`` entries (default ``tensor``'s), where the step's
+    def _velocity_slots(self, tensor: torch.Tensor, key: Any, numel: int | None = None,
+                        decode: bool = True) -> tuple[torch.Tensor | None, float, torch.Tensor]:
+        """``(live, momentum, new)`` for ``key``: its live velocity in fp32 (``None``: fresh, a zero
+        one; a lean one decoded into this thread's buffer, or left out with ``decode=False``) and
+        the pending buffer's first ``numel`` entries (default ``tensor``'s), where the step's
         velocity goes."""
         n = tensor.numel() if numel is None else numel
         buf = self._velocity_pending.get(key)
         if buf is None or buf.numel() != n + 1 or buf.device != tensor.device:
-            buf = self._velocity_pending[key] = torch.zeros(n + 1, dtype=torch.float32, device=tensor.device)
+            if self.storage == "fp32":
+                buf = torch.zeros(n + 1, dtype=torch.float32, device=tensor.device)
+            else:   # a working buffer until sealed
+                if buf is not None:
+                    self._work.give(buf)
+                buf = self._work.take(n + 1, torch.float32, tensor.device)
+                buf[-1] = 0.0
+            self._velocity_pending[key] = buf
         live = self._velocity.get(key)
-        if live is None or live.numel() != n or live.device != tensor.device:
+        if live is None or _numel(live) != n or live.device != tensor.device:
             live = None
+        elif isinstance(live, LeanTensor):
+            live = self._decoded_velocity(key, n, tensor.device) if decode else None
         return live, self.momentum, buf[:n]
 
     def velocity_into(self, tensor: torch.Tensor, key: Any, numel: int, offset: int = 0, *,
@@ -585,15 +658,22 @@ class ErrorFeedback(Compressor):
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or not 0 <= offset <= numel - n:
             raise ValueError(f"velocity_into: an fp32 contiguous part inside {numel} elements, got "
                              f"{tensor.dtype} of {n} at {offset}")
-        live, m, new = self._velocity_slots(tensor, key, numel)
+        lean = self._velocity.get(key)
+        if isinstance(lean, LeanTensor):   # decode only this part's span
+            _, m, new = self._velocity_slots(tensor, key, numel, decode=False)
+            live = lean.decode_span(offset, offset + n) if lean.numel == numel and lean.device == tensor.device \
+                else None
+        else:
+            live, m, new = self._velocity_slots(tensor, key, numel)
+            live = None if live is None else live.view(-1)[offset:offset + n]
         part = new[offset:offset + n]
-        accumulate_velocity(tensor.view(-1), float(scale), None if live is None else live.view(-1)[offset:offset + n],
-                            m, part)
+        accumulate_velocity(tensor.view(-1), float(scale), live, m, part)
         tensor.view(-1).copy_(part)
 
     def stage_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
         """Stage ``key``'s pending velocity (written by :meth:`velocity_into`) in ``transaction``, or
         commit it at once; its residual is left as it is."""
+        self._seal_velocity(key)
         if transaction is not None:
             transaction.stage(self, _VelocityOnly(key))
         else:
@@ -636,7 +716,9 @@ class ErrorFeedback(Compressor):
     def _open_in_place(self, x: torch.Tensor, key: Any, scale: float) -> "FusedSlots":
         """:meth:`open_fused` on a scratch input with lean storage: ``x := (m*u +) x*scale +
         beta*e`` in place; ``x`` is then the buffer of the next residual (sealed from it)."""
-        if self.momentum:
+        if self.momentum and self.clip is None and self.storage != "fp32":
+            self._velocity_in_place(x, key, scale)   # x := m*u + g, stored as the pending velocity
+        elif self.momentum:
             x.copy_(self._accumulate(x, key, scale))   # the pending velocity m*u + g
         elif scale != 1.0:
             x.mul_(scale)
@@ -648,15 +730,31 @@ class ErrorFeedback(Compressor):
         self._borrowed.add(key)
         return FusedSlots(x, 1.0, None, x, None)
 
+    def _velocity_in_place(self, x: torch.Tensor, key: Any, scale: float) -> None:
+        """Lean storage: ``x := m*u + x*scale`` in place (:func:`accumulate_velocity`'s operations,
+        the live velocity decoded a chunk at a time) and stored at once as the pending velocity
+        (momentum factor masking then zeroes the stored codes): no fp32 buffer of the key's size."""
+        flat = x.view(-1)
+        if scale != 1.0:
+            flat.mul_(scale)
+        live = self._velocity.get(key)
+        if live is not None and live.numel == flat.numel() and live.device == flat.device:
+            live.add_to(flat, self.momentum)
+        stale = self._velocity_pending.pop(key, None)
+        if stale is not None:
+            self._work.give(stale)
+        self._encode_velocity(key, flat)
+
     def close_fused(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None = None,
                     sent: Any = None, sent_all: bool = False) -> None:
         """After the kernel of :meth:`open_fused` wrote the next residual: store it, apply momentum
         factor masking (at the ``sent`` indices, or everywhere with ``sent_all``), and stage it in
         ``transaction`` (else commit at once) under the local NaN/inf flag ``bad`` (0-d bool)."""
         self._seal(key)
+        self._seal_velocity(key)
         if self.momentum and self.masking:
             if sent_all:
-                self._velocity_pending[key].zero_()
+                self._zero_pending_velocity(key)
             elif sent is not None and len(sent):
                 self.mask_sent(key, torch.as_tensor(sent))
         if transaction is not None:
@@ -666,10 +764,23 @@ class ErrorFeedback(Compressor):
 
     def mask_sent(self, key: Any, indices: torch.Tensor) -> None:
         """Momentum factor masking: zero ``key``'s pending velocity at ``indices`` (a padding
-        index ``numel`` lands in the buffer's extra slot, zeroed too)."""
+        index ``numel`` lands in the buffer's extra slot, zeroed too; a lean store's codes are
+        zeroed there once it is sealed)."""
+        if self.storage != "fp32":
+            self._seal_velocity(key)
+            self._velocity_sealed[key].zero_at(indices)
+            return
         buf = self._velocity_pending[key]
         buf.index_fill_(0, indices.to(buf.device).long(), 0.0)
         buf[-1] = 0.0
+
+    def _zero_pending_velocity(self, key: Any) -> None:
+        """Momentum factor masking when every coordinate was sent: the pending velocity is zero."""
+        if self.storage != "fp32":
+            self._seal_velocity(key)
+            self._velocity_sealed[key].zero_()
+        else:
+            self._velocity_pending[key].zero_()
 
     def _mask_velocity(self, key: Any, payload: Payload) -> None:
         """Momentum factor masking: zero the pending velocity at the sent indices
@@ -784,9 +895,10 @@ class ErrorFeedback(Compressor):
 
     def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
         self._seal(key)
+        self._seal_velocity(key)
         if self.momentum and self.masking:
             if whole:
-                self._velocity_pending[key].zero_()
+                self._zero_pending_velocity(key)
             else:
                 self._mask_velocity(key, payload)
         if transaction is not None:
@@ -849,8 +961,9 @@ class ErrorFeedback(Compressor):
                 t.zero_()
         else:
             self._seal(key)
+        self._seal_velocity(key)
         if self.momentum and self.masking:
-            self._velocity_pending[key].zero_()
+            self._zero_pending_velocity(key)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:
@@ -881,9 +994,14 @@ class ErrorFeedback(Compressor):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
         self._release_open(key)
-        self._velocity_pending.pop(key, None)
+        stale = self._velocity_pending.pop(key, None)
+        if stale is not None and self.storage != "fp32":
+            self._work.give(stale)
+        self._velocity_sealed.pop(key, None)
         live = self._residuals.pop(key, None)
-        return (live.decode() if isinstance(live, LeanTensor) else live), self._velocity.pop(key, None)
+        u = self._velocity.pop(key, None)
+        return ((live.decode() if isinstance(live, LeanTensor) else live),
+                (u.decode() if isinstance(u, LeanTensor) else u))
 
     def absorb(self, key: Any, residual: torch.Tensor | None, velocity: torch.Tensor | None = None) -> None:
         """Add ``residual`` (and ``velocity``, with momentum correction) to ``key``'s live
@@ -900,7 +1018,7 @@ class ErrorFeedback(Compressor):
             if isinstance(live, LeanTensor) and live.numel == src.numel() and live.device == src.device:
                 live.encode(live.decode().add_(src.reshape(-1)), self._next_seed(key))
                 continue
-            if table is self._residuals and self.storage != "fp32":
+            if self.storage != "fp32":
                 lean = table[key] = LeanTensor(self.storage, src.numel(), src.device)
                 lean.encode(src, self._next_seed(key))
                 continue
@@ -920,6 +1038,8 @@ class ErrorFeedback(Compressor):
         self._decoded.clear()
         self._velocity.clear()
         self._velocity_pending.clear()
+        self._velocity_sealed.clear()
+        self._vdecoded.clear()
         self._dense_velocity.clear()
         self._dense_pending.clear()
 
@@ -941,7 +1061,16 @@ class ErrorFeedback(Compressor):
             if self.storage == "int4":
                 state["residual_numel"] = encode_keyed({k: torch.tensor(r.numel) for k, r in self._residuals.items()})
         if self.momentum:
-            state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
+            if self.storage == "fp32":
+                state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
+            else:   # the stored codes, as the residuals': a resume is bitwise
+                lean = {k: u for k, u in self._velocity.items() if isinstance(u, LeanTensor)}
+                state.update(momentum=self.momentum, velocities=encode_keyed({k: u.saved()[0] for k, u in lean.items()}),
+                             velocity_stores=self._vstores)
+                if self.storage in _BLOCKWISE:
+                    state["velocity_scales"] = encode_keyed({k: u.saved()[1] for k, u in lean.items()})
+                if self.storage == "int4":
+                    state["velocity_numel"] = encode_keyed({k: torch.tensor(u.numel) for k, u in lean.items()})
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -956,6 +1085,11 @@ class ErrorFeedback(Compressor):
         if saved != "fp32":
             keys |= {"storage", "stores"} | ({"residual_scales"} if saved in _BLOCKWISE else set()) \
                 | ({"residual_numel"} if saved == "int4" else set())
+        # lean velocities (saved as codes since they are kept lean; fp32 tensors before)
+        lean_velocity = self.momentum and saved != "fp32" and isinstance(state, dict) and "velocity_stores" in state
+        if lean_velocity:
+            keys |= {"velocity_stores"} | ({"velocity_scales"} if saved in _BLOCKWISE else set()) \
+                | ({"velocity_numel"} if saved == "int4" else set())
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"error feedback state must have keys {sorted(keys)}")
         residuals = decode_keyed(state["residuals"], "error feedback residuals")
@@ -973,13 +1107,31 @@ class ErrorFeedback(Compressor):
                 value = LeanTensor.from_saved(saved, codes, scales.get(k), None if numel is None else int(numel))
             loaded[k] = _convert(value, self.storage, lambda: self._next_seed(k))
         self._residuals = loaded
-        self._velocity = {k: u.float().clone() for k, u in velocities.items()}
+        self._vstores = int(state.get("velocity_stores", self._vstores))
+        if lean_velocity:
+            vscales = decode_keyed(state["velocity_scales"], "error feedback velocity scales") \
+                if saved in _BLOCKWISE else {}
+            vnumels = decode_keyed(state["velocity_numel"], "error feedback velocity sizes") if saved == "int4" else {}
+            velocities = {k: LeanTensor.from_saved(saved, codes, vscales.get(k),
+                                                   None if vnumels.get(k) is None else int(vnumels[k]))
+                          for k, codes in velocities.items()}
+        else:
+            velocities = {k: u.float().clone() for k, u in velocities.items()}
+        self._velocity = {k: _convert(u, self.storage, self._velocity_seed(k)) for k, u in velocities.items()}
+        self._velocity_sealed.clear()
         self._pending.clear()
         self._open.clear()
         self._borrowed.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity_pending.clear()
+
+    def _velocity_seed(self, key: Any):
+        """A draw of the next lean velocity store's seed, for :func:`_convert`."""
+        def draw() -> int:
+            self._vstores += 1
+            return mix_seed(self.seed, _rank(), stable_hash(key), self._vstores, _VELOCITY_SEED)
+        return draw
 
     # -- memory ----------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -995,9 +1147,9 @@ class ErrorFeedback(Compressor):
         groups = {
             "residuals": self._residuals.values(), "pending": self._pending.values(),
             "working": [*(b for k, b in self._open.items() if k not in self._borrowed), *self._work.buffers(),
-                        *self._decoded.values()],
+                        *self._decoded.values(), *self._vdecoded.values()],
             "velocities": self._velocity.values(),
-            "velocities_pending": self._velocity_pending.values(),
+            "velocities_pending": [*self._velocity_pending.values(), *self._velocity_sealed.values()],
             "dense_momentum": [*self._dense_velocity.values(), *self._dense_pending.values()],
             "decode": self._decode.values(), "compressor": _tensors_of(self.compressor.state_dict()),
         }
@@ -1016,6 +1168,8 @@ class ErrorFeedback(Compressor):
 
 #: The storages with blockwise scales (saved as ``"residual_scales"``).
 _BLOCKWISE = ("int8", "int4")
+#: Mixed into a lean velocity store's seed (apart from the residuals' stores).
+_VELOCITY_SEED = 0x7E10C17F
 
 
 def _rank() -> int:

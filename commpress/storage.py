@@ -1,7 +1,8 @@
 """How error feedback stores a residual between steps: fp32, bf16, 8-bit or 4-bit blockwise.
 
 A residual is what error feedback still owes; it is read and rewritten once per
-step, and it is kept for every compressed parameter of the model, on every rank.
+step, and it is kept for every compressed parameter of the model, on every rank
+(momentum correction's velocity too, in the same storage).
 Stored in fp32 it costs 4 bytes per parameter (8 with the pending copy a
 non-finite step needs); stored lean it costs
 
@@ -152,6 +153,15 @@ class LeanTensor:
                 dst[lo:hi].add_(part, alpha=alpha)
         return dst
 
+    def decode_span(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the stored value as a new fp32 tensor (any ``lo``: the blocks
+        around the span are decoded)."""
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"LeanTensor.decode_span: [{lo}, {hi}) outside {self.numel} elements")
+        start = lo - lo % (INT4_BLOCK if self.storage == "int4" else INT8_BLOCK)
+        out = torch.empty(hi - start, dtype=torch.float32, device=self.device)
+        return self._decode_range(start, hi, out)[lo - start:]
+
     def _decode_range(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``[lo, hi)`` (``lo`` a multiple of :data:`INT8_BLOCK`) decoded into ``out``."""
         if self.storage == "bf16":
@@ -159,6 +169,31 @@ class LeanTensor:
         if self.storage == "int4":
             return int4_block_decode(self.codes, self.scales, lo, hi, out, INT4_BLOCK)
         return int8_block_decode(self.codes, self.scales, lo, hi, out, INT8_BLOCK)
+
+    def zero_at(self, indices: torch.Tensor) -> None:
+        """Store exact zeros at ``indices`` (int, on the device; an index ``numel`` is padding and
+        ignored): momentum factor masking of a stored velocity.  Through a transient bool mask of
+        ``numel + 1`` entries: no host read."""
+        mask = torch.zeros(self.numel + 1, dtype=torch.bool, device=self.device)
+        mask.index_fill_(0, indices.to(self.device).long(), True)
+        self._zero_where(mask[:self.numel])
+
+    def zero_(self) -> None:
+        """Store zeros everywhere (the scales kept: every code is the zero code)."""
+        if self.storage == "int4":
+            self.codes.fill_(0x88)
+        else:
+            self.codes.zero_()
+
+    def _zero_where(self, mask: torch.Tensor) -> None:
+        if self.storage != "int4":
+            self.codes[:self.numel].masked_fill_(mask, 0)
+            return
+        blocks = self.scales.numel()
+        full = torch.nn.functional.pad(mask, (0, blocks * INT4_BLOCK - self.numel)).view(blocks, 2, INT4_BLOCK // 2)
+        codes = self.codes.view(blocks, INT4_BLOCK // 2)
+        torch.where(full[:, 0], (codes & 0xF0) | 0x08, codes, out=codes)   # element j: the low nibble
+        torch.where(full[:, 1], (codes & 0x0F) | 0x80, codes, out=codes)   # element j + 32: the high one
 
     def keep_where(self, bad: torch.Tensor, new: "LeanTensor") -> None:
         """``self`` := ``self`` where the 0-d bool ``bad`` is set, else ``new`` (on the device)."""

@@ -208,10 +208,10 @@ class DDPState(TakeoverMixin, HookState):
             by the loss scale before compressing and multiplies the averages back, so residuals
             and velocities stay in unscaled units (:meth:`attach_scaler`, also for a scaler made
             later).
-        residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
-            (default: blockwise with its own scales, rounded stochastically;
-            :mod:`commpress.storage`), ``"int4"`` (the same in 4 bits), ``"bf16"`` or
-            ``"fp32"`` (exact).
+        residual_storage: how error feedback keeps its residuals (and momentum correction's
+            velocities) between steps: ``"int8"`` (default: blockwise with its own scales,
+            rounded stochastically; :mod:`commpress.storage`), ``"int4"`` (the same in 4 bits),
+            ``"bf16"`` or ``"fp32"`` (exact).
         rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (a
             pending copy of each between steps), ``"unit"`` the residuals of the first unit that
             saw it and of every unit after it (pending copies only for units in flight).
@@ -1379,7 +1379,8 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             by the scale's changes; the buckets handed back stay scaled for ``scaler.step``
             (:meth:`DDPState.attach_scaler`; ``TypeError`` for anything but a GradScaler or
             ``None``).
-        residual_storage: how error feedback keeps its residuals between steps: ``"int8"``
+        residual_storage: how error feedback keeps its residuals (and, with ``momentum`` or
+            ``optimizer=``, its velocities) between steps: ``"int8"``
             (default: blockwise with its own scales, about 1.03 bytes per compressed parameter
             plus as much for the pending copy, rounded stochastically; :mod:`commpress.storage`),
             ``"int4"`` (0.56 + 0.56), ``"bf16"`` (2 + 2) or ``"fp32"`` (4 + 4, exact).  int8 reached the demo's targets in

@@ -451,10 +451,16 @@ class FSDPState(TakeoverMixin, HookState):
 
     def _takeover_memory_note(self) -> str | None:
         """FSDP2 shards the optimizer's momentum (4/P bytes per parameter); momentum correction's
-        velocity is of every unit's whole gradient, on every rank."""
-        return ("commpress.fsdp: optimizer= keeps momentum correction's velocity of every unit's whole "
-                "gradient on every rank: 4 bytes per parameter of the model, where the optimizer's own "
-                "momentum was sharded (4/P); without optimizer= the optimizer keeps its momentum")
+        velocity is of every unit's whole gradient, on every rank, kept as the residuals are
+        (``residual_storage``: live, and a pending copy with ``rollback="step"``)."""
+        from ..storage import bytes_per_element
+
+        copies = 2 if self.rollback == "step" else 1
+        per = copies * bytes_per_element(self.residual_storage)
+        return (f"commpress.fsdp: optimizer= keeps momentum correction's velocity of every unit's whole "
+                f"gradient on every rank: {per:.2f} bytes per parameter of the model "
+                f"({self.residual_storage}, {'live + pending' if copies == 2 else 'live'}), where the "
+                f"optimizer's own momentum was sharded (4/P); without optimizer= the optimizer keeps its momentum")
 
     def _codec_changed(self) -> None:
         if self.auto:
@@ -997,7 +1003,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             velocities are kept in unscaled units, the outputs stay scaled for
             ``scaler.step`` (:meth:`FSDPState.attach_scaler`, also for a scaler made
             later; ``TypeError`` for anything but a GradScaler or ``None``).
-        residual_storage: how error feedback keeps its residuals between steps,
+        residual_storage: how error feedback keeps its residuals (and velocities) between steps,
             ``"int8"`` (default), ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
             :func:`commpress.ddp.register`).
         rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a

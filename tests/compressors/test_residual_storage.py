@@ -147,21 +147,26 @@ def test_memory_counts_every_storage_the_feedback_keeps(storage, name, params, m
     # live and pending residuals, in the storage's size (int8: its blocks padded)
     assert parts["residuals"] == parts["pending"] >= per * elements
     assert parts["residuals"] <= per * elements + 2 * (INT8_BLOCK + 4)
-    # lean storage works in fp32 buffers of the largest key's size (one pooled, one decoded), not per key
-    assert parts["working"] == (0 if storage == "fp32" else 2 * 4 * 4096)
+    # lean storage works in fp32 buffers of the largest key's size (one pooled, one decoded), not per key;
+    # a lean velocity two more (its new value until sealed, pooled: 4096 + 1 entries; its live one decoded)
+    lean_velocity = 4 * (4096 + 1) + 4 * 4096 if momentum and storage != "fp32" else 0
+    assert parts["working"] == (0 if storage == "fp32" else 2 * 4 * 4096 + lean_velocity)
+    if momentum:   # velocities live and pending, in the storage's size (fp32: each with a padding slot)
+        assert per * elements <= parts["velocities"] == parts["velocities_pending"] <= per * elements + 2 * (INT8_BLOCK + 4)
 
 
 @pytest.mark.parametrize("storage", LEAN)
 @pytest.mark.parametrize("kind", ["topk", "blockquant"])
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, momentum):
+@pytest.mark.parametrize("momentum,masking", [(0.0, True), (0.9, True), (0.9, False)])
+def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, momentum, masking):
     """``open_fused(scratch=True)`` (the CPU lanes: the input is the call's output) compensates in
     the input and writes the next residual over it: the same payloads and stored residuals as with
-    the fp32 work buffers (bitwise without momentum), and no work buffer kept."""
+    the fp32 work buffers (bitwise without momentum), and no work buffer kept (a lean velocity is
+    computed in the input too, stored, and masked in its codes)."""
     nb = pytest.importorskip("commpress.ops.numba_backend")
     n, k, bits, block = 5000, 50, 4, 64
     efs = [commpress.ErrorFeedback(commpress.get(kind, **({"ratio": 0.01} if kind == "topk" else {"bits": bits})),
-                                   storage=storage, momentum=momentum, seed=7) for _ in range(2)]
+                                   storage=storage, momentum=momentum, masking=masking, seed=7) for _ in range(2)]
     for step in range(3):
         outs = []
         for scratch, ef in zip((False, True), efs):
@@ -186,7 +191,13 @@ def test_fused_lanes_on_a_scratch_input_match_the_buffered_path(storage, kind, m
             assert torch.allclose(r0, r1, rtol=1e-5, atol=1e-6)
         else:
             assert all(np.array_equal(a, b) for a, b in zip(p0, p1)) and torch.equal(r0, r1), step
+        if momentum:   # the stored velocities: the same values stored with the same noise
+            u0, u1 = efs[0].velocity("w"), efs[1].velocity("w")
+            assert torch.allclose(u0, u1, rtol=1e-5, atol=1e-6)
     assert efs[1].memory()["working"] == 0
+    if momentum:   # a lean velocity, live and pending
+        mem = efs[1].memory()
+        assert mem["velocities"] == mem["velocities_pending"] <= bytes_per_element(storage) * n + INT8_BLOCK + 4
 
 
 @pytest.mark.parametrize("storage", LEAN)
@@ -247,3 +258,56 @@ def test_send_whole_with_lean_storage_keeps_no_buffer_of_the_key(storage, wire, 
         want = (x * 0.5 if u is None else u * 0.9 + x * 0.5) + e
         assert torch.allclose(o0, want, rtol=1e-6, atol=1e-7) and torch.count_nonzero(r0) == 0
     assert b.memory()["working"] == 0
+
+
+@pytest.mark.parametrize("storage", LEAN)
+def test_zero_at_stores_exact_zeros_there_and_nowhere_else(storage):
+    n = 3 * INT4_BLOCK + 45   # a short tail block: both halves of the int4 layout
+    x = _x(n, 4) + 3.0        # no zeros of its own
+    lean = LeanTensor(storage, n, x.device)
+    lean.encode(x, seed=2)
+    before = lean.decode()
+    idx = torch.tensor([0, 31, 32, 63, 64, n - 1, n, n])   # n: a padding slot, ignored
+    lean.zero_at(idx)
+    after = lean.decode()
+    hit = torch.zeros(n, dtype=torch.bool)
+    hit[idx[idx < n]] = True
+    assert bool((after[hit] == 0).all()) and torch.equal(after[~hit], before[~hit])
+    lean.zero_()
+    assert bool((lean.decode() == 0).all())
+
+
+@pytest.mark.parametrize("storage", LEAN)
+@pytest.mark.parametrize("masking", [True, False])
+def test_a_lean_velocity_resumes_bitwise_and_keeps_on_a_nonfinite_step(storage, masking, tmp_path):
+    """Momentum correction's velocity is kept in the residuals' storage (live and pending): a
+    checkpoint holds its codes (the next steps bitwise), a NaN step keeps it, masking zeroes it
+    where sent."""
+    make = lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.05), storage=storage, momentum=0.9,
+                                           masking=masking, seed=3)
+    ef = make()
+    for step in range(3):
+        p = ef.compress(_x(700, step), step=step, key="w")
+    assert isinstance(ef._velocity["w"], LeanTensor)
+    if masking:   # what was sent: zero in the stored velocity
+        assert bool((ef.velocity("w")[p.tensors[0].long()] == 0).all())
+    path = tmp_path / "ef.pt"
+    torch.save(ef.state_dict(), path)
+    same = make()
+    same.load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(same.velocity("w"), ef.velocity("w"))
+    for step in (3, 4):
+        a, b = ef.compress(_x(700, step), step=step, key="w"), same.compress(_x(700, step), step=step, key="w")
+        assert torch.equal(a.tensors[1], b.tensors[1]) and torch.equal(ef.velocity("w"), same.velocity("w"))
+    kept = ef.velocity("w").clone()
+    bad = _x(700, 9)
+    bad[5] = float("nan")
+    assert bool(ef.compress(bad, step=5, key="w").nonfinite)
+    assert torch.equal(ef.velocity("w"), kept)
+    # into an fp32 feedback: the stored values exactly; a checkpoint of the fp32 format loads too
+    wide = commpress.ErrorFeedback(commpress.get("topk", ratio=0.05), momentum=0.9, masking=masking)
+    wide.load_state_dict(ef.state_dict())
+    assert torch.equal(wide.velocity("w").reshape(-1), kept)
+    back = make()
+    back.load_state_dict(wide.state_dict())
+    assert float((back.velocity("w") - kept).abs().max()) <= float(kept.abs().max()) / 7

@@ -358,7 +358,9 @@ def _momentum(rank, world, split, kind):
         model = _shard(world, split=split)
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         if rows:   # the momentum taken over: the rows parameter's on its shard, the rest's in error feedback
-            state = commpress.fsdp.register(model, "identity", optimizer=opt, sparse_rows=["emb.weight"])
+            # fp32 storage: the velocities exact (a lean storage keeps them rounded, as the residuals)
+            state = commpress.fsdp.register(model, "identity", optimizer=opt, sparse_rows=["emb.weight"],
+                                            residual_storage="fp32")
         for s in range(4):
             opt.zero_grad(set_to_none=True)
             model(_ids(rank, s, kind)).pow(2).mean().backward()
