@@ -25,6 +25,7 @@ CONFIGS = {
     "auto-opt": ("auto", {}, True),
     "auto": ("auto", {}, False),
     "auto-opt-inline": ("auto", {"overlap": False}, True),
+    "auto-opt-fp32": ("auto", {"residual_storage": "fp32"}, True),   # residuals and velocities exact
     "identity-opt": ("identity", {}, True),
     "blockquant-4bit": ("blockquant", {"bits": 4}, False),
     "topk-1%-mc": ("topk", {"ratio": 0.01}, True),

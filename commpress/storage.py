@@ -33,7 +33,6 @@ import math
 import torch
 
 from . import ops
-from .ops.lean import int4_block_decode, int8_block_decode
 
 #: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
 STORAGES = ("fp32", "bf16", "int8", "int4")
@@ -167,8 +166,8 @@ class LeanTensor:
         if self.storage == "bf16":
             return out.copy_(self.codes[lo:hi])
         if self.storage == "int4":
-            return int4_block_decode(self.codes, self.scales, lo, hi, out, INT4_BLOCK)
-        return int8_block_decode(self.codes, self.scales, lo, hi, out, INT8_BLOCK)
+            return ops.int4_block_decode(self.codes, self.scales, lo, hi, out, INT4_BLOCK)
+        return ops.int8_block_decode(self.codes, self.scales, lo, hi, out, INT8_BLOCK)
 
     def zero_at(self, indices: torch.Tensor) -> None:
         """Store exact zeros at ``indices`` (int, on the device; an index ``numel`` is padding and

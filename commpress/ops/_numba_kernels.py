@@ -2291,3 +2291,44 @@ def lean_noise_words(k0, k1, out):   # pragma: no cover - compiled
     for j in range(out.size):
         h = _mix32((np.uint64(j) & _M32) ^ k0)
         out[j] = np.uint32(_mix32((h + k1) & _M32))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lean_int8_decode(codes, scales, block, lo, out):   # pragma: no cover - compiled
+    """``out[j] = codes[lo + j] * scales[(lo + j) // block]`` (``lo`` a multiple of ``block``)."""
+    n = out.size
+    b0 = lo // block
+    for b in range(-(-n // block)):
+        a = b * block
+        e = min(a + block, n)
+        s = scales[b0 + b]
+        ob, cb = out[a:e], codes[lo + a:lo + e]
+        for j in range(ob.size):
+            ob[j] = np.float32(cb[j]) * s
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lean_int4_decode(codes, scales, block, lo, out):   # pragma: no cover - compiled
+    """The int4 store's elements ``[lo, lo + out.size)`` (``lo`` a multiple of ``block``):
+    ``(nibble - 8) * scale``, byte ``j`` of a block holding its elements ``j`` and ``j + block/2``."""
+    n = out.size
+    hb = block // 2
+    b0 = lo // block
+    for b in range(-(-n // block)):
+        a = b * block
+        e = min(a + block, n)
+        s = scales[b0 + b]
+        cb = codes[(b0 + b) * hb:(b0 + b + 1) * hb]
+        if e - a == block:
+            oa, ob = out[a:a + hb], out[a + hb:e]
+            for j in range(hb):
+                p = np.int32(cb[j])
+                oa[j] = np.float32((p & 15) - 8) * s
+                ob[j] = np.float32((p >> 4) - 8) * s
+        else:
+            for j in range(hb):
+                p = np.int32(cb[j])
+                if a + j < e:
+                    out[a + j] = np.float32((p & 15) - 8) * s
+                if a + hb + j < e:
+                    out[a + hb + j] = np.float32((p >> 4) - 8) * s

@@ -1,6 +1,6 @@
 """The lean residual stores' encoders (:mod:`commpress.storage`): torch reference and numba kernels.
 
-Seven ops, dispatched like every op of :mod:`commpress.ops`:
+Nine ops, dispatched like every op of :mod:`commpress.ops`:
 
 * :func:`int8_block_encode` — ``scales[b] = max|x_b| / 127``; ``codes = clamp(floor(x / scale + u),
   -127, 127)`` with ``u = (noise + 0.5) / 256`` (noise: one random byte per element), so
@@ -11,6 +11,7 @@ Seven ops, dispatched like every op of :mod:`commpress.ops`:
   codes in ``[-7, 7]``, kept as ``code + 8`` two to a byte: byte ``j`` of a block holds its element
   ``j`` (low nibble) and element ``j + block/2`` (high nibble), so that both halves are contiguous
   (the kernels' loops vectorize); a block holding a NaN/inf (or only subnormals) stores zeros;
+* :func:`int8_block_decode` / :func:`int4_block_decode` — a range of a store decoded into fp32;
 * :func:`noise_bytes` — the stores' rounding noise: ``n`` bytes from a counter-based hash of the
   seed (four bytes a 32-bit word ``mix32((mix32(j ^ k0) + k1) mod 2**32)``, little-endian), the
   same on every device and backend, so a run and its resume store the same codes;
@@ -174,7 +175,8 @@ def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
              "int8_block_add": int8_block_add, "int4_block_encode": int4_block_encode,
-             "int4_block_add": int4_block_add, "noise_bytes": noise_bytes}
+             "int4_block_add": int4_block_add, "noise_bytes": noise_bytes,
+             "int8_block_decode": int8_block_decode, "int4_block_decode": int4_block_decode}
 
 
 def _numba_impls() -> dict:
@@ -214,6 +216,14 @@ def _numba_impls() -> dict:
         xf = x.numpy()
         kernels().lean_int4_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
 
+    def decoder(kernel_name, reference):
+        def decode(codes, scales, lo, hi, out, block):
+            if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
+                return reference(codes, scales, lo, hi, out, block)
+            getattr(kernels(), kernel_name)(codes.numpy(), scales.numpy(), block, lo, out.view(-1)[:hi - lo].numpy())
+            return out
+        return decode
+
     def noise_numba(seed, n, device="cpu"):
         if torch.device(device).type != "cpu":
             return noise_bytes(seed, n, device)
@@ -228,7 +238,9 @@ def _numba_impls() -> dict:
         kernels().lean_bf16_encode(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
     return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba,
-            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba, "noise_bytes": noise_numba}
+            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba, "noise_bytes": noise_numba,
+            "int8_block_decode": decoder("lean_int8_decode", int8_block_decode),
+            "int4_block_decode": decoder("lean_int4_decode", int4_block_decode)}
 
 
 NUMBA = _numba_impls()

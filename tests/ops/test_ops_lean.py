@@ -131,3 +131,23 @@ def test_noise_bytes_are_uniform_and_depend_on_the_seed():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 400   # 255 degrees of freedom: p < 1e-6 above this
     assert not torch.equal(ops.noise_bytes(4, 1 << 16, device="cpu").long(), a)
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 100), (128, 700), (0, (1 << 20) + 77), (256, 256)])
+def test_block_decode_numba_is_bitwise_the_reference(storage, lo, hi):
+    block = INT8_BLOCK if storage == "int8" else INT4_BLOCK
+    n = max(hi, 1)
+    blocks = -(-n // block)
+    g = torch.Generator().manual_seed(hi)
+    if storage == "int8":
+        codes = torch.randint(-127, 128, (blocks * block,), dtype=torch.int8, generator=g)
+    else:
+        codes = torch.randint(0, 256, (blocks * block // 2,), dtype=torch.uint8, generator=g)
+    scales = torch.rand(blocks, generator=g)
+    op = ops.int8_block_decode if storage == "int8" else ops.int4_block_decode
+    out = [op(codes, scales, lo, hi, torch.full((hi - lo,), 7.0), block, backend=b) for b in ("torch", "numba")]
+    assert torch.equal(_bits(out[0]), _bits(out[1]))
+    if storage == "int4" and hi > lo:   # against the layout written out by hand
+        want = ((_nibbles(codes).float() - 8).view(blocks, block) * scales[:, None]).view(-1)[lo:hi]
+        assert torch.equal(_bits(out[0]), _bits(want))
