@@ -2161,11 +2161,7 @@ def lean_int8_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
     for b in range(scales.size):
         lo = b * block
         hi = min(lo + block, n)
-        m = np.int32(0)
-        xib = xi[lo:hi]   # slices: indices provably >= 0, no wraparound check (the loops vectorize)
-        for j in range(xib.size):
-            a = xib[j] & np.int32(0x7FFFFFFF)
-            m = a if a > m else m
+        m = _absmax_key(xi, lo, hi)   # on a slice: the loop vectorizes
         bits[0] = m
         s = as_float[0] / f127   # NaN for a NaN anywhere in the block (as torch.amax)
         scales[b] = s
@@ -2227,11 +2223,7 @@ def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
     for b in range(scales.size):
         lo = b * block
         hi = min(lo + block, n)
-        m = np.int32(0)
-        xib = xi[lo:hi]
-        for j in range(xib.size):
-            a = xib[j] & np.int32(0x7FFFFFFF)
-            m = a if a > m else m
+        m = _absmax_key(xi, lo, hi)
         bits[0] = m
         s = as_float[0] / f7
         scales[b] = s

@@ -192,29 +192,22 @@ def _numba_impls() -> dict:
 
         return _numba_kernels
 
-    def int8_add_numba(dst, codes, scales, block):
-        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
-            return int8_block_add(dst, codes, scales, block)
-        kernels().lean_int8_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
-        return dst
+    def adder(kernel_name, reference):
+        def add(dst, codes, scales, block):
+            if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
+                return reference(dst, codes, scales, block)
+            getattr(kernels(), kernel_name)(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
+            return dst
+        return add
 
-    def int8_numba(x, noise, codes, scales, block):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            return int8_block_encode(x, noise, codes, scales, block)
-        xf = x.numpy()
-        kernels().lean_int8_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
-
-    def int4_add_numba(dst, codes, scales, block):
-        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
-            return int4_block_add(dst, codes, scales, block)
-        kernels().lean_int4_add(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
-        return dst
-
-    def int4_numba(x, noise, codes, scales, block):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            return int4_block_encode(x, noise, codes, scales, block)
-        xf = x.numpy()
-        kernels().lean_int4_encode(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(), block)
+    def encoder(kernel_name, reference):
+        def encode(x, noise, codes, scales, block):
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                return reference(x, noise, codes, scales, block)
+            xf = x.numpy()
+            getattr(kernels(), kernel_name)(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(),
+                                            block)
+        return encode
 
     def decoder(kernel_name, reference):
         def decode(codes, scales, lo, hi, out, block):
@@ -237,8 +230,10 @@ def _numba_impls() -> dict:
             return bf16_stochastic_encode(x, noise, codes)
         kernels().lean_bf16_encode(x.numpy().view(np.int32), noise.numpy(), codes.view(torch.int16).numpy())
 
-    return {"int8_block_encode": int8_numba, "bf16_stochastic_encode": bf16_numba, "int8_block_add": int8_add_numba,
-            "int4_block_encode": int4_numba, "int4_block_add": int4_add_numba, "noise_bytes": noise_numba,
+    return {"int8_block_encode": encoder("lean_int8_encode", int8_block_encode), "bf16_stochastic_encode": bf16_numba,
+            "int8_block_add": adder("lean_int8_add", int8_block_add),
+            "int4_block_encode": encoder("lean_int4_encode", int4_block_encode),
+            "int4_block_add": adder("lean_int4_add", int4_block_add), "noise_bytes": noise_numba,
             "int8_block_decode": decoder("lean_int8_decode", int8_block_decode),
             "int4_block_decode": decoder("lean_int4_decode", int4_block_decode)}
 
