@@ -35,11 +35,12 @@ INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
-def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      block: int) -> None:
-    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (int8, ``len(scales) * block``, the
-    tail padding written as 0) and ``scales`` (fp32, one per ``block``), rounding stochastically
-    with ``noise`` (uint8, at least ``n`` bytes)."""
+def _block_levels(x: torch.Tensor, noise: torch.Tensor, scales: torch.Tensor, block: int, top: float,
+                  usable_only: bool) -> torch.Tensor:
+    """The blockwise stores' rounding: ``scales[b] = max|x_b| / top`` and the levels
+    ``clamp(floor(x / scale + u), -top, top)`` (fp32, ``(blocks, block)``, the tail padding's from
+    zeros), ``u = (noise + 0.5) / 256``.  ``usable_only``: a block whose scale is not finite or is
+    below fp32's smallest normal gets zero levels (else its inverse scale is 0 where the scale is)."""
     blocks = scales.numel()
     n = x.numel()
     xf = x.float()
@@ -48,40 +49,34 @@ def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
         xf = torch.nn.functional.pad(xf, (0, pad))
     xb = xf.view(blocks, block)
     torch.amax(xb.abs(), dim=1, out=scales)
-    scales.div_(INT8_MAX)
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    scales.div_(top)
+    usable = ((scales >= torch.finfo(torch.float32).tiny) & torch.isfinite(scales)) if usable_only else scales > 0
+    inv = torch.where(usable, 1.0 / scales, torch.zeros_like(scales))
     y = xb * inv[:, None]
     u = noise[:n].to(torch.float32).add_(0.5).mul_(1.0 / 256)
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
-    y.add_(u.view(blocks, block)).floor_().clamp_(-INT8_MAX, INT8_MAX)
-    codes.view(blocks, block).copy_(y)
+    y.add_(u.view(blocks, block)).floor_().clamp_(-top, top)
+    return torch.where(usable[:, None], y, torch.zeros_like(y)) if usable_only else y
+
+
+def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      block: int) -> None:
+    """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (int8, ``len(scales) * block``, the
+    tail padding written as 0) and ``scales`` (fp32, one per ``block``), rounding stochastically
+    with ``noise`` (uint8, at least ``n`` bytes)."""
+    codes.view(scales.numel(), block).copy_(_block_levels(x, noise, scales, block, INT8_MAX, False))
 
 
 def int4_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       block: int) -> None:
     """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (uint8, two nibbles a byte: byte ``j``
     of a block holds its elements ``j`` and ``j + block/2``; ``len(scales) * block / 2`` bytes, the
-    tail padding written as zeros) and ``scales`` (fp32, one
-    per ``block``, even), rounding stochastically with ``noise`` (uint8, at least ``n`` bytes).  A
-    block whose scale is not finite or is below fp32's smallest normal stores zero codes."""
+    tail padding written as zeros) and ``scales`` (fp32, one per ``block``, even), rounding
+    stochastically with ``noise`` (uint8, at least ``n`` bytes).  A block whose scale is not finite
+    or is below fp32's smallest normal stores zero codes."""
     blocks = scales.numel()
-    n = x.numel()
-    xf = x.float()
-    pad = blocks * block - n
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, pad))
-    xb = xf.view(blocks, block)
-    torch.amax(xb.abs(), dim=1, out=scales)
-    scales.div_(INT4_MAX)
-    usable = (scales >= torch.finfo(torch.float32).tiny) & torch.isfinite(scales)
-    inv = torch.where(usable, 1.0 / scales, torch.zeros_like(scales))
-    y = xb * inv[:, None]
-    u = noise[:n].to(torch.float32).add_(0.5).mul_(1.0 / 256)
-    if pad:
-        u = torch.nn.functional.pad(u, (0, pad))
-    y.add_(u.view(blocks, block)).floor_().clamp_(-INT4_MAX, INT4_MAX)
-    y = torch.where(usable[:, None], y, torch.zeros_like(y))
+    y = _block_levels(x, noise, scales, block, INT4_MAX, True)
     q = y.add_(INT4_MAX + 1).to(torch.uint8).view(blocks, 2, block // 2)
     torch.bitwise_or(q[:, 0], q[:, 1] << 4, out=codes.view(blocks, block // 2))
 
