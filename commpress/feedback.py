@@ -659,14 +659,18 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"velocity_into: an fp32 contiguous part inside {numel} elements, got "
                              f"{tensor.dtype} of {n} at {offset}")
         lean = self._velocity.get(key)
-        if isinstance(lean, LeanTensor):   # decode only this part's span
+        if isinstance(lean, LeanTensor):   # decode only this part's span (int8 on the CPU: in the pass)
             _, m, new = self._velocity_slots(tensor, key, numel, decode=False)
-            live = lean.decode_span(offset, offset + n) if lean.numel == numel and lean.device == tensor.device \
-                else None
+            part = new[offset:offset + n]
+            fits = lean.numel == numel and lean.device == tensor.device
+            if fits and lean.velocity_into(tensor.view(-1), float(scale), m, offset, part):
+                tensor.view(-1).copy_(part)
+                return
+            live = lean.decode_span(offset, offset + n) if fits else None
         else:
             live, m, new = self._velocity_slots(tensor, key, numel)
             live = None if live is None else live.view(-1)[offset:offset + n]
-        part = new[offset:offset + n]
+            part = new[offset:offset + n]
         accumulate_velocity(tensor.view(-1), float(scale), live, m, part)
         tensor.view(-1).copy_(part)
 
@@ -735,10 +739,13 @@ class ErrorFeedback(Compressor):
         the live velocity decoded a chunk at a time) and stored at once as the pending velocity
         (momentum factor masking then zeroes the stored codes): no fp32 buffer of the key's size."""
         flat = x.view(-1)
-        if scale != 1.0:
-            flat.mul_(scale)
         live = self._velocity.get(key)
-        if live is not None and live.numel == flat.numel() and live.device == flat.device:
+        if live is None or live.numel != flat.numel() or live.device != flat.device:
+            if scale != 1.0:
+                flat.mul_(scale)
+        elif not live.velocity_into(flat, scale, self.momentum, 0, flat):   # int8 on the CPU: one pass
+            if scale != 1.0:
+                flat.mul_(scale)
             live.add_to(flat, self.momentum)
         stale = self._velocity_pending.pop(key, None)
         if stale is not None:

@@ -29,6 +29,7 @@ Everything runs on the tensor's device with torch operations: no host read.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -151,6 +152,30 @@ class LeanTensor:
             else:
                 dst[lo:hi].add_(part, alpha=alpha)
         return dst
+
+    def velocity_into(self, x: torch.Tensor, scale: float, momentum: float, offset: int,
+                      out: torch.Tensor) -> bool:
+        """``out := x*scale + momentum * value[offset:offset + n]`` with
+        :func:`~commpress.ops.reference.accumulate_velocity`'s roundings, in one numba pass over an
+        int8 store on the CPU (``x``, ``out`` flat fp32 contiguous, ``n`` elements; ``out`` may be
+        ``x``).  Returns ``False``, touching nothing, where that pass does not apply (another
+        storage or device, no numba, torch's rounding not reproduced here): the caller decodes."""
+        if self.storage != "int8" or self.device.type != "cpu" or x.dtype != torch.float32 \
+                or not (x.is_contiguous() and out.is_contiguous()):
+            return False
+        try:
+            from .ops import numba_backend
+        except ImportError:
+            return False
+        mode = numba_backend.velocity_mode()
+        if mode is None or os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
+            return False
+        import numpy as np
+
+        numba_backend.K.lean_int8_velocity(x.view(-1).numpy(), np.float32(scale), np.float32(momentum),
+                                           self.codes.numpy(), self.scales.numpy(), INT8_BLOCK, int(offset),
+                                           mode == "fma", out.view(-1).numpy())
+        return True
 
     def decode_span(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the stored value as a new fp32 tensor (any ``lo``: the blocks
