@@ -2120,6 +2120,8 @@ def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
 
 
 # ---------------------------------------------------------------- lean residual storage (ops/lean.py)
+_NOISE_HALF = np.float32(0.5)        # a noise byte's uniform: (byte + 0.5) / 256
+_NOISE_STEP = np.float32(1.0 / 256)
 # Module-level, so that numba's disk cache serves them to every process (defined in a closure they
 # were compiled again by each one: about 0.8 s on the first step).  127: lean.INT8_MAX.
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -2153,9 +2155,7 @@ def lean_int8_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
     ``clamp(floor(v))`` for finite ``v``."""
     n = x.size
     f127 = np.float32(127)
-    half = np.float32(0.5)
-    step = np.float32(1.0 / 256)
-    one = np.float32(1.0)
+    half, step, one = _NOISE_HALF, _NOISE_STEP, _F1
     bits = np.empty(1, np.int32)
     as_float = bits.view(np.float32)
     for b in range(scales.size):
@@ -2214,9 +2214,7 @@ def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
     smallest normal) stores the zero code, as the reference."""
     n = x.size
     f7 = np.float32(7)
-    half = np.float32(0.5)
-    step = np.float32(1.0 / 256)
-    one = np.float32(1.0)
+    half, step, one = _NOISE_HALF, _NOISE_STEP, _F1
     bits = np.empty(1, np.int32)
     as_float = bits.view(np.float32)
     hb = block // 2

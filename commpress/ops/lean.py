@@ -143,29 +143,29 @@ def int4_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
     return out
 
 
-def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``dst += (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``), decoded
-    :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
+def _block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, decode) -> torch.Tensor:
+    """``dst += decode(...)`` a range of :data:`ADD_CHUNK` elements at a time (``block`` divides it):
+    no buffer of ``dst``'s size."""
     n = dst.numel()
     step = ADD_CHUNK - ADD_CHUNK % block
     buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
-        dst[lo:hi].add_(int4_block_decode(codes, scales, lo, hi, buf[:hi - lo], block))
+        dst[lo:hi].add_(decode(codes, scales, lo, hi, buf[:hi - lo], block))
     return dst
+
+
+def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``dst += (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``), decoded
+    :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
+    return _block_add(dst, codes, scales, block, int4_block_decode)
 
 
 def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """``dst += codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of ``n``
     elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``), decoded
     :data:`ADD_CHUNK` elements at a time (``block`` divides it): no buffer of ``dst``'s size."""
-    n = dst.numel()
-    step = ADD_CHUNK - ADD_CHUNK % block
-    buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        dst[lo:hi].add_(int8_block_decode(codes, scales, lo, hi, buf[:hi - lo], block))
-    return dst
+    return _block_add(dst, codes, scales, block, int8_block_decode)
 
 
 REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
