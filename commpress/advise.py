@@ -87,7 +87,7 @@ from .collectives.costmodel import CostModel
 from .collectives.hierarchy import kind_terms
 from .compressors import available, get
 from .feedback import ErrorFeedback
-from .storage import check_storage
+from .storage import HOOK_DEFAULT, check_storage
 
 #: Named links: bandwidth and per-message latency (rough published figures, not measurements).
 PROFILES: dict[str, dict[str, Any]] = {
@@ -108,7 +108,7 @@ DEFAULT_COMPRESSORS: tuple[str, ...] = (
 DEFAULT_LATENCY_US = 50.0
 DEFAULT_INTRA_LATENCY_US = 5.0
 #: the residual storage the DDP and FSDP2 hooks keep by default (``register(residual_storage=)``)
-DEFAULT_RESIDUAL_STORAGE = "int8"
+DEFAULT_RESIDUAL_STORAGE = HOOK_DEFAULT
 #: the row of PyTorch DDP's one flat ring across nodes (``1 < gpus_per_node < world``)
 FLAT_DDP = "ddp(flat ring)"
 PROBE_ELEMENTS = 1 << 22   # codec timing

@@ -418,12 +418,8 @@ class ErrorFeedback(Compressor):
         live = self._residuals.get(key)
         if live is None or _numel(live) != like.numel() or live.device != like.device:
             return None
-        if isinstance(live, LeanTensor):   # into this thread's decode buffer, reused by the next decode
-            slot = (threading.get_ident(), live.device)
-            buf = self._decoded.get(slot)
-            if buf is None or buf.numel() < live.numel:
-                buf = self._decoded[slot] = torch.empty(live.numel, dtype=torch.float32, device=live.device)
-            return live.decode(buf[:live.numel]).view(like.shape)
+        if isinstance(live, LeanTensor):
+            return _thread_decoded(self._decoded, live).view(like.shape)
         return live if live.shape == like.shape else live.view(like.shape)
 
     def _add_residual(self, tensor: torch.Tensor, key: Any, scale: float = 1.0,
@@ -461,15 +457,7 @@ class ErrorFeedback(Compressor):
         pend = self._pending[key] if self.hold_pending else self._pending.pop(key)
         keep_old = _host_verdict(bad)
         if isinstance(pend, LeanTensor):
-            live = self._residuals.get(key)
-            if live is None or live.numel != pend.numel or live.device != pend.device:
-                live = self._residuals[key] = LeanTensor(self.storage, pend.numel, pend.device)
-            if keep_old is None:
-                live.keep_where(bad, pend)
-            elif not keep_old:
-                self._residuals[key] = pend
-                if self.hold_pending:
-                    self._pending[key] = live
+            self._commit_lean(self._residuals, self._pending, key, pend, bad, keep_old)
         else:
             live = self._slot(self._residuals, key, pend)
             if keep_old is None:
@@ -509,37 +497,51 @@ class ErrorFeedback(Compressor):
         one (swapped on the host, ``keep_where`` for a device flag)."""
         self._seal_velocity(key)   # a velocity written but not sealed yet (nothing masked it)
         pend = self._velocity_sealed[key] if self.hold_pending else self._velocity_sealed.pop(key)
-        live = self._velocity.get(key)
+        self._commit_lean(self._velocity, self._velocity_sealed, key, pend, bad, keep_old)
+
+    def _commit_lean(self, live_table: dict, pending_table: dict, key: Any, pend: LeanTensor,
+                     bad: torch.Tensor | None, keep_old: bool | None) -> None:
+        """``live_table[key]`` := ``pend`` (a lean store) except where ``bad``: ``keep_where`` for a
+        device flag, else swapped on the host (the old live store kept as the next pending one
+        when pending stores are held)."""
+        live = live_table.get(key)
+        if live is None or live.numel != pend.numel or live.device != pend.device:
+            live = live_table[key] = LeanTensor(self.storage, pend.numel, pend.device)
         if keep_old is None:
-            if live is None or live.numel != pend.numel or live.device != pend.device:
-                live = self._velocity[key] = LeanTensor(self.storage, pend.numel, pend.device)
             live.keep_where(bad, pend)
         elif not keep_old:
-            self._velocity[key] = pend
+            live_table[key] = pend
             if self.hold_pending:
-                if live is not None and live.numel == pend.numel and live.device == pend.device:
-                    self._velocity_sealed[key] = live
-                else:
-                    del self._velocity_sealed[key]
+                pending_table[key] = live
 
     def _seal_velocity(self, key: Any) -> None:
         """Lean storage: store ``key``'s new velocity (its fp32 working buffer, then back to the
         pool) as its pending velocity.  A no-op with fp32 storage or when none is open."""
         if self.storage == "fp32":
             return
-        buf = self._velocity_pending.pop(key, None)
+        buf = self._velocity_pending.get(key)
         if buf is None:
             return
         self._encode_velocity(key, buf[:-1])
-        self._work.give(buf)
+        self._drop_velocity_buffer(key)
+
+    def _drop_velocity_buffer(self, key: Any) -> None:
+        """Forget ``key``'s fp32 new-velocity buffer (with a lean storage, back to the pool)."""
+        buf = self._velocity_pending.pop(key, None)
+        if buf is not None and self.storage != "fp32":
+            self._work.give(buf)
 
     def _encode_velocity(self, key: Any, src: torch.Tensor) -> None:
         """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored."""
         pend = self._velocity_sealed.get(key)
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
             pend = self._velocity_sealed[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
+        pend.encode(src, self._next_vseed(key))
+
+    def _next_vseed(self, key: Any) -> int:
+        """The next lean velocity store's seed (a count of its own, apart from the residuals')."""
         self._vstores += 1
-        pend.encode(src, mix_seed(self.seed, _rank(), stable_hash(key), self._vstores, _VELOCITY_SEED))
+        return mix_seed(self.seed, _rank(), stable_hash(key), self._vstores, _VELOCITY_SEED)
 
     def _decoded_velocity(self, key: Any, numel: int, device: torch.device) -> torch.Tensor | None:
         """The live velocity of ``key`` in fp32 (flat, ``numel``): the tensor itself, or a lean one
@@ -547,13 +549,7 @@ class ErrorFeedback(Compressor):
         live = self._velocity.get(key)
         if live is None or _numel(live) != numel or live.device != device:
             return None
-        if not isinstance(live, LeanTensor):
-            return live
-        slot = (threading.get_ident(), device)
-        buf = self._vdecoded.get(slot)
-        if buf is None or buf.numel() < numel:
-            buf = self._vdecoded[slot] = torch.empty(numel, dtype=torch.float32, device=device)
-        return live.decode(buf[:numel])
+        return _thread_decoded(self._vdecoded, live) if isinstance(live, LeanTensor) else live
 
     _apply = commit  # the name before the public protocol
 
@@ -747,9 +743,7 @@ class ErrorFeedback(Compressor):
             if scale != 1.0:
                 flat.mul_(scale)
             live.add_to(flat, self.momentum)
-        stale = self._velocity_pending.pop(key, None)
-        if stale is not None:
-            self._work.give(stale)
+        self._drop_velocity_buffer(key)
         self._encode_velocity(key, flat)
 
     def close_fused(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None = None,
@@ -1001,9 +995,7 @@ class ErrorFeedback(Compressor):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
         self._release_open(key)
-        stale = self._velocity_pending.pop(key, None)
-        if stale is not None and self.storage != "fp32":
-            self._work.give(stale)
+        self._drop_velocity_buffer(key)
         self._velocity_sealed.pop(key, None)
         live = self._residuals.pop(key, None)
         u = self._velocity.pop(key, None)
@@ -1056,29 +1048,28 @@ class ErrorFeedback(Compressor):
         storage adds ``"storage"``, ``"stores"`` (the rounding noise's counter) and, for int8 and
         int4, ``"residual_scales"`` (int4 also ``"residual_numel"``: two codes a byte); its
         ``"residuals"`` are the stored codes, so a resume is bitwise."""
-        if self.storage == "fp32":
-            residuals = encode_keyed(self._residuals)
-        else:
-            residuals = encode_keyed({k: r.saved()[0] for k, r in self._residuals.items()})
-        state = {"beta": self.beta, "residuals": residuals, "compressor": self.compressor.state_dict()}
+        state = {"beta": self.beta, "compressor": self.compressor.state_dict(),
+                 **self._saved_stores(self._residuals, "residuals", "residual_scales", "residual_numel")}
         if self.storage != "fp32":
             state.update(storage=self.storage, stores=self._stores)
-            if self.storage in _BLOCKWISE:
-                state["residual_scales"] = encode_keyed({k: r.saved()[1] for k, r in self._residuals.items()})
-            if self.storage == "int4":
-                state["residual_numel"] = encode_keyed({k: torch.tensor(r.numel) for k, r in self._residuals.items()})
-        if self.momentum:
-            if self.storage == "fp32":
-                state.update(momentum=self.momentum, velocities=encode_keyed(self._velocity))
-            else:   # the stored codes, as the residuals': a resume is bitwise
-                lean = {k: u for k, u in self._velocity.items() if isinstance(u, LeanTensor)}
-                state.update(momentum=self.momentum, velocities=encode_keyed({k: u.saved()[0] for k, u in lean.items()}),
-                             velocity_stores=self._vstores)
-                if self.storage in _BLOCKWISE:
-                    state["velocity_scales"] = encode_keyed({k: u.saved()[1] for k, u in lean.items()})
-                if self.storage == "int4":
-                    state["velocity_numel"] = encode_keyed({k: torch.tensor(u.numel) for k, u in lean.items()})
+        if self.momentum:   # lean: the stored codes, as the residuals': a resume is bitwise
+            state.update(momentum=self.momentum,
+                         **self._saved_stores(self._velocity, "velocities", "velocity_scales", "velocity_numel"))
+            if self.storage != "fp32":
+                state["velocity_stores"] = self._vstores
         return state
+
+    def _saved_stores(self, table: dict, codes_key: str, scales_key: str, numel_key: str) -> dict[str, Any]:
+        """``table``'s stores for a checkpoint: fp32 tensors, or a lean storage's codes, and for the
+        blockwise storages their scales (int4 also the element counts: two codes a byte)."""
+        if self.storage == "fp32":
+            return {codes_key: encode_keyed(table)}
+        out = {codes_key: encode_keyed({k: t.saved()[0] for k, t in table.items()})}
+        if self.storage in _BLOCKWISE:
+            out[scales_key] = encode_keyed({k: t.saved()[1] for k, t in table.items()})
+        if self.storage == "int4":
+            out[numel_key] = encode_keyed({k: torch.tensor(t.numel) for k, t in table.items()})
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`.  Residuals saved with another storage are converted
@@ -1099,32 +1090,14 @@ class ErrorFeedback(Compressor):
                 | ({"velocity_numel"} if saved == "int4" else set())
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"error feedback state must have keys {sorted(keys)}")
-        residuals = decode_keyed(state["residuals"], "error feedback residuals")
-        scales = decode_keyed(state["residual_scales"], "error feedback residual scales") if saved in _BLOCKWISE else {}
-        numels = decode_keyed(state["residual_numel"], "error feedback residual sizes") if saved == "int4" else {}
-        velocities = decode_keyed(state["velocities"], "error feedback velocities") if self.momentum else {}
+        residuals = _loaded_stores(state, saved, "residuals", "residual_scales", "residual_numel", "residual")
         self.compressor.load_state_dict(state["compressor"])
         self._stores = int(state.get("stores", self._stores))
-        loaded: dict[Any, Any] = {}
-        for k, codes in residuals.items():
-            if saved == "fp32":
-                value: Any = codes.float().clone()
-            else:
-                numel = numels.get(k)
-                value = LeanTensor.from_saved(saved, codes, scales.get(k), None if numel is None else int(numel))
-            loaded[k] = _convert(value, self.storage, lambda: self._next_seed(k))
-        self._residuals = loaded
+        self._residuals = {k: _convert(v, self.storage, lambda: self._next_seed(k)) for k, v in residuals.items()}
         self._vstores = int(state.get("velocity_stores", self._vstores))
-        if lean_velocity:
-            vscales = decode_keyed(state["velocity_scales"], "error feedback velocity scales") \
-                if saved in _BLOCKWISE else {}
-            vnumels = decode_keyed(state["velocity_numel"], "error feedback velocity sizes") if saved == "int4" else {}
-            velocities = {k: LeanTensor.from_saved(saved, codes, vscales.get(k),
-                                                   None if vnumels.get(k) is None else int(vnumels[k]))
-                          for k, codes in velocities.items()}
-        else:
-            velocities = {k: u.float().clone() for k, u in velocities.items()}
-        self._velocity = {k: _convert(u, self.storage, self._velocity_seed(k)) for k, u in velocities.items()}
+        velocities = (_loaded_stores(state, saved if lean_velocity else "fp32", "velocities", "velocity_scales",
+                                     "velocity_numel", "velocity") if self.momentum else {})
+        self._velocity = {k: _convert(u, self.storage, lambda: self._next_vseed(k)) for k, u in velocities.items()}
         self._velocity_sealed.clear()
         self._pending.clear()
         self._open.clear()
@@ -1132,13 +1105,6 @@ class ErrorFeedback(Compressor):
         self._work.clear()
         self._decoded.clear()
         self._velocity_pending.clear()
-
-    def _velocity_seed(self, key: Any):
-        """A draw of the next lean velocity store's seed, for :func:`_convert`."""
-        def draw() -> int:
-            self._vstores += 1
-            return mix_seed(self.seed, _rank(), stable_hash(key), self._vstores, _VELOCITY_SEED)
-        return draw
 
     # -- memory ----------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -1188,6 +1154,28 @@ def _rank() -> int:
 
 def _numel(t: Any) -> int:
     return t.numel if isinstance(t, LeanTensor) else t.numel()
+
+
+def _thread_decoded(buffers: dict, lean: LeanTensor) -> torch.Tensor:
+    """``lean`` decoded (flat fp32) into this thread's buffer in ``buffers``, reused by its next decode."""
+    slot = (threading.get_ident(), lean.device)
+    buf = buffers.get(slot)
+    if buf is None or buf.numel() < lean.numel:
+        buf = buffers[slot] = torch.empty(lean.numel, dtype=torch.float32, device=lean.device)
+    return lean.decode(buf[:lean.numel])
+
+
+def _loaded_stores(state: dict, saved: str, codes_key: str, scales_key: str, numel_key: str,
+                   what: str) -> dict[Any, Any]:
+    """The inverse of :meth:`ErrorFeedback._saved_stores`: ``{key: fp32 tensor or LeanTensor}`` as
+    saved in the storage ``saved``."""
+    codes = decode_keyed(state[codes_key], f"error feedback {codes_key}")
+    if saved == "fp32":
+        return {k: c.float().clone() for k, c in codes.items()}
+    scales = decode_keyed(state[scales_key], f"error feedback {what} scales") if saved in _BLOCKWISE else {}
+    numels = decode_keyed(state[numel_key], f"error feedback {what} sizes") if saved == "int4" else {}
+    return {k: LeanTensor.from_saved(saved, c, scales.get(k), None if numels.get(k) is None else int(numels[k]))
+            for k, c in codes.items()}
 
 
 def _convert(value: Any, storage: str, seed) -> Any:

@@ -37,6 +37,8 @@ from . import ops
 
 #: The storages :class:`LeanTensor` (and ``ErrorFeedback(storage=)``) take.
 STORAGES = ("fp32", "bf16", "int8", "int4")
+#: The DDP and FSDP2 hooks' default ``residual_storage`` (docs/results/memory.md: how it was chosen).
+HOOK_DEFAULT = "int8"
 #: Elements per fp32 scale of the ``int8`` storage.
 INT8_BLOCK = 128
 #: Elements per fp32 scale of the ``int4`` storage (even: a byte's two nibbles share a block).

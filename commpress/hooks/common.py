@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..storage import HOOK_DEFAULT
 from ..collectives.accounting import all_reduce_cost
 from ..compressors import Compressor, get
 
@@ -535,7 +536,7 @@ class HookState:
 
     def __init__(self, compressor: Compressor | str, *, error_feedback: bool | str = "auto",
                  process_group: dist.ProcessGroup | None = None, momentum: float = 0.0,
-                 momentum_masking: bool = False, residual_storage: str = "int8",
+                 momentum_masking: bool = False, residual_storage: str = HOOK_DEFAULT,
                  rollback: str = "step", **compressor_params: Any) -> None:
         from ..storage import check_storage
 

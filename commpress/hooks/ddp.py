@@ -83,6 +83,7 @@ from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .. import collectives
+from ..storage import HOOK_DEFAULT
 from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
 from ..feedback import ResidualTransaction, nonfinite_flag
@@ -266,7 +267,7 @@ class DDPState(TakeoverMixin, HookState):
                  verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
                  overlap: bool = True, hierarchy: int | str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
-                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
                  auto: AutoSpec | None = None,
                  sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
@@ -1321,7 +1322,7 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
              verify_every: int | None = None, seed: int = 0, dense_1d: bool = True,
              overlap: bool = True, hierarchy: int | str | None = None,
              optimizer: torch.optim.Optimizer | None = None, join_buckets: bool | float | None = None,
-             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
              auto: AutoSpec | None = None,
              sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,

@@ -161,6 +161,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import collectives
+from ..storage import HOOK_DEFAULT
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
@@ -352,7 +353,7 @@ class FSDPState(TakeoverMixin, HookState):
                  all_gather: Compressor | str | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
-                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
                  auto: Any = None, **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
@@ -959,7 +960,7 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
-             scaler: torch.amp.GradScaler | None = None, residual_storage: str = "int8",
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
              auto: Any = None, sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
              **compressor_params: Any) -> FSDPState:
