@@ -405,10 +405,13 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
             shard = torch.zeros(mine, dtype=torch.float32, device=tensor.device)
         # a node's bad rank rides in every status of the inter call (every inter group holds one
         # rank of that node, so every rank of every node raises together, here or deferred)
+        # the shard is this call's own (a view of the node's sum, or zeros): it is the inner call's
+        # output too, so error feedback's CPU lanes may compensate in it (:mod:`.steady`)
         with wire.device_error(node_bad):
             out_shard = flat_allreduce(shard, compressor, group=h.inter, validate=False, transaction=tx,
                                        shapes=h.shard_shapes(bnd, j, shape, shapes) if kind == "lowrank" else None,
                                        _error=(code, msg) if code else None,
+                                       out=shard if kind != "lowrank" else None,
                                        **dict(args, key=("shard", key, j)))
     else:
         out_shard = shard

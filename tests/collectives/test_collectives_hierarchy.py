@@ -193,3 +193,39 @@ def test_auto_prediction_is_a_pure_function():
     p = h.predict(1 << 22, c)
     assert p["two_level"] < p["flat"]
     assert h.predict(1 << 22, c) == p
+
+
+def lanes_worker(rank, world, lane):
+    """Three steps of topk / blockquant with error feedback through ``Hierarchy(2)``, the CPU lanes
+    on (the default) or forced off; every result, residual and how often a lane ran."""
+    from commpress.collectives import set_cost_model, steady, steady_sparse
+
+    set_cost_model(1.0, 0.0)   # blockquant's "auto": one gather_all message
+    h = Hierarchy(2)
+    ran = []
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (steady, steady_sparse):
+            real = mod.run
+            mp.setattr(mod, "run", lambda *a, _real=real, **k: (ran.append(1), _real(*a, **k))[1])
+            if not lane:
+                mp.setattr(mod, "plan_for", lambda *a, **k: None)
+        for name, c in (("topk", commpress.ErrorFeedback(commpress.get("topk", ratio=0.05))),
+                        ("blockquant", commpress.ErrorFeedback(commpress.get("blockquant", bits=4)))):
+            res = [allreduce(data(rank, step, 5000), c, hierarchy=h, key=name, step=step).clone()
+                   for step in range(3)]
+            out[name] = (torch.stack(res).view(torch.int32).tolist(),
+                         {str(k): c.residual(k).view(torch.int32).tolist() for k in c._residuals})
+    out["lane_runs"] = len(ran)
+    return out
+
+
+def test_the_inter_node_call_takes_the_cpu_lanes_bitwise():
+    """The compressed call between nodes compensates in its own shard, so error feedback's CPU lanes
+    (:mod:`commpress.collectives.steady`) run it: bitwise the general path (results, residuals)."""
+    on, off = run(lanes_worker, 4, True, timeout=90), run(lanes_worker, 4, False, timeout=90)
+    assert all(r["lane_runs"] == 6 for r in on), [r["lane_runs"] for r in on]
+    assert all(r["lane_runs"] == 0 for r in off)
+    for a, b in zip(on, off):
+        for name in ("topk", "blockquant"):
+            assert a[name] == b[name], f"{name}: the lane differs from the general path"
