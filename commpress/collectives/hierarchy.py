@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -55,6 +57,9 @@ from .validate import check_once
 log = logging.getLogger("commpress")
 
 MODES = ("two_level", "auto")
+#: fp32 elements at which :meth:`Hierarchy.models` times the two-level path's intra phases
+#: (256 KiB and 4 MiB: the bucket sizes between DDP's first and its default).
+INTRA_FIT_SIZES = (1 << 16, 1 << 20)
 
 
 class Hierarchy:
@@ -194,18 +199,55 @@ class Hierarchy:
     def models(self) -> tuple[CostModel, CostModel]:
         """``(intra, inter)``: :func:`~commpress.collectives.set_cost_model` numbers when set, else
         a calibration on the intra group and one on the inter group (cached per group), made
-        equal on every rank by one max ``all_reduce`` over ``group``.  Collective the first time."""
+        equal on every rank by one max ``all_reduce`` over ``group``.  The intra model is then
+        refitted to the two-level path's own intra phases (:meth:`_time_intra_phases`): where
+        they cost more than the bare link predicts (their copies, sums and status pass; ranks
+        that share cores), its α and β grow to match.  Collective the first time."""
         if self._models is None:
             a = costmodel.get_cost_model(self.intra) if self.intra is not None else costmodel.get_cost_model(None)
             b = costmodel.get_cost_model(self.inter) if self.inter is not None else a
             if self.world > 1 and costmodel._OVERRIDE is None:
-                v = torch.tensor([a.alpha, a.beta, a.gamma, a.delta, b.alpha, b.beta, b.gamma, b.delta],
+                phases = self._time_intra_phases()
+                v = torch.tensor([a.alpha, a.beta, a.gamma, a.delta, b.alpha, b.beta, b.gamma, b.delta, *phases],
                                  dtype=torch.float64, device=_comm.comm_device(self.group))
                 dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
                 x = v.cpu().tolist()
-                a, b = CostModel(*x[:4]), CostModel(*x[4:])
+                a, b = CostModel(*x[:4]), CostModel(*x[4:8])
+                if phases:
+                    a = fit_intra(a, self.local_size, INTRA_FIT_SIZES, x[8:])
             self._models = (a, b)
         return self._models
+
+    def _time_intra_phases(self) -> list[float]:
+        """Seconds of the two-level path's intra phases (reduce-scatter, then all-gather, as
+        :func:`allreduce` runs them, with the status pass error feedback adds) at each of
+        :data:`INTRA_FIT_SIZES` fp32 elements: the median of ``COMMPRESS_CALIBRATION_REPS``
+        runs after one untimed.  ``[]`` with one rank per node (no intra phase).  Collective on
+        the intra group; its buffers are freed."""
+        if self.intra is None or self.local_size == 1:
+            return []
+        dev = _comm.comm_device(self.group)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        reps = costmodel.calibration_reps(self.intra)
+        L, j = self.local_size, self.local_rank
+        out = []
+        for n in INTRA_FIT_SIZES:
+            flat = torch.zeros(n, dtype=torch.float32, device=dev)
+            result = torch.empty(n, dtype=torch.float32, device=dev)
+            bnd = shard_bounds(n, L)
+            S = max(bnd[i + 1] - bnd[i] for i in range(L))
+            mine = bnd[j + 1] - bnd[j]
+            times = []
+            for _ in range(reps + 1):
+                sync()
+                t0 = time.perf_counter()
+                acc = _intra_reduce_scatter(self, flat, bnd, S, torch.float32, False, True, None)
+                _intra_all_gather(self, acc[:mine], bnd, S, mine, result, None)
+                sync()
+                times.append(time.perf_counter() - t0)
+            self._scratch.pop((L, S + wire.SUM_SLOTS, torch.float32, dev), None)
+            out.append(statistics.median(times[1:]))
+        return out
 
     def predict(self, numel: int, compressor: Any, dtype: torch.dtype = torch.float32,
                 shape: tuple[int, ...] | None = None,
@@ -299,8 +341,40 @@ def predict_paths(numel: int, compressor: Any, world: int, local_size: int, intr
     s = bnd[big + 1] - bnd[big]
     sm, sb, se, sd = kind_terms(compressor, s, M, dtype, None,
                                  shard_shapes(bnd, big, shape or (numel,), shapes))
-    local = intra.time(2 * (L - 1), (L - 1) * (s + 2) * es + (L - 1) * s * es, 0, 2 * numel)
+    lm, lb, le = intra_phase_terms(numel, L, es, s)
+    local = intra.time(lm, lb, 0, le)
     return {"flat": flat, "two_level": local + inter.time(sm, sb, se, sd)}
+
+
+def intra_phase_terms(numel: int, local_size: int, es: int = 4, shard: int | None = None
+                      ) -> tuple[float, float, float]:
+    """(messages, bytes, elements) of the two-level path's intra phases for ``numel`` elements of
+    ``es`` bytes, the largest shard ``shard`` (default: an equal cut) elements: what
+    :func:`predict_paths` prices at the intra model."""
+    L = local_size
+    s = -(-numel // L) if shard is None else shard
+    return 2.0 * (L - 1), float((L - 1) * (s + 2) * es + (L - 1) * s * es), 2.0 * numel
+
+
+def fit_intra(model: CostModel, local_size: int, sizes: tuple[int, ...], seconds: list[float]) -> CostModel:
+    """``model`` with α and β refitted so that the intra phases' terms (:func:`intra_phase_terms`)
+    at the first and last of ``sizes`` (fp32 elements) cost the measured ``seconds``; never below
+    ``model``'s own α and β (the bare link's, the best of its repetitions).
+
+    Args:
+        model: the intra group's calibrated model (its γ and δ are kept).
+        local_size: ranks per node.
+        sizes: the element counts timed, ascending.
+        seconds: the measured seconds at each of ``sizes``.
+    """
+    (m1, b1, e1), (m2, b2, e2) = intra_phase_terms(sizes[0], local_size), intra_phase_terms(sizes[-1], local_size)
+    t1, t2 = seconds[0] - model.delta * e1, seconds[-1] - model.delta * e2
+    beta = (t2 - t1) / (b2 - b1) if b2 > b1 else model.beta
+    alpha = (t1 - beta * b1) / m1 if m1 else model.alpha
+    if alpha < model.alpha:   # the line through both points would price small messages below the link
+        alpha = model.alpha
+        beta = (t2 - alpha * m2) / b2
+    return CostModel(alpha, max(beta, model.beta), model.gamma, model.delta)
 
 
 def _host_status(t: torch.Tensor) -> bool:

@@ -229,3 +229,56 @@ def test_the_inter_node_call_takes_the_cpu_lanes_bitwise():
     for a, b in zip(on, off):
         for name in ("topk", "blockquant"):
             assert a[name] == b[name], f"{name}: the lane differs from the general path"
+
+
+def test_fit_intra_reproduces_slow_phases_and_never_goes_below_the_link():
+    from commpress.collectives.hierarchy import INTRA_FIT_SIZES, fit_intra, intra_phase_terms
+
+    link = CostModel(100e-6, 1e-9, 1e-8, 5e-10)
+
+    def priced(m, n):
+        msgs, nbytes, elems = intra_phase_terms(n, 2)
+        return m.time(msgs, nbytes, 0, elems)
+
+    slow = [3 * priced(link, n) for n in INTRA_FIT_SIZES]
+    fitted = fit_intra(link, 2, INTRA_FIT_SIZES, slow)
+    for n, t in zip(INTRA_FIT_SIZES, slow):
+        assert abs(priced(fitted, n) - t) < 1e-9 * max(1.0, t) + 1e-12
+    assert fitted.alpha > link.alpha and fitted.beta > link.beta
+    fast = [0.5 * priced(link, n) for n in INTRA_FIT_SIZES]
+    kept = fit_intra(link, 2, INTRA_FIT_SIZES, fast)
+    assert (kept.alpha, kept.beta, kept.gamma, kept.delta) == (link.alpha, link.beta, link.gamma, link.delta)
+
+
+def intra_refit_worker(rank, world):
+    """The intra model of ``Hierarchy.models()`` prices the intra phases as they were timed (one rank
+    slower than the others: the max counts), the same numbers on every rank."""
+    from commpress.collectives.hierarchy import INTRA_FIT_SIZES, intra_phase_terms
+
+    h = Hierarchy(2)
+    slow = [0.004 + 0.001 * rank, 0.040 + 0.001 * rank]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Hierarchy, "_time_intra_phases", lambda self: list(slow))
+        intra, inter = h.models()
+    priced = [intra.time(m, b, 0, e) for m, b, e in (intra_phase_terms(n, 2) for n in INTRA_FIT_SIZES)]
+    return priced, (intra.alpha, intra.beta, inter.alpha, inter.beta)
+
+
+def test_the_intra_model_is_refitted_to_the_timed_phases():
+    res = run(intra_refit_worker, 4, timeout=90)
+    assert all(r[1] == res[0][1] for r in res), "ranks disagree"
+    for got, want in zip(res[0][0], (0.004 + 0.003, 0.040 + 0.003)):
+        assert abs(got - want) < 1e-9
+
+
+def phases_worker(rank, world):
+    h = Hierarchy(2)
+    return h._time_intra_phases(), len(h._scratch)
+
+
+def test_the_intra_phases_are_timed_and_their_buffers_freed():
+    from commpress.collectives.hierarchy import INTRA_FIT_SIZES
+
+    for secs, scratch in run(phases_worker, 4, timeout=90):
+        assert len(secs) == len(INTRA_FIT_SIZES) and all(s > 0 for s in secs)
+        assert scratch == 0
