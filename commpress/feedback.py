@@ -718,13 +718,15 @@ class ErrorFeedback(Compressor):
         beta*e`` in place; ``x`` is then the buffer of the next residual (sealed from it)."""
         if self.momentum and self.clip is None and self.storage != "fp32":
             self._velocity_in_place(x, key, scale)   # x := m*u + g, stored as the pending velocity
+            scale = 1.0
         elif self.momentum:
             x.copy_(self._accumulate(x, key, scale))   # the pending velocity m*u + g
-        elif scale != 1.0:
-            x.mul_(scale)
+            scale = 1.0
         live = self._residuals.get(key)
         if live is not None and live.numel == x.numel() and live.device == x.device:
-            live.add_to(x.view(-1), self.beta)
+            live.add_to(x.view(-1), self.beta, pre=scale)   # x * scale rounded, then the residual added
+        elif scale != 1.0:
+            x.mul_(scale)
         self._release_open(key)
         self._open[key] = x
         self._borrowed.add(key)

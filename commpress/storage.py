@@ -134,16 +134,20 @@ class LeanTensor:
         self._decode_range(0, self.numel, out.view(-1))
         return out
 
-    def add_to(self, dst: torch.Tensor, alpha: float = 1.0, chunk: int = DECODE_CHUNK) -> torch.Tensor:
-        """``dst += alpha * value`` (``dst`` flat fp32, contiguous, ``numel`` elements), decoded
-        ``chunk`` elements at a time: no fp32 buffer of the whole residual (a transient one of
-        ``chunk`` elements).  Returns ``dst``."""
+    def add_to(self, dst: torch.Tensor, alpha: float = 1.0, chunk: int = DECODE_CHUNK, *,
+               pre: float = 1.0) -> torch.Tensor:
+        """``dst := dst * pre + alpha * value`` (``dst`` flat fp32, contiguous, ``numel`` elements;
+        ``dst * pre`` rounded on its own, as ``dst.mul_(pre)`` before the add), decoded ``chunk``
+        elements at a time: no fp32 buffer of the whole residual (a transient one of ``chunk``
+        elements).  Returns ``dst``."""
         if dst.numel() != self.numel:
             raise ValueError(f"LeanTensor.add_to: expected {self.numel} elements, got {dst.numel()}")
-        if self.storage == "int8" and alpha == 1.0:   # one op (numba on the CPU: one pass)
-            return ops.int8_block_add(dst, self.codes, self.scales, INT8_BLOCK)
+        if self.storage == "int8" and alpha == 1.0:   # one op (numba on the CPU: one pass, pre folded in)
+            return ops.int8_block_add(dst, self.codes, self.scales, INT8_BLOCK, pre)
         if self.storage == "int4" and alpha == 1.0:
-            return ops.int4_block_add(dst, self.codes, self.scales, INT4_BLOCK)
+            return ops.int4_block_add(dst, self.codes, self.scales, INT4_BLOCK, pre)
+        if pre != 1.0:
+            dst.mul_(pre)
         step = max(INT8_BLOCK, chunk - chunk % INT8_BLOCK)
         buf = torch.empty(min(step, self.numel), dtype=torch.float32, device=self.device)
         for lo in range(0, self.numel, step):

@@ -2184,7 +2184,9 @@ def lean_bf16_encode(bits, noise, out):   # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def lean_int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
+def lean_int8_add(dst, codes, scales, block, pre):   # pragma: no cover - compiled
+    """``dst := dst * pre + codes * scales`` (each product rounded on its own: the reference's
+    ``mul_`` then ``add_``; ``x * 1`` is ``x``, NaN and signed zeros included)."""
     n = dst.size
     for b in range(scales.size):
         lo = b * block
@@ -2194,7 +2196,7 @@ def lean_int8_add(dst, codes, scales, block):   # pragma: no cover - compiled
         s = scales[b]
         db, cb = dst[lo:hi], codes[lo:hi]   # slices: the loop vectorizes
         for j in range(db.size):
-            db[j] = db[j] + np.float32(cb[j]) * s
+            db[j] = db[j] * pre + np.float32(cb[j]) * s
 
 
 # int4: a code c in [-7, 7] (lean.INT4_MAX) kept as the nibble c + 8; byte j of a block holds its
@@ -2249,7 +2251,8 @@ def lean_int4_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def lean_int4_add(dst, codes, scales, block):   # pragma: no cover - compiled
+def lean_int4_add(dst, codes, scales, block, pre):   # pragma: no cover - compiled
+    """As :func:`lean_int8_add`: ``dst := dst * pre + (nibbles - 8) * scales``."""
     n = dst.size
     hb = block // 2
     for b in range(scales.size):
@@ -2263,15 +2266,15 @@ def lean_int4_add(dst, codes, scales, block):   # pragma: no cover - compiled
             da, db = dst[lo:lo + hb], dst[lo + hb:hi]
             for j in range(hb):
                 p = np.int32(cb[j])
-                da[j] = da[j] + np.float32((p & 15) - 8) * s
-                db[j] = db[j] + np.float32((p >> 4) - 8) * s
+                da[j] = da[j] * pre + np.float32((p & 15) - 8) * s
+                db[j] = db[j] * pre + np.float32((p >> 4) - 8) * s
         else:
             for j in range(hb):
                 p = np.int32(cb[j])
                 if lo + j < hi:
-                    dst[lo + j] = dst[lo + j] + np.float32((p & 15) - 8) * s
+                    dst[lo + j] = dst[lo + j] * pre + np.float32((p & 15) - 8) * s
                 if lo + hb + j < hi:
-                    dst[lo + hb + j] = dst[lo + hb + j] + np.float32((p >> 4) - 8) * s
+                    dst[lo + hb + j] = dst[lo + hb + j] * pre + np.float32((p >> 4) - 8) * s
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

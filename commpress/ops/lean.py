@@ -143,29 +143,36 @@ def int4_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
     return out
 
 
-def _block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, decode) -> torch.Tensor:
-    """``dst += decode(...)`` a range of :data:`ADD_CHUNK` elements at a time (``block`` divides it):
-    no buffer of ``dst``'s size."""
+def _block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, decode,
+               pre: float = 1.0) -> torch.Tensor:
+    """``dst := dst * pre + decode(...)`` a range of :data:`ADD_CHUNK` elements at a time (``block``
+    divides it): no buffer of ``dst``'s size."""
     n = dst.numel()
     step = ADD_CHUNK - ADD_CHUNK % block
     buf = torch.empty(min(step, n), dtype=torch.float32, device=dst.device)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
-        dst[lo:hi].add_(decode(codes, scales, lo, hi, buf[:hi - lo], block))
+        part = dst[lo:hi]
+        if pre != 1.0:
+            part.mul_(pre)
+        part.add_(decode(codes, scales, lo, hi, buf[:hi - lo], block))
     return dst
 
 
-def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``dst += (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``), decoded
-    :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
-    return _block_add(dst, codes, scales, block, int4_block_decode)
+def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+                   pre: float = 1.0) -> torch.Tensor:
+    """``dst := dst * pre + (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``),
+    decoded :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
+    return _block_add(dst, codes, scales, block, int4_block_decode, pre)
 
 
-def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """``dst += codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of ``n``
-    elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``), decoded
-    :data:`ADD_CHUNK` elements at a time (``block`` divides it): no buffer of ``dst``'s size."""
-    return _block_add(dst, codes, scales, block, int8_block_decode)
+def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+                   pre: float = 1.0) -> torch.Tensor:
+    """``dst := dst * pre + codes * scales`` (the stored int8 value added to the flat fp32 ``dst`` of
+    ``n`` elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``; ``dst * pre``
+    rounded on its own, as ``dst.mul_(pre)`` then the add), decoded :data:`ADD_CHUNK` elements at a
+    time (``block`` divides it): no buffer of ``dst``'s size."""
+    return _block_add(dst, codes, scales, block, int8_block_decode, pre)
 
 
 REFERENCE = {"int8_block_encode": int8_block_encode, "bf16_stochastic_encode": bf16_stochastic_encode,
@@ -188,10 +195,11 @@ def _numba_impls() -> dict:
         return _numba_kernels
 
     def adder(kernel_name, reference):
-        def add(dst, codes, scales, block):
+        def add(dst, codes, scales, block, pre=1.0):
             if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
-                return reference(dst, codes, scales, block)
-            getattr(kernels(), kernel_name)(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block)
+                return reference(dst, codes, scales, block, pre)
+            getattr(kernels(), kernel_name)(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block,
+                                            np.float32(pre))
             return dst
         return add
 

@@ -58,15 +58,20 @@ def test_bf16_stochastic_encode_numba_is_bitwise_the_reference(name, x):
     assert torch.equal(_bits(out[0]), _bits(out[1]))
 
 
+PRE = [1.0, 0.5, 1 / 3]   # the hooks' 1/P folded into the add (rounded on its own, as a mul_ before it)
+
+
+@pytest.mark.parametrize("pre", PRE)
 @pytest.mark.parametrize("n", [1, INT8_BLOCK - 1, INT8_BLOCK, 3 * INT8_BLOCK + 7, (1 << 20) + 300])
-def test_int8_block_add_numba_is_bitwise_the_reference(n):
+def test_int8_block_add_numba_is_bitwise_the_reference(n, pre):
     g = torch.Generator().manual_seed(n)
     blocks = -(-n // INT8_BLOCK)
     codes = torch.randint(-127, 128, (blocks * INT8_BLOCK,), dtype=torch.int8, generator=g)
     scales = torch.rand(blocks, generator=g) * 0.01
     dst = torch.randn(n, generator=g)
-    want = dst + (codes.float().view(blocks, INT8_BLOCK) * scales[:, None]).view(-1)[:n]
-    out = [ops.int8_block_add(dst.clone(), codes, scales, INT8_BLOCK, backend=b) for b in ("torch", "numba")]
+    dst[0] = -0.0
+    want = dst * pre + (codes.float().view(blocks, INT8_BLOCK) * scales[:, None]).view(-1)[:n]
+    out = [ops.int8_block_add(dst.clone(), codes, scales, INT8_BLOCK, pre, backend=b) for b in ("torch", "numba")]
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
 
 
@@ -105,15 +110,16 @@ def test_int4_block_encode_numba_is_bitwise_the_reference(name, x):
 
 @pytest.mark.parametrize("n", [1, 2, INT4_BLOCK // 2 + 3, INT4_BLOCK - 1, INT4_BLOCK, 3 * INT4_BLOCK + 7,
                                (1 << 20) + 301])
-def test_int4_block_add_numba_is_bitwise_the_reference(n):
+@pytest.mark.parametrize("pre", PRE)
+def test_int4_block_add_numba_is_bitwise_the_reference(n, pre):
     g = torch.Generator().manual_seed(n)
     blocks = -(-n // INT4_BLOCK)
     codes = torch.randint(0, 256, (blocks * INT4_BLOCK // 2,), dtype=torch.uint8, generator=g)
     scales = torch.rand(blocks, generator=g) * 0.01
     dst = torch.randn(n, generator=g)
     nib = _nibbles(codes)
-    want = dst + ((nib.float() - 8).view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:n]
-    out = [ops.int4_block_add(dst.clone(), codes, scales, INT4_BLOCK, backend=b) for b in ("torch", "numba")]
+    want = dst * pre + ((nib.float() - 8).view(blocks, INT4_BLOCK) * scales[:, None]).view(-1)[:n]
+    out = [ops.int4_block_add(dst.clone(), codes, scales, INT4_BLOCK, pre, backend=b) for b in ("torch", "numba")]
     assert torch.equal(_bits(out[0]), _bits(out[1])) and torch.equal(_bits(out[0]), _bits(want))
 
 
