@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from .netem import launch
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.outside", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="ddp,auto-opt,auto,identity-opt", help=f"from {sorted(CONFIGS)}")
+    p.add_argument("--configs", default="ddp,auto-opt,auto,identity-opt", help=f"from {sorted(CONFIGS)}".replace("%", "%%"))
     p.add_argument("--net", default=None, help="emulated link, e.g. 1gbit or 100mbit (default: loopback)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)

@@ -19,3 +19,10 @@ def test_a_short_round_prints_a_row_per_config(capsys):
     rows = [line.split(" | ") for line in out if line.startswith("| 1 |")]
     assert [r[1] for r in rows] == ["auto-opt"] and float(rows[0][2]) > 0
     assert rows[0][-1].strip(" |")   # what "auto" chose
+
+
+def test_help_prints(capsys):
+    """``--help`` lists the configs (one is named with a ``%``, which argparse expands)."""
+    with pytest.raises(SystemExit) as exit_:
+        outside.main(["--help"])
+    assert exit_.value.code == 0 and "topk-1%-mc" in capsys.readouterr().out
