@@ -33,6 +33,9 @@ CONFIGS = {
 }
 
 
+FIRST = 8   # the first steps' walls, printed with --walls (where a config's start-up goes)
+
+
 def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 200, lr: float = 0.05,
               hidden: int = 1448, seed: int = 0, eval_every: int = 10, target: float = 0.90) -> dict:
     import torch
@@ -80,7 +83,7 @@ def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 2
     if state is not None:
         state.close()
     return {"median_ms": statistics.median(walls) * 1e3, "hit": hit, "hit_s": hit_s, "final_acc": accs[-1],
-            "chose": chose, "total_s": sum(walls)}
+            "chose": chose, "total_s": sum(walls), "first_ms": [round(w * 1e3, 1) for w in walls[:FIRST]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--walls", action="store_true", help=f"also print each run's first {FIRST} step walls (ms)")
     args = p.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             hit_s = f"{out['hit_s']:.2f}" if out["hit_s"] is not None else "not reached"
             print(f"| {r + 1} | {name} | {out['median_ms']:.1f} | {ratio} | {out['hit'] or '-'} | {hit_s} | "
                   f"{out['final_acc']:.3f} | {out['chose']} |", flush=True)
+            if args.walls:
+                print(f"  first steps of {name} (ms): {out['first_ms']}", flush=True)
     return 0
 
 

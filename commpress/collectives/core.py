@@ -116,8 +116,8 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
             compressed between nodes (:mod:`.hierarchy`).
         prescale: reduce ``tensor * prescale`` instead (``tensor`` is not changed); identity /
             fp16 / bf16 fold it into their cast, error feedback around a sparsifier or a gather
-            kind into its compensation pass (:func:`folds_scale`): how the DDP hook averages at
-            no extra pass.
+            kind into its compensation pass (:func:`folds_scale`), a ``hierarchy`` into its
+            intra-node copy: how the DDP hook averages at no extra pass.
         dense: a part summed exactly beside the payload (above).
         passengers: (:class:`~.wire.Passengers`) messages of calls held earlier
             (:func:`~.joint.hold`) that ride in this call's first ``all_gather`` where it takes a
@@ -145,12 +145,12 @@ def allreduce(tensor: torch.Tensor, compressor: Compressor, *, group=None, key: 
     """
     if dense is not None:
         _check_dense(dense, tensor)
-    if prescale is not None and (hierarchy is not None or not (_casts(compressor) or folds_scale(compressor))):
+    if prescale is not None and hierarchy is None and not (_casts(compressor) or folds_scale(compressor)):
         tensor, prescale = tensor * prescale, None
     if hierarchy is not None:  # the two-level protocol is built on this function (no import back)
         out = hierarchy.allreduce(tensor, compressor, group=group, key=key, step=step, algorithm=algorithm,
                                   stats=stats, generator=generator, validate=validate, transaction=transaction,
-                                  shapes=shapes, out=out)
+                                  shapes=shapes, out=out, prescale=prescale)
         if dense is not None:
             _dense_round(dense, compressor, group, stats, transaction, out)
         return out

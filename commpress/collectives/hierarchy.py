@@ -426,8 +426,11 @@ def kind_terms(compressor: Any, numel: int, P: int, dtype: torch.dtype, shape, s
 @owns_transaction
 def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, group=None, key: Any = 0,
               step: int = 0, algorithm: str = "auto", stats=None, generator=None, validate: bool = True,
-              transaction=None, shapes=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`commpress.collectives.allreduce` through ``hierarchy`` (see the module doc)."""
+              transaction=None, shapes=None, out: torch.Tensor | None = None,
+              prescale: float | None = None) -> torch.Tensor:
+    """:func:`commpress.collectives.allreduce` through ``hierarchy`` (see the module doc).
+    ``prescale``: sum ``tensor * prescale`` (``tensor`` unchanged), the multiplication done in
+    the intra reduce-scatter's copy (no pass of its own)."""
     h = hierarchy
     if not isinstance(h, Hierarchy):
         raise TypeError(f"allreduce: hierarchy must be a commpress.collectives.Hierarchy or None, "
@@ -438,7 +441,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
     shape = tuple(tensor.shape)
     if h.world == 1 or h.plan(tensor.numel(), compressor, tensor.dtype, shape, shapes) == "flat":
         return flat_allreduce(tensor, compressor, group=h.group, validate=validate, transaction=transaction,
-                              shapes=shapes, out=out, **args)
+                              shapes=shapes, out=out, prescale=prescale, **args)
     if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
         raise ValueError(f"allreduce: out must have tensor's shape {tuple(tensor.shape)} and dtype "
                          f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -462,7 +465,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
         else torch.float32
     flat = tensor.reshape(-1)
     feedback = has_feedback(compressor)
-    acc = _intra_reduce_scatter(h, flat, bnd, S, wdt, bool(err[0]), feedback, stats)
+    acc = _intra_reduce_scatter(h, flat, bnd, S, wdt, bool(err[0]), feedback, stats, prescale)
     mine = bnd[j + 1] - bnd[j]
     shard = acc[:mine].to(wdt)
     code, msg = err
@@ -498,19 +501,23 @@ def allreduce(tensor: torch.Tensor, compressor: Any, hierarchy: Hierarchy, *, gr
 
 
 def _intra_reduce_scatter(h: Hierarchy, flat: torch.Tensor, bnd: list[int], S: int, wdt: torch.dtype,
-                          error: bool, feedback: bool, stats) -> torch.Tensor:
-    """1. Row ``i`` (``[shard i | pad | error, non-finite]``) goes to local rank ``i``; returns
-    this rank's fp32 sum over the node, status slots at ``S`` and ``S + 1``."""
+                          error: bool, feedback: bool, stats, scale: float | None = None) -> torch.Tensor:
+    """1. Row ``i`` (``[shard i | pad | error, non-finite]``) goes to local rank ``i``, times
+    ``scale`` when given (in the copy); returns this rank's fp32 sum over the node, status slots at
+    ``S`` and ``S + 1``."""
     L = h.local_size
     send, recv, acc = h.scratch(L, S + wire.SUM_SLOTS, wdt, flat.device)
     for i in range(L):
         m = bnd[i + 1] - bnd[i] if not error else 0
-        if m:
+        if m and scale is not None:
+            torch.mul(flat[bnd[i]:bnd[i + 1]], scale, out=send[i, :m])
+        elif m:
             send[i, :m].copy_(flat[bnd[i]:bnd[i + 1]])
         send[i, m:S].zero_()
     send[:, S].fill_(1.0 if error else 0.0)
-    if feedback:
-        send[:, S + 1:S + 2].copy_(nonfinite_flag(flat).to(wdt).reshape(1, 1).expand(L, 1))
+    if feedback:   # what is sent (a finite value that the scale overflowed too)
+        bad = nonfinite_flag(flat if scale is None else send[:, :S])
+        send[:, S + 1:S + 2].copy_(bad.to(wdt).reshape(1, 1).expand(L, 1))
     _comm.all_to_all_(recv, send, group=h.intra, stats=stats)
     if wdt == torch.float32:
         torch.sum(recv, 0, out=acc)

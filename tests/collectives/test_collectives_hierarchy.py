@@ -282,3 +282,33 @@ def test_the_intra_phases_are_timed_and_their_buffers_freed():
     for secs, scratch in run(phases_worker, 4, timeout=90):
         assert len(secs) == len(INTRA_FIT_SIZES) and all(s > 0 for s in secs)
         assert scratch == 0
+
+
+def prescale_worker(rank, world):
+    """``allreduce(x, c, hierarchy=h, prescale=s)`` against the same call on ``x * s``: results and
+    residuals bitwise, ``x`` left as it was; a NaN still poisons every rank's result."""
+    h = Hierarchy(2)
+    out = {}
+    for name, make in (("identity", lambda: commpress.get("identity")),
+                       ("topk", lambda: commpress.ErrorFeedback(commpress.get("topk", ratio=0.05))),
+                       ("blockquant", lambda: commpress.ErrorFeedback(commpress.get("blockquant", bits=4)))):
+        a, b = make(), make()
+        for step in range(2):
+            x = data(rank, step, 3001)
+            keep = x.clone()
+            got = allreduce(x, a, hierarchy=h, key=name, step=step, prescale=1 / 3)
+            want = allreduce(x * (1 / 3), b, hierarchy=h, key=name, step=step)
+            assert torch.equal(x, keep)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, step)
+        if isinstance(a, commpress.ErrorFeedback):
+            assert all(torch.equal(a.residual(k), b.residual(k)) for k in a._residuals)
+        x = data(rank, 5, 3001)
+        if rank == 2:
+            x[11] = float("inf")
+        out[name] = bool(torch.isnan(allreduce(x, make(), hierarchy=h, key="nan", prescale=0.5)).all())
+    return out
+
+
+def test_prescale_rides_in_the_intra_copy_bitwise():
+    for r in run(prescale_worker, 4, timeout=90):
+        assert r["topk"] and r["blockquant"]   # error feedback: a NaN/inf anywhere poisons the sum
