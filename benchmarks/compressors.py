@@ -30,7 +30,9 @@ from .common import markdown_table, results_dir, steady_params, write_results
 SUITE: list[tuple[str, str, dict[str, Any], bool]] = [
     ("identity", "identity", {}, False),
     ("fp16", "fp16", {}, False),
+    ("fp16 + EF", "fp16", {}, True),
     ("bf16", "bf16", {}, False),
+    ("bf16 + EF", "bf16", {}, True),   # "auto" runs bf16 so (every choice under error feedback)
     ("topk 1%", "topk", {"ratio": 0.01}, False),
     ("topk 1% + EF", "topk", {"ratio": 0.01}, True),
     ("randomk 1%", "randomk", {"ratio": 0.01}, False),

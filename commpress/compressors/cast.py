@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.reference import compensated
+from .. import ops
 from .base import Compressor, Payload, register
 
 
@@ -55,19 +55,15 @@ class _Cast(Compressor):
                           new_residual: torch.Tensor, *, step: int = 0, key=0, fixed: bool = False,
                           scale: float = 1.0) -> tuple[Payload, torch.Tensor]:
         """Error feedback: ``c = tensor * scale + beta * residual`` (fp32, each product rounded on its
-        own, :func:`commpress.ops.reference.compensated`) cast with saturation: a finite ``c``
+        own, :func:`commpress.ops.reference.compensated`) cast with saturation
+        (:func:`commpress.ops.cast_feedback`: one numba pass for bf16 on the CPU): a finite ``c``
         beyond the wire dtype's largest value is sent as that value (``±65504`` for fp16) instead
         of ``±inf``, and ``new_residual = c - sent`` keeps the rest, so a finite input never
         leaves an infinite payload or residual; NaN/inf in ``c`` are sent as they are.  Returns
         ``(payload, finite)``; ``new_residual`` is only valid when ``finite`` (0-dim bool) is True.
         Bitwise the separate cast wherever it does not overflow (for ``beta = 1``)."""
         self.check_input(tensor)
-        c = new_residual.view(-1)
-        c.copy_(compensated(tensor, residual, beta, scale))
-        lim = torch.finfo(self.wire_dtype).max
-        sent = torch.where(torch.isinf(c), c, c.clamp(-lim, lim)).to(self.wire_dtype)
-        finite = torch.isfinite(c).all()
-        c.sub_(sent)
+        sent, finite = ops.cast_feedback(tensor, residual, beta, new_residual, self.wire_dtype, scale)
         return self.make_payload(tensor, (sent,)), finite
 
 

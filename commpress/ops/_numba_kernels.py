@@ -2119,6 +2119,110 @@ def sign_pack_feedback(x, res, beta, use_beta, chunk, new_res, packed, scales):
     return not bad.any()
 
 
+# ---------------------------------------------------------------- bf16 cast under error feedback
+_BF16_MAX_BITS = np.int32(0x7F7F0000)   # bf16's largest finite value, as fp32 bits
+_F32_INF_BITS = np.int32(0x7F800000)
+
+
+_HALF_CHUNK = 512   # elements a piece: its compensated values and sent bits stay in L1
+_F16_MAX_BITS = np.int32(0x477FE000)    # fp16's largest finite value (65504), as fp32 bits
+_F16_MIN_NORMAL_BITS = np.int32(0x38800000)   # 2**-14
+_F32_ROUND = np.float32(12582912.0)     # 1.5 * 2**23: adding and subtracting it rounds to an integer (RNE)
+_F32_2P24 = np.float32(16777216.0)
+_F32_2M24 = np.float32(2.0 ** -24)
+
+
+@njit(inline="always", **_SOPTS)
+def _half_compensate(xb, rb, cf, m, beta, scale, how):
+    """``cf[:m] = x*scale`` (``how & 4``) ``+ r`` (``how & 1``; ``r*beta``: ``how & 2``), each product
+    rounded on its own (:func:`commpress.ops.reference.compensated`)."""
+    for j in range(m):
+        v = xb[j] * scale if how & 4 else xb[j]
+        if how & 1:
+            v = v + (rb[j] * beta if how & 2 else rb[j])
+        cf[j] = v
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def bf16_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg):   # pragma: no cover - compiled
+    """``ops.cast_feedback`` for bf16 in one pass: ``c`` compensated (:func:`_half_compensate`);
+    ``sent[i]`` := ``c``'s bf16 bits (round to nearest even on the bits, a finite ``c`` beyond bf16's
+    largest value saturated there, inf kept, a NaN as torch converts it: ``nan_pos`` / ``nan_neg``
+    by its sign); ``res`` := ``c - sent``.  A piece at a time through small buffers, so that each
+    loop vectorizes (the bits of ``c`` and of the sent value are views of them).  ``r`` may be
+    ``res`` or ``x`` may be ``res``: a piece is read before it is written.  Returns whether every
+    ``c`` is finite."""
+    n = x.size
+    cf = np.empty(_HALF_CHUNK, np.float32)
+    ci = cf.view(np.int32)
+    qi = np.empty(_HALF_CHUNK, np.int32)
+    qf = qi.view(np.float32)
+    top = np.int32(0)
+    for lo in range(0, n, _HALF_CHUNK):
+        m = min(_HALF_CHUNK, n - lo)
+        ob, sb = res[lo:lo + m], sent[lo:lo + m]
+        _half_compensate(x[lo:lo + m], r[lo:lo + m], cf, m, beta, scale, how)
+        for j in range(m):
+            b = ci[j]
+            a = b & np.int32(0x7FFFFFFF)
+            ub = np.uint32(b)
+            t = np.int32((ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            t = (((b >> 16) & np.int32(0x8000)) | np.int32(0x7F7F)) if a > _BF16_MAX_BITS else t
+            t = ((b >> 16) & np.int32(0xFFFF)) if a == _F32_INF_BITS else t
+            t = (nan_neg if b < 0 else nan_pos) if a > _F32_INF_BITS else t
+            top = max(top, a)
+            sb[j] = np.int16(t)
+            qi[j] = t << 16
+        for j in range(m):
+            ob[j] = cf[j] - qf[j]
+    return top < _F32_INF_BITS
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def fp16_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg, nan_payload):   # pragma: no cover - compiled
+    """As :func:`bf16_feedback`, for fp16 (numba has no float16: the conversion on the bits): a
+    normal result rounds the mantissa to nearest even (a carry moves into the exponent), one below
+    2**-14 is ``|c| * 2**24`` rounded to an integer (RNE, the subnormal's code), a finite ``c``
+    beyond 65504 is sent as ±65504, inf kept, a NaN as torch converts it (``nan_payload``: quieted
+    with its payload's top bits, as F16C does; else ``nan_pos`` / ``nan_neg``); ``res := c - sent``
+    (the sent value exact in fp32)."""
+    n = x.size
+    cf = np.empty(_HALF_CHUNK, np.float32)
+    ci = cf.view(np.int32)
+    qi = np.empty(_HALF_CHUNK, np.int32)
+    qf = qi.view(np.float32)
+    top = np.int32(0)
+    for lo in range(0, n, _HALF_CHUNK):
+        m = min(_HALF_CHUNK, n - lo)
+        ob, sb = res[lo:lo + m], sent[lo:lo + m]
+        _half_compensate(x[lo:lo + m], r[lo:lo + m], cf, m, beta, scale, how)
+        for j in range(m):
+            b = ci[j]
+            a = b & np.int32(0x7FFFFFFF)
+            sign = (b >> 16) & np.int32(0x8000)
+            tn = ((a + np.int32(0xFFF) + ((a >> 13) & np.int32(1))) >> 13) - np.int32(112 << 10)
+            v = abs(cf[j]) * _F32_2P24   # exact: |c| < 2**-14 here, so below 1024
+            ts = np.int32((v + _F32_ROUND) - _F32_ROUND)
+            t = tn if a >= _F16_MIN_NORMAL_BITS else ts
+            t = np.int32(0x7BFF) if a > _F16_MAX_BITS else t
+            t = np.int32(0x7C00) if a == _F32_INF_BITS else t
+            t = t | sign
+            if nan_payload:   # F16C's rule: quieted, the payload's top bits kept
+                t = (sign | np.int32(0x7E00) | ((a >> 13) & np.int32(0x3FF))) if a > _F32_INF_BITS else t
+            else:
+                t = (nan_neg if b < 0 else nan_pos) if a > _F32_INF_BITS else t
+            top = max(top, a)
+            sb[j] = np.int16(t)
+            mag = t & np.int32(0x7FFF)
+            qi[j] = ((mag + np.int32(112 << 10)) << 13) | (sign << 16)   # a normal one's fp32 bits
+        for j in range(m):
+            mag = np.int32(sb[j]) & np.int32(0x7FFF)
+            q = np.float32(mag) * _F32_2M24   # a subnormal (or zero) one's value
+            q = -q if sb[j] < 0 else q
+            ob[j] = cf[j] - (q if mag < np.int32(0x400) else qf[j])
+    return top < _F32_INF_BITS
+
+
 # ---------------------------------------------------------------- lean residual storage (ops/lean.py)
 _NOISE_HALF = np.float32(0.5)        # a noise byte's uniform: (byte + 0.5) / 256
 _NOISE_STEP = np.float32(1.0 / 256)

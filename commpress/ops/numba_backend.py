@@ -981,10 +981,70 @@ def _serial_when_small(fn):
     return call
 
 
+_PROBE_NANS = np.array([0x7FC00000, 0xFFC00000, 0x7FF92C0B, 0xFFF92C0B, 0x7F800001, 0xFF800001, 0x7FFFFFFF],
+                       dtype=np.uint32)
+
+
+def _nan_rule(dtype: torch.dtype) -> tuple[int, int, bool] | None:
+    """How torch's CPU conversion to ``dtype`` (bf16 / fp16) writes a NaN: ``(pos, neg, payload)``,
+    the int16 bits of a positive and a negative NaN and whether it keeps the payload's top bits
+    instead (quieted; fp16 with F16C: ``0x7FF92C0B`` -> ``0x7FC9``); ``None`` when neither rule
+    reproduces it here (the reference then runs).  bf16 with AVX2 gives 0xFFFF for every NaN."""
+    x = torch.from_numpy(_PROBE_NANS.view(np.float32).copy())
+    got = x.to(dtype).view(torch.int16).numpy().astype(np.int32) & 0xFFFF
+    bits = _PROBE_NANS.view(np.int32)
+    sign = (bits >> 16) & 0x8000
+    pos, neg = int(got[0]), int(got[1])
+    if all(g == (neg if s else pos) for g, s in zip(got, sign)):
+        return _int16(pos), _int16(neg), False
+    shift = 13 if dtype == torch.float16 else 16
+    quiet = 0x7E00 if dtype == torch.float16 else 0x7FC0
+    keep = (bits & 0x7FFFFFFF) >> shift & (0x3FF if dtype == torch.float16 else 0x7F)
+    if dtype == torch.float16 and np.array_equal(got, sign | quiet | keep):
+        return _int16(pos), _int16(neg), True
+    log.info("numba backend: torch's NaN conversion to %s follows no known rule here; its casts under "
+             "error feedback keep torch's ops", dtype)
+    return None
+
+
+def _int16(v: int) -> int:
+    return v - 0x10000 if v >= 0x8000 else v
+
+
+_NAN_RULES: dict[torch.dtype, tuple[int, int, bool] | None] = {}
+_HALF_KERNELS = {torch.bfloat16: "bf16_feedback", torch.float16: "fp16_feedback"}
+
+
+def cast_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, new_residual: torch.Tensor,
+                  wire_dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.ops.reference.cast_feedback`: fp32 input to bf16 or fp16 in one pass
+    (:func:`~commpress.ops._numba_kernels.bf16_feedback`, :func:`~commpress.ops._numba_kernels.fp16_feedback`:
+    bitwise the reference, NaNs written as :func:`_nan_rule` found torch writes them); other inputs
+    go to the reference."""
+    kernel = _HALF_KERNELS.get(wire_dtype)
+    if kernel is not None and wire_dtype not in _NAN_RULES:
+        _NAN_RULES[wire_dtype] = _nan_rule(wire_dtype)
+    rule = _NAN_RULES.get(wire_dtype)
+    if rule is None or x.dtype != torch.float32 or not x.is_contiguous() \
+            or not _fb_layout_ok(x, residual, new_residual):
+        return ref.cast_feedback(x, residual, beta, new_residual, wire_dtype, scale)
+    nan_pos, nan_neg, payload = rule
+    res = new_residual.view(-1).numpy()
+    rf = residual.view(-1).numpy() if residual is not None else res
+    how = (1 if residual is not None else 0) | (2 if residual is not None and float(beta) != 1.0 else 0) \
+        | (4 if float(scale) != 1.0 else 0)
+    sent = torch.empty(x.numel(), dtype=wire_dtype)
+    args = (x.detach().reshape(-1).numpy(), rf, np.float32(beta), np.float32(scale), how, res,
+            sent.view(torch.int16).numpy(), np.int32(nan_pos), np.int32(nan_neg))
+    ok = K.fp16_feedback(*args, payload) if wire_dtype == torch.float16 else K.bf16_feedback(*args)
+    return sent, torch.tensor(bool(ok))
+
+
 _OPS = {
     "threshold_compact": threshold_compact,
     "topk_compact": topk_compact,
     "topk_compact_feedback": topk_compact_feedback,
+    "cast_feedback": cast_feedback,
     "magnitude_key": magnitude_key,
     "scatter_add_": scatter_add_,
     "counter_bits": counter_bits,

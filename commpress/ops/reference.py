@@ -178,6 +178,23 @@ def topk_compact_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: 
     return topk_compact(r, k, residual=r)
 
 
+def cast_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, new_residual: torch.Tensor,
+                  wire_dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback around a half-precision cast in one call: ``c = x*scale + residual*beta`` (fp32,
+    :func:`compensated`), ``sent`` := ``c`` in ``wire_dtype`` (fp16 / bf16, round to nearest even)
+    saturated at the dtype's largest finite value for a finite ``c`` beyond it (``±65504`` for fp16,
+    not ``±inf``), NaN/inf sent as they are; ``new_residual`` (fp32, contiguous, ``x``'s numel) :=
+    ``c - sent``.  Returns ``(sent, finite)``: ``finite`` is a 0-d bool tensor, whether every ``c``
+    is finite (``new_residual`` is only meaningful then)."""
+    c = new_residual.view(-1)
+    c.copy_(compensated(x, residual, beta, scale))
+    lim = torch.finfo(wire_dtype).max
+    sent = torch.where(torch.isinf(c), c, c.clamp(-lim, lim)).to(wire_dtype)
+    finite = torch.isfinite(c).all()
+    c.sub_(sent)
+    return sent, finite
+
+
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out[indices] += values`` for unique indices, in place; returns ``out``."""
     out.index_add_(0, indices.to(torch.int64), values.to(out.dtype))
@@ -735,7 +752,7 @@ def _emit(vals: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> tor
 __all__ = [
     "index_dtype", "seed_words", "counter_bits", "counter_uniform", "hash_owner",
     "magnitude_key", "threshold_compact", "topk_compact", "topk_compact_feedback",
-    "scatter_add_",
+    "cast_feedback", "scatter_add_",
     "pack_bits", "unpack_bits", "bitmap_encode", "bitmap_decode", "hash_partition",
     "qmax_for", "block_absmax", "block_quantize", "block_dequantize", "block_dequantize_sum",
     "sign_pack", "sign_unpack",

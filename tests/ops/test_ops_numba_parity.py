@@ -724,3 +724,51 @@ def test_sign_scale_rescue():
     y[3] = float("inf")
     assert_bitwise(nb.sign_pack(y, 64), R.sign_pack(y, 64), "inf")
     assert R.sign_pack(y, 64)[1].item() == float("inf")
+
+
+# ---------------------------------------------------------------- half-precision casts under error feedback
+_HALF_EDGES = np.array([3.3895314e38, 3.3896e38, 3.3961e38, 3.4028235e38, -3.3961e38, 1.0 + 2.0 ** -8,
+                        1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1e-40, -1e-45, -0.0, 0.0,
+                        65504.0, 65519.99, 65520.0, -65536.0, 2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -12),
+                        2.0 ** -24, 1.5 * 2.0 ** -24, 2.5 * 2.0 ** -24, 2.0 ** -25, -2.0 ** -25 * 1.0001,
+                        6.1e-5, -3.0e-6], dtype=np.float32)
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+@settings(max_examples=40)
+@given(a=f32_arrays(max_size=200), b=f32_arrays(max_size=200), beta=st.sampled_from([1.0, 0.9]),
+       scale=st.sampled_from([1.0, 0.5, 1 / 3, 2.0 ** -20]), residual=st.sampled_from(["none", "apart", "in place"]),
+       wide=st.booleans())
+def test_cast_feedback(wire, a, b, beta, scale, residual, wide):
+    """The sent bits (any NaN for a NaN), the finite flag and (where finite) the new residual, bitwise
+    the reference:
+    round to nearest even (fp16's subnormals too), saturation at the dtype's largest value, inf kept,
+    NaN as torch converts it, each product rounded on its own."""
+    x = np.concatenate([a * np.float32(1e-4) if wide else a, _HALF_EDGES]).astype(np.float32)
+    r = np.resize(np.concatenate([b, _HALF_EDGES[::-1]]), x.size).astype(np.float32)
+    got = []
+    for impl in (R.cast_feedback, nb.cast_feedback):
+        out = torch.full((x.size,), 7.0)
+        if residual == "in place":
+            out.copy_(tensor(r))
+        res = None if residual == "none" else (out if residual == "in place" else tensor(r))
+        sent, finite = impl(tensor(x), res, beta, out, wire, scale)
+        got.append((sent, bool(finite), out))
+    (s0, f0, r0), (s1, f1, r1) = got
+    assert_bitwise(s0, s1, "sent")   # a NaN's payload follows the arithmetic's operand order: any NaN
+    assert f0 == f1
+    if f0:
+        assert_bitwise(r0, r1, "new residual")
+
+
+def test_cast_feedback_every_fp16_code_round_trips():
+    """Every finite fp16 value, and the midpoints between neighbours (ties to even), converts as torch does."""
+    codes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    codes = codes[torch.isfinite(codes)]
+    mids = (codes[:-1].double() + codes[1:].double()).div(2).float()
+    x = torch.cat([codes, mids])
+    outs = [torch.empty(x.numel()), torch.empty(x.numel())]
+    a = R.cast_feedback(x, None, 1.0, outs[0], torch.float16)
+    b = nb.cast_feedback(x, None, 1.0, outs[1], torch.float16)
+    assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16)) and bool(a[1]) == bool(b[1])
+    assert_bitwise(outs[0], outs[1], "new residual")
