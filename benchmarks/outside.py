@@ -82,7 +82,7 @@ def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 2
                                   if isinstance(r, dict)}))
     if state is not None:
         state.close()
-    return {"median_ms": statistics.median(walls) * 1e3, "hit": hit, "hit_s": hit_s, "final_acc": accs[-1],
+    return {"median_ms": statistics.median(walls) * 1e3, "hit": hit, "hit_s": hit_s, "final_acc": accs[-1] if accs else None,
             "chose": chose, "total_s": sum(walls), "first_ms": [round(w * 1e3, 1) for w in walls[:FIRST]]}
 
 
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{out['median_ms'] / ddp_ms:.2f}x" if ddp_ms else ""
             hit_s = f"{out['hit_s']:.2f}" if out["hit_s"] is not None else "not reached"
             print(f"| {r + 1} | {name} | {out['median_ms']:.1f} | {ratio} | {out['hit'] or '-'} | {hit_s} | "
-                  f"{out['final_acc']:.3f} | {out['chose']} |", flush=True)
+                  f"{out['final_acc'] if out['final_acc'] is None else format(out['final_acc'], '.3f')} | {out['chose']} |",
+                  flush=True)
             if args.walls:
                 print(f"  first steps of {name} (ms): {out['first_ms']}", flush=True)
     return 0

@@ -26,3 +26,11 @@ def test_help_prints(capsys):
     with pytest.raises(SystemExit) as exit_:
         outside.main(["--help"])
     assert exit_.value.code == 0 and "topk-1%-mc" in capsys.readouterr().out
+
+
+def test_a_round_shorter_than_one_evaluation_prints_its_row(capsys):
+    """Fewer steps than ``eval_every``: no accuracy measured, the row still prints (it raised IndexError)."""
+    assert outside.main(["--configs", "ddp", "--rounds", "1", "--steps", "4", "--walls"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| 1 | ddp |")]
+    assert row and "None" in row[0] and "first steps of ddp" in out
