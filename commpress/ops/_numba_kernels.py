@@ -2432,12 +2432,11 @@ def lean_int4_decode(codes, scales, block, lo, out):   # pragma: no cover - comp
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out, out2):   # pragma: no cover - compiled
+def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out):   # pragma: no cover - compiled
     """Momentum correction with an int8 velocity: ``out[j] = x[j]*scale + m*u[offset + j]``, ``u``
     the stored velocity (``codes * scales`` per ``block``), with torch's own roundings
     (:func:`commpress.ops.reference.accumulate_velocity`: the product ``x*scale`` on its own, left
-    out when ``scale`` is 1; then ``fma(u, m, .)`` when ``fma``, else ``. + u*m``), written to
-    ``out2`` too in the same pass (``out2`` may be ``out``).  ``out`` and ``out2`` may be ``x``."""
+    out when ``scale`` is 1; then ``fma(u, m, .)`` when ``fma``, else ``. + u*m``).  ``out`` may be ``x``."""
     n = x.size
     j = 0
     while j < n:
@@ -2445,26 +2444,18 @@ def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out, out2
         b = i // block
         e = min(n, (b + 1) * block - offset)
         s = scales[b]
-        xs, os_, o2, cs = x[j:e], out[j:e], out2[j:e], codes[i:i + e - j]
+        xs, os_, cs = x[j:e], out[j:e], codes[i:i + e - j]
         if scale != np.float32(1.0):
             if fma:
                 for k in range(xs.size):
-                    v = fma32(np.float32(cs[k]) * s, m, xs[k] * scale)
-                    os_[k] = v
-                    o2[k] = v
+                    os_[k] = fma32(np.float32(cs[k]) * s, m, xs[k] * scale)
             else:
                 for k in range(xs.size):
-                    v = xs[k] * scale + (np.float32(cs[k]) * s) * m
-                    os_[k] = v
-                    o2[k] = v
+                    os_[k] = xs[k] * scale + (np.float32(cs[k]) * s) * m
         elif fma:
             for k in range(xs.size):
-                v = fma32(np.float32(cs[k]) * s, m, xs[k])
-                os_[k] = v
-                o2[k] = v
+                os_[k] = fma32(np.float32(cs[k]) * s, m, xs[k])
         else:
             for k in range(xs.size):
-                v = xs[k] + (np.float32(cs[k]) * s) * m
-                os_[k] = v
-                o2[k] = v
+                os_[k] = xs[k] + (np.float32(cs[k]) * s) * m
         j = e
