@@ -659,9 +659,8 @@ class ErrorFeedback(Compressor):
             _, m, new = self._velocity_slots(tensor, key, numel, decode=False)
             part = new[offset:offset + n]
             fits = lean.numel == numel and lean.device == tensor.device
-            if fits and lean.velocity_into(tensor.view(-1), float(scale), m, offset, part):
-                tensor.view(-1).copy_(part)
-                return
+            if fits and lean.velocity_into(tensor.view(-1), float(scale), m, offset, part, also=tensor.view(-1)):
+                return   # the part and the pending velocity written in one pass
             live = lean.decode_span(offset, offset + n) if fits else None
         else:
             live, m, new = self._velocity_slots(tensor, key, numel)

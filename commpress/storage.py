@@ -160,14 +160,15 @@ class LeanTensor:
         return dst
 
     def velocity_into(self, x: torch.Tensor, scale: float, momentum: float, offset: int,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor, also: torch.Tensor | None = None) -> bool:
         """``out := x*scale + momentum * value[offset:offset + n]`` with
         :func:`~commpress.ops.reference.accumulate_velocity`'s roundings, in one numba pass over an
         int8 store on the CPU (``x``, ``out`` flat fp32 contiguous, ``n`` elements; ``out`` may be
-        ``x``).  Returns ``False``, touching nothing, where that pass does not apply (another
-        storage or device, no numba, torch's rounding not reproduced here): the caller decodes."""
+        ``x``), written to ``also`` too in that pass when given (likewise; it may be ``x``).
+        Returns ``False``, touching nothing, where that pass does not apply (another storage or
+        device, no numba, torch's rounding not reproduced here): the caller decodes."""
         if self.storage != "int8" or self.device.type != "cpu" or x.dtype != torch.float32 \
-                or not (x.is_contiguous() and out.is_contiguous()):
+                or not (x.is_contiguous() and out.is_contiguous() and (also is None or also.is_contiguous())):
             return False
         try:
             from .ops import numba_backend
@@ -180,7 +181,8 @@ class LeanTensor:
 
         numba_backend.K.lean_int8_velocity(x.view(-1).numpy(), np.float32(scale), np.float32(momentum),
                                            self.codes.numpy(), self.scales.numpy(), INT8_BLOCK, int(offset),
-                                           mode == "fma", out.view(-1).numpy())
+                                           mode == "fma", out.view(-1).numpy(),
+                                           (out if also is None else also).view(-1).numpy(), also is not None)
         return True
 
     def decode_span(self, lo: int, hi: int) -> torch.Tensor:

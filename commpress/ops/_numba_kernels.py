@@ -2432,12 +2432,16 @@ def lean_int4_decode(codes, scales, block, lo, out):   # pragma: no cover - comp
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out):   # pragma: no cover - compiled
+def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out, out2, two):   # pragma: no cover - compiled
     """Momentum correction with an int8 velocity: ``out[j] = x[j]*scale + m*u[offset + j]``, ``u``
     the stored velocity (``codes * scales`` per ``block``), with torch's own roundings
     (:func:`commpress.ops.reference.accumulate_velocity`: the product ``x*scale`` on its own, left
-    out when ``scale`` is 1; then ``fma(u, m, .)`` when ``fma``, else ``. + u*m``).  ``out`` may be ``x``."""
+    out when ``scale`` is 1; then ``fma(u, m, .)`` when ``fma``, else ``. + u*m``), and to ``out2``
+    too when ``two``.  ``out`` and ``out2`` may be ``x``: a block goes through a small buffer, so
+    that every loop vectorizes (with ``out`` on ``x`` the loop vectorizer's overlap check failed
+    and it ran scalar: 1.7 ms against 0.9 per 2.2M elements on one core)."""
     n = x.size
+    tmp = np.empty(block, np.float32)
     j = 0
     while j < n:
         i = offset + j
@@ -2445,17 +2449,23 @@ def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out):   #
         e = min(n, (b + 1) * block - offset)
         s = scales[b]
         xs, os_, cs = x[j:e], out[j:e], codes[i:i + e - j]
+        t = tmp[:e - j]
         if scale != np.float32(1.0):
-            if fma:
-                for k in range(xs.size):
-                    os_[k] = fma32(np.float32(cs[k]) * s, m, xs[k] * scale)
-            else:
-                for k in range(xs.size):
-                    os_[k] = xs[k] * scale + (np.float32(cs[k]) * s) * m
-        elif fma:
             for k in range(xs.size):
-                os_[k] = fma32(np.float32(cs[k]) * s, m, xs[k])
+                t[k] = xs[k] * scale
         else:
             for k in range(xs.size):
-                os_[k] = xs[k] + (np.float32(cs[k]) * s) * m
+                t[k] = xs[k]
+        if fma:
+            for k in range(t.size):
+                t[k] = fma32(np.float32(cs[k]) * s, m, t[k])
+        else:
+            for k in range(t.size):
+                t[k] = t[k] + (np.float32(cs[k]) * s) * m
+        for k in range(t.size):
+            os_[k] = t[k]
+        if two:
+            o2 = out2[j:e]
+            for k in range(t.size):
+                o2[k] = t[k]
         j = e

@@ -335,3 +335,6 @@ def test_int8_velocity_pass_is_bitwise_torchs(scale, offset, n):
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     inplace = x.clone()
     assert store.velocity_into(inplace, scale, 0.9, offset, inplace) and torch.equal(inplace, out)
+    both, beside = x.clone(), torch.full((n,), 7.0)   # also=: a second copy in the same pass
+    assert store.velocity_into(both, scale, 0.9, offset, beside, also=both)
+    assert torch.equal(both, out) and torch.equal(beside, out)
