@@ -167,6 +167,10 @@ class LeanTensor:
         ``x``), written to ``also`` too in that pass when given (likewise; it may be ``x``).
         Returns ``False``, touching nothing, where that pass does not apply (another storage or
         device, no numba, torch's rounding not reproduced here): the caller decodes."""
+        n = x.numel()
+        if not 0 <= offset <= self.numel - n or out.numel() != n or (also is not None and also.numel() != n):
+            raise ValueError(f"LeanTensor.velocity_into: {n} elements at offset {offset} of {self.numel}, out "
+                             f"{out.numel()}{'' if also is None else f', also {also.numel()}'}: out of range")
         if self.storage != "int8" or self.device.type != "cpu" or x.dtype != torch.float32 \
                 or not (x.is_contiguous() and out.is_contiguous() and (also is None or also.is_contiguous())):
             return False

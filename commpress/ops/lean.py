@@ -35,6 +35,35 @@ INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
+def check_store(op: str, codes: torch.Tensor, scales: torch.Tensor, block: int, nibbles: bool, *,
+                numel: int | None = None, blocks_exact: bool = False, noise: torch.Tensor | None = None,
+                span: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> None:
+    """``ValueError`` naming ``op`` unless the arguments describe one store the kernels may touch
+    whole: ``codes`` of ``len(scales) * block`` elements (int8) or half that (int4, ``nibbles``),
+    ``numel`` elements inside it (``blocks_exact``: exactly the blocks they need), ``noise`` of at
+    least ``numel`` bytes, ``span`` ``[lo, hi)`` inside it from a block's start, ``out`` holding it.
+    The numba kernels index without bounds checks: a short buffer would be written past its end."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or (nibbles and block % 2):
+        raise ValueError(f"{op}: block must be a positive{' even' if nibbles else ''} int, got {block!r}")
+    blocks = scales.numel()
+    want = blocks * block // 2 if nibbles else blocks * block
+    if codes.numel() != want:
+        raise ValueError(f"{op}: codes must hold {want} {'bytes' if nibbles else 'codes'} for {blocks} "
+                         f"scales of {block}, got {codes.numel()}")
+    if numel is not None:
+        need = -(-numel // block)
+        if need > blocks or (blocks_exact and need != blocks):
+            raise ValueError(f"{op}: {numel} elements need {need} scales of {block}, got {blocks}")
+        if noise is not None and noise.numel() < numel:
+            raise ValueError(f"{op}: noise must hold at least {numel} bytes, got {noise.numel()}")
+    if span is not None:
+        lo, hi = span
+        if not (0 <= lo <= hi <= blocks * block) or lo % block:
+            raise ValueError(f"{op}: span [{lo}, {hi}) must start at a block and lie in {blocks * block} elements")
+        if out is not None and out.numel() < hi - lo:
+            raise ValueError(f"{op}: out must hold {hi - lo} elements, got {out.numel()}")
+
+
 def _block_levels(x: torch.Tensor, noise: torch.Tensor, scales: torch.Tensor, block: int, top: float,
                   usable_only: bool) -> torch.Tensor:
     """The blockwise stores' rounding: ``scales[b] = max|x_b| / top`` and the levels
@@ -65,6 +94,7 @@ def int8_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
     """Store the flat fp32 ``x`` (``n`` elements) as ``codes`` (int8, ``len(scales) * block``, the
     tail padding written as 0) and ``scales`` (fp32, one per ``block``), rounding stochastically
     with ``noise`` (uint8, at least ``n`` bytes)."""
+    check_store("int8_block_encode", codes, scales, block, False, numel=x.numel(), blocks_exact=True, noise=noise)
     codes.view(scales.numel(), block).copy_(_block_levels(x, noise, scales, block, INT8_MAX, False))
 
 
@@ -75,6 +105,7 @@ def int4_block_encode(x: torch.Tensor, noise: torch.Tensor, codes: torch.Tensor,
     tail padding written as zeros) and ``scales`` (fp32, one per ``block``, even), rounding
     stochastically with ``noise`` (uint8, at least ``n`` bytes).  A block whose scale is not finite
     or is below fp32's smallest normal stores zero codes."""
+    check_store("int4_block_encode", codes, scales, block, True, numel=x.numel(), blocks_exact=True, noise=noise)
     blocks = scales.numel()
     y = _block_levels(x, noise, scales, block, INT4_MAX, True)
     q = y.add_(INT4_MAX + 1).to(torch.uint8).view(blocks, 2, block // 2)
@@ -116,6 +147,7 @@ def int8_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
                       block: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of an int8 store (``lo`` a multiple of ``block``) decoded into ``out``
     (``hi - lo`` fp32 elements): ``codes * scales`` per block, the tail block's part included."""
+    check_store("int8_block_decode", codes, scales, block, False, span=(lo, hi), out=out)
     b0, full_hi = lo // block, hi - (hi - lo) % block
     nfull = (full_hi - lo) // block
     if nfull:
@@ -130,6 +162,7 @@ def int4_block_decode(codes: torch.Tensor, scales: torch.Tensor, lo: int, hi: in
                       block: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of an int4 store (``lo`` a multiple of ``block``) decoded into ``out``
     (``hi - lo`` fp32 elements): ``(nibble - 8) * scale`` per block."""
+    check_store("int4_block_decode", codes, scales, block, True, span=(lo, hi), out=out)
     packed = codes[lo // 2:-(-hi // block) * (block // 2)].view(-1, block // 2)
     nib = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:hi - lo]   # a block's halves in turn
     vals = nib.to(torch.float32).sub_(INT4_MAX + 1)
@@ -163,6 +196,7 @@ def int4_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                    pre: float = 1.0) -> torch.Tensor:
     """``dst := dst * pre + (nibbles - 8) * scales`` (an int4 store added to the flat fp32 ``dst``),
     decoded :data:`ADD_CHUNK` elements at a time: no buffer of ``dst``'s size."""
+    check_store("int4_block_add", codes, scales, block, True, numel=dst.numel())
     return _block_add(dst, codes, scales, block, int4_block_decode, pre)
 
 
@@ -172,6 +206,7 @@ def int8_block_add(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     ``n`` elements: ``codes`` int8 of at least ``n``, one fp32 scale per ``block``; ``dst * pre``
     rounded on its own, as ``dst.mul_(pre)`` then the add), decoded :data:`ADD_CHUNK` elements at a
     time (``block`` divides it): no buffer of ``dst``'s size."""
+    check_store("int8_block_add", codes, scales, block, False, numel=dst.numel())
     return _block_add(dst, codes, scales, block, int8_block_decode, pre)
 
 
@@ -198,6 +233,7 @@ def _numba_impls() -> dict:
         def add(dst, codes, scales, block, pre=1.0):
             if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.device.type != "cpu":
                 return reference(dst, codes, scales, block, pre)
+            check_store(reference.__name__, codes, scales, block, kernel_name == "lean_int4_add", numel=dst.numel())
             getattr(kernels(), kernel_name)(dst.view(-1).numpy(), codes.numpy(), scales.numpy(), block,
                                             np.float32(pre))
             return dst
@@ -207,6 +243,8 @@ def _numba_impls() -> dict:
         def encode(x, noise, codes, scales, block):
             if x.dtype != torch.float32 or not x.is_contiguous():
                 return reference(x, noise, codes, scales, block)
+            check_store(reference.__name__, codes, scales, block, kernel_name == "lean_int4_encode",
+                        numel=x.numel(), blocks_exact=True, noise=noise)
             xf = x.numpy()
             getattr(kernels(), kernel_name)(xf, xf.view(np.int32), noise.numpy(), codes.numpy(), scales.numpy(),
                                             block)
@@ -216,6 +254,8 @@ def _numba_impls() -> dict:
         def decode(codes, scales, lo, hi, out, block):
             if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
                 return reference(codes, scales, lo, hi, out, block)
+            check_store(reference.__name__, codes, scales, block, kernel_name == "lean_int4_decode",
+                        span=(lo, hi), out=out)
             getattr(kernels(), kernel_name)(codes.numpy(), scales.numpy(), block, lo, out.view(-1)[:hi - lo].numpy())
             return out
         return decode

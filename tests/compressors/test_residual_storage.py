@@ -338,3 +338,12 @@ def test_int8_velocity_pass_is_bitwise_torchs(scale, offset, n):
     both, beside = x.clone(), torch.full((n,), 7.0)   # also=: a second copy in the same pass
     assert store.velocity_into(both, scale, 0.9, offset, beside, also=both)
     assert torch.equal(both, out) and torch.equal(beside, out)
+
+
+def test_int8_velocity_pass_refuses_a_span_outside_the_store():
+    """The pass indexes without bounds checks: a part past the store's end raises, touching nothing."""
+    store = LeanTensor("int8", 300, torch.device("cpu"))
+    with pytest.raises(ValueError, match="out of range"):
+        store.velocity_into(torch.zeros(100), 0.5, 0.9, 250, torch.empty(100))
+    with pytest.raises(ValueError, match="out of range"):
+        store.velocity_into(torch.zeros(100), 0.5, 0.9, 0, torch.empty(99))

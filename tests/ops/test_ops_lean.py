@@ -157,3 +157,25 @@ def test_block_decode_numba_is_bitwise_the_reference(storage, lo, hi):
     if storage == "int4" and hi > lo:   # against the layout written out by hand
         want = ((_nibbles(codes).float() - 8).view(blocks, block) * scales[:, None]).view(-1)[lo:hi]
         assert torch.equal(_bits(out[0]), _bits(want))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_short_store_is_refused_not_written_past(backend):
+    """The kernels index without bounds checks: a ``codes`` buffer sized for the elements instead of
+    the blocks (the tail's padding) raises ``ValueError`` naming the op, on both backends."""
+    n = 3 * INT8_BLOCK + 7
+    x, noise = torch.randn(n), torch.zeros(n, dtype=torch.uint8)
+    blocks = -(-n // INT8_BLOCK)
+    with pytest.raises(ValueError, match="int8_block_encode: codes must hold"):
+        ops.int8_block_encode(x, noise, torch.empty(n, dtype=torch.int8), torch.empty(blocks), INT8_BLOCK,
+                              backend=backend)
+    with pytest.raises(ValueError, match="int8_block_encode: noise"):
+        ops.int8_block_encode(x, noise[:5], torch.empty(blocks * INT8_BLOCK, dtype=torch.int8), torch.empty(blocks),
+                              INT8_BLOCK, backend=backend)
+    with pytest.raises(ValueError, match="int4_block_add: .*need"):
+        ops.int4_block_add(torch.randn(n), torch.empty(INT4_BLOCK, dtype=torch.uint8), torch.empty(2),
+                           INT4_BLOCK, backend=backend)
+    with pytest.raises(ValueError, match="int8_block_decode: span"):
+        ops.int8_block_decode(torch.empty(blocks * INT8_BLOCK, dtype=torch.int8), torch.empty(blocks), 0,
+                              blocks * INT8_BLOCK + 1, torch.empty(blocks * INT8_BLOCK + 1), INT8_BLOCK,
+                              backend=backend)
