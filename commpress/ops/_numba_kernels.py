@@ -2144,14 +2144,20 @@ def _half_compensate(xb, rb, cf, m, beta, scale, how):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def bf16_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg):   # pragma: no cover - compiled
-    """``ops.cast_feedback`` for bf16 in one pass: ``c`` compensated (:func:`_half_compensate`);
-    ``sent[i]`` := ``c``'s bf16 bits (round to nearest even on the bits, a finite ``c`` beyond bf16's
-    largest value saturated there, inf kept, a NaN as torch converts it: ``nan_pos`` / ``nan_neg``
-    by its sign); ``res`` := ``c - sent``.  A piece at a time through small buffers, so that each
-    loop vectorizes (the bits of ``c`` and of the sent value are views of them).  ``r`` may be
-    ``res`` or ``x`` may be ``res``: a piece is read before it is written.  Returns whether every
-    ``c`` is finite."""
+def half_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg, nan_payload, fp16):   # pragma: no cover - compiled
+    """``ops.cast_feedback`` in one pass: ``c`` compensated (:func:`_half_compensate`), ``sent`` its
+    bf16 bits (``fp16`` False) or fp16 bits (True), ``res := c - sent`` (the sent value exact in
+    fp32).  Returns whether every ``c`` is finite.
+
+    bf16: round to nearest even on the bits, a finite ``c`` beyond bf16's largest value saturated
+    there, inf kept, a NaN as torch converts it (``nan_pos`` / ``nan_neg`` by its sign).  fp16 (numba
+    has no float16: the conversion on the bits): a normal result rounds the mantissa to nearest
+    even (a carry moves into the exponent), one below 2**-14 is ``|c| * 2**24`` rounded to an
+    integer (RNE, the subnormal's code), a finite ``c`` beyond 65504 is sent as ±65504, inf kept, a
+    NaN as torch converts it (``nan_payload``: quieted with its payload's top bits, as F16C does;
+    else ``nan_pos`` / ``nan_neg``).  A piece at a time through small buffers, so that each loop
+    vectorizes (the bits of ``c`` and of the sent value are views of them).  ``r`` may be ``res``
+    or ``x`` may be ``res``: a piece is read before it is written."""
     n = x.size
     cf = np.empty(_HALF_CHUNK, np.float32)
     ci = cf.view(np.int32)
@@ -2162,40 +2168,21 @@ def bf16_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg):   # prag
         m = min(_HALF_CHUNK, n - lo)
         ob, sb = res[lo:lo + m], sent[lo:lo + m]
         _half_compensate(x[lo:lo + m], r[lo:lo + m], cf, m, beta, scale, how)
-        for j in range(m):
-            b = ci[j]
-            a = b & np.int32(0x7FFFFFFF)
-            ub = np.uint32(b)
-            t = np.int32((ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            t = (((b >> 16) & np.int32(0x8000)) | np.int32(0x7F7F)) if a > _BF16_MAX_BITS else t
-            t = ((b >> 16) & np.int32(0xFFFF)) if a == _F32_INF_BITS else t
-            t = (nan_neg if b < 0 else nan_pos) if a > _F32_INF_BITS else t
-            top = max(top, a)
-            sb[j] = np.int16(t)
-            qi[j] = t << 16
-        for j in range(m):
-            ob[j] = cf[j] - qf[j]
-    return top < _F32_INF_BITS
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def fp16_feedback(x, r, beta, scale, how, res, sent, nan_pos, nan_neg, nan_payload):   # pragma: no cover - compiled
-    """As :func:`bf16_feedback`, for fp16 (numba has no float16: the conversion on the bits): a
-    normal result rounds the mantissa to nearest even (a carry moves into the exponent), one below
-    2**-14 is ``|c| * 2**24`` rounded to an integer (RNE, the subnormal's code), a finite ``c``
-    beyond 65504 is sent as ±65504, inf kept, a NaN as torch converts it (``nan_payload``: quieted
-    with its payload's top bits, as F16C does; else ``nan_pos`` / ``nan_neg``); ``res := c - sent``
-    (the sent value exact in fp32)."""
-    n = x.size
-    cf = np.empty(_HALF_CHUNK, np.float32)
-    ci = cf.view(np.int32)
-    qi = np.empty(_HALF_CHUNK, np.int32)
-    qf = qi.view(np.float32)
-    top = np.int32(0)
-    for lo in range(0, n, _HALF_CHUNK):
-        m = min(_HALF_CHUNK, n - lo)
-        ob, sb = res[lo:lo + m], sent[lo:lo + m]
-        _half_compensate(x[lo:lo + m], r[lo:lo + m], cf, m, beta, scale, how)
+        if not fp16:
+            for j in range(m):
+                b = ci[j]
+                a = b & np.int32(0x7FFFFFFF)
+                ub = np.uint32(b)
+                t = np.int32((ub + np.uint32(0x7FFF) + ((ub >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+                t = (((b >> 16) & np.int32(0x8000)) | np.int32(0x7F7F)) if a > _BF16_MAX_BITS else t
+                t = ((b >> 16) & np.int32(0xFFFF)) if a == _F32_INF_BITS else t
+                t = (nan_neg if b < 0 else nan_pos) if a > _F32_INF_BITS else t
+                top = max(top, a)
+                sb[j] = np.int16(t)
+                qi[j] = t << 16
+            for j in range(m):
+                ob[j] = cf[j] - qf[j]
+            continue
         for j in range(m):
             b = ci[j]
             a = b & np.int32(0x7FFFFFFF)

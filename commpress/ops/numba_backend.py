@@ -1012,17 +1012,15 @@ def _int16(v: int) -> int:
 
 
 _NAN_RULES: dict[torch.dtype, tuple[int, int, bool] | None] = {}
-_HALF_KERNELS = {torch.bfloat16: "bf16_feedback", torch.float16: "fp16_feedback"}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def cast_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, new_residual: torch.Tensor,
                   wire_dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.ops.reference.cast_feedback`: fp32 input to bf16 or fp16 in one pass
-    (:func:`~commpress.ops._numba_kernels.bf16_feedback`, :func:`~commpress.ops._numba_kernels.fp16_feedback`:
-    bitwise the reference, NaNs written as :func:`_nan_rule` found torch writes them); other inputs
-    go to the reference."""
-    kernel = _HALF_KERNELS.get(wire_dtype)
-    if kernel is not None and wire_dtype not in _NAN_RULES:
+    (:func:`~commpress.ops._numba_kernels.half_feedback`: bitwise the reference, NaNs written as
+    :func:`_nan_rule` found torch writes them); other inputs go to the reference."""
+    if wire_dtype in _HALF and wire_dtype not in _NAN_RULES:
         _NAN_RULES[wire_dtype] = _nan_rule(wire_dtype)
     rule = _NAN_RULES.get(wire_dtype)
     if rule is None or x.dtype != torch.float32 or not x.is_contiguous() \
@@ -1036,7 +1034,7 @@ def cast_feedback(x: torch.Tensor, residual: torch.Tensor | None, beta: float, n
     sent = torch.empty(x.numel(), dtype=wire_dtype)
     args = (x.detach().reshape(-1).numpy(), rf, np.float32(beta), np.float32(scale), how, res,
             sent.view(torch.int16).numpy(), np.int32(nan_pos), np.int32(nan_neg))
-    ok = K.fp16_feedback(*args, payload) if wire_dtype == torch.float16 else K.bf16_feedback(*args)
+    ok = K.half_feedback(*args, payload, wire_dtype == torch.float16)
     return sent, torch.tensor(bool(ok))
 
 

@@ -31,7 +31,7 @@ LeanTensor("int8", x.numel(), x.device).decode()
 from commpress import ops
 ops.cast_feedback(x, None, 1.0, torch.empty(1000), torch.bfloat16)
 kernels = (K.lean_int8_encode, K.lean_int8_add, K.lean_bf16_encode, K.lean_int4_encode, K.lean_int4_add,
-           K.lean_noise_words, K.lean_int8_decode, K.lean_int4_decode, K.bf16_feedback)
+           K.lean_noise_words, K.lean_int8_decode, K.lean_int4_decode, K.half_feedback)
 print(sum(sum(k.stats.cache_hits.values()) for k in kernels), sum(sum(k.stats.cache_misses.values()) for k in kernels))
 """
 
