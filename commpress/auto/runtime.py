@@ -630,14 +630,21 @@ class AutoCodec:
             change = (norm_change(self._prev_norms, norms) if not first
                       else [first_window_change(self.spec.decider_args["critical"])] * len(units))
             self._prev_norms = norms
-            # the first window is a critical regime on every rank (no norm before it): the candidates it
-            # excludes are not timed yet (their codec cost is paid at the next check point, if ever)
-            timed = critical_candidates(cands, self.prices) if first else cands
+            # a unit in a critical regime here (the first window on every rank: no norm before it; later,
+            # this rank's own change at or above the threshold, which the agreement's max keeps) may
+            # only use the candidates that regime allows: the others are not timed yet (their codec
+            # cost is paid at a later check point, if ever; a candidate another rank timed and this one
+            # did not stays out of that unit's choice, as the regime has it anyway)
+            critical, gentle = self.spec.decider_args["critical"], critical_candidates(cands, self.prices)
             hidden = self.recorder.mean_hidden()
             measures = []
             for u, ch in zip(units, change):
                 acc = self._norms.get(u.key)
                 device = acc.device if acc is not None else torch.device("cpu")
+                timed = cands
+                if first or ch >= critical:   # the choice in force is priced too (its cost is cached)
+                    now = self.choices.get(u.key, DENSE).candidate
+                    timed = gentle + ((now,) if now not in gentle and now in cands else ())
                 codec_s = {c: t for c in timed if (t := self._codec_cost(c, u, device)) is not None}
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
