@@ -33,3 +33,20 @@ def test_verdict_from_values_matches_the_full_scan(poison):
         for ta, tb in zip(a.tensors, b.tensors):
             assert torch.equal(ta.view(torch.int32), tb.view(torch.int32))
         assert torch.equal(fast.residual("k").view(torch.int32), slow.residual("k").view(torch.int32))
+
+
+@pytest.mark.parametrize("value,bad", [(float("nan"), True), (float("inf"), True), (-float("inf"), True),
+                                       (3e38, False), (-0.0, False)])
+def test_the_exact_verdict_reads_every_element_and_only_nan_or_inf(value, bad):
+    """``exact_nonfinite_flag``: NaN/inf anywhere (first, middle, last) reads bad; huge finite values
+    whose sum overflows fp32 read finite (the sum-based ``nonfinite_flag`` reads them bad)."""
+    from commpress.feedback import exact_nonfinite_flag, nonfinite_flag
+
+    for at in (0, 500, 999):
+        t = torch.full((1000,), 3e38 if value == 3e38 else 1.0)
+        t[at] = value
+        flag = exact_nonfinite_flag(t)
+        assert flag.dtype == torch.bool and flag.dim() == 0 and bool(flag) is bad
+    if value == 3e38:
+        assert bool(nonfinite_flag(t)) and not bool(exact_nonfinite_flag(t))
+    assert not bool(exact_nonfinite_flag(torch.empty(0)))
