@@ -57,7 +57,8 @@ CODEC_SAMPLE = 1 << 19
 
 def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "cpu",
                shapes: Sequence[tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32,
-               reps: int = 3, feedback: bool = True, sample: int | None = None, storage: str = "fp32") -> float:
+               reps: int = 3, feedback: bool = True, sample: int | None = None, storage: str = "fp32",
+               probes: dict | None = None) -> float:
     """Best-of-``reps`` seconds of ``compress_fixed`` + ``decompress`` of ``candidate`` on a
     ``numel`` tensor on ``device`` (powersgd: each matrix of ``shapes`` in turn, as the
     bucket's collective codes them; pieces it sends as they are cost nothing here).
@@ -78,6 +79,9 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
     stays bounded, and units larger than ``sample`` share one measurement; a smaller tensor stays
     in faster caches: 75-90% of the full-size time for the CPU codecs of a 2.2M unit).
     Dense costs 0.  Local to this rank: reduce it with :func:`agree` before deciding.
+    ``probes``: a dict the caller keeps for one round of timings (a check point's): the random
+    input of a size is drawn once into it and shared by the candidates timed on that size (each
+    codec reads it, none writes it); the caller drops it, and the memory with it.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"codec_cost: numel must be an int >= 0, got {numel!r}")
@@ -87,7 +91,7 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
         return 0.0
     if sample is not None and candidate.kind != "powersgd" and numel > sample:
         return codec_cost(candidate, int(sample), device, dtype=dtype, reps=reps, feedback=feedback,
-                          storage=storage) * numel / sample
+                          storage=storage, probes=probes) * numel / sample
     dev = torch.device(device)
     shp = tuple(tuple(int(x) for x in s) for s in shapes) if shapes else None
     key = (str(dev), os.environ.get("COMMPRESS_BACKEND", ""), numel, shp, str(dtype), candidate, bool(feedback),
@@ -96,8 +100,12 @@ def codec_cost(candidate: Candidate, numel: int, device: torch.device | str = "c
         return _CODEC[key]
     comp = prototype(candidate)
     coder = ErrorFeedback(comp, storage=storage) if feedback else comp
-    gen = torch.Generator(device="cpu").manual_seed(numel)
-    flat = torch.randn(numel, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
+    flat = None if probes is None else probes.get((numel, str(dev), dtype))
+    if flat is None:
+        gen = torch.Generator(device="cpu").manual_seed(numel)
+        flat = torch.randn(numel, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
+        if probes is not None:
+            probes[(numel, str(dev), dtype)] = flat
     if candidate.kind == "powersgd":
         pieces, pos = [], 0
         for s in (shp or ((numel,),)):

@@ -374,6 +374,7 @@ class AutoCodec:
         #: per unit, the check points that switched it: ``[(step, choice), ...]`` (the last :data:`SWITCHES_KEPT`)
         self.switches: dict[Any, list[tuple[int, Choice]]] = {}
         self._units: list[Any] = []
+        self._probes: dict | None = None         # a check point's codec-timing inputs (measure.codec_cost)
         self.checks = 0
         self.round_s = 0.0                      # measured seconds per collective round beyond the model
         #: per unit, what its dense call took beyond the model per second of its predicted collective
@@ -638,6 +639,7 @@ class AutoCodec:
             critical, gentle = self.spec.decider_args["critical"], critical_candidates(cands, self.prices)
             hidden = self.recorder.mean_hidden()
             measures = []
+            self._probes = {}   # the candidates timed on a size share its input; dropped below
             for u, ch in zip(units, change):
                 acc = self._norms.get(u.key)
                 device = acc.device if acc is not None else torch.device("cpu")
@@ -649,6 +651,7 @@ class AutoCodec:
                 measures.append(BucketMeasure(u.key, u.numel, tuple(tuple(s) for s in u.shapes),
                                               hidden.get(str(self._unit_bucket.get(u.key, -1)), 0.0),
                                               codec_s, ch, getattr(u, "dtype", torch.float32)))
+            self._probes = None
             compute = self._window_compute()
             wall, tol = self._window_step(), window_tolerance(self._walls)
             window = [self._meas.get(u.key, (0.0, 0, 0.0)) for u in units]
@@ -656,6 +659,7 @@ class AutoCodec:
             comm = [c / n if n else 0.0 for _, n, c in window]
         except Exception as exc:  # noqa: BLE001 - told to every rank through the agreed numbers
             error = exc
+            self._probes = None
             measures = [BucketMeasure(u.key, u.numel) for u in units]
             compute, measured, comm, wall, tol = math.inf, [0.0] * len(units), [0.0] * len(units), 0.0, math.inf
         try:
@@ -724,7 +728,8 @@ class AutoCodec:
         """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
         its elements; powersgd by its matrices); ``None``: ``c`` cannot run on this unit."""
         return codec_cost(c, unit.numel, device, unit.shapes if c.kind == "powersgd" else None,
-                          reps=2 if unit.numel > (1 << 22) else 3, sample=CODEC_SAMPLE, storage=self.storage)
+                          reps=2 if unit.numel > (1 << 22) else 3, sample=CODEC_SAMPLE, storage=self.storage,
+                          probes=self._probes)
 
     def _rounds_of(self, candidate: Candidate) -> int:
         """Collective rounds of one call of ``candidate`` (DDP: :func:`_rounds` on the flat group)."""

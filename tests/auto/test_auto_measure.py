@@ -151,3 +151,22 @@ def test_codec_cost_on_a_sample_scales_elementwise_codecs_and_shares_the_measure
     shapes = ((128, 128),)
     assert codec_cost(Candidate("powersgd", 1), 128 * 128, shapes=shapes, sample=4096) == \
         codec_cost(Candidate("powersgd", 1), 128 * 128, shapes=shapes)
+
+
+def test_codec_cost_shares_a_probe_per_size_and_never_writes_it(monkeypatch):
+    """``probes=``: the candidates timed on one size read one random input, drawn once; no codec
+    writes it (each would otherwise time the next one on another's leftovers)."""
+    import torch
+
+    from commpress.auto import measure
+
+    monkeypatch.setattr(measure, "_CODEC", {})
+    drawn = []
+    real = torch.randn
+    monkeypatch.setattr(measure.torch, "randn", lambda *a, **k: drawn.append(a) or real(*a, **k))
+    probes = {}
+    for c in (Candidate("bf16"), Candidate("blockquant", 4), Candidate("blockquant", 8), Candidate("topk", 0.1)):
+        assert codec_cost(c, 4096, probes=probes) > 0
+    assert len(drawn) == 1 and list(probes) == [(4096, "cpu", torch.float32)]
+    want = real(4096, generator=torch.Generator().manual_seed(4096))
+    assert torch.equal(probes[(4096, "cpu", torch.float32)], want)
