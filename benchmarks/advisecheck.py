@@ -94,12 +94,12 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, width, generator=g), torch.randn(BATCH, width, generator=g)
 
-    def stepper(model: nn.Module) -> Callable[[], None]:
+    def stepper(model: nn.Module, inp: torch.Tensor = x, target: torch.Tensor = y) -> Callable[[], None]:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step() -> None:
             opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
+            nn.functional.mse_loss(model(inp), target).backward()
             opt.step()
         return step
 
@@ -117,30 +117,20 @@ def rank_main(rank: int, world_size: int, *, report: Callable[[dict], None], wid
         out["inter_alpha_us"], out["inter_beta_bytes_per_s"] = 1e6 * inter.alpha, 1.0 / inter.beta
     # the per-round cost: the same configs on a tiny model (see the module doc, step 2)
     tx, ty = x[:, :TINY].contiguous(), y[:, :TINY].contiguous()
-
-    def tiny_stepper(model: nn.Module) -> Callable[[], None]:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> None:
-            opt.zero_grad()
-            nn.functional.mse_loss(model(tx), ty).backward()
-            opt.step()
-        return step
+    def register(model: nn.Module, spec: str) -> Any:
+        return commpress.ddp.register(model, parse_compressor(spec)[1],
+                                      **({"hierarchy": local_size} if local_size else {}))
 
     tiny_steps = max(steps, TINY_STEPS)
-    out["tiny:compute"] = _timed(tiny_stepper(_model(TINY)), WARMUP, tiny_steps)
+    out["tiny:compute"] = _timed(stepper(_model(TINY), tx, ty), WARMUP, tiny_steps)
     for spec in compressors:
         model = DDP(_model(TINY))
-        state = commpress.ddp.register(model, parse_compressor(spec)[1],
-                                       **({"hierarchy": local_size} if local_size else {}))
-        out["tiny:" + spec] = _timed(tiny_stepper(model), WARMUP, tiny_steps)
+        state = register(model, spec)
+        out["tiny:" + spec] = _timed(stepper(model, tx, ty), WARMUP, tiny_steps)
         state.close()
     for spec in ["ddp", *compressors]:
         model = DDP(_model(width))
-        state = None
-        if spec != "ddp":
-            state = commpress.ddp.register(model, parse_compressor(spec)[1],
-                                           **({"hierarchy": local_size} if local_size else {}))
+        state = register(model, spec) if spec != "ddp" else None
         out[spec] = _timed(stepper(model), WARMUP, steps)
         report({"rank": rank, "config": spec, "ms": out[spec]})
         if state is not None:
