@@ -36,7 +36,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from .compressors._sparse import SparseCompressor
-from .compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
+from .compressors._util import decode_keyed, encode_keyed, exact_nonfinite_flag, mix_seed, stable_hash
 from .compressors.base import Compressor, Payload
 from .ops.reference import accumulate_velocity
 from ._pool import BufferPool
@@ -54,17 +54,6 @@ def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=t.device)
     return ~torch.isfinite(t.sum(dtype=torch.float32))
-
-
-def exact_nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor on ``t``'s device: True when ``t`` holds a NaN or inf, exactly (a finite
-    tensor whose sum overflows reads finite, unlike :func:`nonfinite_flag`).  One ``aminmax`` pass
-    (NaN propagates into both ends), no tensor of ``t``'s size (``isfinite(t).all()`` allocated one:
-    5.9 against 0.45 ms for 2.1M elements on one core), no host read."""
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t.reshape(-1))
-    return ~(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _host_verdict(bad: torch.Tensor | None) -> bool | None:

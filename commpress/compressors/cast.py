@@ -56,7 +56,7 @@ class _Cast(Compressor):
                           scale: float = 1.0) -> tuple[Payload, torch.Tensor]:
         """Error feedback: ``c = tensor * scale + beta * residual`` (fp32, each product rounded on its
         own, :func:`commpress.ops.reference.compensated`) cast with saturation
-        (:func:`commpress.ops.cast_feedback`: one numba pass for bf16 on the CPU): a finite ``c``
+        (:func:`commpress.ops.cast_feedback`: one numba pass on the CPU): a finite ``c``
         beyond the wire dtype's largest value is sent as that value (``±65504`` for fp16) instead
         of ``±inf``, and ``new_residual = c - sent`` keeps the rest, so a finite input never
         leaves an infinite payload or residual; NaN/inf in ``c`` are sent as they are.  Returns

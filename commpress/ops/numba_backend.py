@@ -997,10 +997,7 @@ def _nan_rule(dtype: torch.dtype) -> tuple[int, int, bool] | None:
     pos, neg = int(got[0]), int(got[1])
     if all(g == (neg if s else pos) for g, s in zip(got, sign)):
         return _int16(pos), _int16(neg), False
-    shift = 13 if dtype == torch.float16 else 16
-    quiet = 0x7E00 if dtype == torch.float16 else 0x7FC0
-    keep = (bits & 0x7FFFFFFF) >> shift & (0x3FF if dtype == torch.float16 else 0x7F)
-    if dtype == torch.float16 and np.array_equal(got, sign | quiet | keep):
+    if dtype == torch.float16 and np.array_equal(got, sign | 0x7E00 | ((bits & 0x7FFFFFFF) >> 13 & 0x3FF)):
         return _int16(pos), _int16(neg), True
     log.info("numba backend: torch's NaN conversion to %s follows no known rule here; its casts under "
              "error feedback keep torch's ops", dtype)
