@@ -713,8 +713,10 @@ class Step:
                 prescale = cfg.scale
             elif codec is not None and _scale_in_feedback(cfg, codec, hierarchy) is not None:
                 prescale = folded = cfg.scale   # rides in error feedback's compensation pass
-            elif hierarchy is not None and codec is not None:
-                prescale = cfg.scale   # rides in the two-level path's intra-node copy
+            elif hierarchy is not None and codec is not None and cfg.auto is None:
+                # rides in the two-level path's intra-node copy; not under "auto", whose codec() adds a
+                # path switch's carry to t already scaled (and samples t's norm in those units)
+                prescale = cfg.scale
             else:
                 t.mul_(cfg.scale)
         if cfg.auto is not None:
