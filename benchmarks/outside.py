@@ -76,14 +76,15 @@ def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 2
             accs.append(acc)
             if hit is None and acc >= target:
                 hit, hit_s = step, sum(walls)
-    chose = ""
+    chose, switches = "", {}
     if state is not None and config.startswith("auto"):
-        chose = ", ".join(sorted({r.get("choice", "?") for r in state.stats.as_dict().get("auto", {}).values()
-                                  if isinstance(r, dict)}))
+        units = {u: r for u, r in state.stats.as_dict().get("auto", {}).items() if isinstance(r, dict)}
+        chose = ", ".join(sorted({r.get("choice", "?") for r in units.values()}))
+        switches = {u: r.get("switches", []) for u, r in units.items()}
     if state is not None:
         state.close()
     return {"median_ms": statistics.median(walls) * 1e3, "hit": hit, "hit_s": hit_s, "final_acc": accs[-1] if accs else None,
-            "chose": chose, "total_s": sum(walls), "first_ms": [round(w * 1e3, 1) for w in walls[:FIRST]]}
+            "chose": chose, "switches": switches, "total_s": sum(walls), "first_ms": [round(w * 1e3, 1) for w in walls[:FIRST]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--walls", action="store_true", help=f"also print each run's first {FIRST} step walls (ms)")
+    p.add_argument("--walls", action="store_true", help=f"also print each run's first {FIRST} step walls (ms) and auto's switches")
     args = p.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             if args.walls:
                 print(f"  first steps of {name} (ms): {out['first_ms']}", flush=True)
+                if out["switches"]:
+                    print(f"  switches of {name} (unit: [[step, choice], ...]): {out['switches']}", flush=True)
     return 0
 
 
