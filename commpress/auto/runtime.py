@@ -28,9 +28,11 @@ What it measures, without a host read in the steady state:
   to its backward's end, less the hooks' own time;
   a check point's own time (codec costs measured, the decision) is not charged to the next step.
 
-**Check points** (:meth:`AutoCodec.end_step`, :meth:`AutoCodec.is_check`): at the end of the
-first compressed step (its compute timed from its forward's start: no step ended before it on the
-units' path), :data:`EARLY_CHECK` steps later (the first window timed from step end to step end,
+**Check points** (:meth:`AutoCodec.end_step`, :meth:`AutoCodec.is_check`): at :attr:`first_check`
+(DDP: the end of the warm-up step's backward, on DDP's own path, with the units of the layout DDP
+makes at the next forward, :func:`commpress.hooks.ddp._before_first_check`; where that layout is not
+known then, the end of the first compressed step, whose units run dense; its compute is timed from
+its forward's start: no step ended before it on the units' path), :data:`EARLY_CHECK` steps later (the first window timed from step end to step end,
 whose calls of the chosen codecs give the per-round cost the first decision had to do without),
 and then every ``check_every`` steps from the first, on every rank at the same step.  One host
 read of the norms, each candidate's codec cost at each unit's size
@@ -366,6 +368,7 @@ class AutoCodec:
         self._walls: list[float] = []           # this window's step wall seconds (:meth:`_mark_step`)
         self._wall_mark: float | None = None    # where the next step's wall time starts (None: not timed)
         self._norms: dict[Any, torch.Tensor] = {}
+        self._devices: dict[Any, torch.device] = {}   # where each unit's gradient lives (its codec timings')
         self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
         self._prev_norms: list[float] | None = None
         self._unit_bucket: dict[Any, int] = {}
@@ -408,11 +411,7 @@ class AutoCodec:
         commit is staged in ``transaction`` (the step's: kept when the step is bad or rolled
         back, dropped when it commits clean), or without one dropped at :meth:`end_step`."""
         key = unit.key
-        c = self.codecs.get(key)
-        if c is None:
-            c = self.codecs[key] = self._build(DENSE)
-            self.choices[key] = DENSE
-            self._unmeasured.add(key)
+        c = self._codec_of(key)
         if step is None or self.samples_norm(step):
             acc = self._norms.get(key)
             if acc is None or acc.device != t.device:
@@ -427,9 +426,35 @@ class AutoCodec:
             else:
                 self._spent.add(key)
         self._unit_bucket[key] = bucket
+        self._devices[key] = t.device
         if key in self._fresh and t.dtype == torch.float32:
             self._fresh.discard(key)   # an fp32 identity step sends all it owed: nothing left
         return c
+
+    def _codec_of(self, key: Any) -> ErrorFeedback:
+        """Unit ``key``'s codec; dense (and its first call not measured) until a decision."""
+        c = self.codecs.get(key)
+        if c is None:
+            c = self.codecs[key] = self._build(DENSE)
+            self.choices[key] = DENSE
+            self._unmeasured.add(key)
+        return c
+
+    def warmup_unit(self, unit: Any, norms: list[torch.Tensor] | None, bucket: int, device: torch.device,
+                    scale: float = 1.0) -> None:
+        """Unit ``unit`` in the warm-up step that ends with the first check point (DDP's own path,
+        :attr:`first_check` 0): its gradient's norm from its parameters' ``norms`` (times ``scale``,
+        the hook's ``1/P``; ``None``: not sampled) joins the window, its bucket and device are noted."""
+        key = unit.key
+        self._codec_of(key)
+        self._unit_bucket[key] = bucket
+        self._devices[key] = device
+        if norms:
+            acc = self._norms.get(key)
+            if acc is None or acc.device != device:
+                acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=device)
+            acc.add_(torch.linalg.vector_norm(torch.stack(norms)), alpha=scale)
+            self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
 
     def samples_norm(self, step: int) -> bool:
         """Whether step ``step`` adds its gradient norms to the window's (Accordion's statistic):
@@ -444,7 +469,7 @@ class AutoCodec:
         return (step - self.first_check) % self.spec.check_every
 
     def is_check(self, step: int) -> bool:
-        """Whether a check point ends step ``step``: ``first_check`` (DDP: the first compressed step),
+        """Whether a check point ends step ``step``: ``first_check`` (DDP: the warm-up step),
         :data:`EARLY_CHECK` steps later (the first window timed from one step end to the next,
         with the calls of the codecs the first decision chose: what learns the per-round cost;
         not a reference for the link's tracking) and every ``check_every`` steps from the first."""
@@ -592,8 +617,10 @@ class AutoCodec:
         return statistics.median(self._walls) if len(self._walls) >= 2 else 0.0
 
     # -- the step's end (the thread that runs the buckets) -----------------------
-    def end_step(self, step: int, layout: Any, group: Any) -> None:
-        """Account the step that just committed; at a check point measure, agree, decide, switch."""
+    def end_step(self, step: int, layout: Any, group: Any, timed_next: bool = True) -> None:
+        """Account the step that just committed; at a check point measure, agree, decide, switch.
+        ``timed_next=False`` (the warm-up step's backward, before its own all_reduce has landed):
+        the next step's compute is timed from its forward's start, not from here."""
         now = time.perf_counter()
         for key in self._spent:   # the step that sent them committed
             self._carry.pop(key, None)
@@ -608,13 +635,14 @@ class AutoCodec:
             self._compute.append(max(0.0, wall - exposed - self._busy))
         elif (not self._compute and self._forward_start is not None and self._backward_end is not None
               and self._backward_end > self._forward_start):
-            # no step end before this one (the first compressed step): its forward and backward,
+            # no step end before this one (the first check point's step): its forward and backward,
             # less the hooks' own time (the optimizer's step is left out: the next window has it)
             self._compute.append(max(0.0, self._backward_end - self._forward_start - self._busy))
         self._backward_end = None
         if self.is_check(step):
             self.check(step, group)
-        self._last_end = time.perf_counter()   # the check's own time is not the next step's compute
+        # the check's own time is not the next step's compute
+        self._last_end = time.perf_counter() if timed_next else None
 
     def check(self, step: int, group: Any) -> tuple[int, ...]:
         """One check point (collective: every rank at the same step); returns the switched units."""
@@ -630,7 +658,9 @@ class AutoCodec:
             first = self._prev_norms is None
             change = (norm_change(self._prev_norms, norms) if not first
                       else [first_window_change(self.spec.decider_args["critical"])] * len(units))
-            self._prev_norms = norms
+            # a window that sampled no norm for a unit (the early check point's) keeps the one before
+            prev = self._prev_norms or [None] * len(units)
+            self._prev_norms = [n if n is not None else p for n, p in zip(norms, prev)]
             # a unit in a critical regime here (the first window on every rank: no norm before it; later,
             # this rank's own change at or above the threshold, which the agreement's max keeps) may
             # only use the candidates that regime allows: the others are not timed yet (their codec
@@ -641,8 +671,7 @@ class AutoCodec:
             measures = []
             self._probes = {}   # the candidates timed on a size share its input; dropped below
             for u, ch in zip(units, change):
-                acc = self._norms.get(u.key)
-                device = acc.device if acc is not None else torch.device("cpu")
+                device = self._devices.get(u.key, torch.device("cpu"))
                 timed = cands
                 if first or ch >= critical:   # the choice in force is priced too (its cost is cached)
                     now = self.choices.get(u.key, DENSE).candidate
@@ -714,6 +743,12 @@ class AutoCodec:
         for b in switched:
             self._last_meas.pop(units[b].key, None)
         self._meas.clear()
+        self._clear_window()
+        self.checks += 1
+        return switched
+
+    def _clear_window(self) -> None:
+        """A new window: no overlap, compute, step wall or norm measured in it yet."""
         self.recorder.reset()
         self._compute = []
         self._walls = []
@@ -721,8 +756,12 @@ class AutoCodec:
         for acc in self._norms.values():
             acc.zero_()
         self._norm_steps.clear()
-        self.checks += 1
-        return switched
+
+    def postpone_first_check(self, step: int) -> None:
+        """The first check point ends step ``step`` instead (DDP: the units of the warm-up step's
+        layout could not be known there); what the warm-up step measured is dropped."""
+        self.first_check = step
+        self._clear_window()
 
     def _codec_cost(self, c: Candidate, unit: Any, device: torch.device) -> float | None:
         """This rank's codec seconds of candidate ``c`` for ``unit`` (a DDP unit: one pass over
@@ -926,12 +965,13 @@ class AutoCodec:
             "link": self.link.state_dict(),
             "dense_rate_keys": list(self.dense_rates),
             "dense_rates": list(self.dense_rates.values()),
+            "first_check": self.first_check,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
         # absent in checkpoints from before the two-level path / link tracking / per-step norms
-        extra = {"carry_keys", "carry", "link", "norm_steps", "dense_rate_keys", "dense_rates"}
+        extra = {"carry_keys", "carry", "link", "norm_steps", "dense_rate_keys", "dense_rates", "first_check"}
         if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
             raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
@@ -955,3 +995,5 @@ class AutoCodec:
         if "link" in state:
             self.link.load_state_dict(state["link"])
         self.dense_rates = {k: float(r) for k, r in zip(state.get("dense_rate_keys", []), state.get("dense_rates", []))}
+        if "first_check" in state:   # the check points' schedule of the run that saved it
+            self.first_check = int(state["first_check"])

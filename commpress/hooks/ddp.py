@@ -22,7 +22,9 @@ The pieces, each in its own module:
 * :func:`hook` — one warm-up decision, then the executor.
 
 During the first ``warmup_steps`` steps (at least one) each bucket is one dense
-asynchronous ``all_reduce`` from the hook call, exactly DDP's behaviour.
+asynchronous ``all_reduce`` from the hook call, exactly DDP's behaviour.  Under ``"auto"`` the
+last one's backward ends with the first check point (:func:`_before_first_check`: the units of
+the layout DDP uses from the next step, predicted by :mod:`.ddp_buckets` after the first one).
 
 Executors and devices.  Collectives are issued from the hook call or the worker,
 never from a future's callback (PyTorch's ``powerSGD_hook`` deadlocks on gloo
@@ -88,7 +90,9 @@ from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
 from ..feedback import ResidualTransaction, nonfinite_flag
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
-from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense
+from . import ddp_buckets
+from .ddp_buckets import ReadyOrder
+from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense, make_plan
 from .sparse_rows import SparseRows, check_no_sparse_embeddings
 from .optimizer import TakeoverMixin
 
@@ -348,6 +352,10 @@ class DDPState(TakeoverMixin, HookState):
         self._pending_load: dict[str, Any] | None = None
         self._forward_hook = None
         self._forward_pre_hook = None
+        #: ``"auto"`` deciding at the end of the first backward: the order its gradients became
+        #: ready in (DDP's rebuilt layout, :mod:`.ddp_buckets`), until that decision
+        self._ready_order: ReadyOrder | None = None
+        self._binding_in_step = False   # bound in the first hook call (deprecated): too late to record it
         self._stop_worker: weakref.finalize | None = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)  # taken over at binding
@@ -499,9 +507,23 @@ class DDPState(TakeoverMixin, HookState):
             if self.momentum:
                 log.info("commpress auto: momentum correction keeps every unit on the flat path "
                          "(a velocity cannot be split between the flat and the two-level path)")
-        # the first check point ends the first compressed step (step 0 binds: its arrivals are not
-        # timed); its compute is timed from the forward's start (a forward pre-hook)
-        auto.first_check = max(1, self.warmup_steps)
+        # the first check point ends the last warm-up step's backward (DDP's own path), on the units
+        # of the layout DDP has then (from the second step) or is about to make (the first: predicted
+        # from the order its gradients became ready in, :mod:`.ddp_buckets`); its compute is timed from
+        # the forward's start (a forward pre-hook).  Where that layout is not known then, it ends the
+        # first compressed step, whose units run dense.
+        why = ("sparse_rows settles its parameters at the first compressed step" if self._sparse_rows is not None
+               else "bound in the first step's hook call" if self._binding_in_step
+               else ddp_buckets.unpredictable(model) if self.warmup_steps == 1
+               else "static_graph=True" if getattr(model, "static_graph", False) else None)
+        if why is None:
+            auto.first_check = self.warmup_steps - 1
+            if auto.first_check == 0 and self._step_count == 0:
+                self._ready_order = ReadyOrder(model)
+        else:
+            auto.first_check = self.warmup_steps
+            if why is not None:
+                log.info("commpress auto: the first check point ends the first compressed step (%s)", why)
         # the overlap worker's codec runs beside the backward only where it has a core of its own;
         # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
         # and "auto" prices it on the critical path (agreed at binding)
@@ -552,6 +574,8 @@ class DDPState(TakeoverMixin, HookState):
     @step.setter
     def step(self, value: int) -> None:
         self._step_count = int(value)
+        if self._step_count > 0:   # a resumed run: its first check point was long ago
+            self._drop_ready_order()
         if getattr(self, "_executor", None) is not None:
             self._executor.step = int(value)
 
@@ -606,6 +630,7 @@ class DDPState(TakeoverMixin, HookState):
         fallback goes away, and an unbound state will raise here.
         """
         deprecated(UNBOUND_DEPRECATION)
+        self._binding_in_step = True
         self.bind(_model_of(bucket.parameters()))
 
     # -- lifetime ----------------------------------------------------------
@@ -622,7 +647,13 @@ class DDPState(TakeoverMixin, HookState):
         if self._forward_pre_hook is not None:
             self._forward_pre_hook.remove()
             self._forward_pre_hook = None
+        self._drop_ready_order()
         self.release_optimizer()
+
+    def _drop_ready_order(self) -> None:
+        ready, self._ready_order = getattr(self, "_ready_order", None), None
+        if ready is not None:
+            ready.remove()
 
     def __enter__(self) -> "DDPState":
         return self
@@ -865,6 +896,9 @@ class _Executor:
         #: step's velocity updates and its buckets' futures, until its last bucket
         self.fast_transaction: ResidualTransaction | None = None
         self.fast_futures: list[torch.futures.Future] = []
+        #: ``"auto"``'s deciding warm-up step: each compressible parameter's gradient norm so far
+        #: (:func:`_before_first_check`)
+        self.warmup_norms: dict[str, torch.Tensor] = {}
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -1146,7 +1180,8 @@ def hook(state: DDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     if not state.bound:  # the first bucket of the first step, on every rank: bind (collective)
         state._bind_to_bucket(bucket)
     executor, cfg = state._executor, state.frozen
-    if cfg.auto is not None and executor.step >= 1:  # "auto" times the backward (host clock, no sync)
+    # "auto" times the backward (host clock, no sync) from its first check point's step
+    if cfg.auto is not None and executor.step >= min(1, cfg.auto.first_check):
         index, last = bucket.index(), bucket.is_last()
         t0 = cfg.auto.arrive(index, last)
         try:
@@ -1161,7 +1196,15 @@ def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     rows = cfg.sparse_rows is not None and _begin_rows(state, executor, cfg)   # a rows parameter goes as rows
     if not rows and (executor.step < state.warmup_steps or not state.compressed_param_names):
-        return _dense_async(executor, bucket)
+        deciding = (cfg.auto is not None and executor.step == cfg.auto.first_check
+                    and bool(state.compressed_param_names))
+        if deciding:
+            _before_first_check(state, executor, cfg, bucket)
+        fut = _dense_async(executor, bucket)
+        if deciding and bucket.is_last() and executor.step - 1 == cfg.auto.first_check:
+            # the first check point (collective), beside the last all_reduce
+            cfg.auto.end_step(executor.step - 1, executor.layout, cfg.group, timed_next=False)
+        return fut
     fast = (cfg.auto.fast(executor.step) if cfg.auto is not None and not cfg.verify_every and not rows
             and cfg.scaler is None else None)
     if fast is not None:   # "auto" chose dense (or bf16) everywhere: DDP's own path (PyTorch's bf16 hook's)
@@ -1175,6 +1218,48 @@ def _hook(state: DDPState, executor: _Executor, cfg: HookConfig,
     # A Python future's exception is only a value to DDP's C++ side ("Unable to cast ... to
     # Tensor"); raised from a callback it becomes the child future's error, which DDP raises.
     return fut.then(_value) if executor.queued else fut
+
+
+def _before_first_check(state: DDPState, executor: _Executor, cfg: HookConfig, bucket: dist.GradBucket) -> None:
+    """``"auto"``'s warm-up step that ends with its first check point, at each bucket (before its
+    all_reduce scales it): each parameter's gradient norm is noted (not with a loss scaler: those
+    gradients are scaled); the units are formed from this bucket (a step after DDP's rebuild) or, at
+    the last bucket of the first step, from the layout DDP makes at the next forward
+    (:func:`~.ddp_buckets.rebuilt_buckets`, rank 0's ready order: every rank forms the same units);
+    then each unit's norm, bucket and device go to the auto codec."""
+    auto, layout = cfg.auto, executor.layout
+    buf = bucket.buffer()
+    plan = layout.plan(bucket.index(), bucket.parameters())
+    norms = executor.warmup_norms
+    if cfg.scaler is None:
+        for name, off, n in plan.compressed:
+            norms[name] = torch.linalg.vector_norm(buf[off:off + n])
+    predicted = state._ready_order is not None
+    if not predicted:
+        layout.assign_units(plan)
+    if not bucket.is_last():
+        return
+    executor.warmup_norms = {}
+    if predicted:
+        ready, state._ready_order = state._ready_order, None
+        ready.remove()
+        order = ready.agreed(cfg.group)
+        if order is None:   # rank 0 did not see every gradient: decide one step later, as without a prediction
+            auto.postpone_first_check(state.warmup_steps)
+            log.info("commpress auto: the first check point ends the first compressed step (not every "
+                     "parameter's gradient was ready in the first backward)")
+            return
+    plans = layout.plans.values()
+    if predicted:
+        plans = [make_plan(i, params, layout.names, layout.dense, layout.rows)
+                 for i, params in enumerate(ready.rebuilt_buckets(order))]
+        for p in plans:
+            layout.assign_units(p)
+    bucket_of = {name: p.index for p in plans for name, _, _ in p.compressed}
+    for unit in layout.units:
+        parts = [norms[nm] for nm in unit.names if nm in norms]
+        auto.warmup_unit(unit, parts if len(parts) == len(unit.names) else None,
+                         bucket_of.get(unit.names[-1], bucket.index()), buf.device, cfg.scale)
 
 
 def _begin_rows(state: DDPState, executor: _Executor, cfg: HookConfig) -> bool:

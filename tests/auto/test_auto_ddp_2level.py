@@ -82,24 +82,24 @@ def two_level_worker(rank, world):
         moved.append((old_path, choice.path, torch.equal(before, after), float(before.abs().sum())))
     auto.switch = spy
     auto.network = _net(world, SLOW, SLOW)        # both links slow: compress on the flat path
-    _train(model, opt, rank, range(2))            # check point at the end of step 1
+    _train(model, opt, rank, range(1))            # check point at the end of step 0 (the warm-up step)
     history.append(sorted((n, e["choice"]) for n, e in state.stats.as_dict()["auto"].items()))
     auto.network = _net(world, FAST, SLOW)        # a slow link between nodes: the two-level path pays
-    _train(model, opt, rank, range(2, 4))         # check point at the end of step 3
+    _train(model, opt, rank, range(1, 3))         # check point at the end of step 2
     history.append(sorted((n, e["choice"]) for n, e in state.stats.as_dict()["auto"].items()))
     out["carry"] = sorted(auto._carry)            # flat -> two-level: the rest of this rank's residual waits
     saved = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
-    auto.network = _net(world, FAST, FAST)        # fast everywhere: flat (from the check at the end of step 5)
-    _train(model, opt, rank, [4])                 # sends the carries
+    auto.network = _net(world, FAST, FAST)        # fast everywhere: flat (from the check at the end of step 4)
+    _train(model, opt, rank, [3])                 # sends the carries
     out["carry_after"] = sorted(auto._carry)
-    out["algorithms"] = sorted(set(state.stats.algorithms.values()))   # step 4 ran the two-level choices
-    _train(model, opt, rank, [5])
+    out["algorithms"] = sorted(set(state.stats.algorithms.values()))   # step 3 ran the two-level choices
+    _train(model, opt, rank, [4])
     history.append(sorted((n, e["choice"]) for n, e in state.stats.as_dict()["auto"].items()))
     out["history"], out["moved"] = history, moved
     out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state.close()
 
-    # resume from the end of step 3 (carries pending): bitwise through step 5
+    # resume from the end of step 2 (carries pending): bitwise through step 4
     hook_state, params, opt_state = saved
     torch.manual_seed(1)
     model2 = DDP(with_params(Net(), params), bucket_cap_mb=0.01)
@@ -108,7 +108,7 @@ def two_level_worker(rank, world):
     state2 = _register(model2)
     state2.codec.network = _net(world, FAST, FAST)
     state2.load_state_dict(hook_state)
-    _train(model2, opt2, rank, range(4, 6))
+    _train(model2, opt2, rank, range(3, 5))
     out["resumed"] = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
 

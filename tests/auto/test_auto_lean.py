@@ -36,7 +36,7 @@ def _worker(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = _register(model, opt)
     state.codec.network = Network(world, SLOW)
-    for step in range(4):
+    for step in range(5):   # check points end steps 0, 2 and 4 (the early one: a window of measured steps)
         train_step(model, opt, rank, step)
     codecs = state.codec.codecs
     lean = {k: [type(v).__name__ for v in c._residuals.values()] for k, c in codecs.items()}
@@ -46,12 +46,12 @@ def _worker(rank, world):
     torch.save({"hook": state.state_dict(), "params": [p.detach().clone() for p in model.parameters()],
                 "opt": opt.state_dict()}, buf)
     state.codec.network = Network(world, FAST)   # back to dense at the next check point: residuals carried
-    for step in range(4, 8):
+    for step in range(5, 9):
         train_step(model, opt, rank, step)
     after = sorted(e["choice"] for e in state.stats.as_dict()["auto"].values())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state.close()
-    # resume from the end of step 3: bitwise through step 7
+    # resume from the end of step 4: bitwise through step 8
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
     model2 = DDP(with_params(Net(), ckpt["params"]), bucket_cap_mb=0.01)
@@ -60,7 +60,7 @@ def _worker(rank, world):
     state2 = _register(model2, opt2)
     state2.codec.network = Network(world, FAST)
     state2.load_state_dict(ckpt["hook"])
-    for step in range(4, 8):
+    for step in range(5, 9):
         train_step(model2, opt2, rank, step)
     resumed = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     state2.close()
