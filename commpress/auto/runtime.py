@@ -371,6 +371,7 @@ class AutoCodec:
         self._devices: dict[Any, torch.device] = {}   # where each unit's gradient lives (its codec timings')
         self._norm_steps: dict[Any, int] = {}   # steps summed into each norm this window
         self._prev_norms: list[float] | None = None
+        self._changes: list[float] | None = None   # each unit's norm change at the last check point
         self._unit_bucket: dict[Any, int] = {}
         self._meas: dict[Any, list[float]] = {}
         self._last_meas: dict[Any, float] = {}
@@ -658,6 +659,11 @@ class AutoCodec:
             first = self._prev_norms is None
             change = (norm_change(self._prev_norms, norms) if not first
                       else [first_window_change(self.spec.decider_args["critical"])] * len(units))
+            if not first and self._changes is not None and len(self._changes) == len(units):
+                # a window that sampled no norm for a unit (the early check point's) reads no regime:
+                # the unit stays in the last one it was seen in (the first window's: critical)
+                change = [c if n is not None else last for c, n, last in zip(change, norms, self._changes)]
+            self._changes = list(change)
             # a window that sampled no norm for a unit (the early check point's) keeps the one before
             prev = self._prev_norms or [None] * len(units)
             self._prev_norms = [n if n is not None else p for n, p in zip(norms, prev)]
@@ -956,6 +962,7 @@ class AutoCodec:
             "codecs": [self.codecs[k].state_dict() for k in keys],
             "decider": self.decider.state_dict(),
             "prev_norms": self._prev_norms,
+            "changes": self._changes,
             "norm_keys": list(self._norms),
             "norms": [t.clone() for t in self._norms.values()],
             "norm_steps": [self._norm_steps.get(k, 0) for k in self._norms],
@@ -971,7 +978,8 @@ class AutoCodec:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         want = {"keys", "choices", "codecs", "decider", "prev_norms", "norm_keys", "norms", "fresh"}
         # absent in checkpoints from before the two-level path / link tracking / per-step norms
-        extra = {"carry_keys", "carry", "link", "norm_steps", "dense_rate_keys", "dense_rates", "first_check"}
+        extra = {"carry_keys", "carry", "link", "norm_steps", "dense_rate_keys", "dense_rates", "first_check",
+                 "changes"}
         if not isinstance(state, dict) or not (want <= set(state) <= want | extra):
             raise ValueError(f"auto codec state must have keys {sorted(want | extra)}")
         codecs, choices = {}, {}
@@ -984,6 +992,8 @@ class AutoCodec:
         self.codecs, self.choices = codecs, choices
         prev = state["prev_norms"]
         self._prev_norms = None if prev is None else [None if x is None else float(x) for x in prev]
+        changes = state.get("changes")
+        self._changes = None if changes is None else [float(x) for x in changes]
         self._norms = {k: t.float().clone() for k, t in zip(state["norm_keys"], state["norms"])}
         self._norm_steps = {k: int(n) for k, n in zip(state["norm_keys"], state.get("norm_steps", []))}
         self._fresh = set(state["fresh"])

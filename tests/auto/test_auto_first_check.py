@@ -80,3 +80,14 @@ def test_a_critical_regime_times_only_what_it_allows():
             else:
                 assert set(timed) == set(cands)
 
+
+def test_a_window_without_a_norm_keeps_the_last_regime():
+    """The early check point (4 steps after the first, whose window samples no norm at
+    check_every=50) reads no regime: every unit stays in the first window's critical one, so it
+    times nothing the first did not (the aggressive candidates wait for a window with norms)."""
+    run_result = run(first_check_worker, 2, 50, timeout=120)
+    allowed = sorted(map(str, critical_candidates(DEFAULT_CANDIDATES, Prices())))
+    for first, second, cands in run_result:
+        assert first == allowed and second
+        for timed, _ in second.values():
+            assert len(set(timed) - set(allowed)) <= 1, timed   # the allowed ones and the choice in force
