@@ -189,6 +189,45 @@ class LeanTensor:
                                            (out if also is None else also).view(-1).numpy(), also is not None)
         return True
 
+    def store_velocity(self, buf: torch.Tensor, parts: list[tuple[int, int]], scale: float, momentum: float,
+                       live: "LeanTensor | None", seed: int) -> None:
+        """Momentum correction of a whole input laid out as ``parts`` of ``buf`` (``(offset, n)``,
+        in order, ``numel`` elements in all), in one numba pass: each part ``:= x*scale +
+        momentum*live`` (``live`` ``None``: a zero velocity) with
+        :func:`~commpress.ops.reference.accumulate_velocity`'s roundings, and this store :=
+        that new velocity, as :meth:`encode` with ``seed`` stores it (bitwise).  Only where
+        :meth:`stores_velocity` says so."""
+        import numpy as np
+
+        from .ops import numba_backend
+        from .ops.reference import seed_words
+
+        starts = np.array([o for o, _ in parts], np.int64)
+        lens = np.array([n for _, n in parts], np.int64)
+        if int(lens.sum()) != self.numel or (live is not None and live.numel != self.numel):
+            raise ValueError(f"LeanTensor.store_velocity: parts of {int(lens.sum())} elements (live "
+                             f"{None if live is None else live.numel}) for a store of {self.numel}")
+        k0, k1 = seed_words(seed)
+        src = live if live is not None else self   # not read without a live velocity
+        numba_backend.K.lean_int8_velocity_store(
+            buf.view(-1).numpy(), starts, lens, np.float32(scale), np.float32(momentum), src.codes.numpy(),
+            src.scales.numpy(), live is not None, numba_backend.velocity_mode() == "fma", np.uint64(k0),
+            np.uint64(k1), self.codes.numpy(), self.scales.numpy(), INT8_BLOCK)
+
+    def stores_velocity(self, buf: torch.Tensor) -> bool:
+        """Whether :meth:`store_velocity` runs for ``buf`` (int8 on the CPU, fp32 contiguous, numba
+        with torch's rounding of the multiply-add reproduced)."""
+        if self.storage != "int8" or self.device.type != "cpu" or buf.device.type != "cpu" \
+                or buf.dtype != torch.float32 or not buf.is_contiguous():
+            return False
+        if os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
+            return False
+        try:
+            from .ops import numba_backend
+        except ImportError:
+            return False
+        return numba_backend.velocity_mode() is not None
+
     def decode_span(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the stored value as a new fp32 tensor (any ``lo``: the blocks
         around the span are decoded)."""

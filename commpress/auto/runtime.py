@@ -509,6 +509,14 @@ class AutoCodec:
         if at == len(unit.names) - 1:
             codec.stage_velocity(unit.key, transaction)
 
+    def velocity_unit(self, unit: Any, buf: torch.Tensor, parts: list[tuple[int, int]], scale: float,
+                      transaction: Any) -> bool:
+        """:meth:`velocity_part` for all of ``unit``'s parts (``(offset, numel)`` in ``buf``, in the
+        unit's order) in one pass where its storage allows (:meth:`ErrorFeedback.velocity_unit`);
+        ``False``, nothing touched, elsewhere."""
+        return self.codecs[unit.key].velocity_unit(buf, parts, unit.key, unit.numel, scale=scale,
+                                                   transaction=transaction)
+
     def measured(self, unit: Any, seconds: float, comm_seconds: float = 0.0) -> None:
         """Host seconds of the unit's collective call this step, and of those the seconds
         inside its collectives (``comm_seconds``: what re-measures the bandwidth,

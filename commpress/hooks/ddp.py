@@ -1310,8 +1310,11 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
         if executor.fast_transaction is None:
             executor.fast_transaction, executor.fast_futures = ResidualTransaction(), []
         tx, futures = executor.fast_transaction, executor.fast_futures
-        for (unit, name), (off, n) in zip(_unit_parts(layout, plan), [(o, k) for _, o, k in plan.compressed]):
-            cfg.auto.velocity_part(unit, name, buf[off:off + n], cfg.scale, tx)
+        for unit, parts, whole in _unit_parts(layout, plan):
+            if whole and cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx):
+                continue   # the unit in one pass (int8 on the CPU)
+            for name, off, n in parts:
+                cfg.auto.velocity_part(unit, name, buf[off:off + n], cfg.scale, tx)
         # the dense parameters, and sparse_rows parameters on their dense path this step
         dense = list(zip(plan.dense_names, plan.dense_slices)) + [(nm, (o, k)) for nm, o, k in plan.rows]
         for _, (off, n) in dense:
@@ -1360,10 +1363,18 @@ def _observe_rows(executor: _Executor, bucket: dist.GradBucket) -> None:
                 tracker.observe(p, g.view(p.shape[0], -1))
 
 
-def _unit_parts(layout: ModelLayout, plan: Plan) -> list[tuple[Any, str]]:
-    """``(unit, name)`` of each of ``plan``'s compressed parameters (cached in the plan)."""
+def _unit_parts(layout: ModelLayout, plan: Plan) -> list[tuple[Any, list[tuple[str, int, int]], bool]]:
+    """The units of ``plan``'s compressed parameters, each with its parts in this bucket
+    ``(name, offset, numel)`` in the unit's order and whether they are all of it (cached in the plan)."""
     if plan.unit_parts is None:
-        plan.unit_parts = [(layout.units[layout.unit_of[name]], name) for name, _, _ in plan.compressed]
+        here = {name: (name, off, n) for name, off, n in plan.compressed}
+        units = []
+        for name, _, _ in plan.compressed:
+            unit = layout.units[layout.unit_of[name]]
+            if all(u is not unit for u, _, _ in units):
+                parts = [here[nm] for nm in unit.names if nm in here]
+                units.append((unit, parts, len(parts) == len(unit.names)))
+        plan.unit_parts = units
     return plan.unit_parts
 
 

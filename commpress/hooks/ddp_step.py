@@ -106,8 +106,10 @@ class Plan:
     #: this step's dense part: ``dense_slices`` and the rows parameters on their dense path
     live_slices: list[tuple[int, int]] = field(default_factory=list)
     live_names: list[str] = field(default_factory=list)
-    #: ``(unit, name)`` of each compressed parameter (``"auto"``'s dense steps under momentum correction)
-    unit_parts: list[tuple[Unit, str]] | None = None
+    #: the units of the compressed parameters, each with its parts here ``(name, offset, numel)`` in
+    #: the unit's order and whether they are the whole unit (``"auto"``'s dense steps under momentum
+    #: correction)
+    unit_parts: list[tuple[Unit, list[tuple[str, int, int]], bool]] | None = None
 
 
 def unit_key(names: list[str]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -28,8 +29,9 @@ def _velocities(state) -> dict:
     return out
 
 
-def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_step: int | None = None):
-    os.environ["COMMPRESS_BACKEND"] = "torch"
+def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_step: int | None = None,
+         backend: str = "torch"):
+    os.environ["COMMPRESS_BACKEND"] = backend
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.01)   # several buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -38,6 +40,8 @@ def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_st
     state.codec.network = Network(world, FAST)
     if forced_units_path:
         state.codec.fast = lambda step: None
+    one_pass, real_unit = [], state.codec.velocity_unit
+    state.codec.velocity_unit = lambda *a: one_pass.append(real_unit(*a)) or one_pass[-1]
     paths, kept = [], None
     for step in range(steps):
         if step == nan_step:
@@ -55,17 +59,25 @@ def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_st
         paths.append(sorted({u["algorithm"] for u in state.stats.last_step["units"].values()}))
     out = {"paths": paths, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
            "velocities": _velocities(state), "choices": sorted(e["choice"] for e in state.stats.as_dict()["auto"].values()),
-           "opt_momentum": [g["momentum"] for g in opt.param_groups], "kept": kept}
+           "opt_momentum": [g["momentum"] for g in opt.param_groups], "kept": kept, "one_pass": one_pass}
     state.close()
     return out
 
 
-def fast_worker(rank, world):
-    return _run(rank, world, False), _run(rank, world, True), _run(rank, world, False, steps=4, nan_step=2)
+def fast_worker(rank, world, backend):
+    return (_run(rank, world, False, backend=backend), _run(rank, world, True, backend=backend),
+            _run(rank, world, False, steps=4, nan_step=2, backend=backend))
 
 
-def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise():
-    (fast_a, units_a, nan_a), (fast_b, units_b, _) = run(fast_worker, 2, timeout=180)
+# numba: each unit's velocity in one pass on DDP's path (ErrorFeedback.velocity_unit), the units'
+# path through the fused CPU lanes
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise(backend):
+    if backend == "numba":
+        pytest.importorskip("numba")
+    (fast_a, units_a, nan_a), (fast_b, units_b, _) = run(fast_worker, 2, backend, timeout=180)
+    # numba: every unit's velocity in one pass on DDP's path; torch: part by part
+    assert fast_a["one_pass"] and set(fast_a["one_pass"]) == {backend == "numba"}, fast_a["one_pass"]
     assert fast_a["choices"] == ["dense"] * len(fast_a["choices"]) and fast_a["choices"]
     assert fast_a["opt_momentum"] == [0.0]   # taken over: the hook applies it
     # check points end steps 0 (the warm-up step, DDP's path), 4 (the early one) and 6: they and the

@@ -347,3 +347,69 @@ def test_int8_velocity_pass_refuses_a_span_outside_the_store():
         store.velocity_into(torch.zeros(100), 0.5, 0.9, 250, torch.empty(100))
     with pytest.raises(ValueError, match="out of range"):
         store.velocity_into(torch.zeros(100), 0.5, 0.9, 0, torch.empty(99))
+
+
+def _unit_velocity_runs(layout, scale, steps, nan_step=None):
+    """``(buffers, stores)`` of the part-by-part velocity (``velocity_into`` per part, then
+    ``stage_velocity``) and of the one-pass ``velocity_unit``, over ``steps`` steps of a unit laid
+    out as ``layout`` (``(offset, n)`` parts of a buffer, gaps between them) with int8 storage."""
+    size = max(o + n for o, n in layout) + 5
+    numel = sum(n for _, n in layout)
+    runs = []
+    for one_pass in (False, True):
+        ef = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="int8", seed=3)
+        bufs = []
+        for step in range(steps):
+            buf = _x(size, 20 + step)
+            if step == nan_step:
+                buf[layout[-1][0] + 1] = float("nan")
+            tx = commpress.feedback.ResidualTransaction()
+            if one_pass:
+                assert ef.velocity_unit(buf, layout, "u", numel, scale=scale, transaction=tx)
+            else:
+                pos = 0
+                for off, n in layout:
+                    ef.velocity_into(buf[off:off + n], "u", numel, pos, scale=scale)
+                    pos += n
+                ef.stage_velocity("u", tx)
+            tx.mark_bad(commpress.feedback.nonfinite_flag(buf))
+            tx.commit()
+            bufs.append(buf)
+        runs.append((bufs, ef.velocity("u").reshape(-1).clone(), ef.state_dict()))
+    return runs
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("layout", [[(0, 1000)], [(3, 200), (210, 77), (300, 1001)], [(0, 128), (130, 128)],
+                                    [(7, 1)], [(0, 300), (301, 20000)]])
+def test_the_one_pass_unit_velocity_is_bitwise_the_part_by_part_one(scale, layout):
+    """``ErrorFeedback.velocity_unit`` (DDP's own path under "auto" with momentum correction: the
+    live int8 velocity decoded, the parts written, the new velocity stored, block by block, blocks
+    straddling parts) leaves the buffer and the stored velocity bitwise as the part-by-part calls
+    do, step after step (the first without a live velocity), and a step with a NaN keeps both."""
+    pytest.importorskip("commpress.ops.numba_backend")
+    from commpress.ops.numba_backend import velocity_mode
+
+    if velocity_mode() is None:
+        ef = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="int8")
+        assert not ef.velocity_unit(_x(100, 1), [(0, 100)], "u", 100)   # declines: the caller goes part by part
+        return
+    (bufs_a, vel_a, sd_a), (bufs_b, vel_b, sd_b) = _unit_velocity_runs(layout, scale, 4, nan_step=2)
+    for a, b in zip(bufs_a, bufs_b):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert torch.equal(vel_a.view(torch.int32), vel_b.view(torch.int32)) and bool(vel_a.abs().sum() > 0)
+    assert sd_a.keys() == sd_b.keys()
+
+
+def test_the_one_pass_unit_velocity_declines_where_it_does_not_apply():
+    """Another storage, or a part-by-part write in progress: ``False``, nothing touched."""
+    ef = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="bf16")
+    x = _x(300, 1)
+    before = x.clone()
+    assert not ef.velocity_unit(x, [(0, 300)], "u", 300) and torch.equal(x, before)
+    ef8 = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="int8")
+    ef8.velocity_into(x[:100], "u", 300, 0)
+    y = _x(300, 2)
+    assert not ef8.velocity_unit(y, [(0, 300)], "u", 300) and torch.equal(y, _x(300, 2))
+    with pytest.raises(ValueError, match="parts of 200"):
+        ef8.velocity_unit(y, [(0, 200)], "u", 300)
