@@ -670,11 +670,12 @@ class ErrorFeedback(Compressor):
         tensor.view(-1).copy_(part)
 
     def velocity_unit(self, buf: torch.Tensor, parts: list[tuple[int, int]], key: Any, numel: int, *,
-                      scale: float = 1.0, transaction: ResidualTransaction | None = None) -> bool:
+                      scale: float = 1.0, transaction: ResidualTransaction | None = None) -> bool | None:
         """:meth:`velocity_into` for every part of ``key``'s input, then :meth:`stage_velocity`, in
         one pass where the storage allows it (int8 on the CPU with numba: the live velocity decoded,
         the parts written and the pending velocity stored a block at a time, bitwise what the part
-        by part calls give, with no fp32 buffer of the input's size); ``False`` elsewhere, nothing
+        by part calls give, with no fp32 buffer of the input's size).  Returns whether the new
+        velocity holds a NaN/inf (read in that pass, on the host); ``None`` elsewhere, nothing
         touched (the caller goes part by part).
 
         Args:
@@ -691,21 +692,21 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"velocity_unit: parts of {sum(n for _, n in parts)} elements for an input of {numel}")
         live = self._velocity.get(key)
         if self.storage != "int8" or key in self._velocity_pending or not (live is None or isinstance(live, LeanTensor)):
-            return False   # another storage; a part-by-part write open; an fp32 velocity (loaded)
+            return None   # another storage; a part-by-part write open; an fp32 velocity (loaded)
         if live is not None and (live.numel != numel or live.device != buf.device):
             live = None    # as _velocity_slots has it: a fresh velocity
         pend = self._velocity_sealed.get(key)
         if pend is None or pend.numel != numel or pend.device != buf.device:
             pend = LeanTensor(self.storage, numel, buf.device, zeroed=False)
         if not pend.stores_velocity(buf):
-            return False
+            return None
         self._velocity_sealed[key] = pend
-        pend.store_velocity(buf, parts, float(scale), self.momentum, live, self._next_vseed(key))
+        bad = pend.store_velocity(buf, parts, float(scale), self.momentum, live, self._next_vseed(key))
         if transaction is not None:
             transaction.stage(self, _VelocityOnly(key))
         else:
             self.commit(_VelocityOnly(key))
-        return True
+        return bool(bad)
 
     def stage_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
         """Stage ``key``'s pending velocity (written by :meth:`velocity_into`) in ``transaction``, or

@@ -190,13 +190,13 @@ class LeanTensor:
         return True
 
     def store_velocity(self, buf: torch.Tensor, parts: list[tuple[int, int]], scale: float, momentum: float,
-                       live: "LeanTensor | None", seed: int) -> None:
+                       live: "LeanTensor | None", seed: int) -> bool:
         """Momentum correction of a whole input laid out as ``parts`` of ``buf`` (``(offset, n)``,
         in order, ``numel`` elements in all), in one numba pass: each part ``:= x*scale +
         momentum*live`` (``live`` ``None``: a zero velocity) with
         :func:`~commpress.ops.reference.accumulate_velocity`'s roundings, and this store :=
         that new velocity, as :meth:`encode` with ``seed`` stores it (bitwise).  Only where
-        :meth:`stores_velocity` says so."""
+        :meth:`stores_velocity` says so.  Returns whether the new velocity holds a NaN/inf."""
         import numpy as np
 
         from .ops import numba_backend
@@ -209,7 +209,7 @@ class LeanTensor:
                              f"{None if live is None else live.numel}) for a store of {self.numel}")
         k0, k1 = seed_words(seed)
         src = live if live is not None else self   # not read without a live velocity
-        numba_backend.K.lean_int8_velocity_store(
+        return numba_backend.K.lean_int8_velocity_store(
             buf.view(-1).numpy(), starts, lens, np.float32(scale), np.float32(momentum), src.codes.numpy(),
             src.scales.numpy(), live is not None, numba_backend.velocity_mode() == "fma", np.uint64(k0),
             np.uint64(k1), self.codes.numpy(), self.scales.numpy(), INT8_BLOCK)

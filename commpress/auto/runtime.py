@@ -510,10 +510,10 @@ class AutoCodec:
             codec.stage_velocity(unit.key, transaction)
 
     def velocity_unit(self, unit: Any, buf: torch.Tensor, parts: list[tuple[int, int]], scale: float,
-                      transaction: Any) -> bool:
+                      transaction: Any) -> bool | None:
         """:meth:`velocity_part` for all of ``unit``'s parts (``(offset, numel)`` in ``buf``, in the
-        unit's order) in one pass where its storage allows (:meth:`ErrorFeedback.velocity_unit`);
-        ``False``, nothing touched, elsewhere."""
+        unit's order) in one pass where its storage allows (:meth:`ErrorFeedback.velocity_unit`):
+        whether its new velocity holds a NaN/inf; ``None``, nothing touched, elsewhere."""
         return self.codecs[unit.key].velocity_unit(buf, parts, unit.key, unit.numel, scale=scale,
                                                    transaction=transaction)
 

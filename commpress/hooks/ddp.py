@@ -1301,7 +1301,9 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     units' path; a dense unit's residual is zero), the dense parameters are scaled by ``1/P``;
     the bucket is summed; the dense parameters get their plain momentum on the sum (as
     :meth:`.ddp_step.Step._finish_dense` gives it).  The step's velocity updates commit when its
-    last bucket's sum has landed, kept where any bucket's sum holds a NaN/inf."""
+    last bucket's sum has landed, kept where any bucket's sum holds a NaN/inf: where every unit's
+    velocity went in one pass, a rank's NaN/inf is read there and marked in its message's first
+    element (:func:`_mark_nonfinite`), else the sum is checked."""
     cfg, layout = executor.config, executor.layout
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
@@ -1310,19 +1312,24 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
         if executor.fast_transaction is None:
             executor.fast_transaction, executor.fast_futures = ResidualTransaction(), []
         tx, futures = executor.fast_transaction, executor.fast_futures
+        one_pass, local_bad = True, False
         for unit, parts, whole in _unit_parts(layout, plan):
-            if whole and cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx):
-                continue   # the unit in one pass (int8 on the CPU)
+            bad = cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx) if whole else None
+            if bad is not None:   # the unit in one pass (int8 on the CPU), which read its NaN/inf
+                local_bad = local_bad or bad
+                continue
+            one_pass = False
             for name, off, n in parts:
                 cfg.auto.velocity_part(unit, name, buf[off:off + n], cfg.scale, tx)
         # the dense parameters, and sparse_rows parameters on their dense path this step
         dense = list(zip(plan.dense_names, plan.dense_slices)) + [(nm, (o, k)) for nm, o, k in plan.rows]
         for _, (off, n) in dense:
             buf[off:off + n].mul_(cfg.scale)
+        probe = _mark_nonfinite(buf, local_bad, [buf[off:off + n] for _, (off, n) in dense]) if one_pass else buf
         work = dist.all_reduce(buf, group=cfg.group, async_op=True)
 
         def landed(_: Any) -> torch.Tensor:
-            tx.mark_bad(nonfinite_flag(buf))
+            tx.mark_bad(nonfinite_flag(probe))
             for name, (off, n) in dense:
                 cfg.codec.dense_momentum(buf[off:off + n], name, tx)
             return buf
@@ -1340,6 +1347,21 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     dense_bytes = all_reduce_bytes(buf.numel() * buf.element_size(), cfg.world_size)
     _account_dense(executor, bucket, plan, total, dense_bytes, dense_bytes, "dense", 1)
     return fut
+
+
+def _mark_nonfinite(buf: torch.Tensor, units_bad: bool, dense: list[torch.Tensor]) -> torch.Tensor:
+    """Where this rank's part of ``buf`` holds a NaN/inf (``units_bad``, read by the units' one-pass
+    velocities, or in a ``dense`` slice: a flag on the device), its first element becomes NaN, so
+    that every rank's sum holds one there: the returned one-element view of ``buf`` is then the
+    step's verdict after the ``all_reduce`` (instead of a pass over the bucket).  A finite step
+    whose sum overflows is not seen, as on DDP's own path."""
+    first = buf[:1]
+    if units_bad:
+        first.fill_(float("nan"))
+    elif dense:
+        bad = torch.stack([nonfinite_flag(d) for d in dense]).any()
+        torch.where(bad, torch.full_like(first, float("nan")), first, out=first)
+    return first
 
 
 def _account_dense(executor: _Executor, bucket: dist.GradBucket, plan: Plan, total: Timer, sent: int,

@@ -2471,7 +2471,8 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
     roundings; ``u`` the int8 store ``codes``/``scales``, zero without ``has_u``), and that new
     velocity stored in int8 in ``pcodes``/``pscales`` as :func:`lean_int8_encode` stores it, with
     the noise bytes of ``lean_noise_words(k0, k1)`` (hashed here).  :data:`VSTORE_BLOCKS` blocks
-    at a time through small buffers: no fp32 buffer of the unit's size, no noise array."""
+    at a time through small buffers: no fp32 buffer of the unit's size, no noise array.  Returns
+    whether the new velocity holds a NaN/inf (a block's absmax key says so)."""
     f127 = np.float32(127)
     half, step, one = _NOISE_HALF, _NOISE_STEP, _F1
     ch = block * VSTORE_BLOCKS
@@ -2486,6 +2487,7 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
         n += lens[p]
     gp, ga = 0, 0   # the part, and the position in it, the next gathered element comes from
     p, at = 0, 0    # and the next scattered one goes to
+    bad = False
     for c0 in range(0, n, ch):
         w = min(c0 + ch, n) - c0
         k = 0
@@ -2537,6 +2539,7 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
             pscales[(c0 + a) // block] = sn
             cb = pcodes[c0 + a:c0 + a + block]
             if mk >= np.int32(0x7F800000):
+                bad = True
                 lean_int8_block_slow(t[a:e], noise[a:e], cb, 0, e - a, sn)
             else:
                 inv = one / sn if sn > 0 else np.float32(0.0)
@@ -2546,3 +2549,4 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
                     cb[j] = np.int8(np.int32(np.floor(min(max(v, -f127), f127))))
             for j in range(e - a, block):
                 cb[j] = 0
+    return bad

@@ -30,7 +30,7 @@ def _velocities(state) -> dict:
 
 
 def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_step: int | None = None,
-         backend: str = "torch"):
+         backend: str = "torch", nan_in: str | None = None):
     os.environ["COMMPRESS_BACKEND"] = backend
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.01)   # several buckets
@@ -48,7 +48,8 @@ def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_st
             before = _velocities(state)
             with torch.no_grad():   # this rank's gradient is NaN everywhere: so is every bucket's sum
                 scale = float("nan") if rank == 1 else 1.0
-                handle = [p.register_hook(lambda g, s=scale: g * s) for p in model.parameters()]
+                handle = [p.register_hook(lambda g, s=scale: g * s) for n, p in model.module.named_parameters()
+                          if nan_in is None or n == nan_in]
             train_step(model, opt, rank, step)
             for h in handle:
                 h.remove()
@@ -66,7 +67,8 @@ def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_st
 
 def fast_worker(rank, world, backend):
     return (_run(rank, world, False, backend=backend), _run(rank, world, True, backend=backend),
-            _run(rank, world, False, steps=4, nan_step=2, backend=backend))
+            _run(rank, world, False, steps=4, nan_step=2, backend=backend),
+            _run(rank, world, False, steps=4, nan_step=2, backend=backend, nan_in="fc2.bias"))
 
 
 # numba: each unit's velocity in one pass on DDP's path (ErrorFeedback.velocity_unit), the units'
@@ -75,9 +77,9 @@ def fast_worker(rank, world, backend):
 def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise(backend):
     if backend == "numba":
         pytest.importorskip("numba")
-    (fast_a, units_a, nan_a), (fast_b, units_b, _) = run(fast_worker, 2, backend, timeout=180)
+    (fast_a, units_a, nan_a, bias_a), (fast_b, units_b, _, bias_b) = run(fast_worker, 2, backend, timeout=180)
     # numba: every unit's velocity in one pass on DDP's path; torch: part by part
-    assert fast_a["one_pass"] and set(fast_a["one_pass"]) == {backend == "numba"}, fast_a["one_pass"]
+    assert fast_a["one_pass"] and {r is not None for r in fast_a["one_pass"]} == {backend == "numba"}, fast_a["one_pass"]
     assert fast_a["choices"] == ["dense"] * len(fast_a["choices"]) and fast_a["choices"]
     assert fast_a["opt_momentum"] == [0.0]   # taken over: the hook applies it
     # check points end steps 0 (the warm-up step, DDP's path), 4 (the early one) and 6: they and the
@@ -92,8 +94,10 @@ def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise(backend):
         for k, v in fast["velocities"].items():
             assert torch.equal(v.reshape(-1), units["velocities"][k].reshape(-1)), k
     assert torch.equal(fast_a["params"], fast_b["params"])
-    # step 2 is a fast step: a NaN in one rank's gradient keeps every velocity
+    # step 2 is a fast step: a NaN in one rank's gradient keeps every velocity, on every rank (rank 0
+    # learns it from the sum), also where it is only in a parameter sent dense (a bias)
     assert [p == ["dense"] for p in nan_a["paths"]][2] and nan_a["kept"] is True
+    assert bias_a["kept"] is True and bias_b["kept"] is True
 
 
 

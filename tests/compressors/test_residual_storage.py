@@ -362,10 +362,11 @@ def _unit_velocity_runs(layout, scale, steps, nan_step=None):
         for step in range(steps):
             buf = _x(size, 20 + step)
             if step == nan_step:
-                buf[layout[-1][0] + 1] = float("nan")
+                buf[layout[-1][0] + layout[-1][1] // 2] = float("nan")
             tx = commpress.feedback.ResidualTransaction()
             if one_pass:
-                assert ef.velocity_unit(buf, layout, "u", numel, scale=scale, transaction=tx)
+                flagged = ef.velocity_unit(buf, layout, "u", numel, scale=scale, transaction=tx)
+                assert flagged is (step == nan_step), (step, flagged)   # it read the NaN
             else:
                 pos = 0
                 for off, n in layout:
@@ -392,7 +393,7 @@ def test_the_one_pass_unit_velocity_is_bitwise_the_part_by_part_one(scale, layou
 
     if velocity_mode() is None:
         ef = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="int8")
-        assert not ef.velocity_unit(_x(100, 1), [(0, 100)], "u", 100)   # declines: the caller goes part by part
+        assert ef.velocity_unit(_x(100, 1), [(0, 100)], "u", 100) is None   # declines: the caller goes part by part
         return
     (bufs_a, vel_a, sd_a), (bufs_b, vel_b, sd_b) = _unit_velocity_runs(layout, scale, 4, nan_step=2)
     for a, b in zip(bufs_a, bufs_b):
@@ -402,14 +403,14 @@ def test_the_one_pass_unit_velocity_is_bitwise_the_part_by_part_one(scale, layou
 
 
 def test_the_one_pass_unit_velocity_declines_where_it_does_not_apply():
-    """Another storage, or a part-by-part write in progress: ``False``, nothing touched."""
+    """Another storage, or a part-by-part write in progress: ``None``, nothing touched."""
     ef = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="bf16")
     x = _x(300, 1)
     before = x.clone()
-    assert not ef.velocity_unit(x, [(0, 300)], "u", 300) and torch.equal(x, before)
+    assert ef.velocity_unit(x, [(0, 300)], "u", 300) is None and torch.equal(x, before)
     ef8 = commpress.ErrorFeedback(commpress.get("identity"), momentum=0.9, storage="int8")
     ef8.velocity_into(x[:100], "u", 300, 0)
     y = _x(300, 2)
-    assert not ef8.velocity_unit(y, [(0, 300)], "u", 300) and torch.equal(y, _x(300, 2))
+    assert ef8.velocity_unit(y, [(0, 300)], "u", 300) is None and torch.equal(y, _x(300, 2))
     with pytest.raises(ValueError, match="parts of 200"):
         ef8.velocity_unit(y, [(0, 200)], "u", 300)
