@@ -88,12 +88,16 @@ class ReadyOrder:
 
     def agreed(self, group: Any) -> list[int] | None:
         """Rank 0's order (DDP's rebuild takes rank 0's too), broadcast over ``group``
-        (collective); ``None`` where rank 0 did not see every parameter get its gradient."""
+        (collective; on the group's device: an NCCL group's current CUDA device, read back once);
+        ``None`` where rank 0 did not see every parameter get its gradient."""
         n = len(self.params)
         mine = self.order if len(self.order) == n else [-1] * n
         t = torch.tensor(mine or [0], dtype=torch.int64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            from ..collectives import comm_device
+
             src = dist.get_global_rank(group, 0) if group is not None else 0
+            t = t.to(comm_device(group))
             dist.broadcast(t, src=src, group=group)
         order = t.tolist()[:n]
         return order if n and sorted(order) == list(range(n)) else None
