@@ -97,6 +97,8 @@ _add("powersgd", "ddp", "commpress powersgd", "powersgd", baseline="ddp")
 _add("auto", "ddp", "commpress auto", "auto", baseline="ddp")
 _add("topk-opt", "ddp", "commpress topk 1% optimizer= (SGD momentum)", "topk", {"ratio": 0.01}, opt="sgdm",
      baseline="ddp-sgdm", takeover=True)
+_add("auto-opt", "ddp", "commpress auto optimizer= (SGD momentum)", "auto", opt="sgdm", baseline="ddp-sgdm",
+     takeover=True)
 _add("fsdp-blockquant4", "fsdp", "commpress FSDP2 blockquant 4-bit", "blockquant", {"bits": 4}, baseline="fsdp")
 _add("fsdp-topk", "fsdp", "commpress FSDP2 topk 1%", "topk", {"ratio": 0.01}, baseline="fsdp")
 #: added only where register() takes residual_storage

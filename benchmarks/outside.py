@@ -19,9 +19,12 @@ import statistics
 import sys
 import time
 
-#: name -> (register's compressor, its keywords, pass ``optimizer=``); "ddp": no hook
+#: name -> (register's compressor, its keywords, pass ``optimizer=``); "ddp": no hook;
+#: "torch-allreduce-hook": PyTorch's own ``allreduce_hook`` (the floor of a comm hook that averages in Python)
 CONFIGS = {
     "ddp": None,
+    "torch-allreduce-hook": None,
+    "identity": ("identity", {}, False),
     "auto-opt": ("auto", {}, True),
     "auto": ("auto", {}, False),
     "auto-opt-inline": ("auto", {"overlap": False}, True),
@@ -55,6 +58,10 @@ def rank_main(rank: int, world_size: int, *, report, config: str, steps: int = 2
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     state = None
+    if config == "torch-allreduce-hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     if CONFIGS[config] is not None:
         kind, kw, takeover = CONFIGS[config]
         state = commpress.ddp.register(ddp, kind, **({"optimizer": opt} if takeover else {}), **kw)

@@ -23,7 +23,7 @@ def test_registered_and_configs_known():
     assert "memory" in SUITES
     names = memory.available_configs()
     for name in ("ddp", "fsdp", "torch-powersgd", "identity", "fp16", "blockquant8", "blockquant4", "topk", "dgc",
-                 "powersgd", "auto", "topk-opt", "fsdp-blockquant4", "fsdp-topk"):
+                 "powersgd", "auto", "auto-opt", "topk-opt", "fsdp-blockquant4", "fsdp-topk"):
         assert name in names
     for name in names:   # every non-baseline has a baseline of its own kind and optimizer
         spec = memory.CONFIGS[name]

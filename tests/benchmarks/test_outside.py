@@ -34,3 +34,11 @@ def test_a_round_shorter_than_one_evaluation_prints_its_row(capsys):
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| 1 | ddp |")]
     assert row and "None" in row[0] and "first steps of ddp" in out
+
+
+def test_the_comm_hook_floor_configs_run(capsys):
+    """PyTorch's own ``allreduce_hook`` and commpress identity (the floor a comm hook that averages
+    in Python sets under "auto"'s all-dense steps) train and print their rows."""
+    assert outside.main(["--configs", "torch-allreduce-hook,identity", "--rounds", "1", "--steps", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[1] for line in out if line.startswith("| 1 |")] == ["torch-allreduce-hook", "identity"]
