@@ -95,29 +95,31 @@ def test_what_makes_the_layout_another_one_is_named():
         del os.environ["DDP_SET_LAST_BUCKET_CAP"]
 
 
-def decide_worker(rank, world, static_graph):
+def decide_worker(rank, world, static_graph, warmup_steps=1):
     os.environ["COMMPRESS_BACKEND"] = "torch"
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.01, static_graph=static_graph)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = commpress.ddp.register(model, "auto", min_numel=256, check_every=50, remeasure=False,
+                                   warmup_steps=warmup_steps,
                                    candidates=[("bf16",)])   # gentle: the first (critical) window takes it
     auto = state.codec
     auto.network = Network(world, SLOW)
     checks = []
     real = auto.check
     auto.check = lambda step, group: (checks.append(step), real(step, group))[1]
-    train_step(model, opt, rank, 0)
+    for step in range(warmup_steps):
+        train_step(model, opt, rank, step)
     after_warmup = (list(checks), sorted(e["choice"] for e in state.stats.as_dict()["auto"].values()),
                     [list(u.names) for u in state.units])
-    train_step(model, opt, rank, 1)
+    train_step(model, opt, rank, warmup_steps)
     last = state.stats.last_step
     algorithms = (sorted({u["algorithm"] for u in last["units"].values()}), last["bytes_sent"] < last["dense_bytes"])
     # each of step 1's buckets holds its compressible parameters as one unit, in its order
     layout = state._layout
     spans = [[nm for nm, _, _ in p.compressed] for p in layout.plans.values() if p.compressed]
     units = [list(u.names) for u in layout.units]
-    train_step(model, opt, rank, 2)
+    train_step(model, opt, rank, warmup_steps + 1)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state.close()
     return {"after_warmup": after_warmup, "checks": checks, "algorithms": algorithms, "spans": spans,
@@ -141,3 +143,28 @@ def test_static_graph_decides_one_step_later():
     a, b = run(decide_worker, 2, True, timeout=110)
     assert a["after_warmup"][0] == [] and a["checks"] == [1], a["checks"]
     assert torch.equal(a["params"], b["params"])
+
+
+@pytest.mark.timeout(120)
+def test_with_two_warmup_steps_the_second_decides_on_its_own_buckets():
+    """``warmup_steps=2``: the first check point ends the second warm-up step (DDP's own path, its
+    buckets already rebuilt: the units are formed from them as they arrive), and step 2 sends the choice."""
+    a, b = run(decide_worker, 2, False, 2, timeout=110)
+    checks, choices, units = a["after_warmup"]
+    assert checks == [1] and "bf16" in choices and len(units) >= 2, a["after_warmup"]
+    assert a["algorithms"][1] and "dense" not in a["algorithms"][0], a["algorithms"]
+    assert sorted(a["spans"]) == sorted(units) == sorted(a["units"])
+    assert torch.equal(a["params"], b["params"])
+
+
+def test_a_postponed_first_check_drops_what_the_warmup_step_measured():
+    """Rank 0 did not see every gradient in the first backward: the first check point moves to the
+    first compressed step and the warm-up step's measurements are dropped (a window of its own)."""
+    from commpress.auto.runtime import AutoCodec, AutoSpec
+
+    auto = AutoCodec(AutoSpec())
+    auto.first_check = 0
+    auto._compute, auto._walls, auto._wall_mark = [0.5], [0.1, 0.2], 1.0
+    auto.postpone_first_check(1)
+    assert auto.first_check == 1 and not auto.is_check(0) and auto.is_check(1)
+    assert auto._compute == [] and auto._walls == [] and auto._wall_mark is None
