@@ -1301,9 +1301,9 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     units' path; a dense unit's residual is zero), the dense parameters are scaled by ``1/P``;
     the bucket is summed; the dense parameters get their plain momentum on the sum (as
     :meth:`.ddp_step.Step._finish_dense` gives it).  The step's velocity updates commit when its
-    last bucket's sum has landed, kept where any bucket's sum holds a NaN/inf: where every unit's
-    velocity went in one pass, a rank's NaN/inf is read there and marked in its message's first
-    element (:func:`_mark_nonfinite`), else the sum is checked."""
+    last bucket's sum has landed, kept where any rank's part held a NaN/inf: each rank marks its
+    own in its message's first element (:func:`_mark_nonfinite`; read in the one-pass velocities,
+    else by a sum over its part), and every rank reads that element of the sum."""
     cfg, layout = executor.config, executor.layout
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
@@ -1325,7 +1325,11 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
         dense = list(zip(plan.dense_names, plan.dense_slices)) + [(nm, (o, k)) for nm, o, k in plan.rows]
         for _, (off, n) in dense:
             buf[off:off + n].mul_(cfg.scale)
-        probe = _mark_nonfinite(buf, local_bad, [buf[off:off + n] for _, (off, n) in dense]) if one_pass else buf
+        # every rank marks a NaN/inf of its own part in its message's first element (the one-pass
+        # velocities read theirs; the dense slices, or the whole bucket where a unit went part by
+        # part, are summed for it): every rank's verdict is then that element of the sum
+        checked = [buf[off:off + n] for _, (off, n) in dense] if one_pass else [buf]
+        probe = _mark_nonfinite(buf, local_bad, checked)
         work = dist.all_reduce(buf, group=cfg.group, async_op=True)
 
         def landed(_: Any) -> torch.Tensor:
@@ -1349,17 +1353,17 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     return fut
 
 
-def _mark_nonfinite(buf: torch.Tensor, units_bad: bool, dense: list[torch.Tensor]) -> torch.Tensor:
+def _mark_nonfinite(buf: torch.Tensor, units_bad: bool, checked: list[torch.Tensor]) -> torch.Tensor:
     """Where this rank's part of ``buf`` holds a NaN/inf (``units_bad``, read by the units' one-pass
-    velocities, or in a ``dense`` slice: a flag on the device), its first element becomes NaN, so
-    that every rank's sum holds one there: the returned one-element view of ``buf`` is then the
-    step's verdict after the ``all_reduce`` (instead of a pass over the bucket).  A finite step
-    whose sum overflows is not seen, as on DDP's own path."""
+    velocities, or in a ``checked`` slice: a flag on the device, no host read), its first element
+    becomes NaN, so that every rank's sum holds one there: the returned one-element view of ``buf``
+    is then the step's verdict after the ``all_reduce``, on every rank alike, whichever way each
+    rank read its own part.  A finite step whose sum overflows is not seen, as on DDP's own path."""
     first = buf[:1]
     if units_bad:
         first.fill_(float("nan"))
-    elif dense:
-        bad = torch.stack([nonfinite_flag(d) for d in dense]).any()
+    elif checked:
+        bad = torch.stack([nonfinite_flag(d) for d in checked]).any()
         torch.where(bad, torch.full_like(first, float("nan")), first, out=first)
     return first
 

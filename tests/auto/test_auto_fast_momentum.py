@@ -68,7 +68,10 @@ def _run(rank: int, world: int, forced_units_path: bool, steps: int = 10, nan_st
 def fast_worker(rank, world, backend):
     return (_run(rank, world, False, backend=backend), _run(rank, world, True, backend=backend),
             _run(rank, world, False, steps=4, nan_step=2, backend=backend),
-            _run(rank, world, False, steps=4, nan_step=2, backend=backend, nan_in="fc2.bias"))
+            _run(rank, world, False, steps=4, nan_step=2, backend=backend, nan_in="fc2.bias"),
+            # ranks that read their part differently (rank 0 in the one-pass velocities, rank 1 by a sum)
+            _run(rank, world, False, steps=4, nan_step=2, backend="numba" if rank == 0 else "torch",
+                 nan_in="fc2.bias"))
 
 
 # numba: each unit's velocity in one pass on DDP's path (ErrorFeedback.velocity_unit), the units'
@@ -77,7 +80,8 @@ def fast_worker(rank, world, backend):
 def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise(backend):
     if backend == "numba":
         pytest.importorskip("numba")
-    (fast_a, units_a, nan_a, bias_a), (fast_b, units_b, _, bias_b) = run(fast_worker, 2, backend, timeout=180)
+    (fast_a, units_a, nan_a, bias_a, mixed_a), (fast_b, units_b, _, bias_b, mixed_b) = run(
+        fast_worker, 2, backend, timeout=180)
     # numba: every unit's velocity in one pass on DDP's path; torch: part by part
     assert fast_a["one_pass"] and {r is not None for r in fast_a["one_pass"]} == {backend == "numba"}, fast_a["one_pass"]
     assert fast_a["choices"] == ["dense"] * len(fast_a["choices"]) and fast_a["choices"]
@@ -98,6 +102,7 @@ def test_all_dense_with_momentum_correction_runs_ddps_path_bitwise(backend):
     # learns it from the sum), also where it is only in a parameter sent dense (a bias)
     assert [p == ["dense"] for p in nan_a["paths"]][2] and nan_a["kept"] is True
     assert bias_a["kept"] is True and bias_b["kept"] is True
+    assert mixed_a["kept"] is True and mixed_b["kept"] is True   # the verdict is agreed
 
 
 
