@@ -39,12 +39,31 @@ class _Tied(nn.Module):
         return self.body(self.emb(x)) @ self.emb.weight.t()
 
 
+class _Mixed(nn.Module):
+    """An fp32 layer, a frozen one, a bf16 one (DDP buckets by dtype), another fp32 layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.frozen = nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.b = nn.Linear(64, 64).to(torch.bfloat16)
+        self.c = nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.frozen(torch.relu(self.a(x)))
+        return self.c(self.b(h.to(torch.bfloat16)).float())
+
+
 def _models():
     yield "mlp, 10 kB buckets", Net(), {"bucket_cap_mb": 0.01}, lambda g: torch.randn(8, 32, generator=g)
     yield "mlp, default caps", Net(), {}, lambda g: torch.randn(8, 32, generator=g)
     yield "transformer", nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64), 2, enable_nested_tensor=False), \
         {"bucket_cap_mb": 0.02}, lambda g: torch.randn(6, 4, 32, generator=g)
     yield "tied embedding", _Tied(), {"bucket_cap_mb": 0.02}, lambda g: torch.randint(0, 300, (4, 6), generator=g)
+    yield "mixed dtypes, a frozen layer", _Mixed(), {"bucket_cap_mb": 0.01}, lambda g: torch.randn(8, 32, generator=g)
+    yield "gradient_as_bucket_view", Net(), {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}, \
+        lambda g: torch.randn(8, 32, generator=g)
 
 
 def predict_worker(rank, world):
