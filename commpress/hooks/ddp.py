@@ -1255,6 +1255,7 @@ def _before_first_check(state: DDPState, executor: _Executor, cfg: HookConfig, b
                  for i, params in enumerate(ready.rebuilt_buckets(order))]
         for p in plans:
             layout.assign_units(p)
+        layout.predicted = True
     bucket_of = {name: p.index for p in plans for name, _, _ in p.compressed}
     for unit in layout.units:
         parts = [norms[nm] for nm in unit.names if nm in norms]

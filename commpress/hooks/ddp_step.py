@@ -307,6 +307,9 @@ class ModelLayout:
         self.plans: dict[int, Plan] = {}
         self.units: list[Unit] = []
         self.unit_of: dict[str, int] = {}
+        #: the units were formed on a layout predicted before DDP made it (``"auto"``'s warm-up
+        #: step): the first plans built afterwards say whether it came out so (:meth:`plan`)
+        self.predicted = False
         #: the units' gather buffers, shared: as many as units in flight at once (one, or the held
         #: units of a joint round), each of the largest unit's size, not one per unit (the model's size)
         self.scratch = BufferPool()
@@ -318,7 +321,23 @@ class ModelLayout:
             if plan is not None:
                 log.info("commpress ddp: bucket %d changed layout (DDP bucket rebuild)", index)
             plan = self.plans[index] = make_plan(index, params, self.names, self.dense, self.rows)
+            if self.predicted:
+                self._check_predicted(plan)
         return plan
+
+    def _check_predicted(self, plan: Plan) -> None:
+        """Warn once where a unit formed on the predicted layout is not this bucket's compressible
+        parameters in their order (correct all the same: a unit completes with its last piece)."""
+        here = [nm for nm, _, _ in plan.compressed]
+        for i in sorted({self.unit_of[nm] for nm in here if nm in self.unit_of}):
+            names = self.units[i].names
+            at = [here.index(nm) for nm in names if nm in here]
+            if len(at) != len(names) or at != list(range(at[0], at[0] + len(at))):
+                log.warning("commpress auto: DDP's bucket %d is not the layout predicted at the warm-up step "
+                            "(unit %s: %s); the units stay as formed, each waiting for its last piece",
+                            plan.index, i, list(names))
+                self.predicted = False
+                return
 
     def set_rows(self, names: set[str]) -> None:
         """Keep ``names`` out of the units for good (before any unit holds them); plans are rebuilt."""

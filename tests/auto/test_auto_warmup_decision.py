@@ -187,3 +187,37 @@ def test_a_postponed_first_check_drops_what_the_warmup_step_measured():
     auto.postpone_first_check(1)
     assert auto.first_check == 1 and not auto.is_check(0) and auto.is_check(1)
     assert auto._compute == [] and auto._walls == [] and auto._wall_mark is None
+
+
+def mispredict_worker(rank, world):
+    """The prediction made wrong on purpose (every parameter in one bucket, reversed)."""
+    import logging
+
+    os.environ["COMMPRESS_BACKEND"] = "torch"
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("commpress").addHandler(Keep(level=logging.WARNING))
+    ddp_buckets.ReadyOrder.rebuilt_buckets = lambda self, order: [[self.params[i] for i in order][::-1]]
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = commpress.ddp.register(model, "auto", min_numel=256, check_every=50, remeasure=False,
+                                   candidates=[("bf16",)])
+    state.codec.network = Network(world, SLOW)
+    for step in range(3):
+        train_step(model, opt, rank, step)
+    units = [list(u.names) for u in state.units]
+    state.close()
+    return {"warned": [m for m in seen if "not the layout predicted" in m], "units": units,
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_unlike_the_prediction_is_said_and_still_correct():
+    a, b = run(mispredict_worker, 2, timeout=110)
+    assert len(a["units"]) == 1 and len(a["warned"]) == 1, a   # one unit across DDP's buckets, said once
+    assert torch.equal(a["params"], b["params"])                  # replicas identical all the same
