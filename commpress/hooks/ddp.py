@@ -522,8 +522,7 @@ class DDPState(TakeoverMixin, HookState):
                 self._ready_order = ReadyOrder(model)
         else:
             auto.first_check = self.warmup_steps
-            if why is not None:
-                log.info("commpress auto: the first check point ends the first compressed step (%s)", why)
+            log.info("commpress auto: the first check point ends the first compressed step (%s)", why)
         # the overlap worker's codec runs beside the backward only where it has a core of its own;
         # on a CPU rank whose cores the backward's threads fill, it takes them from the backward
         # and "auto" prices it on the critical path (agreed at binding)
@@ -1225,7 +1224,7 @@ def _before_first_check(state: DDPState, executor: _Executor, cfg: HookConfig, b
     all_reduce scales it): each parameter's gradient norm is noted (not with a loss scaler: those
     gradients are scaled); the units are formed from this bucket (a step after DDP's rebuild) or, at
     the last bucket of the first step, from the layout DDP makes at the next forward
-    (:func:`~.ddp_buckets.rebuilt_buckets`, rank 0's ready order: every rank forms the same units);
+    (:meth:`~.ddp_buckets.ReadyOrder.rebuilt_buckets`, rank 0's ready order: every rank forms the same units);
     then each unit's norm, bucket and device go to the auto codec."""
     auto, layout = cfg.auto, executor.layout
     buf = bucket.buffer()
