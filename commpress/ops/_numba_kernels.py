@@ -209,11 +209,17 @@ def _mix32(x):
 
 
 @njit(inline="always", **_SOPTS)
+def _hash32(i, k0, k1):
+    """``mix32((mix32(i ^ k0) + k1) mod 2**32)`` (uint64 counter, keys as uint64): the counter hash
+    under ``counter_bits`` and the lean stores' rounding noise."""
+    h = _mix32((np.uint64(i) & _M32) ^ k0)
+    return _mix32((h + k1) & _M32)
+
+
+@njit(inline="always", **_SOPTS)
 def _bits24(i, k0, k1):
     """``counter_bits`` for element ``i`` (uint64 counter, keys as uint64)."""
-    h = _mix32((np.uint64(i) & _M32) ^ k0)
-    h = _mix32((h + k1) & _M32)
-    return h >> _S8
+    return _hash32(i, k0, k1) >> _S8
 
 
 @njit(inline="always", **_SOPTS)
@@ -2240,15 +2246,22 @@ def lean_int8_block_slow(x, noise, codes, lo, hi, s):   # pragma: no cover - com
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def lean_int8_encode(x, xi, noise, codes, scales, block):   # pragma: no cover - compiled
-    """Branch-free inner loops (slices, so that they vectorize: 6x a memcpy became ~1.5x on one core): the
+    """:func:`_int8_encode`, compiled on its own."""
+    return _int8_encode(x, xi, noise, codes, scales, block)
+
+
+@njit(inline="always", **_SOPTS)
+def _int8_encode(x, xi, noise, codes, scales, block):
+    """``x`` stored as int8 blocks (``codes``, ``scales``).  Branch-free inner loops (slices, so that they vectorize: 6x a memcpy became ~1.5x on one core): the
     block's largest magnitude as the max of the sign-cleared bit patterns (ordered like the
     values; a NaN's above inf's), then ``floor(clamp(v))``, which equals the reference's
-    ``clamp(floor(v))`` for finite ``v``."""
+    ``clamp(floor(v))`` for finite ``v``.  Returns whether a block held a NaN/inf."""
     n = x.size
     f127 = np.float32(127)
     half, step, one = _NOISE_HALF, _NOISE_STEP, _F1
     bits = np.empty(1, np.int32)
     as_float = bits.view(np.float32)
+    bad = False
     for b in range(scales.size):
         lo = b * block
         hi = min(lo + block, n)
@@ -2257,6 +2270,7 @@ def lean_int8_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
         s = as_float[0] / f127   # NaN for a NaN anywhere in the block (as torch.amax)
         scales[b] = s
         if m >= np.int32(0x7F800000):   # a NaN/inf: the reference's conversions
+            bad = True
             lean_int8_block_slow(x, noise, codes, lo, hi, s)
         else:
             inv = one / s if s > 0 else np.float32(0.0)
@@ -2266,6 +2280,7 @@ def lean_int8_encode(x, xi, noise, codes, scales, block):   # pragma: no cover -
                 cb[j] = np.int8(np.int32(np.floor(min(max(v, -f127), f127))))
         for i in range(hi, lo + block):
             codes[i] = 0
+    return bad
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -2373,8 +2388,7 @@ def lean_noise_words(k0, k1, out):   # pragma: no cover - compiled
     """``out[j] = mix32((mix32(j ^ k0) + k1) mod 2**32)`` (uint32): the lean stores' rounding noise,
     four bytes a word (``ops.lean.noise_bytes``)."""
     for j in range(out.size):
-        h = _mix32((np.uint64(j) & _M32) ^ k0)
-        out[j] = np.uint32(_mix32((h + k1) & _M32))
+        out[j] = np.uint32(_hash32(j, k0, k1))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -2418,6 +2432,29 @@ def lean_int4_decode(codes, scales, block, lo, out):   # pragma: no cover - comp
                     out[a + hb + j] = np.float32((p >> 4) - 8) * s
 
 
+@njit(inline="always", **_SOPTS)
+def _scaled(t, xs, scale):
+    """``t := xs * scale`` (``xs`` as it is when ``scale`` is 1)."""
+    if scale != _F1:
+        for k in range(xs.size):
+            t[k] = xs[k] * scale
+    else:
+        for k in range(xs.size):
+            t[k] = xs[k]
+
+
+@njit(inline="always", **_SOPTS)
+def _plus_momentum(t, cs, s, m, fma):
+    """``t := t + m * (cs * s)`` (an int8 store's block decoded), as ``torch.add(t, u, alpha=m)``
+    rounds it: ``fma(u, m, t)`` when ``fma``, else the product on its own."""
+    if fma:
+        for k in range(t.size):
+            t[k] = fma32(np.float32(cs[k]) * s, m, t[k])
+    else:
+        for k in range(t.size):
+            t[k] = t[k] + (np.float32(cs[k]) * s) * m
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out, out2, two):   # pragma: no cover - compiled
     """Momentum correction with an int8 velocity: ``out[j] = x[j]*scale + m*u[offset + j]``, ``u``
@@ -2437,18 +2474,8 @@ def lean_int8_velocity(x, scale, m, codes, scales, block, offset, fma, out, out2
         s = scales[b]
         xs, os_, cs = x[j:e], out[j:e], codes[i:i + e - j]
         t = tmp[:e - j]
-        if scale != np.float32(1.0):
-            for k in range(xs.size):
-                t[k] = xs[k] * scale
-        else:
-            for k in range(xs.size):
-                t[k] = xs[k]
-        if fma:
-            for k in range(t.size):
-                t[k] = fma32(np.float32(cs[k]) * s, m, t[k])
-        else:
-            for k in range(t.size):
-                t[k] = t[k] + (np.float32(cs[k]) * s) * m
+        _scaled(t, xs, scale)
+        _plus_momentum(t, cs, s, m, fma)
         for k in range(t.size):
             os_[k] = t[k]
         if two:
@@ -2471,17 +2498,13 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
     roundings; ``u`` the int8 store ``codes``/``scales``, zero without ``has_u``), and that new
     velocity stored in int8 in ``pcodes``/``pscales`` as :func:`lean_int8_encode` stores it, with
     the noise bytes of ``lean_noise_words(k0, k1)`` (hashed here).  :data:`VSTORE_BLOCKS` blocks
-    at a time through small buffers: no fp32 buffer of the unit's size, no noise array.  Returns
-    whether the new velocity holds a NaN/inf (a block's absmax key says so)."""
-    f127 = np.float32(127)
-    half, step, one = _NOISE_HALF, _NOISE_STEP, _F1
+    at a time through small buffers (each stored by :func:`lean_int8_encode`): no fp32 buffer of the
+    unit's size, no noise array.  Returns whether the new velocity holds a NaN/inf."""
     ch = block * VSTORE_BLOCKS
     t = np.empty(ch, np.float32)
     ti = t.view(np.int32)
     words = np.empty(ch // 4, np.uint32)
     noise = words.view(np.uint8)
-    bits = np.empty(1, np.int32)
-    as_float = bits.view(np.float32)
     n = 0
     for p in range(lens.size):
         n += lens[p]
@@ -2496,26 +2519,13 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
                 gp += 1
                 ga = 0
             c = min(w - k, lens[gp] - ga)
-            src, tb = buf[starts[gp] + ga:starts[gp] + ga + c], t[k:k + c]
-            if scale != one:
-                for j in range(c):
-                    tb[j] = src[j] * scale
-            else:
-                for j in range(c):
-                    tb[j] = src[j]
+            _scaled(t[k:k + c], buf[starts[gp] + ga:starts[gp] + ga + c], scale)
             k += c
             ga += c
         if has_u:
             for a in range(0, w, block):
                 e = min(a + block, w)
-                s = scales[(c0 + a) // block]
-                cs, tw = codes[c0 + a:c0 + e], t[a:e]
-                if fma:
-                    for j in range(e - a):
-                        tw[j] = fma32(np.float32(cs[j]) * s, m, tw[j])
-                else:
-                    for j in range(e - a):
-                        tw[j] = tw[j] + (np.float32(cs[j]) * s) * m
+                _plus_momentum(t[a:e], codes[c0 + a:c0 + e], scales[(c0 + a) // block], m, fma)
         k = 0
         while k < w:   # scatter
             while at == lens[p]:
@@ -2529,24 +2539,8 @@ def lean_int8_velocity_store(buf, starts, lens, scale, m, codes, scales, has_u, 
             at += c
         w0 = c0 // 4
         for j in range(-(-w // 4)):   # the chunk's noise words
-            h = _mix32((np.uint64(w0 + j) & _M32) ^ k0)
-            words[j] = np.uint32(_mix32((h + k1) & _M32))
-        for a in range(0, w, block):   # each block's scale and codes
-            e = min(a + block, w)
-            mk = _absmax_key(ti, a, e)
-            bits[0] = mk
-            sn = as_float[0] / f127
-            pscales[(c0 + a) // block] = sn
-            cb = pcodes[c0 + a:c0 + a + block]
-            if mk >= np.int32(0x7F800000):
-                bad = True
-                lean_int8_block_slow(t[a:e], noise[a:e], cb, 0, e - a, sn)
-            else:
-                inv = one / sn if sn > 0 else np.float32(0.0)
-                tw, nw = t[a:e], noise[a:e]
-                for j in range(e - a):
-                    v = tw[j] * inv + (np.float32(nw[j]) + half) * step
-                    cb[j] = np.int8(np.int32(np.floor(min(max(v, -f127), f127))))
-            for j in range(e - a, block):
-                cb[j] = 0
+            words[j] = np.uint32(_hash32(w0 + j, k0, k1))
+        b0, nb = c0 // block, -(-w // block)   # each block's scale and codes
+        bad = _int8_encode(t[:w], ti[:w], noise[:w], pcodes[c0:c0 + nb * block], pscales[b0:b0 + nb],
+                           block) or bad
     return bad
