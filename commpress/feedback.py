@@ -702,10 +702,7 @@ class ErrorFeedback(Compressor):
             return None
         self._velocity_sealed[key] = pend
         bad = pend.store_velocity(buf, parts, float(scale), self.momentum, live, self._next_vseed(key))
-        if transaction is not None:
-            transaction.stage(self, _VelocityOnly(key))
-        else:
-            self.commit(_VelocityOnly(key))
+        self.stage_velocity(key, transaction)   # sealed already: no working buffer was opened
         return bool(bad)
 
     def stage_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:

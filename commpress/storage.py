@@ -171,17 +171,12 @@ class LeanTensor:
         if not 0 <= offset <= self.numel - n or out.numel() != n or (also is not None and also.numel() != n):
             raise ValueError(f"LeanTensor.velocity_into: {n} elements at offset {offset} of {self.numel}, out "
                              f"{out.numel()}{'' if also is None else f', also {also.numel()}'}: out of range")
-        if self.storage != "int8" or self.device.type != "cpu" or x.dtype != torch.float32 \
-                or not (x.is_contiguous() and out.is_contiguous() and (also is None or also.is_contiguous())):
-            return False
-        try:
-            from .ops import numba_backend
-        except ImportError:
-            return False
-        mode = numba_backend.velocity_mode()
-        if mode is None or os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
+        mode = self._velocity_mode(x, out, *(() if also is None else (also,)))
+        if mode is None:
             return False
         import numpy as np
+
+        from .ops import numba_backend
 
         numba_backend.K.lean_int8_velocity(x.view(-1).numpy(), np.float32(scale), np.float32(momentum),
                                            self.codes.numpy(), self.scales.numpy(), INT8_BLOCK, int(offset),
@@ -211,22 +206,27 @@ class LeanTensor:
         src = live if live is not None else self   # not read without a live velocity
         return numba_backend.K.lean_int8_velocity_store(
             buf.view(-1).numpy(), starts, lens, np.float32(scale), np.float32(momentum), src.codes.numpy(),
-            src.scales.numpy(), live is not None, numba_backend.velocity_mode() == "fma", np.uint64(k0),
+            src.scales.numpy(), live is not None, self._velocity_mode(buf) == "fma", np.uint64(k0),
             np.uint64(k1), self.codes.numpy(), self.scales.numpy(), INT8_BLOCK)
 
     def stores_velocity(self, buf: torch.Tensor) -> bool:
-        """Whether :meth:`store_velocity` runs for ``buf`` (int8 on the CPU, fp32 contiguous, numba
-        with torch's rounding of the multiply-add reproduced)."""
-        if self.storage != "int8" or self.device.type != "cpu" or buf.device.type != "cpu" \
-                or buf.dtype != torch.float32 or not buf.is_contiguous():
-            return False
+        """Whether :meth:`store_velocity` runs for ``buf`` (:meth:`_velocity_mode`)."""
+        return self._velocity_mode(buf) is not None
+
+    def _velocity_mode(self, *tensors: torch.Tensor) -> str | None:
+        """How the numba velocity passes round the multiply-add (``"fma"`` / ``"plain"``,
+        :func:`~commpress.ops.numba_backend.velocity_mode`) where they run on ``tensors`` (fp32,
+        contiguous, on the CPU, as this int8 store, with the numba backend); ``None`` elsewhere."""
+        if self.storage != "int8" or self.device.type != "cpu" or any(
+                t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            return None
         if os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
-            return False
+            return None
         try:
             from .ops import numba_backend
         except ImportError:
-            return False
-        return numba_backend.velocity_mode() is not None
+            return None
+        return numba_backend.velocity_mode()
 
     def decode_span(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the stored value as a new fp32 tensor (any ``lo``: the blocks

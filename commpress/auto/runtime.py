@@ -414,11 +414,7 @@ class AutoCodec:
         key = unit.key
         c = self._codec_of(key)
         if step is None or self.samples_norm(step):
-            acc = self._norms.get(key)
-            if acc is None or acc.device != t.device:
-                acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=t.device)
-            acc.add_(torch.linalg.vector_norm(t), alpha=scale)
-            self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
+            self._add_norm(key, torch.linalg.vector_norm(t), scale)
         owed = self._carry.get(key)
         if owed is not None:   # a path switch's carry: sent once, by this step (dropped at its commit)
             t.view(-1).add_(owed.to(device=t.device, dtype=t.dtype))
@@ -451,11 +447,15 @@ class AutoCodec:
         self._unit_bucket[key] = bucket
         self._devices[key] = device
         if norms:
-            acc = self._norms.get(key)
-            if acc is None or acc.device != device:
-                acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=device)
-            acc.add_(torch.linalg.vector_norm(torch.stack(norms)), alpha=scale)
-            self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
+            self._add_norm(key, torch.linalg.vector_norm(torch.stack(norms)), scale)
+
+    def _add_norm(self, key: Any, norm: torch.Tensor, scale: float) -> None:
+        """Unit ``key``'s gradient norm of one step (``norm * scale``, on the device) joins the window's."""
+        acc = self._norms.get(key)
+        if acc is None or acc.device != norm.device:
+            acc = self._norms[key] = torch.zeros((), dtype=torch.float32, device=norm.device)
+        acc.add_(norm, alpha=scale)
+        self._norm_steps[key] = self._norm_steps.get(key, 0) + 1
 
     def samples_norm(self, step: int) -> bool:
         """Whether step ``step`` adds its gradient norms to the window's (Accordion's statistic):

@@ -1363,8 +1363,7 @@ def _mark_nonfinite(buf: torch.Tensor, units_bad: bool, checked: list[torch.Tens
     if units_bad:
         first.fill_(float("nan"))
     elif checked:
-        bad = torch.stack([nonfinite_flag(d) for d in checked]).any()
-        torch.where(bad, torch.full_like(first, float("nan")), first, out=first)
+        first.masked_fill_(torch.stack([nonfinite_flag(d) for d in checked]).any(), float("nan"))
     return first
 
 
