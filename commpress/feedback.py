@@ -40,6 +40,7 @@ from .compressors._util import decode_keyed, encode_keyed, exact_nonfinite_flag,
 from .compressors.base import Compressor, Payload
 from .ops.reference import accumulate_velocity
 from ._pool import BufferPool
+from .loan import Loan, Saved
 from .storage import LeanTensor, check_storage
 
 log = logging.getLogger("commpress")
@@ -105,12 +106,19 @@ class ResidualTransaction:
     nor the transaction's ``bad`` flag (``mark_bad``, or the argument of
     ``commit``) is set, and keeps the old residual elsewhere; :meth:`rollback`
     drops them all.  Flags are 0-d bool tensors: nothing is read on the host.
+    With a :attr:`loan` set, lean residuals are rewritten in place and their old codes wait
+    in the lent memory (:mod:`commpress.loan`) instead of a pending store.
     """
 
     def __init__(self) -> None:
         self._staged: list[tuple[ErrorFeedback, Any, torch.Tensor | None]] = []
         self._done = 0      # entries before this one were committed early (commit_through)
         self._bad: torch.Tensor | None = None
+        #: memory lent until this transaction's verdict (:mod:`commpress.loan`): a lean residual
+        #: staged while it is set saves its old codes there and stores the new ones over them
+        #: (no pending store).  Its owner sets it around the calls whose lender it is, and keeps
+        #: the lent memory untouched until the commit (or rollback) of what was staged then.
+        self.loan: Loan | None = None
 
     def __len__(self) -> int:
         return len(self._staged) - self._done
@@ -309,6 +317,7 @@ class ErrorFeedback(Compressor):
         self._open: dict[Any, torch.Tensor] = {}   # lean storage: fp32 next residuals until sealed
         self._work = BufferPool()   # lean storage's fp32 buffers for the next residuals, until sealed
         self._borrowed: set = set()   # keys whose open buffer is the caller's scratch input
+        self._saved: dict[Any, Saved] = {}   # keys stored over their live residual: the old codes, lent
         self._decoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live one
         # momentum correction's velocity: fp32 tensors, or LeanTensor (flat) with a lean storage
         self._velocity: dict[Any, Any] = {}
@@ -340,17 +349,41 @@ class ErrorFeedback(Compressor):
             buf = self._open[key] = self._work.take(like.numel(), torch.float32, like.device)
         return buf.view(like.shape)
 
-    def _seal(self, key: Any) -> None:
+    def _seal(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
         """Lean storage: store ``key``'s written next residual (its working buffer, then freed)
-        as its pending residual.  A no-op with fp32 storage (it was written in place)."""
+        as its pending residual, or over its live one where ``transaction`` has a loan that takes
+        the old codes (:meth:`_over_live`).  A no-op with fp32 storage (it was written in place)."""
         if self.storage == "fp32":
             return
         src = self._open[key]
+        live = self._over_live(key, src.numel(), src.device, transaction)
+        if live is not None:
+            live.encode(src, self._next_seed(key))
+            self._release_open(key)
+            return
         pend = self._pending.get(key)
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
             pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
         pend.encode(src, self._next_seed(key))
         self._release_open(key)
+
+    def _over_live(self, key: Any, numel: int, device: torch.device,
+                   transaction: ResidualTransaction | None) -> LeanTensor | None:
+        """``key``'s live lean store, to be overwritten with the next residual, once its codes are
+        saved in ``transaction``'s loan (the commit copies them back where the step is judged bad);
+        ``None`` where the next residual goes to a pending store instead: no loan, no live store
+        of that size (the first step), or no room left in the loan."""
+        loan = transaction.loan if transaction is not None else None
+        live = self._residuals.get(key)
+        if loan is None or not isinstance(live, LeanTensor) or live.numel != numel or live.device != device:
+            return None
+        if key not in self._saved:   # stored twice before the verdict: the first save keeps the old codes
+            saved = loan.save(live.tensors())
+            if saved is None:
+                return None
+            self._saved[key] = saved
+        self._pending.pop(key, None)   # a pending store held from a step without a loan: not needed now
+        return live
 
     def _release_open(self, key: Any) -> None:
         """Drop ``key``'s open buffer: back to the pool, unless it is the caller's scratch input."""
@@ -454,8 +487,14 @@ class ErrorFeedback(Compressor):
         if isinstance(key, _VelocityOnly):
             self._commit_velocity(key.key, bad, _host_verdict(bad))
             return
-        pend = self._pending[key] if self.hold_pending else self._pending.pop(key)
         keep_old = _host_verdict(bad)
+        saved = self._saved.pop(key, None)
+        if saved is not None:   # stored over the live residual: its old codes back where bad
+            saved.restore(bad, keep_old)
+            if self.momentum:
+                self._commit_velocity(key, bad, keep_old)
+            return
+        pend = self._pending[key] if self.hold_pending else self._pending.pop(key)
         if isinstance(pend, LeanTensor):
             self._commit_lean(self._residuals, self._pending, key, pend, bad, keep_old)
         else:
@@ -554,9 +593,13 @@ class ErrorFeedback(Compressor):
     _apply = commit  # the name before the public protocol
 
     def rollback(self, key: Any) -> None:
-        """Drop ``key``'s pending update: nothing to undo, the live buffers were not touched
-        (the pending ones are overwritten by the next compensate)."""
+        """Drop ``key``'s pending update: the live buffers keep their values (a residual stored
+        over its live one gets its saved codes back; the pending ones are overwritten by the next
+        compensate)."""
         self._release_open(key)
+        saved = self._saved.pop(key, None)
+        if saved is not None:
+            saved.restore(None, True)
 
     # -- plain momentum of the tensors that bypass compression ----------------
     def dense_momentum(self, tensor: torch.Tensor, name: str,
@@ -788,7 +831,7 @@ class ErrorFeedback(Compressor):
         """After the kernel of :meth:`open_fused` wrote the next residual: store it, apply momentum
         factor masking (at the ``sent`` indices, or everywhere with ``sent_all``), and stage it in
         ``transaction`` (else commit at once) under the local NaN/inf flag ``bad`` (0-d bool)."""
-        self._seal(key)
+        self._seal(key, transaction)
         self._seal_velocity(key)
         if self.momentum and self.masking:
             if sent_all:
@@ -932,7 +975,7 @@ class ErrorFeedback(Compressor):
         return self._stage(key, payload, local_bad, transaction, whole)
 
     def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
-        self._seal(key)
+        self._seal(key, transaction)
         self._seal_velocity(key)
         if self.momentum and self.masking:
             if whole:
@@ -992,13 +1035,15 @@ class ErrorFeedback(Compressor):
         if zero:
             src = self._open[key]
             self._release_open(key)
-            pend = self._pending.get(key)
-            if pend is None or pend.numel != src.numel() or pend.device != src.device:
-                pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
+            pend = self._over_live(key, src.numel(), src.device, transaction)
+            if pend is None:
+                pend = self._pending.get(key)
+                if pend is None or pend.numel != src.numel() or pend.device != src.device:
+                    pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
             for t in pend.tensors():
                 t.zero_()
         else:
-            self._seal(key)
+            self._seal(key, transaction)
         self._seal_velocity(key)
         if self.momentum and self.masking:
             self._zero_pending_velocity(key)
@@ -1016,7 +1061,7 @@ class ErrorFeedback(Compressor):
         pend = self._pending_buf(key, compensated)
         bad = nonfinite_flag(compensated) | nonfinite_flag(sent)
         torch.sub(compensated.reshape(pend.shape).float(), sent.reshape(pend.shape).float(), out=pend)
-        self._seal(key)
+        self._seal(key, transaction)
         if transaction is not None:
             transaction.stage(self, key, bad)
         else:
@@ -1031,6 +1076,7 @@ class ErrorFeedback(Compressor):
         """Remove ``key``'s live residual and velocity and return them (fp32, or ``None``):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
+        self._saved.pop(key, None)
         self._release_open(key)
         self._drop_velocity_buffer(key)
         self._velocity_sealed.pop(key, None)
@@ -1070,6 +1116,7 @@ class ErrorFeedback(Compressor):
         self._pending.clear()
         self._open.clear()
         self._borrowed.clear()
+        self._saved.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity.clear()
@@ -1139,6 +1186,7 @@ class ErrorFeedback(Compressor):
         self._pending.clear()
         self._open.clear()
         self._borrowed.clear()
+        self._saved.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity_pending.clear()

@@ -85,12 +85,12 @@ from ..collectives.core import ALLREDUCE_ALGORITHMS
 from ..compressors import Compressor
 from ..compressors._util import decode_keyed, encode_keyed, mix_seed, stable_hash
 from .. import collectives
-from ..storage import HOOK_DEFAULT
+from ..storage import HOOK_DEFAULT, bytes_per_element
 from .._worker import JobThread, seconds
 from ..collectives import cast_message, unwrap
 from ..feedback import ResidualTransaction, nonfinite_flag
 from .common import HookState, Stats, Timer, all_reduce_bytes, codec_memory
-from . import ddp_buckets
+from . import ddp_buckets, ddp_loan
 from .ddp_buckets import ReadyOrder
 from .ddp_step import HookConfig, ModelLayout, Plan, Step, StepContext, goes_dense, make_plan
 from .sparse_rows import SparseRows, check_no_sparse_embeddings
@@ -217,9 +217,12 @@ class DDPState(TakeoverMixin, HookState):
             velocities) between steps: ``"int8"`` (default: blockwise with its own scales,
             rounded stochastically; :mod:`commpress.storage`), ``"int4"`` (the same in 4 bits),
             ``"bf16"`` or ``"fp32"`` (exact).
-        rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (a
-            pending copy of each between steps), ``"unit"`` the residuals of the first unit that
-            saw it and of every unit after it (pending copies only for units in flight).
+        rollback: what a step with a NaN/inf keeps as it was: ``"step"`` every residual (the old
+            codes of a lean residual wait in the parameters' ``.grad`` until the step's verdict,
+            :mod:`commpress.loan`; a pending copy of each between steps with fp32 storage or where
+            the gradients are not free, e.g. ``gradient_as_bucket_view=True``), ``"unit"`` the
+            residuals of the first unit that saw it and of every unit after it (pending copies only
+            for units in flight).
         momentum: DGC momentum correction in the error feedback
             (``commpress.ErrorFeedback(..., momentum=)``), in ``[0, 1)``; the parameters that go
             dense get plain momentum on their averaged gradient.  Pair it with
@@ -337,6 +340,7 @@ class DDPState(TakeoverMixin, HookState):
         self._want_overlap = overlap and not verify_every
         self.join_buckets = join_buckets
         self._worker_own_core = True     # agreed at binding (world > 1)
+        self._lend_grads = False         # decided at binding (:mod:`.ddp_loan`)
         self._hierarchy_arg = hierarchy
         self.hierarchy = None
         self._sparse_rows_arg = list(sparse_rows) if isinstance(sparse_rows, (list, tuple, set)) else sparse_rows
@@ -449,6 +453,7 @@ class DDPState(TakeoverMixin, HookState):
 
             own = agree([1.0 if _worker_has_own_core(model, local) else 0.0], ["min"], self.process_group)[0]
             self._worker_own_core = own == 1.0
+        self._lend_grads = self._grads_lendable(model)
         self.frozen = self._freeze()
         executor_cls = _Overlapped if overlapped else _Inline
         self._executor = executor_cls(self.frozen, self._layout, self.stats, step=self._step_count)
@@ -473,6 +478,19 @@ class DDPState(TakeoverMixin, HookState):
         if self._pending_load is not None:
             pending, self._pending_load = self._pending_load, None
             self.load_state_dict(pending)
+
+    def _grads_lendable(self, model: DistributedDataParallel) -> bool:
+        """Whether the steps lend each unit's gradients to its residuals' old codes
+        (:mod:`.ddp_loan`: lean residuals, no pending store); said once where they keep a pending
+        store instead."""
+        if not self.uses_error_feedback or self.residual_storage == "fp32":
+            return False
+        why = ddp_loan.unlendable(model)
+        if why is not None:
+            log.info("commpress ddp: %s residuals keep a pending copy for a NaN/inf step (%s): %.2f bytes "
+                     "per compressed parameter instead of %.2f", self.residual_storage, why,
+                     2 * bytes_per_element(self.residual_storage), bytes_per_element(self.residual_storage))
+        return why is None
 
     def _new_auto_codec(self) -> None:
         from ..auto.runtime import AutoCodec
@@ -555,7 +573,8 @@ class DDPState(TakeoverMixin, HookState):
             joins=(self.world_size > 1 and self.hierarchy is None
                    and (not self._worker_own_core if self.join_buckets is None else bool(self.join_buckets))),
             hold_max_wire_s=self.join_buckets if isinstance(self.join_buckets, float) else None,
-            scaler=self.scaler, unit_commits=self.rollback == "unit", sparse_rows=self._sparse_rows)
+            scaler=self.scaler, unit_commits=self.rollback == "unit", sparse_rows=self._sparse_rows,
+            lend_grads=self._lend_grads)
 
     def _scaler_changed(self) -> None:
         """A scaler attached (or detached) after binding: freeze the configuration again (the next
@@ -898,6 +917,9 @@ class _Executor:
         #: ``"auto"``'s deciding warm-up step: each compressible parameter's gradient norm so far
         #: (:func:`_before_first_check`)
         self.warmup_norms: dict[str, torch.Tensor] = {}
+        #: buckets finished before the step's last one, whose futures wait for the step's verdict:
+        #: DDP copies a landed bucket into its lent gradients (:mod:`.ddp_loan`) at once
+        self.finished: list[Any] = []
 
     def submit(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
         raise NotImplementedError
@@ -923,12 +945,18 @@ class _Executor:
             if cfg.verify_every and cfg.world_size > 1 and self.step % cfg.verify_every == 0:
                 for done in finished:
                     _verify(cfg, self.stats, self.step, done.plan, done.buf)
+            if self.config.lend_grads and not inline and not last:
+                self.finished.extend(finished)   # DDP would copy them into lent memory before the verdict
+                return
             if last:
                 self._end_step()
+            finished, self.finished = self.finished + finished, []
             for done in finished:
                 done.fut.set_result(done.buf)
         except BaseException as exc:
             waiting = self.current.abort() if self.current is not None else []
+            waiting += [done.fut for done in self.finished]
+            self.finished = []
             self.current = None
             self.rows_begun = False
             self.last_error = exc
@@ -1503,12 +1531,16 @@ def register(model: DistributedDataParallel, compressor: Compressor | str, *,
             ``None``).
         residual_storage: how error feedback keeps its residuals (and, with ``momentum`` or
             ``optimizer=``, its velocities) between steps: ``"int8"``
-            (default: blockwise with its own scales, about 1.03 bytes per compressed parameter
-            plus as much for the pending copy, rounded stochastically; :mod:`commpress.storage`),
-            ``"int4"`` (0.56 + 0.56), ``"bf16"`` (2 + 2) or ``"fp32"`` (4 + 4, exact).  int8 reached the demo's targets in
+            (default: blockwise with its own scales, about 1.03 bytes per compressed parameter,
+            rounded stochastically; :mod:`commpress.storage`), ``"int4"`` (0.56), ``"bf16"`` (2)
+            or ``"fp32"`` (4, exact, plus 4 for a pending copy).  int8 reached the demo's targets in
             the steps fp32 needs (docs/results/memory.md).  ``ValueError`` for another value.
         rollback: what a step with a NaN/inf anywhere (on any rank) keeps as it was: ``"step"``
-            (default) every residual, at the price of a pending copy of each between steps;
+            (default) every residual: a lean residual's old codes wait in the parameters' ``.grad``
+            (free between DDP's copy into its bucket and the step's end; :mod:`commpress.loan`),
+            or, where they are not free (``gradient_as_bucket_view=True``,
+            ``find_unused_parameters=True``, ``static_graph=True``) and with fp32 storage, in a
+            pending copy of each residual kept between steps;
             ``"unit"`` the residuals of the first unit that saw it and of every unit after it,
             while the units judged before keep their update (what they sent is dropped with the
             step, as GradScaler drops its gradient): each unit commits when its collective

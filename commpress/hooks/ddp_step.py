@@ -67,6 +67,7 @@ from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
 from ..feedback import ResidualTransaction, nonfinite_flag
 from .common import Stats, Timer, all_reduce_bytes, loss_scales
+from .ddp_loan import grad_loan
 
 log = logging.getLogger("commpress")
 
@@ -428,6 +429,10 @@ class HookConfig:
     #: ``sparse_rows``: the :class:`~.sparse_rows.SparseRows` plan (the path and capacities of
     #: each rows parameter, updated by the steps); ``None``: none
     sparse_rows: Any = None
+    #: lend each unit's parameters' ``.grad`` to the step's transaction while the unit runs
+    #: (:mod:`.ddp_loan`): lean residuals are then stored over the live ones, their old codes
+    #: kept there until the step's verdict, with no pending store
+    lend_grads: bool = False
 
     @property
     def dense_rides(self) -> bool:
@@ -514,6 +519,7 @@ class Step:
         self.ctx = ctx
         self.transaction = ResidualTransaction()
         self.ready: dict[str, tuple[torch.Tensor, int, int]] = {}   # name -> (bucket buffer, offset, numel)
+        self.grads: dict[str, torch.Tensor | None] = {}            # name -> its .grad (lend_grads)
         self.waiting: list[Finished] = []                          # buckets whose units span later buckets
         self.done_units: set[int] = set()
         self._dense_issue = 0.0                                    # seconds to issue the dense all_reduce
@@ -544,6 +550,9 @@ class Step:
             layout.assign_units(plan)
             for nm, off, n in plan.compressed:
                 self.ready[nm] = (buf, off, n)
+            if cfg.lend_grads:
+                compressed = {nm for nm, _, _ in plan.compressed}
+                self.grads.update((nm, p.grad) for nm, p in zip(plan.names, params) if nm in compressed)
             mine = {layout.unit_of[nm] for nm, _, _ in plan.compressed}
             self.waiting.append(Finished(plan, buf, fut, mine - self.done_units))
             runnable = sorted(i for i in mine if i not in self.done_units
@@ -714,7 +723,20 @@ class Step:
         """Run unit ``i`` (its traffic, rounds and times added to ``cs``); returns its algorithm.  With
         ``hold`` and :attr:`HookConfig.joins` its message may wait for the next unit that runs (which
         carries every held message and lands them: :meth:`_land_held`); it is then not done yet.
-        ``dense``: the bucket's scaled dense part, summed in place within the unit's call."""
+        ``dense``: the bucket's scaled dense part, summed in place within the unit's call.  With
+        :attr:`HookConfig.lend_grads` the unit's gradients are lent to the step's transaction
+        while it runs (its residuals' old codes wait there until the step's verdict)."""
+        if not self.ctx.config.lend_grads:
+            return self._unit_call(i, cs, dense, hold)
+        names = self.ctx.layout.units[i].names
+        self.transaction.loan = grad_loan([self.grads.get(nm) for nm in names], self._buf)
+        try:
+            return self._unit_call(i, cs, dense, hold)
+        finally:
+            self.transaction.loan = None
+
+    def _unit_call(self, i: int, cs: CommStats, dense: torch.Tensor | None, hold: bool) -> str:
+        """:meth:`_run_unit`'s work: the unit's input, codec and path, and its collective call."""
         cfg = self.ctx.config
         unit = self.ctx.layout.units[i]
         pieces = [self.ready[nm] for nm in unit.names]

@@ -155,9 +155,12 @@ def _buffers(state):
             ptrs[("dense", i)] = plan.dense_scratch.data_ptr()
     for i, buf in enumerate(state._layout.scratch.buffers()):   # the units' shared gather buffers
         ptrs[("scratch", i)] = buf.data_ptr()
-    codec = state.codec  # error feedback: a live and a pending residual per key (swapped on commit)
+    # error feedback: a live residual per key, and a pending one (swapped on commit) unless a lean
+    # residual is stored over the live one, its old codes lent to DDP's gradients (commpress.loan)
+    codec = state.codec
     for key in getattr(codec, "_residuals", {}):
-        ptrs[("residual", repr(key))] = frozenset((_ptr(codec._residuals[key]), _ptr(codec._pending[key])))
+        kept = (codec._residuals[key], codec._pending.get(key))
+        ptrs[("residual", repr(key))] = frozenset(_ptr(t) for t in kept if t is not None)
     return ptrs
 
 

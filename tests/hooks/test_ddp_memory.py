@@ -24,8 +24,8 @@ def _train(rank, model, opt, steps, first=0):
         opt.step()
 
 
-def _run(rank, world, compressor, params, storage, steps, rollback="step"):
-    model = make_ddp(seed=3, bucket_cap_mb=25)   # one bucket: the fused CPU lanes run it
+def _run(rank, world, compressor, params, storage, steps, rollback="step", view=False):
+    model = make_ddp(seed=3, bucket_cap_mb=25, gradient_as_bucket_view=view)   # one bucket: the fused CPU lanes
     state = commpress.ddp.register(model, compressor, warmup_steps=1, residual_storage=storage,
                                    rollback=rollback, **params)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -37,7 +37,7 @@ def _run(rank, world, compressor, params, storage, steps, rollback="step"):
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
     # resume from the checkpoint into a new model and hook, then one more step each
-    b = make_ddp(seed=9, bucket_cap_mb=25)
+    b = make_ddp(seed=9, bucket_cap_mb=25, gradient_as_bucket_view=view)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     b.load_state_dict(ckpt["model"])
@@ -59,9 +59,11 @@ def _run(rank, world, compressor, params, storage, steps, rollback="step"):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("compressor,params", [("topk", {"ratio": 0.05}), ("blockquant", {"bits": 4})])
 def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compressor, params):
-    figures = {}
-    for storage, rollback in (("fp32", "step"), ("int8", "step"), ("int8", "unit"), ("int4", "step")):
-        res = run(_run, 2, compressor, params, storage, 4, rollback, timeout=180)
+    figures, weights = {}, {}
+    cases = (("fp32", "step", False), ("int8", "step", False), ("int8", "unit", False), ("int4", "step", False),
+             ("int8", "step", True))
+    for storage, rollback, view in cases:
+        res = run(_run, 2, compressor, params, storage, 4, rollback, view, timeout=180)
         (mem, counted, resumed, w0, compressed), (_, _, _, w1, _) = res
         assert all((a == b).all() for a, b in zip(w0, w1)), "replicas differ"
         assert resumed, "the resume from a checkpoint is not bitwise"
@@ -75,13 +77,19 @@ def test_lean_storage_trains_identical_replicas_and_counts_what_it_keeps(compres
         # the unit's input is the call's output) compensate in the unit's own input and write the next
         # residual over it: no fp32 work buffer of a key's size
         assert mem["by_kind"]["working"] == 0, mem
-        # rollback="unit" keeps no pending residual between steps; "step" one per key
-        assert mem["by_kind"]["pending"] == (0 if rollback == "unit" else mem["by_kind"]["residuals"])
+        # no pending residual between steps: rollback="unit" commits each unit at its verdict, and a
+        # lean "step" keeps the old codes in DDP's gradients until the step's (commpress.loan); fp32,
+        # and lean storage where the gradients are the buckets (gradient_as_bucket_view), one per key
+        lent = storage != "fp32" and not view
+        assert mem["by_kind"]["pending"] == (0 if rollback == "unit" or lent else mem["by_kind"]["residuals"])
         # what grows with the model (the work buffers are of the largest unit's size, here the model's)
-        figures[storage, rollback] = mem["by_kind"]["residuals"] + mem["by_kind"]["pending"]
-    assert figures["int8", "step"] < 0.3 * figures["fp32", "step"]
-    assert figures["int8", "unit"] < 0.6 * figures["int8", "step"]
-    assert figures["int4", "step"] < 0.6 * figures["int8", "step"]   # live + pending in 4 bits: 1.13 B
+        figures[storage, rollback, view] = mem["by_kind"]["residuals"] + mem["by_kind"]["pending"]
+        weights[storage, rollback, view] = w0
+    # lent or pending, the same residuals: the same training, bitwise
+    assert all((a == b).all() for a, b in zip(weights["int8", "step", False], weights["int8", "step", True]))
+    assert figures["int8", "step", True] < 0.3 * figures["fp32", "step", False]
+    assert figures["int8", "step", False] == figures["int8", "unit", False] < 0.6 * figures["int8", "step", True]
+    assert figures["int4", "step", False] < 0.6 * figures["int8", "step", False]
 
 
 def test_residual_storage_is_checked():
@@ -97,11 +105,12 @@ def _unit_residuals(state):
             for u in state.units}
 
 
-def _nonfinite_in(rank, world, rollback, poisoned):
+def _nonfinite_in(rank, world, rollback, poisoned, overlap=False, view=False):
     from test_ddp import SMALL_CAP_MB, fast_ops
     fast_ops()
-    model = make_ddp(seed=4, bucket_cap_mb=SMALL_CAP_MB)    # a bucket per parameter: a unit each
-    state = commpress.ddp.register(model, "topk", ratio=0.05, warmup_steps=1, rollback=rollback, overlap=False)
+    # a bucket per parameter: a unit each
+    model = make_ddp(seed=4, bucket_cap_mb=SMALL_CAP_MB, gradient_as_bucket_view=view)
+    state = commpress.ddp.register(model, "topk", ratio=0.05, warmup_steps=1, rollback=rollback, overlap=overlap)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     inject = {"on": False}
 
@@ -120,23 +129,29 @@ def _nonfinite_in(rank, world, rollback, poisoned):
     loss_of(model, *batch(rank, 3, seed=3)).backward()   # skipped, as GradScaler would
     after = _unit_residuals(state)
     order = [tuple(u.names) for u in state.units]           # the order the units ran in
+    # DDP's averages reached every gradient (none left with lent codes): equal on both ranks
+    grads = [p.grad.clone() for p in model.parameters()]
     state.close()
-    return pending_between_steps, order, {k: torch.equal(before[k], after[k]) for k in before}
+    return pending_between_steps, order, {k: torch.equal(before[k], after[k]) for k in before}, grads
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("poisoned", ["fc2", "fc1"])   # compressed (fc3 goes dense); fc2 runs first
 def test_rollback_unit_keeps_no_pending_and_keeps_the_units_from_the_bad_one_on(poisoned):
-    for rollback in ("step", "unit"):
-        res = run(_nonfinite_in, 2, rollback, poisoned, timeout=100)
-        for pending, order, kept in res:
+    cases = [("step", False, False), ("step", True, False), ("step", True, True), ("unit", False, False)]
+    for rollback, overlap, view in cases:
+        res = run(_nonfinite_in, 2, rollback, poisoned, overlap, view, timeout=100)
+        for pending, order, kept, grads in res:
             first_bad = [names[0].startswith(f"module.{poisoned}.") or names[0].startswith(f"{poisoned}.")
                          for names in order].index(True)
-            if rollback == "step":   # every residual as it was, at the price of a pending copy each
-                assert pending > 0 and all(kept.values())
+            if rollback == "step":   # every residual as it was: the old codes lent to DDP's gradients
+                assert all(kept.values()), (overlap, view)   # (with the overlap worker too)
+                assert pending == (0 if not view else pending) and (pending > 0) == view
             else:                    # no pending copy; the bad unit and every later one keep theirs
                 assert pending == 0
                 assert [kept[names] for names in order] == [i >= first_bad for i in range(len(order))]
+        assert all(torch.equal(a, b, ) if torch.isfinite(a).all() else torch.isnan(b).any()
+                   for a, b in zip(res[0][3], res[1][3]))
 
 
 def _momentum_memory(rank, world, rollback):
