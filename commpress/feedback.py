@@ -318,6 +318,7 @@ class ErrorFeedback(Compressor):
         self._work = BufferPool()   # lean storage's fp32 buffers for the next residuals, until sealed
         self._borrowed: set = set()   # keys whose open buffer is the caller's scratch input
         self._saved: dict[Any, Saved] = {}   # keys stored over their live residual: the old codes, lent
+        self._vsaved: dict[Any, Saved] = {}  # the same for velocities (_velocity_sealed then aliases the live one)
         self._decoded: dict[tuple[int, torch.device], torch.Tensor] = {}   # per thread: a decoded live one
         # momentum correction's velocity: fp32 tensors, or LeanTensor (flat) with a lean storage
         self._velocity: dict[Any, Any] = {}
@@ -356,7 +357,7 @@ class ErrorFeedback(Compressor):
         if self.storage == "fp32":
             return
         src = self._open[key]
-        live = self._over_live(key, src.numel(), src.device, transaction)
+        live = self._over_live(self._residuals, self._saved, self._pending, key, src, transaction)
         if live is not None:
             live.encode(src, self._next_seed(key))
             self._release_open(key)
@@ -367,22 +368,25 @@ class ErrorFeedback(Compressor):
         pend.encode(src, self._next_seed(key))
         self._release_open(key)
 
-    def _over_live(self, key: Any, numel: int, device: torch.device,
+    @staticmethod
+    def _over_live(live_table: dict, saved_table: dict, pending_table: dict, key: Any, like: torch.Tensor,
                    transaction: ResidualTransaction | None) -> LeanTensor | None:
-        """``key``'s live lean store, to be overwritten with the next residual, once its codes are
-        saved in ``transaction``'s loan (the commit copies them back where the step is judged bad);
-        ``None`` where the next residual goes to a pending store instead: no loan, no live store
-        of that size (the first step), or no room left in the loan."""
+        """``key``'s live lean store in ``live_table`` (residuals or velocities), to be overwritten
+        with the next one, once its codes are saved in ``transaction``'s loan (in ``saved_table``:
+        the commit copies them back where the step is judged bad); ``None`` where the next one goes
+        to a pending store instead: no loan, no live store of ``like``'s size and device (the first
+        step), or no room left in the loan."""
         loan = transaction.loan if transaction is not None else None
-        live = self._residuals.get(key)
-        if loan is None or not isinstance(live, LeanTensor) or live.numel != numel or live.device != device:
+        live = live_table.get(key)
+        if (loan is None or not isinstance(live, LeanTensor) or live.numel != like.numel()
+                or live.device != like.device):
             return None
-        if key not in self._saved:   # stored twice before the verdict: the first save keeps the old codes
+        if key not in saved_table:   # stored twice before the verdict: the first save keeps the old codes
             saved = loan.save(live.tensors())
             if saved is None:
                 return None
-            self._saved[key] = saved
-        self._pending.pop(key, None)   # a pending store held from a step without a loan: not needed now
+            saved_table[key] = saved
+        pending_table.pop(key, None)   # a pending store held from a step without a loan: not needed now
         return live
 
     def _release_open(self, key: Any) -> None:
@@ -535,6 +539,11 @@ class ErrorFeedback(Compressor):
         """:meth:`_commit_velocity` with a lean storage: the sealed pending store becomes the live
         one (swapped on the host, ``keep_where`` for a device flag)."""
         self._seal_velocity(key)   # a velocity written but not sealed yet (nothing masked it)
+        saved = self._vsaved.pop(key, None)
+        if saved is not None:   # stored over the live velocity: its old codes back where bad
+            self._velocity_sealed.pop(key, None)
+            saved.restore(bad, keep_old)
+            return
         pend = self._velocity_sealed[key] if self.hold_pending else self._velocity_sealed.pop(key)
         self._commit_lean(self._velocity, self._velocity_sealed, key, pend, bad, keep_old)
 
@@ -553,15 +562,16 @@ class ErrorFeedback(Compressor):
             if self.hold_pending:
                 pending_table[key] = live
 
-    def _seal_velocity(self, key: Any) -> None:
+    def _seal_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
         """Lean storage: store ``key``'s new velocity (its fp32 working buffer, then back to the
-        pool) as its pending velocity.  A no-op with fp32 storage or when none is open."""
+        pool) as its pending velocity (over the live one with ``transaction``'s loan).  A no-op
+        with fp32 storage or when none is open."""
         if self.storage == "fp32":
             return
         buf = self._velocity_pending.get(key)
         if buf is None:
             return
-        self._encode_velocity(key, buf[:-1])
+        self._encode_velocity(key, buf[:-1], transaction)
         self._drop_velocity_buffer(key)
 
     def _drop_velocity_buffer(self, key: Any) -> None:
@@ -570,8 +580,15 @@ class ErrorFeedback(Compressor):
         if buf is not None and self.storage != "fp32":
             self._work.give(buf)
 
-    def _encode_velocity(self, key: Any, src: torch.Tensor) -> None:
-        """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored."""
+    def _encode_velocity(self, key: Any, src: torch.Tensor, transaction: ResidualTransaction | None = None) -> None:
+        """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored; with
+        ``transaction``'s loan stored over the live one (its old codes saved there), which
+        ``_velocity_sealed`` then names until the commit."""
+        live = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, src, transaction)
+        if live is not None:
+            live.encode(src, self._next_vseed(key))
+            self._velocity_sealed[key] = live
+            return
         pend = self._velocity_sealed.get(key)
         if pend is None or pend.numel != src.numel() or pend.device != src.device:
             pend = self._velocity_sealed[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
@@ -599,6 +616,10 @@ class ErrorFeedback(Compressor):
         self._release_open(key)
         saved = self._saved.pop(key, None)
         if saved is not None:
+            saved.restore(None, True)
+        saved = self._vsaved.pop(key, None)
+        if saved is not None:   # _velocity_sealed names the live velocity: not a pending store
+            self._velocity_sealed.pop(key, None)
             saved.restore(None, True)
 
     # -- plain momentum of the tensors that bypass compression ----------------
@@ -751,7 +772,7 @@ class ErrorFeedback(Compressor):
     def stage_velocity(self, key: Any, transaction: ResidualTransaction | None = None) -> None:
         """Stage ``key``'s pending velocity (written by :meth:`velocity_into`) in ``transaction``, or
         commit it at once; its residual is left as it is."""
-        self._seal_velocity(key)
+        self._seal_velocity(key, transaction)
         if transaction is not None:
             transaction.stage(self, _VelocityOnly(key))
         else:
@@ -769,7 +790,7 @@ class ErrorFeedback(Compressor):
 
     # -- the fused lanes' protocol (collectives/steady*.py run their own kernels) ----------
     def open_fused(self, tensor: torch.Tensor, key: Any, *, scratch: bool = False,
-                   scale: float = 1.0) -> "FusedSlots":
+                   scale: float = 1.0, transaction: ResidualTransaction | None = None) -> "FusedSlots":
         """What a kernel that compensates, encodes and writes the next residual in one pass needs
         for ``key``: the input and its folded ``scale``, the live residual in fp32
         (``None``: zero), the fp32 buffer for the next residual, and momentum correction's velocity
@@ -784,18 +805,21 @@ class ErrorFeedback(Compressor):
                 added first) and the kernel writes the next residual over it, so no fp32 buffer
                 of the key's size is kept (the slots: scale 1, no live residual, no velocity).
             scale: the input's factor (the hook's ``1/P``), folded into the kernel's pass.
+            transaction: the one :meth:`close_fused` will stage in (its loan may take the live
+                velocity's old codes when the new one is stored at once, on a scratch input).
         """
         x, scale = self._scaled(tensor, scale)
         if scratch and self.storage != "fp32" and x.dtype == torch.float32 and x.is_contiguous():
-            return self._open_in_place(x, key, scale)
+            return self._open_in_place(x, key, scale, transaction)
         velocity = self._velocity_slots(x, key) if self.momentum else None
         return FusedSlots(x, scale, self._live(key, x), self._pending_buf(key, x), velocity)
 
-    def _open_in_place(self, x: torch.Tensor, key: Any, scale: float) -> "FusedSlots":
+    def _open_in_place(self, x: torch.Tensor, key: Any, scale: float,
+                       transaction: ResidualTransaction | None = None) -> "FusedSlots":
         """:meth:`open_fused` on a scratch input with lean storage: ``x := (m*u +) x*scale +
         beta*e`` in place; ``x`` is then the buffer of the next residual (sealed from it)."""
         if self.momentum and self.clip is None and self.storage != "fp32":
-            self._velocity_in_place(x, key, scale)   # x := m*u + g, stored as the pending velocity
+            self._velocity_in_place(x, key, scale, transaction)   # x := m*u + g, stored as the pending velocity
             scale = 1.0
         elif self.momentum:
             x.copy_(self._accumulate(x, key, scale))   # the pending velocity m*u + g
@@ -810,7 +834,8 @@ class ErrorFeedback(Compressor):
         self._borrowed.add(key)
         return FusedSlots(x, 1.0, None, x, None)
 
-    def _velocity_in_place(self, x: torch.Tensor, key: Any, scale: float) -> None:
+    def _velocity_in_place(self, x: torch.Tensor, key: Any, scale: float,
+                           transaction: ResidualTransaction | None = None) -> None:
         """Lean storage: ``x := m*u + x*scale`` in place (:func:`accumulate_velocity`'s operations,
         the live velocity decoded a chunk at a time) and stored at once as the pending velocity
         (momentum factor masking then zeroes the stored codes): no fp32 buffer of the key's size."""
@@ -824,7 +849,7 @@ class ErrorFeedback(Compressor):
                 flat.mul_(scale)
             live.add_to(flat, self.momentum)
         self._drop_velocity_buffer(key)
-        self._encode_velocity(key, flat)
+        self._encode_velocity(key, flat, transaction)
 
     def close_fused(self, key: Any, bad: torch.Tensor, transaction: ResidualTransaction | None = None,
                     sent: Any = None, sent_all: bool = False) -> None:
@@ -832,7 +857,7 @@ class ErrorFeedback(Compressor):
         factor masking (at the ``sent`` indices, or everywhere with ``sent_all``), and stage it in
         ``transaction`` (else commit at once) under the local NaN/inf flag ``bad`` (0-d bool)."""
         self._seal(key, transaction)
-        self._seal_velocity(key)
+        self._seal_velocity(key, transaction)
         if self.momentum and self.masking:
             if sent_all:
                 self._zero_pending_velocity(key)
@@ -930,8 +955,8 @@ class ErrorFeedback(Compressor):
         inner = inner if whole else self.compressor
         if (scratch and self.storage != "fp32" and x is tensor and x.dtype == torch.float32
                 and x.is_contiguous()):   # compensated in the caller's input, the next residual over it
-            return self._compress_generic(self._open_in_place(x, key, scale).x, inner, step, key, generator,
-                                          transaction, fixed, whole)
+            return self._compress_generic(self._open_in_place(x, key, scale, transaction).x, inner, step, key,
+                                          generator, transaction, fixed, whole)
         velocity = {}
         if self.momentum:
             if self.clip is None and inner.fuses_velocity(x, fixed):   # the velocity joins the fused pass
@@ -976,7 +1001,7 @@ class ErrorFeedback(Compressor):
 
     def _stage(self, key, payload, local_bad, transaction, whole: bool = False) -> Payload:
         self._seal(key, transaction)
-        self._seal_velocity(key)
+        self._seal_velocity(key, transaction)
         if self.momentum and self.masking:
             if whole:
                 self._zero_pending_velocity(key)
@@ -1009,7 +1034,7 @@ class ErrorFeedback(Compressor):
         lean = (self.storage != "fp32" and x.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()
                 and (exact or (scratch and x is tensor)))
         if lean:   # compensated in out (exact) or in the input (scratch): no buffer of the key's size
-            c = self._open_in_place(out.view(x.shape).copy_(x) if exact else x, key, scale).x
+            c = self._open_in_place(out.view(x.shape).copy_(x) if exact else x, key, scale, transaction).x
             if not exact:
                 out.view(c.shape).copy_(c)   # the rounded message
                 c.sub_(out.view(c.shape))    # the next residual: compensated - what was sent
@@ -1035,7 +1060,7 @@ class ErrorFeedback(Compressor):
         if zero:
             src = self._open[key]
             self._release_open(key)
-            pend = self._over_live(key, src.numel(), src.device, transaction)
+            pend = self._over_live(self._residuals, self._saved, self._pending, key, src, transaction)
             if pend is None:
                 pend = self._pending.get(key)
                 if pend is None or pend.numel != src.numel() or pend.device != src.device:
@@ -1044,7 +1069,7 @@ class ErrorFeedback(Compressor):
                 t.zero_()
         else:
             self._seal(key, transaction)
-        self._seal_velocity(key)
+        self._seal_velocity(key, transaction)
         if self.momentum and self.masking:
             self._zero_pending_velocity(key)
         if transaction is not None:
@@ -1077,6 +1102,7 @@ class ErrorFeedback(Compressor):
         what the key still owes, for a caller that moves it elsewhere (``commpress.auto``)."""
         self._pending.pop(key, None)
         self._saved.pop(key, None)
+        self._vsaved.pop(key, None)
         self._release_open(key)
         self._drop_velocity_buffer(key)
         self._velocity_sealed.pop(key, None)
@@ -1117,6 +1143,7 @@ class ErrorFeedback(Compressor):
         self._open.clear()
         self._borrowed.clear()
         self._saved.clear()
+        self._vsaved.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity.clear()
@@ -1187,6 +1214,7 @@ class ErrorFeedback(Compressor):
         self._open.clear()
         self._borrowed.clear()
         self._saved.clear()
+        self._vsaved.clear()
         self._work.clear()
         self._decoded.clear()
         self._velocity_pending.clear()

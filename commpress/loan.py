@@ -47,11 +47,11 @@ class Saved:
         """Put the saved bytes back where the step was judged bad.
 
         Args:
-            bad: the verdict, a 0-d bool tensor (or ``None``: good).
+            bad: the verdict, a 0-d bool tensor (``None``: good unless ``keep_old``).
             keep_old: the verdict read on the host (``True``: bad, ``False``: good), or ``None``
                 for a device flag, applied there with one ``torch.where`` per piece.
         """
-        if keep_old is False or bad is None:
+        if keep_old is False or (keep_old is None and bad is None):
             return
         for live, saved in self.pairs:
             if keep_old:

@@ -370,7 +370,7 @@ def _encode(plan: Plan, flat: torch.Tensor, ef: ErrorFeedback, piece: Piece, raw
     k = key if plan.whole else (key, r)
     # momentum correction's velocity too, in the same pass; the input is the call's output (scratch):
     # with a lean residual storage the next residual is written over it (no buffer of its size)
-    slots = ef.open_fused(chunk, k, scratch=True, scale=scale)
+    slots = ef.open_fused(chunk, k, scratch=True, scale=scale, transaction=transaction)
     x, live = slots.x, slots.live
     codes = raw[piece.codes_at:piece.codes_at + piece.codes_bytes]
     scales = raw[piece.scales_at:piece.scales_at + piece.scales_bytes].view(np.float32)

@@ -185,7 +185,7 @@ def _encode(flat: torch.Tensor, ef: ErrorFeedback, k: int, key: Any, idx: np.nda
     path's: the fp32 sum of the values sent)."""
     # momentum correction's velocity too, in the same pass; the input is the call's output (scratch):
     # with a lean residual storage the next residual is written over it (no buffer of its size)
-    slots = ef.open_fused(flat, key, scratch=True, scale=scale)
+    slots = ef.open_fused(flat, key, scratch=True, scale=scale, transaction=transaction)
     x, live = slots.x, slots.live
     nb = steady._nb()
     with nb.threads_context(x.numel()):
