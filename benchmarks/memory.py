@@ -76,9 +76,10 @@ CONFIGS: dict[str, dict[str, Any]] = {}
 
 def _add(name: str, kind: str, label: str, compressor: str | None = None, params: dict | None = None, *,
          opt: str = "adamw", baseline: str | None = None, torch_hook: str | None = None,
-         takeover: bool = False) -> None:
+         takeover: bool = False, ddp: dict | None = None) -> None:
     CONFIGS[name] = {"kind": kind, "label": label, "compressor": compressor, "params": dict(params or {}),
-                     "opt": opt, "baseline": baseline, "torch": torch_hook, "takeover": takeover, "options": {}}
+                     "opt": opt, "baseline": baseline, "torch": torch_hook, "takeover": takeover, "options": {},
+                     "ddp": dict(ddp or {})}
 
 
 _add("ddp", "ddp", "plain DDP (AdamW)")
@@ -99,6 +100,10 @@ _add("topk-opt", "ddp", "commpress topk 1% optimizer= (SGD momentum)", "topk", {
      baseline="ddp-sgdm", takeover=True)
 _add("auto-opt", "ddp", "commpress auto optimizer= (SGD momentum)", "auto", opt="sgdm", baseline="ddp-sgdm",
      takeover=True)
+# the gradients are the buckets: nothing to lend (commpress.loan), a pending residual per key instead
+_add("ddp-viewgrads", "ddp", "plain DDP (AdamW) gradient_as_bucket_view", ddp={"gradient_as_bucket_view": True})
+_add("blockquant4-viewgrads", "ddp", "commpress blockquant 4-bit, gradient_as_bucket_view", "blockquant", {"bits": 4},
+     baseline="ddp-viewgrads", ddp={"gradient_as_bucket_view": True})
 _add("fsdp-blockquant4", "fsdp", "commpress FSDP2 blockquant 4-bit", "blockquant", {"bits": 4}, baseline="fsdp")
 _add("fsdp-topk", "fsdp", "commpress FSDP2 topk 1%", "topk", {"ratio": 0.01}, baseline="fsdp")
 #: added only where register() takes residual_storage
@@ -191,7 +196,7 @@ def _train(rank: int, world: int, spec: dict[str, Any], width: int, steps: int, 
         # starts); with several, powerSGD_hook's P / Q all_reduces of different buckets interleave in
         # a different order on each gloo rank (a collective mismatch).  The buckets' total is the same.
         cap = {"bucket_cap_mb": 4096} if spec["torch"] else {}
-        model = nn.parallel.DistributedDataParallel(model, **cap)
+        model = nn.parallel.DistributedDataParallel(model, **cap, **spec.get("ddp", {}))
     if spec["opt"] == "sgdm":
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:

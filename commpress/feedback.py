@@ -368,24 +368,27 @@ class ErrorFeedback(Compressor):
         pend.encode(src, self._next_seed(key))
         self._release_open(key)
 
-    @staticmethod
-    def _over_live(live_table: dict, saved_table: dict, pending_table: dict, key: Any, like: torch.Tensor,
+    def _over_live(self, live_table: dict, saved_table: dict, pending_table: dict, key: Any, like: torch.Tensor,
                    transaction: ResidualTransaction | None) -> LeanTensor | None:
         """``key``'s live lean store in ``live_table`` (residuals or velocities), to be overwritten
         with the next one, once its codes are saved in ``transaction``'s loan (in ``saved_table``:
-        the commit copies them back where the step is judged bad); ``None`` where the next one goes
-        to a pending store instead: no loan, no live store of ``like``'s size and device (the first
-        step), or no room left in the loan."""
+        the commit copies them back where the step is judged bad); a store of zeros where it has
+        none of ``like``'s size and device (the first step: zero is what it owed).  ``None`` where
+        the next one goes to a pending store instead: no loan, or no room left in it."""
         loan = transaction.loan if transaction is not None else None
-        live = live_table.get(key)
-        if (loan is None or not isinstance(live, LeanTensor) or live.numel != like.numel()
-                or live.device != like.device):
+        if loan is None:
             return None
+        live = live_table.get(key)
+        fresh = not isinstance(live, LeanTensor) or live.numel != like.numel() or live.device != like.device
+        if fresh:
+            live = LeanTensor(self.storage, like.numel(), like.device)
         if key not in saved_table:   # stored twice before the verdict: the first save keeps the old codes
             saved = loan.save(live.tensors())
             if saved is None:
                 return None
             saved_table[key] = saved
+        if fresh:
+            live_table[key] = live
         pending_table.pop(key, None)   # a pending store held from a step without a loan: not needed now
         return live
 

@@ -94,3 +94,17 @@ def test_rollback_restores_a_residual_stored_over_the_live_one():
     assert not torch.equal(ef.residual("k"), before)        # stored over the live one
     tx.rollback()
     assert torch.equal(ef.residual("k"), before)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_first_step_under_a_loan_allocates_no_pending_store(momentum):
+    ef = ErrorFeedback(commpress.get("topk", ratio=0.1), storage="int8", momentum=momentum)
+    tx = ResidualTransaction()
+    tx.loan = Loan([torch.empty(4 * 500, dtype=torch.uint8)])
+    ef.compress(torch.randn(500), key="k", transaction=tx, scratch=True)
+    mem = ef.memory()
+    assert mem["pending"] == mem["velocities_pending"] == 0 and mem["residuals"] > 0
+    tx.loan = None
+    tx.commit(torch.tensor(True))                            # a bad first step: zeros, as if none was kept
+    assert not ef.residual("k").any()
+    assert not momentum or not ef.velocity("k").any()
