@@ -4,7 +4,8 @@ A residual is what error feedback still owes; it is read and rewritten once per
 step, and it is kept for every compressed parameter of the model, on every rank
 (momentum correction's velocity too, in the same storage).
 Stored in fp32 it costs 4 bytes per parameter (8 with the pending copy a
-non-finite step needs); stored lean it costs
+non-finite step needs; a lean store's old codes wait in memory the DDP hook lends
+instead, :mod:`commpress.loan`); stored lean it costs
 
 ==========  ==========================================  ============================
 storage     per element                                 error of one store

@@ -20,17 +20,18 @@ import torch
 from ..loan import Loan, byte_view
 
 
+#: DDP's settings under which a gradient is not free until the step's end: (attribute, why)
+_NOT_FREE = (
+    ("gradient_as_bucket_view", "gradient_as_bucket_view=True (the gradients are the buckets)"),
+    ("find_unused_parameters", "find_unused_parameters=True (DDP leaves an unused parameter's gradient as it was)"),
+    ("static_graph", "static_graph=True (DDP may leave an unused parameter's gradient as it was)"),
+    ("_use_python_reducer", "DDP's Python reducer"),
+)
+
+
 def unlendable(model: Any) -> str | None:
     """Why ``model``'s (a DDP model) gradients cannot be lent (``None``: they can)."""
-    if getattr(model, "gradient_as_bucket_view", False):
-        return "gradient_as_bucket_view=True (the gradients are the buckets)"
-    if getattr(model, "find_unused_parameters", False):
-        return "find_unused_parameters=True (DDP leaves an unused parameter's gradient as it was)"
-    if getattr(model, "static_graph", False):
-        return "static_graph=True (DDP may leave an unused parameter's gradient as it was)"
-    if getattr(model, "_use_python_reducer", False):
-        return "DDP's Python reducer"
-    return None
+    return next((why for attr, why in _NOT_FREE if getattr(model, attr, False)), None)
 
 
 def grad_loan(grads: list[torch.Tensor | None], bucket: torch.Tensor) -> Loan | None:

@@ -108,3 +108,21 @@ def test_the_first_step_under_a_loan_allocates_no_pending_store(momentum):
     tx.commit(torch.tensor(True))                            # a bad first step: zeros, as if none was kept
     assert not ef.residual("k").any()
     assert not momentum or not ef.velocity("k").any()
+
+
+def test_ddp_lends_only_gradients_of_their_own():
+    from commpress.hooks.ddp_loan import grad_loan, unlendable
+
+    bucket = torch.zeros(30)
+    g1, g2 = torch.zeros(10), torch.zeros(4, 5)
+    assert grad_loan([g1, g2], bucket).room == 4 * 30
+    assert grad_loan([g1, None], bucket) is None                   # a parameter without a gradient
+    assert grad_loan([g1, bucket[10:20]], bucket) is None          # a view of the bucket
+    assert grad_loan([g1, torch.zeros(5, 4).t()], bucket) is None  # not contiguous
+    assert grad_loan([], bucket) is None
+
+    class Model:
+        gradient_as_bucket_view = False
+    assert unlendable(Model()) is None
+    Model.find_unused_parameters = True
+    assert "find_unused_parameters" in unlendable(Model())
