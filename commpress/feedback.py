@@ -357,7 +357,7 @@ class ErrorFeedback(Compressor):
         if self.storage == "fp32":
             return
         src = self._open[key]
-        live = self._over_live(self._residuals, self._saved, self._pending, key, src, transaction)
+        live = self._over_live(self._residuals, self._saved, self._pending, key, src.numel(), src.device, transaction)
         if live is not None:
             live.encode(src, self._next_seed(key))
             self._release_open(key)
@@ -368,20 +368,20 @@ class ErrorFeedback(Compressor):
         pend.encode(src, self._next_seed(key))
         self._release_open(key)
 
-    def _over_live(self, live_table: dict, saved_table: dict, pending_table: dict, key: Any, like: torch.Tensor,
-                   transaction: ResidualTransaction | None) -> LeanTensor | None:
+    def _over_live(self, live_table: dict, saved_table: dict, pending_table: dict, key: Any, numel: int,
+                   device: torch.device, transaction: ResidualTransaction | None) -> LeanTensor | None:
         """``key``'s live lean store in ``live_table`` (residuals or velocities), to be overwritten
         with the next one, once its codes are saved in ``transaction``'s loan (in ``saved_table``:
         the commit copies them back where the step is judged bad); a store of zeros where it has
-        none of ``like``'s size and device (the first step: zero is what it owed).  ``None`` where
+        none of ``numel`` elements on ``device`` (the first step: zero is what it owed).  ``None`` where
         the next one goes to a pending store instead: no loan, or no room left in it."""
         loan = transaction.loan if transaction is not None else None
         if loan is None:
             return None
         live = live_table.get(key)
-        fresh = not isinstance(live, LeanTensor) or live.numel != like.numel() or live.device != like.device
+        fresh = not isinstance(live, LeanTensor) or live.numel != numel or live.device != device
         if fresh:
-            live = LeanTensor(self.storage, like.numel(), like.device)
+            live = LeanTensor(self.storage, numel, device)
         if key not in saved_table:   # stored twice before the verdict: the first save keeps the old codes
             saved = loan.save(live.tensors())
             if saved is None:
@@ -587,7 +587,8 @@ class ErrorFeedback(Compressor):
         """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored; with
         ``transaction``'s loan stored over the live one (its old codes saved there), which
         ``_velocity_sealed`` then names until the commit."""
-        live = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, src, transaction)
+        live = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, src.numel(), src.device,
+                               transaction)
         if live is not None:
             live.encode(src, self._next_vseed(key))
             self._velocity_sealed[key] = live
@@ -767,6 +768,12 @@ class ErrorFeedback(Compressor):
             pend = LeanTensor(self.storage, numel, buf.device, zeroed=False)
         if not pend.stores_velocity(buf):
             return None
+        # with transaction's loan: stored over the live velocity (the kernel reads each chunk of it
+        # before it writes that chunk), its old codes saved in the loan
+        over = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, numel, buf.device,
+                               transaction)
+        if over is not None:
+            pend = over
         self._velocity_sealed[key] = pend
         bad = pend.store_velocity(buf, parts, float(scale), self.momentum, live, self._next_vseed(key))
         self.stage_velocity(key, transaction)   # sealed already: no working buffer was opened
@@ -1063,7 +1070,8 @@ class ErrorFeedback(Compressor):
         if zero:
             src = self._open[key]
             self._release_open(key)
-            pend = self._over_live(self._residuals, self._saved, self._pending, key, src, transaction)
+            pend = self._over_live(self._residuals, self._saved, self._pending, key, src.numel(), src.device,
+                                   transaction)
             if pend is None:
                 pend = self._pending.get(key)
                 if pend is None or pend.numel != src.numel() or pend.device != src.device:

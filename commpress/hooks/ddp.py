@@ -914,6 +914,8 @@ class _Executor:
         #: step's velocity updates and its buckets' futures, until its last bucket
         self.fast_transaction: ResidualTransaction | None = None
         self.fast_futures: list[torch.futures.Future] = []
+        #: and, with lent gradients, the futures handed to DDP for its earlier buckets (set at the commit)
+        self.fast_gates: list[tuple[torch.futures.Future, torch.Tensor]] = []
         #: ``"auto"``'s deciding warm-up step: each compressible parameter's gradient norm so far
         #: (:func:`_before_first_check`)
         self.warmup_norms: dict[str, torch.Tensor] = {}
@@ -1341,8 +1343,15 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
             executor.fast_transaction, executor.fast_futures = ResidualTransaction(), []
         tx, futures = executor.fast_transaction, executor.fast_futures
         one_pass, local_bad = True, False
+        grads = dict(zip(plan.names, (p.grad for p in bucket.parameters()))) if cfg.lend_grads else None
         for unit, parts, whole in _unit_parts(layout, plan):
-            bad = cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx) if whole else None
+            if whole and grads is not None:   # its old velocity waits in its gradients until the verdict
+                tx.loan = ddp_loan.grad_loan([grads[nm] for nm in unit.names], buf)
+            try:
+                bad = (cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx)
+                       if whole else None)
+            finally:
+                tx.loan = None
             if bad is not None:   # the unit in one pass (int8 on the CPU), which read its NaN/inf
                 local_bad = local_bad or bad
                 continue
@@ -1368,11 +1377,27 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
 
         fut = work.get_future().then(landed)
         futures.append(fut)
+        if cfg.lend_grads and not bucket.is_last():
+            # DDP copies a landed bucket into its gradients at once: with the old velocities lent
+            # there, each bucket lands for DDP when the step's verdict is applied (below)
+            gate: torch.futures.Future = torch.futures.Future()
+            executor.fast_gates.append((gate, buf))
+            fut = gate
         if bucket.is_last():   # every bucket landed: the step's velocities commit (or keep their values)
+            gates, executor.fast_gates = executor.fast_gates, []
             executor.fast_transaction, executor.fast_futures = None, []
 
-            def commit(_: Any) -> torch.Tensor:
+            def commit(done: torch.futures.Future) -> torch.Tensor:
+                try:
+                    done.wait()   # raises where a bucket's all_reduce failed
+                except BaseException as exc:
+                    tx.rollback()   # the lent velocities back before DDP may copy into their memory
+                    for gate, _ in gates:
+                        gate.set_exception(exc)
+                    raise
                 tx.commit()
+                for gate, landed_buf in gates:
+                    gate.set_result(landed_buf)
                 return buf
 
             fut = torch.futures.collect_all(futures).then(commit)
