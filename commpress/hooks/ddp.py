@@ -1333,7 +1333,9 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
     :meth:`.ddp_step.Step._finish_dense` gives it).  The step's velocity updates commit when its
     last bucket's sum has landed, kept where any rank's part held a NaN/inf: each rank marks its
     own in its message's first element (:func:`_mark_nonfinite`; read in the one-pass velocities,
-    else by a sum over its part), and every rank reads that element of the sum."""
+    else by a sum over its part), and every rank reads that element of the sum.  With lent
+    gradients (:mod:`.ddp_loan`) a one-pass velocity is stored over the live one, its old codes
+    kept in the unit's gradients; DDP then gets the earlier buckets' futures at the commit."""
     cfg, layout = executor.config, executor.layout
     with Timer(cpu=True) as total:
         buf = bucket.buffer()
