@@ -126,3 +126,15 @@ def test_ddp_lends_only_gradients_of_their_own():
     assert unlendable(Model()) is None
     Model.find_unused_parameters = True
     assert "find_unused_parameters" in unlendable(Model())
+
+
+def test_a_units_stores_fill_its_largest_gradient_first():
+    from commpress.hooks.ddp_loan import grad_loan
+
+    grads = [torch.zeros(16), torch.zeros(1000), torch.zeros(8)]   # a bias, a weight, a bias
+    loan = grad_loan(grads, torch.zeros(1024))
+    codes, scales = torch.zeros(1024, dtype=torch.int8), torch.zeros(8)
+    saved = loan.save((codes, scales))
+    assert len(saved.pairs) == 2   # one piece each, both in the weight's gradient
+    base = grads[1].untyped_storage().data_ptr()
+    assert all(s.untyped_storage().data_ptr() == base for _, s in saved.pairs)
