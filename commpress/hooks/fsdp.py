@@ -162,6 +162,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from .. import collectives
 from ..storage import HOOK_DEFAULT
+from ..compressors._sparse import SparseCompressor
 from ..collectives.accounting import CommStats
 from ..compressors import Compressor
 from ..compressors._util import mix_seed, stable_hash
@@ -326,7 +327,9 @@ class FSDPState(TakeoverMixin, HookState):
             residuals and velocities stay in unscaled units (:meth:`attach_scaler`).  The
             unscaled values are held in the reduce dtype: with an fp16 reduce dtype the smallest
             gradients may underflow there (an fp32 or bf16 reduce dtype does not).
-        residual_storage: ``"int8"`` (default), ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`).
+        residual_storage: ``"int8"``, ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`);
+            ``None`` (default): ``"int4"`` for a sparsifier without momentum correction
+            (:data:`SPARSIFIER_STORAGE`), ``"int8"`` otherwise and once ``optimizer=`` brings momentum.
         rollback: ``"step"`` or ``"unit"``, as in :func:`commpress.ddp.register`.
         momentum: momentum correction's factor (0: off), as in :func:`register`.
         momentum_masking: momentum factor masking (with ``momentum``).
@@ -353,7 +356,7 @@ class FSDPState(TakeoverMixin, HookState):
                  all_gather: Compressor | str | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  units: Sequence[tuple[str, FSDPModule]] = (),
-                 scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
+                 scaler: torch.amp.GradScaler | None = None, residual_storage: str | None = None,
                  rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
                  auto: Any = None, **compressor_params: Any) -> None:
         self.auto = isinstance(compressor, str) and compressor == "auto"
@@ -373,6 +376,9 @@ class FSDPState(TakeoverMixin, HookState):
             compressor_params = {**compressor_params, "stochastic": True}
             log.info("commpress.fsdp: %s with stochastic rounding and no error feedback (no residual "
                      "kept); stochastic=False keeps a residual of the whole model on every rank", compressor)
+        self._storage_defaulted = residual_storage is None
+        if residual_storage is None:
+            residual_storage = _default_storage(compressor, compressor_params, self.auto, momentum)
         super().__init__(compressor, error_feedback=error_feedback, process_group=process_group,
                          residual_storage=residual_storage, rollback=rollback, momentum=momentum,
                          momentum_masking=momentum_masking, **compressor_params)
@@ -449,6 +455,17 @@ class FSDPState(TakeoverMixin, HookState):
         layouts = {name: _unit_layout(u.module) for name, u in self._units.items()}
         auto.set_units([(name, [n for n, _ in lay], [tuple(s) for _, s in lay]) for name, lay in layouts.items()])
         self._report_auto()
+
+    def _storage_with_momentum(self) -> str:
+        """The storage once momentum correction is on (``optimizer=``): the default int4 of a
+        sparsifier's residuals becomes int8 (:data:`SPARSIFIER_STORAGE`: an int4 velocity costs
+        accuracy)."""
+        if self._storage_defaulted and self.residual_storage == SPARSIFIER_STORAGE:
+            self.residual_storage = HOOK_DEFAULT
+            log.info("commpress.fsdp: optimizer= brings momentum correction: residuals and velocities in %s "
+                     "(the int4 default of a sparsifier's residuals is for error feedback without momentum)",
+                     HOOK_DEFAULT)
+        return self.residual_storage
 
     def _takeover_memory_note(self) -> str | None:
         """FSDP2 shards the optimizer's momentum (4/P bytes per parameter); momentum correction's
@@ -955,12 +972,33 @@ def _account(cs: CommStats) -> dict[str, Any]:
     return {"rounds": cs.rounds, "comm_seconds": cs.comm_seconds, "codec_seconds": cs.codec_seconds}
 
 
+#: FSDP2's default storage of a sparsifier's residuals without momentum correction: int4 keeps the
+#: NaN rule's two copies in 1.12 bytes per parameter (FSDP2 frees its unsharded gradients at each
+#: reduce-scatter: nothing to lend, :mod:`commpress.loan`); topk 1% on the LM, 600 steps, was
+#: within 1% of fp32 on both seeds, while int4 velocities cost digits accuracy
+#: (docs/results/memory.md).  Elsewhere :data:`~commpress.storage.HOOK_DEFAULT`.
+SPARSIFIER_STORAGE = "int4"
+
+
+def _default_storage(compressor: Compressor | str, params: dict[str, Any], auto: bool, momentum: float) -> str:
+    """``residual_storage``'s default: :data:`SPARSIFIER_STORAGE` for a sparsifier (by name or
+    instance) without momentum correction, else :data:`~commpress.storage.HOOK_DEFAULT` (also where
+    the compressor does not resolve: the state's constructor then raises its own error)."""
+    if auto or momentum:
+        return HOOK_DEFAULT
+    try:
+        inner = resolve_compressor(compressor, params)
+    except (TypeError, ValueError):
+        return HOOK_DEFAULT
+    return SPARSIFIER_STORAGE if isinstance(inner, SparseCompressor) else HOOK_DEFAULT
+
+
 # ------------------------------------------------------------------ registration
 def register(module: torch.nn.Module, compressor: Compressor | str, *,
              error_feedback: bool | str = "auto", all_gather: Compressor | str | None = None,
              recurse: bool = True, replicate_group: dist.ProcessGroup | None = None,
              reduce_scatter: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
-             scaler: torch.amp.GradScaler | None = None, residual_storage: str = HOOK_DEFAULT,
+             scaler: torch.amp.GradScaler | None = None, residual_storage: str | None = None,
              rollback: str = "step", momentum: float = 0.0, momentum_masking: bool = False,
              auto: Any = None, sparse_rows: Sequence[torch.nn.Parameter | str] | str | None = None,
              **compressor_params: Any) -> FSDPState:
@@ -1005,8 +1043,11 @@ def register(module: torch.nn.Module, compressor: Compressor | str, *,
             ``scaler.step`` (:meth:`FSDPState.attach_scaler`, also for a scaler made
             later; ``TypeError`` for anything but a GradScaler or ``None``).
         residual_storage: how error feedback keeps its residuals (and velocities) between steps,
-            ``"int8"`` (default), ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
-            :func:`commpress.ddp.register`).
+            ``"int8"``, ``"int4"``, ``"bf16"`` or ``"fp32"`` (:mod:`commpress.storage`; as in
+            :func:`commpress.ddp.register`); ``None`` (default): ``"int4"`` for a sparsifier
+            (topk, dgc, randomk, threshold) without momentum correction, whose residuals and pending
+            copies then keep 1.12 bytes per parameter (FSDP2 has no memory to lend them,
+            :mod:`commpress.loan`), ``"int8"`` otherwise and once ``optimizer=`` brings momentum.
         rollback: ``"step"`` or ``"unit"`` (no pending residual kept between steps; a
             NaN/inf keeps the residuals of the unit that saw it and of the later
             ones), as in :func:`commpress.ddp.register`.

@@ -220,7 +220,7 @@ class TakeoverMixin:
                                    "residuals); attach the optimizer before the first compressed step")
             self.codec, self.uses_error_feedback = wrap_error_feedback(
                 self.compressor, getattr(self, "error_feedback_arg", "auto"), m,
-                getattr(self, "momentum_masking", False), getattr(self, "residual_storage", "fp32"),
+                getattr(self, "momentum_masking", False), self._storage_with_momentum(),
                 hold_pending=getattr(self, "rollback", "step") == "step")
             self.momentum = m
             self._codec_changed()
@@ -234,6 +234,11 @@ class TakeoverMixin:
         if note:
             log.warning(note)
         return m
+
+    def _storage_with_momentum(self) -> str:
+        """The residuals' storage once momentum correction is on (FSDP2 changes a default that is
+        for error feedback without it)."""
+        return getattr(self, "residual_storage", "fp32")
 
     def _takeover_memory_note(self) -> str | None:
         """What taking over the momentum costs in memory, when a user should hear it (one log line;

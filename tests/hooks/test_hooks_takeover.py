@@ -172,7 +172,8 @@ def fsdp_worker(rank, world):
     st_a = commpress.fsdp.register(a, "topk", ratio=0.05, density_warmup=2, optimizer=opt_a)
     told = [ln for ln in lines.lines if "velocity of every unit's whole gradient" in ln]
     st_b = commpress.fsdp.register(b, "topk", ratio=0.05, density_warmup=2, momentum=0.9)
-    out = {"taken": (st_a.momentum, opt_a.param_groups[0]["momentum"]), "told": told}
+    out = {"taken": (st_a.momentum, opt_a.param_groups[0]["momentum"]), "told": told,
+           "storage": (st_a.residual_storage, st_a.codec.storage, st_b.residual_storage)}
     for step in range(4):
         _step(a, opt_a, rank, step)
         _step(b, opt_b, rank, step)
@@ -191,6 +192,21 @@ def test_takeover_through_fsdp2():
         assert len(out["told"]) == 1 and "2.06 bytes per parameter of the model (int8, live + pending)" in out["told"][0]   # its memory, said
         assert out["equal"]
         assert out["restored"] == 0.9
+        # a sparsifier's int4 default is for error feedback without momentum: optimizer= (and
+        # momentum=) keep residuals and velocities in int8
+        assert out["storage"] == ("int8", "int8", "int8")
+
+
+def test_fsdp2_keeps_a_sparsifiers_residuals_in_int4_by_default_without_momentum():
+    from commpress.hooks.fsdp import FSDPState
+
+    assert FSDPState("topk", ratio=0.01).codec.storage == "int4"
+    assert FSDPState("dgc", ratio=0.01).residual_storage == "int4"
+    assert FSDPState(commpress.get("topk", ratio=0.01)).residual_storage == "int4"
+    assert FSDPState("topk", ratio=0.01, momentum=0.9).residual_storage == "int8"
+    assert FSDPState("topk", ratio=0.01, residual_storage="int8").residual_storage == "int8"   # as given
+    assert FSDPState("blockquant", bits=4, stochastic=False).residual_storage == "int8"      # a quantizer
+    assert FSDPState("auto").residual_storage == "int8"
 
 
 # ------------------------------------------------------------------ what can be taken over (no processes)
