@@ -41,7 +41,7 @@ from .compressors.base import Compressor, Payload
 from .ops.reference import accumulate_velocity
 from ._pool import BufferPool
 from .loan import Loan, Saved
-from .storage import LeanTensor, check_storage
+from .storage import LeanTensor, check_storage, velocity_mode
 
 log = logging.getLogger("commpress")
 
@@ -122,6 +122,15 @@ class ResidualTransaction:
 
     def __len__(self) -> int:
         return len(self._staged) - self._done
+
+    @contextlib.contextmanager
+    def lending(self, loan: Loan | None) -> Iterator[None]:
+        """:attr:`loan` set to ``loan`` for the block (``None``: no loan), unset after it."""
+        self.loan = loan
+        try:
+            yield
+        finally:
+            self.loan = None
 
     def stage(self, memory: Memory, key: Any, local_bad: torch.Tensor | None = None) -> None:
         """Remember that ``memory`` holds a pending update for ``key`` (committed by :meth:`commit`)."""
@@ -357,16 +366,39 @@ class ErrorFeedback(Compressor):
         if self.storage == "fp32":
             return
         src = self._open[key]
-        live = self._over_live(self._residuals, self._saved, self._pending, key, src.numel(), src.device, transaction)
-        if live is not None:
-            live.encode(src, self._next_seed(key))
-            self._release_open(key)
-            return
-        pend = self._pending.get(key)
-        if pend is None or pend.numel != src.numel() or pend.device != src.device:
-            pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
-        pend.encode(src, self._next_seed(key))
+        self._next_store(self._residuals, self._saved, self._pending, key, src.numel(), src.device,
+                         transaction).encode(src, self._next_seed(key))
         self._release_open(key)
+
+    def _next_store(self, live_table: dict, saved_table: dict, pending_table: dict, key: Any, numel: int,
+                    device: torch.device, transaction: ResidualTransaction | None,
+                    alias: bool = False) -> LeanTensor:
+        """Where ``key``'s next lean store (a residual, or a velocity) is written: over the live one
+        where ``transaction``'s loan takes its old codes (:meth:`_over_live`; with ``alias``,
+        ``pending_table`` names it until the commit), else its pending store in ``pending_table``
+        (made, undefined, where it has none of that size and device)."""
+        store = self._over_live(live_table, saved_table, pending_table, key, numel, device, transaction)
+        if store is not None:
+            if alias:
+                pending_table[key] = store
+            return store
+        store = pending_table.get(key)
+        if store is None or store.numel != numel or store.device != device:
+            store = pending_table[key] = LeanTensor(self.storage, numel, device, zeroed=False)
+        return store
+
+    def _restore_saved(self, saved_table: dict, key: Any, bad: torch.Tensor | None,
+                       keep_old: bool | None) -> bool:
+        """``key``'s old codes back from the loan where the step is judged bad (a rollback:
+        ``keep_old=True``), if it was stored over its live store in ``saved_table``; whether it was.
+        A velocity's alias in ``_velocity_sealed`` is dropped (not a pending store)."""
+        saved = saved_table.pop(key, None)
+        if saved is None:
+            return False
+        if saved_table is self._vsaved:
+            self._velocity_sealed.pop(key, None)
+        saved.restore(bad, keep_old)
+        return True
 
     def _over_live(self, live_table: dict, saved_table: dict, pending_table: dict, key: Any, numel: int,
                    device: torch.device, transaction: ResidualTransaction | None) -> LeanTensor | None:
@@ -495,9 +527,7 @@ class ErrorFeedback(Compressor):
             self._commit_velocity(key.key, bad, _host_verdict(bad))
             return
         keep_old = _host_verdict(bad)
-        saved = self._saved.pop(key, None)
-        if saved is not None:   # stored over the live residual: its old codes back where bad
-            saved.restore(bad, keep_old)
+        if self._restore_saved(self._saved, key, bad, keep_old):   # stored over the live residual
             if self.momentum:
                 self._commit_velocity(key, bad, keep_old)
             return
@@ -542,10 +572,7 @@ class ErrorFeedback(Compressor):
         """:meth:`_commit_velocity` with a lean storage: the sealed pending store becomes the live
         one (swapped on the host, ``keep_where`` for a device flag)."""
         self._seal_velocity(key)   # a velocity written but not sealed yet (nothing masked it)
-        saved = self._vsaved.pop(key, None)
-        if saved is not None:   # stored over the live velocity: its old codes back where bad
-            self._velocity_sealed.pop(key, None)
-            saved.restore(bad, keep_old)
+        if self._restore_saved(self._vsaved, key, bad, keep_old):   # stored over the live velocity
             return
         pend = self._velocity_sealed[key] if self.hold_pending else self._velocity_sealed.pop(key)
         self._commit_lean(self._velocity, self._velocity_sealed, key, pend, bad, keep_old)
@@ -587,16 +614,8 @@ class ErrorFeedback(Compressor):
         """Lean storage: ``key``'s pending velocity := ``src`` (fp32, flat) stored; with
         ``transaction``'s loan stored over the live one (its old codes saved there), which
         ``_velocity_sealed`` then names until the commit."""
-        live = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, src.numel(), src.device,
-                               transaction)
-        if live is not None:
-            live.encode(src, self._next_vseed(key))
-            self._velocity_sealed[key] = live
-            return
-        pend = self._velocity_sealed.get(key)
-        if pend is None or pend.numel != src.numel() or pend.device != src.device:
-            pend = self._velocity_sealed[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
-        pend.encode(src, self._next_vseed(key))
+        self._next_store(self._velocity, self._vsaved, self._velocity_sealed, key, src.numel(), src.device,
+                         transaction, alias=True).encode(src, self._next_vseed(key))
 
     def _next_vseed(self, key: Any) -> int:
         """The next lean velocity store's seed (a count of its own, apart from the residuals')."""
@@ -618,13 +637,8 @@ class ErrorFeedback(Compressor):
         over its live one gets its saved codes back; the pending ones are overwritten by the next
         compensate)."""
         self._release_open(key)
-        saved = self._saved.pop(key, None)
-        if saved is not None:
-            saved.restore(None, True)
-        saved = self._vsaved.pop(key, None)
-        if saved is not None:   # _velocity_sealed names the live velocity: not a pending store
-            self._velocity_sealed.pop(key, None)
-            saved.restore(None, True)
+        self._restore_saved(self._saved, key, None, True)
+        self._restore_saved(self._vsaved, key, None, True)
 
     # -- plain momentum of the tensors that bypass compression ----------------
     def dense_momentum(self, tensor: torch.Tensor, name: str,
@@ -763,18 +777,12 @@ class ErrorFeedback(Compressor):
             return None   # another storage; a part-by-part write open; an fp32 velocity (loaded)
         if live is not None and (live.numel != numel or live.device != buf.device):
             live = None    # as _velocity_slots has it: a fresh velocity
-        pend = self._velocity_sealed.get(key)
-        if pend is None or pend.numel != numel or pend.device != buf.device:
-            pend = LeanTensor(self.storage, numel, buf.device, zeroed=False)
-        if not pend.stores_velocity(buf):
+        if velocity_mode(self.storage, buf.device, buf) is None:
             return None
         # with transaction's loan: stored over the live velocity (the kernel reads each chunk of it
         # before it writes that chunk), its old codes saved in the loan
-        over = self._over_live(self._velocity, self._vsaved, self._velocity_sealed, key, numel, buf.device,
-                               transaction)
-        if over is not None:
-            pend = over
-        self._velocity_sealed[key] = pend
+        pend = self._next_store(self._velocity, self._vsaved, self._velocity_sealed, key, numel, buf.device,
+                                transaction, alias=True)
         bad = pend.store_velocity(buf, parts, float(scale), self.momentum, live, self._next_vseed(key))
         self.stage_velocity(key, transaction)   # sealed already: no working buffer was opened
         return bool(bad)
@@ -1070,12 +1078,8 @@ class ErrorFeedback(Compressor):
         if zero:
             src = self._open[key]
             self._release_open(key)
-            pend = self._over_live(self._residuals, self._saved, self._pending, key, src.numel(), src.device,
-                                   transaction)
-            if pend is None:
-                pend = self._pending.get(key)
-                if pend is None or pend.numel != src.numel() or pend.device != src.device:
-                    pend = self._pending[key] = LeanTensor(self.storage, src.numel(), src.device, zeroed=False)
+            pend = self._next_store(self._residuals, self._saved, self._pending, key, src.numel(), src.device,
+                                    transaction)
             for t in pend.tensors():
                 t.zero_()
         else:

@@ -61,6 +61,24 @@ def bytes_per_element(storage: str) -> float:
             "int4": 0.5 + 4.0 / INT4_BLOCK}[check_storage(storage)]
 
 
+def velocity_mode(storage: str, device: torch.device, *tensors: torch.Tensor) -> str | None:
+    """How the numba velocity passes (:meth:`LeanTensor.velocity_into`,
+    :meth:`LeanTensor.store_velocity`) round the multiply-add (``"fma"`` / ``"plain"``,
+    :func:`~commpress.ops.numba_backend.velocity_mode`) for a store of ``storage`` on ``device`` and
+    ``tensors``, where they run: int8 on the CPU, fp32 contiguous CPU tensors, the numba backend;
+    ``None`` elsewhere (the caller goes another way)."""
+    if storage != "int8" or device.type != "cpu" or any(
+            t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    if os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
+        return None
+    try:
+        from .ops import numba_backend
+    except ImportError:
+        return None
+    return numba_backend.velocity_mode()
+
+
 class LeanTensor:
     """A flat fp32 tensor of ``numel`` elements kept in a lean ``storage`` ("bf16", "int8" or "int4").
 
@@ -192,7 +210,7 @@ class LeanTensor:
         momentum*live`` (``live`` ``None``: a zero velocity) with
         :func:`~commpress.ops.reference.accumulate_velocity`'s roundings, and this store :=
         that new velocity, as :meth:`encode` with ``seed`` stores it (bitwise).  Only where
-        :meth:`stores_velocity` says so.  Returns whether the new velocity holds a NaN/inf."""
+        :func:`velocity_mode` says it runs.  Returns whether the new velocity holds a NaN/inf."""
         import numpy as np
 
         from .ops import numba_backend
@@ -210,24 +228,9 @@ class LeanTensor:
             src.scales.numpy(), live is not None, self._velocity_mode(buf) == "fma", np.uint64(k0),
             np.uint64(k1), self.codes.numpy(), self.scales.numpy(), INT8_BLOCK)
 
-    def stores_velocity(self, buf: torch.Tensor) -> bool:
-        """Whether :meth:`store_velocity` runs for ``buf`` (:meth:`_velocity_mode`)."""
-        return self._velocity_mode(buf) is not None
-
     def _velocity_mode(self, *tensors: torch.Tensor) -> str | None:
-        """How the numba velocity passes round the multiply-add (``"fma"`` / ``"plain"``,
-        :func:`~commpress.ops.numba_backend.velocity_mode`) where they run on ``tensors`` (fp32,
-        contiguous, on the CPU, as this int8 store, with the numba backend); ``None`` elsewhere."""
-        if self.storage != "int8" or self.device.type != "cpu" or any(
-                t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            return None
-        if os.environ.get("COMMPRESS_BACKEND", "numba") not in ("numba", ""):
-            return None
-        try:
-            from .ops import numba_backend
-        except ImportError:
-            return None
-        return numba_backend.velocity_mode()
+        """:func:`velocity_mode` for this store."""
+        return velocity_mode(self.storage, self.device, *tensors)
 
     def decode_span(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the stored value as a new fp32 tensor (any ``lo``: the blocks

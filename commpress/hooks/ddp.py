@@ -1347,13 +1347,11 @@ def _dense_momentum_async(executor: _Executor, bucket: dist.GradBucket) -> torch
         one_pass, local_bad = True, False
         grads = dict(zip(plan.names, (p.grad for p in bucket.parameters()))) if cfg.lend_grads else None
         for unit, parts, whole in _unit_parts(layout, plan):
-            if whole and grads is not None:   # its old velocity waits in its gradients until the verdict
-                tx.loan = ddp_loan.grad_loan([grads[nm] for nm in unit.names], buf)
-            try:
+            # a whole unit's old velocity waits in its gradients until the verdict
+            loan = ddp_loan.grad_loan([grads[nm] for nm in unit.names], buf) if whole and grads is not None else None
+            with tx.lending(loan):
                 bad = (cfg.auto.velocity_unit(unit, buf, [(off, n) for _, off, n in parts], cfg.scale, tx)
                        if whole else None)
-            finally:
-                tx.loan = None
             if bad is not None:   # the unit in one pass (int8 on the CPU), which read its NaN/inf
                 local_bad = local_bad or bad
                 continue

@@ -729,11 +729,8 @@ class Step:
         if not self.ctx.config.lend_grads:
             return self._unit_call(i, cs, dense, hold)
         names = self.ctx.layout.units[i].names
-        self.transaction.loan = grad_loan([self.grads.get(nm) for nm in names], self._buf)
-        try:
+        with self.transaction.lending(grad_loan([self.grads.get(nm) for nm in names], self._buf)):
             return self._unit_call(i, cs, dense, hold)
-        finally:
-            self.transaction.loan = None
 
     def _unit_call(self, i: int, cs: CommStats, dense: torch.Tensor | None, hold: bool) -> str:
         """:meth:`_run_unit`'s work: the unit's input, codec and path, and its collective call."""
