@@ -1,8 +1,8 @@
 """Run a function on several local gloo ranks (FileStore, no ports) and collect results.
 
 Workers are forked from a forkserver that has already imported torch and
-commpress (started when this module is imported), so each test pays
-milliseconds, not seconds, per rank.  Every phase of a run has a time limit
+commpress and loaded numba's registries (:mod:`numba_warm`; started when this
+module is imported), so each test pays milliseconds, not seconds, per rank.  Every phase of a run has a time limit
 derived from its own bound (the ranks' group timeout for coming up and for
 exiting, the caller's ``timeout`` for ``fn``): a hung rank fails the test
 instead of the CI job, and a slow machine only makes it slower.  Every rank
@@ -33,7 +33,7 @@ def _context():
         # torch._dynamo: DDP's constructor imports it; commpress.fsdp: FSDP2 (import commpress
         # leaves it out); seconds per rank process otherwise
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commpress",
-                                     "commpress.fsdp"])
+                                     "commpress.fsdp", "numba_warm"])
     return _CTX
 
 
@@ -223,10 +223,20 @@ def prestart() -> None:
     if multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     _context()
+    # the forkserver imports its preload with the interpreter's own sys.path (3.11 does not pass
+    # this process's): this folder, for numba_warm, through its environment
+    here = os.path.dirname(os.path.abspath(__file__))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = here if not before else here + os.pathsep + before
     try:
         forkserver.ensure_running()
     except Exception:  # noqa: BLE001 - started again (and its error raised) by the first run
         pass
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 prestart()
