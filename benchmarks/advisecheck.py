@@ -149,7 +149,7 @@ def predict(width: int, compute_ms: float, world: int, net: str, latency_us: flo
     if topology is not None:
         kw = {"gpus_per_node": topology[1], "intra_bandwidth": intra[0], "intra_latency_us": intra[1],
               "flat_ddp": True}
-    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors,
+    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors, dense_params=width,
                  round_ms=round_ms, ranks_per_core=ranks_per_core, **kw)
     return {r["compressor"]: r["step_ms"] for r in res["rows"]}
 
@@ -159,15 +159,18 @@ def round_cost(measured: dict[str, float], world: int, link: str, latency_us: fl
                intra: tuple[str, float] = (INTRA, INTRA_LATENCY_US)) -> float:
     """ms per collective round of the hook (advise's ``round_ms``) from the tiny model's steps:
     what the compressors' steps took beyond advise's prediction with no round cost, summed, per
-    round (:func:`commpress.auto.decide.kind_rounds`; the two-level path two rounds more), at least 0."""
-    from commpress.advise import parse_compressor
+    round (:func:`commpress.auto.decide.kind_rounds`; the two-level path two rounds more; the
+    dense part's all-reduce where it does not ride, :func:`commpress.advise.dense_rounds`: the bias),
+    at least 0."""
+    from commpress.advise import dense_rounds, parse_compressor
     from commpress.auto.decide import kind_rounds
 
     pred = predict(TINY, measured["tiny:compute"], world, link, latency_us, topology, compressors, intra=intra)
     nodes = world // topology[1] if topology else world
     excess = sum(measured["tiny:" + c] - pred[c] for c in compressors)
-    rounds = sum(kind_rounds(parse_compressor(c)[1].aggregation, nodes) + (2 if topology else 0)
-                 for c in compressors)
+    comps = [parse_compressor(c)[1] for c in compressors]
+    rounds = sum(kind_rounds(comp.aggregation, nodes) + (2 if topology else 0)
+                 + dense_rounds(comp, world, topology is not None) for comp in comps)
     return max(0.0, excess) / rounds if rounds else 0.0
 
 

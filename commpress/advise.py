@@ -55,6 +55,14 @@ The model (all inputs are the user's; nothing is sent anywhere)
   calls and reports it as ``stats.as_dict()["auto_network"]["round_ms"]``;
   ``python -m benchmarks advisecheck`` measures it on each emulated cluster at a tiny bucket).
   Default 0.  Plain DDP's rows pay none (PyTorch's own all-reduce).
+* **The dense part** (``--dense-params D``): the hooks send a model's 1-D tensors (biases, norms)
+  uncompressed in a dense part of each bucket (fp16/bf16 excepted: they cast every tensor).  Where
+  the compressor's messages carry it (:func:`commpress.collectives.carries_dense`: a gather kind
+  flat, a sparse kind flat at ``P <= 2``) its ``4D`` bytes ride in them; elsewhere (two levels,
+  PowerSGD, a sparse kind at ``P > 2``) it takes an all-reduce of its own over all ``P`` ranks
+  (a ring: ``2(P−1)`` messages, on the inter-node link where there are nodes) and one round more.
+  ``D`` is taken out of the compressed elements.  Default: a dense part present, its size
+  negligible (its round and messages counted, no bytes); ``0``: none (no 1-D tensors).
 * **Step** = ``compute + max(0, comm − overlap·compute) + codec + rounds``: ``--overlap`` is the
   fraction of the compute during which communication may run hidden (DDP overlaps the backward
   pass only partly; 0, the default, is the conservative bound).  The codec is never hidden.
@@ -83,6 +91,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .collectives.accounting import all_gather_cost, all_reduce_cost, reduce_scatter_cost
+from .collectives.core import carries_dense
 from .collectives.costmodel import CostModel
 from .collectives.hierarchy import kind_terms
 from .compressors import available, get
@@ -223,6 +232,17 @@ def _codec_passes(comp: Any, P: int) -> tuple[float, float]:
     return 1.0, 1.0
 
 
+def dense_rounds(comp: Any, world: int, two_level: bool = False) -> int:
+    """Rounds of its own the hooks' dense part takes per bucket with ``comp`` on ``world`` ranks:
+    0 where ``comp``'s messages carry it (:func:`~commpress.collectives.carries_dense`) or where
+    there is none (the casts send every tensor), else 1 (an all-reduce of its own)."""
+    if world <= 1 or getattr(comp, "casts", False):
+        return 0
+    if comp.aggregation != "lowrank" and carries_dense(comp, world=world, hierarchy=True if two_level else None):
+        return 0
+    return 1
+
+
 def measure_codec(comp: Any, device: str | torch.device = "cpu", numel: int = PROBE_ELEMENTS,
                   reps: int = 3, storage: str = DEFAULT_RESIDUAL_STORAGE, threads: int | None = 1
                   ) -> tuple[float, float]:
@@ -267,7 +287,8 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
            matrix_side: int = 1024, codec_ns_per_element: float | Mapping[str, float] | None = None,
            device: str | None = None, probe_elements: int = PROBE_ELEMENTS, reps: int = 3,
            round_ms: float = 0.0, ranks_per_core: float = 1.0,
-           residual_storage: str = DEFAULT_RESIDUAL_STORAGE, flat_ddp: bool = False) -> dict[str, Any]:
+           residual_storage: str = DEFAULT_RESIDUAL_STORAGE, flat_ddp: bool = False,
+           dense_params: int | None = None) -> dict[str, Any]:
     """Predicted step time and bytes of plain DDP and of each compressor (see the module doc).
 
     ``codec_ns_per_element``: compress + decompress ns per element, one number for every
@@ -275,7 +296,9 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
     ``device`` (CUDA when available, else CPU).  ``round_ms``: the hook's seconds per collective
     round beyond the α-β model (ms, ``"auto"``'s per-round cost); ``ranks_per_core``: CPU ranks
     sharing a core (the codec's seconds times it); ``residual_storage``: how error feedback keeps
-    its residuals in the measured codec (the hooks' ``residual_storage``).  Bad input raises
+    its residuals in the measured codec (the hooks' ``residual_storage``); ``dense_params``: the
+    elements the hooks send uncompressed (1-D tensors; ``None``: present, negligible in size; 0:
+    none; see the module doc).  Bad input raises
     ``ValueError`` naming the argument.  Returns ``{"rows": [...], "bound": ..., "comm_fraction":
     ..., "codec": ..., "best": ..., "inputs": {...}}``; each row has ``compressor``, ``step_ms``,
     ``bytes`` (one rank sends per step), ``comm_ms``, ``codec_ms``, ``round_ms`` (the per-round
@@ -295,6 +318,9 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
     round_s = _number(round_ms, "--round-ms", lo=0) / 1e3
     R = _number(ranks_per_core, "--ranks-per-core", lo=1)
     storage = check_storage(residual_storage, "--residual-storage")
+    D = 0 if dense_params is None else _number(dense_params, "--dense-params", lo=0, integer=True)
+    if D >= N:
+        raise ValueError(f"--dense-params must be below --params={N}, got {D}")
     if not isinstance(flat_ddp, bool):
         raise ValueError(f"--flat-ddp must be a bool, got {flat_ddp!r}")
     if profile is not None and profile not in PROFILES:
@@ -335,15 +361,16 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"--device must be a torch device available here, got {dev!r} ({e})") from None
 
-    def collective(comp: Any | None) -> tuple[float, float, float]:
-        """(comm seconds, bytes sent, bytes sent across nodes); ``comp=None``: plain DDP."""
+    def collective(comp: Any | None, n: int = N) -> tuple[float, float, float]:
+        """(comm seconds, bytes sent, bytes sent across nodes) of ``n`` elements; ``comp=None``:
+        plain DDP."""
         if not two_level:
             if comp is None:
-                b, _, m = all_reduce_cost(4 * N, P)
+                b, _, m = all_reduce_cost(4 * n, P)
             else:
-                m, b = _terms(comp, N, P, shapes, side, N)
+                m, b = _terms(comp, n, P, shapes, side, N)
             return flat_link.seconds(m, b), b, (b if nodes > 1 else 0.0)
-        s = -(-N // G)
+        s = -(-n // G)
         rs_b, _, rs_m = reduce_scatter_cost(4 * s, G)
         ag_b, _, ag_m = all_gather_cost(4 * s, G)
         if comp is None:
@@ -374,6 +401,19 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
             return None
         return None
 
+    def _with_dense(comp: Any, comm: float, nbytes: float, ibytes: float) -> tuple[float, float, float, int]:
+        """The dense part's ``4D`` bytes added to ``comp``'s collective: in its messages, or in an
+        all-reduce of its own over all ``P`` ranks (ring; the inter-node link where there are
+        nodes), one round more (returned)."""
+        extra = dense_rounds(comp, P, two_level)
+        db, _, dm = all_reduce_cost(4 * D, P)
+        across = db if nodes > 1 else 0.0
+        if extra:
+            comm += (inter if nodes > 1 else flat_link).seconds(dm, db)
+        else:
+            comm += flat_link.seconds(0, db)
+        return comm, nbytes + db, ibytes + across, extra
+
     def step(comm: float, codec: float) -> float:
         return C + max(0.0, comm - f * C) + codec
 
@@ -402,7 +442,10 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
         codec = R * (pc * t_c + pd * t_d) * N / (G if two_level else 1)
         # auto's call_s: round_s per round of the kind (two-level: two intra-node rounds more)
         rounds = (kind_rounds(comp.aggregation, nodes if two_level else P) + (2 if two_level else 0)) if P > 1 else 0
-        comm, nbytes, ibytes = collective(comp)
+        comm, nbytes, ibytes = collective(comp, N - D)
+        if dense_params != 0 and not getattr(comp, "casts", False):
+            comm, nbytes, ibytes, extra = _with_dense(comp, comm, nbytes, ibytes)
+            rounds += extra
         t = step(comm, codec + rounds * round_s)
         pr = price(comp)
         speed = ddp_step / t
@@ -436,7 +479,7 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
                    "path": "two_level" if two_level else ("flat, intra-node" if flat_link is intra else "flat"),
                    "overlap": f, "profile": profile, "tensors": ["x".join(map(str, s)) for s in shapes],
                    "matrix_side": side, "round_ms": 1e3 * round_s, "ranks_per_core": R,
-                   "residual_storage": storage},
+                   "residual_storage": storage, "dense_params": dense_params},
     }
 
 
@@ -513,6 +556,8 @@ def _parser() -> argparse.ArgumentParser:
                    "costs this many times its time on a core of its own (default 1)")
     p.add_argument("--flat-ddp", action="store_true", help="with --gpus-per-node: also price PyTorch DDP's one "
                    "flat ring over all ranks (row 'ddp(flat ring)'; gloo, or one link per node)")
+    p.add_argument("--dense-params", help="elements the hooks send uncompressed (1-D tensors: biases, norms); "
+                   "default: present, negligible in size (their collective round counted); 0: none")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -539,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             compressors=a.compressors, tensors=a.tensors, matrix_side=_num(a.matrix_side, "--matrix-side", True),
             codec_ns_per_element=_num(a.codec_ns_per_element, "--codec-ns-per-element"), device=a.device,
             round_ms=_num(a.round_ms, "--round-ms"), ranks_per_core=_num(a.ranks_per_core, "--ranks-per-core"),
-            residual_storage=a.residual_storage, flat_ddp=a.flat_ddp)
+            residual_storage=a.residual_storage, flat_ddp=a.flat_ddp,
+            dense_params=_num(a.dense_params, "--dense-params", True))
     except ValueError as e:
         parser.error(str(e))   # SystemExit(2) with the message on stderr
     print(json.dumps(result, indent=1) if a.json else format_table(result))

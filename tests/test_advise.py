@@ -167,24 +167,49 @@ def test_module_runs_as_main_and_prints_json():
 SPECS = ["fp16", "blockquant(bits=8)", "topk(ratio=0.01)", "powersgd(rank=4)"]
 
 
-@pytest.mark.parametrize("world,kw,rounds", [
-    (2, {}, {"fp16": 1, "blockquant(bits=8)": 1, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2}),
-    (8, {}, {"fp16": 1, "blockquant(bits=8)": 2, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2}),
+@pytest.mark.parametrize("world,kw,rounds,dense", [
+    # the dense part (1-D tensors) rides in the gather kinds' messages and, at P=2, the sparse
+    # kinds'; fp16 casts it with the rest; elsewhere an all-reduce of its own: one round more
+    (2, {}, {"fp16": 1, "blockquant(bits=8)": 1, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2},
+     {"powersgd(rank=4)"}),
+    (8, {}, {"fp16": 1, "blockquant(bits=8)": 2, "topk(ratio=0.01)": 1, "powersgd(rank=4)": 2},
+     {"topk(ratio=0.01)", "powersgd(rank=4)"}),
     # two levels: the inter-node call among 4 nodes, and two intra-node rounds more
     (8, dict(gpus_per_node=2, intra_bandwidth="20gbit"),
-     {"fp16": 3, "blockquant(bits=8)": 4, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4}),
+     {"fp16": 3, "blockquant(bits=8)": 4, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4},
+     {"blockquant(bits=8)", "topk(ratio=0.01)", "powersgd(rank=4)"}),
     # two nodes: the quantized inter-node call is one all_gather
     (4, dict(gpus_per_node=2, intra_bandwidth="20gbit"),
-     {"fp16": 3, "blockquant(bits=8)": 3, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4}),
+     {"fp16": 3, "blockquant(bits=8)": 3, "topk(ratio=0.01)": 3, "powersgd(rank=4)": 4},
+     {"blockquant(bits=8)", "topk(ratio=0.01)", "powersgd(rank=4)"}),
 ])
-def test_round_cost_is_charged_per_round_of_the_kind(world, kw, rounds):
-    base = rows(run(world=world, compressors=SPECS, **kw))
-    paid = rows(run(world=world, compressors=SPECS, round_ms=1.5, **kw))
-    assert paid["ddp"]["step_ms"] == base["ddp"]["step_ms"] and paid["ddp"]["round_ms"] == 0.0
-    for name, n in rounds.items():
-        assert paid[name]["round_ms"] == pytest.approx(1.5 * n)
-        assert paid[name]["step_ms"] == pytest.approx(base[name]["step_ms"] + 1.5 * n)
-        assert base[name]["round_ms"] == 0.0
+def test_round_cost_is_charged_per_round_of_the_kind(world, kw, rounds, dense):
+    for dense_params, extra in ((0, set()), (None, dense), (10_000, dense)):
+        base = rows(run(world=world, compressors=SPECS, dense_params=dense_params, **kw))
+        paid = rows(run(world=world, compressors=SPECS, round_ms=1.5, dense_params=dense_params, **kw))
+        assert paid["ddp"]["step_ms"] == base["ddp"]["step_ms"] and paid["ddp"]["round_ms"] == 0.0
+        for name, n in rounds.items():
+            n += name in extra
+            assert paid[name]["round_ms"] == pytest.approx(1.5 * n)
+            assert paid[name]["step_ms"] == pytest.approx(base[name]["step_ms"] + 1.5 * n)
+            assert base[name]["round_ms"] == 0.0
+
+
+def test_the_dense_part_costs_its_messages_where_it_goes_alone():
+    """A dense all-reduce of its own: 2(P-1) messages more (the inter-node link's on two levels),
+    its bytes; where it rides: its bytes only; none (0): neither."""
+    lat = 1000.0   # 1 ms per message, bandwidth immaterial at these sizes
+    for world, kw, alone, rides in ((8, {}, "topk(ratio=0.01)", "blockquant(bits=8)"),
+                                    (4, dict(gpus_per_node=2, intra_bandwidth="400gbit"), "blockquant(bits=8)", "fp16")):
+        none = rows(run(world=world, latency_us=lat, compressors=[alone, rides], dense_params=0, **kw))
+        some = rows(run(world=world, latency_us=lat, compressors=[alone, rides], dense_params=None, **kw))
+        assert some[alone]["comm_ms"] == pytest.approx(none[alone]["comm_ms"] + 2 * (world - 1) * lat / 1e3, rel=1e-3)
+        assert some[rides]["comm_ms"] == pytest.approx(none[rides]["comm_ms"])
+        big = rows(run(world=world, latency_us=lat, compressors=[alone], dense_params=1_000_000, **kw))
+        assert big[alone]["bytes"] > some[alone]["bytes"]
+    assert adv.dense_rounds(adv.parse_compressor("fp16")[1], 8, True) == 0
+    assert adv.dense_rounds(adv.parse_compressor("powersgd(rank=2)")[1], 2) == 1
+    assert adv.dense_rounds(adv.parse_compressor("topk(ratio=0.01)")[1], 1) == 0
 
 
 def test_round_cost_is_autos_call_seconds():
@@ -202,7 +227,7 @@ def test_round_cost_is_autos_call_seconds():
     b = BucketMeasure("b", 1 << 20, codec_s={cand: 0.0}, call_s={cand: r * kind_rounds("gather", 8)}, round_s=r)
     net = Network(8, CostModel(0, 0), local_size=2, intra=CostModel(0, 0), inter=CostModel(0, 0))
     advised = rows(run(world=8, gpus_per_node=2, intra_bandwidth="20gbit", codec_ns_per_element=0.0,
-                       compressors=["blockquant(bits=8)"], round_ms=1e3 * r))["blockquant(bits=8)"]
+                       compressors=["blockquant(bits=8)"], round_ms=1e3 * r, dense_params=0))["blockquant(bits=8)"]
     # auto: the flat round count, the two-level path two more; advise: the inter call among 4 nodes (two-phase too)
     assert 1e3 * codec_seconds(Choice(cand, "two_level"), b, net) == pytest.approx(advised["round_ms"])
     with pytest.raises(ValueError, match="kind"):
@@ -294,7 +319,8 @@ def test_autos_codec_cost_keeps_the_hooks_residual_storage(monkeypatch):
     (dict(round_ms=-1), "--round-ms"), (dict(round_ms=float("inf")), "--round-ms"), (dict(round_ms="1"), "--round-ms"),
     (dict(ranks_per_core=0.5), "--ranks-per-core"), (dict(ranks_per_core=float("nan")), "--ranks-per-core"),
     (dict(residual_storage="int3"), "--residual-storage"), (dict(residual_storage=None), "--residual-storage"),
-    (dict(flat_ddp="yes"), "--flat-ddp"),
+    (dict(flat_ddp="yes"), "--flat-ddp"), (dict(dense_params=-1), "--dense-params"),
+    (dict(dense_params=25_000_000), "--dense-params"), (dict(dense_params=2.5), "--dense-params"),
 ])
 def test_bad_new_arguments_name_the_argument(kw, arg):
     with pytest.raises(ValueError, match=arg):
@@ -305,14 +331,19 @@ def test_cli_new_flags(capsys):
     argv = ["--params", "25e6", "--compute-ms", "100", "--world", "8", "--bandwidth", "1gbit",
             "--codec-ns-per-element", "2", "--compressors", "blockquant(bits=4)", "--gpus-per-node", "4",
             "--intra-bandwidth", "400gbit", "--round-ms", "1.5", "--ranks-per-core", "2", "--residual-storage",
-            "fp32", "--flat-ddp", "--json"]
+            "fp32", "--flat-ddp", "--dense-params", "0", "--json"]
     assert adv.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["compressor"] for r in out["rows"]] == ["ddp", adv.FLAT_DDP, "blockquant(bits=4)"]
     assert out["inputs"]["round_ms"] == 1.5 and out["inputs"]["ranks_per_core"] == 2
     assert out["inputs"]["residual_storage"] == "fp32"
     assert out["rows"][2]["round_ms"] == pytest.approx(1.5 * 3)   # one all_gather between 2 nodes + 2 intra
-    for flag, bad in (("--round-ms", "-2"), ("--ranks-per-core", "0"), ("--residual-storage", "int3")):
+    assert out["inputs"]["dense_params"] == 0
+    assert adv.main(argv[:-3] + ["--dense-params", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"][2]["round_ms"] == pytest.approx(1.5 * 4)   # the dense part alone, across all 8 ranks
+    for flag, bad in (("--round-ms", "-2"), ("--ranks-per-core", "0"), ("--residual-storage", "int3"),
+                      ("--dense-params", "-5")):
         with pytest.raises(SystemExit) as e:
             adv.main(argv[:-1] + [flag, bad])
         assert e.value.code == 2 and flag in capsys.readouterr().err
