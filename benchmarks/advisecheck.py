@@ -149,8 +149,8 @@ def predict(width: int, compute_ms: float, world: int, net: str, latency_us: flo
     if topology is not None:
         kw = {"gpus_per_node": topology[1], "intra_bandwidth": intra[0], "intra_latency_us": intra[1],
               "flat_ddp": True}
-    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors, dense_params=width,
-                 round_ms=round_ms, ranks_per_core=ranks_per_core, **kw)
+    res = advise(width * width + width, compute_ms, world, net, latency_us, compressors=compressors,
+                 round_ms=round_ms, ranks_per_core=ranks_per_core, dense_params=width, **kw)   # the bias
     return {r["compressor"]: r["step_ms"] for r in res["rows"]}
 
 

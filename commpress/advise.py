@@ -403,16 +403,15 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
 
     def _with_dense(comp: Any, comm: float, nbytes: float, ibytes: float) -> tuple[float, float, float, int]:
         """The dense part's ``4D`` bytes added to ``comp``'s collective: in its messages, or in an
-        all-reduce of its own over all ``P`` ranks (ring; the inter-node link where there are
-        nodes), one round more (returned)."""
+        all-reduce of its own over all ``P`` ranks (ring; on the flat group's link, the inter-node
+        one where there are nodes), one round more (returned).  None without 1-D tensors or
+        for a cast (it sends every tensor)."""
+        if dense_params == 0 or getattr(comp, "casts", False):
+            return comm, nbytes, ibytes, 0
         extra = dense_rounds(comp, P, two_level)
         db, _, dm = all_reduce_cost(4 * D, P)
-        across = db if nodes > 1 else 0.0
-        if extra:
-            comm += (inter if nodes > 1 else flat_link).seconds(dm, db)
-        else:
-            comm += flat_link.seconds(0, db)
-        return comm, nbytes + db, ibytes + across, extra
+        comm += flat_link.seconds(dm if extra else 0, db)
+        return comm, nbytes + db, ibytes + (db if nodes > 1 else 0.0), extra
 
     def step(comm: float, codec: float) -> float:
         return C + max(0.0, comm - f * C) + codec
@@ -439,13 +438,12 @@ def advise(params: float, compute_ms: float, world: int, bandwidth: str | None =
             t_c, t_d = measure_codec(comp, dev, max(16, min(probe, N)), reps, storage)
             measured.append(label)
         pc, pd = _codec_passes(comp, nodes if two_level else P)
-        codec = R * (pc * t_c + pd * t_d) * N / (G if two_level else 1)
+        n = N if getattr(comp, "casts", False) else N - D   # the elements it compresses
+        codec = R * (pc * t_c + pd * t_d) * n / (G if two_level else 1)
         # auto's call_s: round_s per round of the kind (two-level: two intra-node rounds more)
         rounds = (kind_rounds(comp.aggregation, nodes if two_level else P) + (2 if two_level else 0)) if P > 1 else 0
-        comm, nbytes, ibytes = collective(comp, N - D)
-        if dense_params != 0 and not getattr(comp, "casts", False):
-            comm, nbytes, ibytes, extra = _with_dense(comp, comm, nbytes, ibytes)
-            rounds += extra
+        comm, nbytes, ibytes, extra = _with_dense(comp, *collective(comp, n))
+        rounds += extra
         t = step(comm, codec + rounds * round_s)
         pr = price(comp)
         speed = ddp_step / t

@@ -2,8 +2,8 @@
 
 Workers are forked from a forkserver that has already imported torch and
 commpress and loaded numba's registries (:mod:`numba_warm`; started when this
-module is imported), so each test pays milliseconds, not seconds, per rank.  Every phase of a run has a time limit
-derived from its own bound (the ranks' group timeout for coming up and for
+module is imported), so each test pays milliseconds, not seconds, per rank.
+Every phase of a run has a time limit derived from its own bound (the ranks' group timeout for coming up and for
 exiting, the caller's ``timeout`` for ``fn``): a hung rank fails the test
 instead of the CI job, and a slow machine only makes it slower.  Every rank
 process is dead before its store and queue go, and its exit code is checked.

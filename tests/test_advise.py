@@ -207,6 +207,9 @@ def test_the_dense_part_costs_its_messages_where_it_goes_alone():
         assert some[rides]["comm_ms"] == pytest.approx(none[rides]["comm_ms"])
         big = rows(run(world=world, latency_us=lat, compressors=[alone], dense_params=1_000_000, **kw))
         assert big[alone]["bytes"] > some[alone]["bytes"]
+    # a cast sends its 1-D tensors with the rest: nothing taken out of its elements, nothing added
+    cast = [rows(run(world=8, compressors=["fp16"], dense_params=d))["fp16"] for d in (0, 1_000_000)]
+    assert cast[1]["bytes"] == cast[0]["bytes"] and cast[1]["step_ms"] == cast[0]["step_ms"]
     assert adv.dense_rounds(adv.parse_compressor("fp16")[1], 8, True) == 0
     assert adv.dense_rounds(adv.parse_compressor("powersgd(rank=2)")[1], 2) == 1
     assert adv.dense_rounds(adv.parse_compressor("topk(ratio=0.01)")[1], 1) == 0
